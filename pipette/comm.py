@@ -1,0 +1,102 @@
+"""Collective and point-to-point costs on the measured link matrix (alpha-beta model).
+
+Ring algorithms (Thakur, Rabenseifner and Gropp 2005; Patarasuk and Yuan 2009), with
+``S`` the full buffer in bytes, ``n`` the group size, ``B`` the bottleneck bandwidth and
+``a`` the per-hop latency:
+
+* all-reduce      ``2 (n-1)/n * S/B + 2 (n-1) a``
+* reduce-scatter  ``(n-1)/n * S/B + (n-1) a``   (and all-gather, its mirror)
+* send/recv       ``a + S/B``
+
+A ring moves at the pace of its slowest hop, so each group is reduced to one bottleneck
+bandwidth and one worst latency taken from the cluster's matrices under the placement.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+
+from pipette.cluster import ClusterProfile
+from pipette.config import ParallelConfig
+
+FloatArray = npt.NDArray[np.float64]
+IntArray = npt.NDArray[np.int64]
+
+
+def allreduce_time(nbytes: float | FloatArray, n: int, bw: float | FloatArray, lat: float | FloatArray) -> FloatArray:
+    if n <= 1:
+        return np.zeros_like(np.asarray(bw, dtype=np.float64))
+    return np.asarray(2.0 * (n - 1) / n * nbytes / bw + 2.0 * (n - 1) * lat, dtype=np.float64)
+
+
+def reduce_scatter_time(nbytes: float | FloatArray, n: int, bw: float | FloatArray, lat: float | FloatArray) -> FloatArray:
+    if n <= 1:
+        return np.zeros_like(np.asarray(bw, dtype=np.float64))
+    return np.asarray((n - 1) / n * nbytes / bw + (n - 1) * lat, dtype=np.float64)
+
+
+allgather_time = reduce_scatter_time
+
+
+def p2p_time(nbytes: float | FloatArray, bw: float | FloatArray, lat: float | FloatArray) -> FloatArray:
+    return np.asarray(lat + nbytes / bw, dtype=np.float64)
+
+
+def ring_links(cluster: ClusterProfile, groups: IntArray) -> tuple[FloatArray, FloatArray]:
+    """Bottleneck bandwidth and worst latency of each ring.
+
+    ``groups`` is ``(g, n)``: g groups of n devices, each row in ring order. Hop ``i`` goes
+    from ``row[i]`` to ``row[(i + 1) % n]``. Groups of one device get infinite bandwidth.
+    """
+    groups = np.asarray(groups, dtype=np.int64)
+    if groups.shape[1] <= 1:
+        g = groups.shape[0]
+        return np.full(g, np.inf), np.zeros(g)
+    nxt = np.roll(groups, -1, axis=1)
+    bw = cluster.bandwidth[groups, nxt].min(axis=1)
+    lat = cluster.latency[groups, nxt].max(axis=1)
+    return bw, lat
+
+
+def clique_links(cluster: ClusterProfile, groups: IntArray) -> tuple[FloatArray, FloatArray]:
+    """Slowest link and worst latency among every pair of each group.
+
+    Used for tensor-parallel groups, whose collectives the library may route over any
+    pair: the group is as fast as its slowest link (DESIGN.md, rules of the models).
+    """
+    groups = np.asarray(groups, dtype=np.int64)
+    g, n = groups.shape
+    if n <= 1:
+        return np.full(g, np.inf), np.zeros(g)
+    sub_bw = cluster.bandwidth[groups[:, :, None], groups[:, None, :]]
+    sub_lat = cluster.latency[groups[:, :, None], groups[:, None, :]]
+    return sub_bw.min(axis=(1, 2)), sub_lat.max(axis=(1, 2))
+
+
+def pair_links(cluster: ClusterProfile, src: IntArray, dst: IntArray) -> tuple[FloatArray, FloatArray]:
+    """Bandwidth and latency of each (src, dst) device pair."""
+    src = np.asarray(src, dtype=np.int64)
+    dst = np.asarray(dst, dtype=np.int64)
+    return cluster.bandwidth[src, dst], cluster.latency[src, dst]
+
+
+def device_grid(config: ParallelConfig, placement: tuple[int, ...] | IntArray | None = None) -> IntArray:
+    """Devices as a ``(pp, dp, tp)`` array in rank order (see ``pipette.config``)."""
+    p = config.devices() if placement is None else placement
+    return np.asarray(p, dtype=np.int64).reshape(config.pp, config.dp, config.tp)
+
+
+def tp_groups(grid: IntArray) -> IntArray:
+    """``(pp*dp, tp)``: each row one tensor-parallel group."""
+    return grid.reshape(-1, grid.shape[2])
+
+
+def dp_groups(grid: IntArray) -> IntArray:
+    """``(pp*tp, dp)``: each row one data-parallel ring, in rank order."""
+    return grid.transpose(0, 2, 1).reshape(-1, grid.shape[1])
+
+
+def pp_groups(grid: IntArray) -> IntArray:
+    """``(dp*tp, pp)``: each row one pipeline, stage 0 first."""
+    return grid.transpose(1, 2, 0).reshape(-1, grid.shape[0])

@@ -1,0 +1,150 @@
+"""``ParallelConfig``: one candidate (degrees, micro-batch, ZeRO, recomputation, schedule,
+placement) and the rank layout every part of Pipette agrees on.
+
+Rank order is Megatron-LM's and DeepSpeed's ``PipeModelDataParallelTopology``
+(axes pipe, data, model; model varies fastest)::
+
+    rank = pp_index * (dp * tp) + dp_index * tp + tp_index
+
+so a TP group is ``tp`` consecutive ranks. ``placement[rank]`` is the device index (row
+of the cluster's link matrix) that runs ``rank``; ``None`` means ``rank -> device rank``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from pipette.errors import SpecError
+from pipette.training import RECOMPUTE_MODES, SCHEDULES
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tp: int
+    pp: int
+    dp: int
+    mbs: int
+    global_batch: int
+    zero_stage: int = 0
+    recompute: str = "none"
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    placement: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "dp", "mbs", "global_batch", "virtual_stages"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise SpecError(
+                    f"must be a positive integer, got {value!r}",
+                    field=f"config.{name}", fix="give a whole number of at least 1",
+                )
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise SpecError(f"is {self.zero_stage!r}", field="config.zero_stage", fix="use 0, 1, 2 or 3")
+        if self.recompute not in RECOMPUTE_MODES:
+            raise SpecError(
+                f"is {self.recompute!r}", field="config.recompute",
+                fix=f"use one of {', '.join(RECOMPUTE_MODES)}",
+            )
+        if self.schedule not in SCHEDULES:
+            raise SpecError(
+                f"is {self.schedule!r}", field="config.schedule", fix=f"use one of {', '.join(SCHEDULES)}"
+            )
+        if self.schedule == "1f1b" and self.virtual_stages != 1:
+            raise SpecError(
+                "1F1B has one virtual stage per device", field="config.virtual_stages",
+                fix="use schedule: interleaved for more than one",
+            )
+        if self.global_batch % (self.dp * self.mbs):
+            raise SpecError(
+                f"global batch {self.global_batch} is not divisible by dp x mbs = {self.dp * self.mbs}",
+                field="config.mbs", fix="choose dp and mbs whose product divides the global batch",
+            )
+        if self.placement is not None:
+            p = tuple(int(x) for x in self.placement)
+            if len(p) != self.world or len(set(p)) != len(p) or min(p) < 0:
+                raise SpecError(
+                    f"placement must list {self.world} distinct device indices, got {list(p)}",
+                    field="config.placement", fix="give one distinct device per rank",
+                )
+            object.__setattr__(self, "placement", p)
+
+    # ---- derived ------------------------------------------------------------------
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def grad_accum(self) -> int:
+        """Micro-batches per step per data-parallel replica: ``global / (dp * mbs)``."""
+        return self.global_batch // (self.dp * self.mbs)
+
+    @property
+    def microbatches(self) -> int:
+        return self.grad_accum
+
+    def layers_per_stage(self, layers: int) -> list[int]:
+        """Layers per pipeline stage, heaviest first when uneven (DeepSpeed's uniform split)."""
+        base, extra = divmod(layers, self.pp)
+        return [base + (1 if s < extra else 0) for s in range(self.pp)]
+
+    def devices(self) -> tuple[int, ...]:
+        return self.placement if self.placement is not None else tuple(range(self.world))
+
+    # ---- rank layout --------------------------------------------------------------
+    def rank(self, pp_index: int, dp_index: int, tp_index: int) -> int:
+        return (pp_index * self.dp + dp_index) * self.tp + tp_index
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """(pp_index, dp_index, tp_index) of ``rank``."""
+        pp_index, rest = divmod(rank, self.dp * self.tp)
+        dp_index, tp_index = divmod(rest, self.tp)
+        return pp_index, dp_index, tp_index
+
+    def tp_groups(self) -> list[list[int]]:
+        return [
+            [self.rank(p, d, t) for t in range(self.tp)] for p in range(self.pp) for d in range(self.dp)
+        ]
+
+    def dp_groups(self) -> list[list[int]]:
+        return [
+            [self.rank(p, d, t) for d in range(self.dp)] for p in range(self.pp) for t in range(self.tp)
+        ]
+
+    def pp_groups(self) -> list[list[int]]:
+        return [
+            [self.rank(p, d, t) for p in range(self.pp)] for d in range(self.dp) for t in range(self.tp)
+        ]
+
+    # ---- identity -----------------------------------------------------------------
+    @property
+    def label(self) -> str:
+        """A short readable name; unique among candidates of one plan (not placements)."""
+        sched = "1f1b" if self.schedule == "1f1b" else f"int{self.virtual_stages}"
+        return (
+            f"tp{self.tp}-pp{self.pp}-dp{self.dp}-mbs{self.mbs}-z{self.zero_stage}"
+            f"-rc:{self.recompute}-{sched}"
+        )
+
+    def with_placement(self, placement: tuple[int, ...] | list[int] | None) -> ParallelConfig:
+        return replace(self, placement=None if placement is None else tuple(placement))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "tp": self.tp, "pp": self.pp, "dp": self.dp, "mbs": self.mbs,
+            "global_batch": self.global_batch, "grad_accum": self.grad_accum,
+            "zero_stage": self.zero_stage, "recompute": self.recompute,
+            "schedule": self.schedule, "virtual_stages": self.virtual_stages,
+            "placement": None if self.placement is None else list(self.placement),
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ParallelConfig:
+        kwargs = {k: v for k, v in data.items() if k != "grad_accum"}
+        if kwargs.get("placement") is not None:
+            kwargs["placement"] = tuple(kwargs["placement"])
+        try:
+            return cls(**kwargs)
+        except TypeError as e:
+            raise SpecError(str(e), field="config", fix="give tp, pp, dp, mbs, global_batch") from None

@@ -1,0 +1,151 @@
+"""``DeviceSpec``: one GPU, or on a machine without one, one CPU worker process.
+
+Preset peaks are the vendors' dense (no sparsity) tensor-core figures; the probe of the
+workers replaces them with measured numbers. They live here, as data, so no formula
+holds a hardware constant.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from pipette.errors import SpecError, UnknownPresetError
+
+GiB = 1024**3
+GB = 1000**3
+TFLOPS = 1e12
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """One device: its memory, its peak FLOP/s per dtype and its memory bandwidth.
+
+    ``efficiency`` holds measured points ``(gemm_flops, achieved / peak)`` of the matmul
+    throughput curve, from the probe; empty means "use the calibrated default curve".
+    """
+
+    name: str
+    memory_bytes: int
+    peak_flops: dict[str, float]
+    memory_bandwidth: float
+    kind: str = "gpu"
+    efficiency: tuple[tuple[float, float], ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        if self.memory_bytes <= 0:
+            raise SpecError(
+                f"memory must be positive, got {self.memory_bytes!r}",
+                field="device.memory_bytes",
+                fix="give the device memory in bytes (e.g. 80e9)",
+            )
+        if not self.peak_flops or any(v <= 0 for v in self.peak_flops.values()):
+            raise SpecError(
+                "peak FLOP/s must be given and positive for each dtype",
+                field="device.peak_flops",
+                fix="give e.g. {bf16: 312e12, fp32: 19.5e12}",
+            )
+        if self.memory_bandwidth <= 0:
+            raise SpecError(
+                f"memory bandwidth must be positive, got {self.memory_bandwidth!r}",
+                field="device.memory_bandwidth",
+                fix="give it in bytes/s (e.g. 2.0e12)",
+            )
+        if self.kind not in ("gpu", "cpu"):
+            raise SpecError(
+                f"unknown kind {self.kind!r}", field="device.kind", fix="use gpu or cpu"
+            )
+
+    def peak(self, dtype: str) -> float:
+        """Peak FLOP/s for ``dtype``; a dtype without tensor-core support falls back."""
+        if dtype in self.peak_flops:
+            return self.peak_flops[dtype]
+        if dtype == "bf16" and "fp16" in self.peak_flops:
+            raise SpecError(
+                f"{self.name} has no bf16 support",
+                field="training.dtype",
+                fix="use fp16 on this device",
+            )
+        return self.peak_flops.get("fp32", min(self.peak_flops.values()))
+
+    def with_memory(self, memory_bytes: int) -> DeviceSpec:
+        return replace(self, memory_bytes=int(memory_bytes))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "memory_bytes": self.memory_bytes,
+            "peak_flops": dict(self.peak_flops),
+            "memory_bandwidth": self.memory_bandwidth,
+            "kind": self.kind,
+            "efficiency": [list(p) for p in self.efficiency],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> DeviceSpec:
+        try:
+            return cls(
+                name=str(data["name"]),
+                memory_bytes=int(data["memory_bytes"]),
+                peak_flops={str(k): float(v) for k, v in dict(data["peak_flops"]).items()},
+                memory_bandwidth=float(data["memory_bandwidth"]),
+                kind=str(data.get("kind", "gpu")),
+                efficiency=tuple((float(a), float(b)) for a, b in data.get("efficiency", ())),
+            )
+        except KeyError as e:
+            raise SpecError(
+                f"missing {e.args[0]!r}",
+                field=f"device.{e.args[0]}",
+                fix="give name, memory_bytes, peak_flops and memory_bandwidth, or a preset name",
+            ) from None
+        except (TypeError, ValueError) as e:
+            raise SpecError(f"bad value ({e})", field="device", fix="check the numbers") from None
+
+    @classmethod
+    def preset(cls, name: str) -> DeviceSpec:
+        try:
+            return DEVICE_PRESETS[name.lower()]
+        except KeyError:
+            raise UnknownPresetError(
+                f"unknown device preset {name!r}",
+                field="device",
+                fix=f"use one of {', '.join(sorted(DEVICE_PRESETS))}",
+            ) from None
+
+
+def cpu_device(memory_bytes: int, flops: float = 50e9, memory_bandwidth: float = 10e9) -> DeviceSpec:
+    """One CPU worker process with its share of RAM.
+
+    The default FLOP/s and bandwidth are placeholders for planning only; the probe
+    measures the real ones (``workers.probe``).
+    """
+    return DeviceSpec(
+        name="cpu",
+        memory_bytes=int(memory_bytes),
+        peak_flops={"fp32": flops, "bf16": flops},
+        memory_bandwidth=memory_bandwidth,
+        kind="cpu",
+    )
+
+
+def _gpu(name: str, mem: float, bf16: float | None, fp16: float, fp32: float, bw: float) -> DeviceSpec:
+    peaks = {"fp16": fp16 * TFLOPS, "fp32": fp32 * TFLOPS}
+    if bf16 is not None:
+        peaks["bf16"] = bf16 * TFLOPS
+    return DeviceSpec(name, int(mem), peaks, bw * 1e12, "gpu")
+
+
+# Dense peaks from the vendor data sheets (NVIDIA A100, H100 SXM, H200 SXM, V100 SXM2, T4).
+# fp32 means what PyTorch runs for fp32 matmuls by default (TF32 off): the CUDA-core peak.
+DEVICE_PRESETS: dict[str, DeviceSpec] = {
+    d.name.lower(): d
+    for d in [
+        _gpu("A100-40GB", 40 * GiB, 312, 312, 19.5, 1.555),
+        _gpu("A100-80GB", 80 * GiB, 312, 312, 19.5, 2.039),
+        _gpu("H100-80GB", 80 * GiB, 989, 989, 67, 3.35),
+        _gpu("H200-141GB", 141 * GB, 989, 989, 67, 4.8),
+        _gpu("V100-32GB", 32 * GiB, None, 125, 15.7, 0.9),
+        _gpu("T4-16GB", 16 * GiB, None, 65, 8.1, 0.32),
+        cpu_device(4 * GiB),
+    ]
+}

@@ -1,0 +1,69 @@
+"""What the models predict for a candidate: ``MemoryEstimate`` and ``PerfEstimate``.
+
+Both carry a breakdown a person can read; the keys are fixed so that the CLI, the API
+and the dashboard show the same names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+#: Breakdown keys of a MemoryEstimate, in the order they are shown.
+MEMORY_PARTS: tuple[str, ...] = (
+    "weights", "gradients", "optimizer", "activations", "logits", "buffers", "overhead",
+)
+#: Breakdown keys of a PerfEstimate, in the order they are shown.
+TIME_PARTS: tuple[str, ...] = (
+    "compute", "tp_comm", "pp_comm", "dp_comm", "zero3_gather", "bubble", "optimizer", "embedding_sync",
+)
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Peak bytes on the heaviest rank (the heaviest pipeline stage)."""
+
+    peak_bytes: int
+    capacity_bytes: int
+    breakdown: dict[str, int]
+    stage: int = 0
+    notes: tuple[str, ...] = field(default=())
+
+    def fits(self, margin: float = 0.0) -> bool:
+        """True when ``peak * (1 + margin)`` is within capacity."""
+        return self.peak_bytes * (1.0 + margin) <= self.capacity_bytes
+
+    def shortfall(self, margin: float = 0.0) -> int:
+        """Bytes missing to fit (0 when it fits)."""
+        return max(0, int(self.peak_bytes * (1.0 + margin)) - self.capacity_bytes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "peak_bytes": self.peak_bytes,
+            "capacity_bytes": self.capacity_bytes,
+            "stage": self.stage,
+            "breakdown": dict(self.breakdown),
+            "notes": list(self.notes),
+        }
+
+
+@dataclass(frozen=True)
+class PerfEstimate:
+    """Predicted time of one optimizer step on the schedule's critical path.
+
+    ``breakdown`` adds up to ``step_time``: each part is the exposed (not overlapped)
+    time on the critical path.
+    """
+
+    step_time: float
+    breakdown: dict[str, float]
+    tokens_per_s: float
+    mfu: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "step_time": self.step_time,
+            "tokens_per_s": self.tokens_per_s,
+            "mfu": self.mfu,
+            "breakdown": dict(self.breakdown),
+        }

@@ -1,0 +1,335 @@
+"""``ModelSpec``: the shape of a decoder-only transformer, with presets.
+
+Parameter and FLOP counts follow the matrices that are really there (q, k, v, o, the
+MLP), so grouped-query attention, gated MLPs and untied embeddings are counted right.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any, Literal
+
+from pipette.errors import SpecError, UnknownPresetError
+
+Arch = Literal["llama", "gpt"]
+ARCHS: tuple[str, ...] = ("llama", "gpt")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A decoder-only transformer.
+
+    ``arch="llama"``: RMSNorm, rotary positions, gated (SwiGLU) MLP with three matrices,
+    no biases. ``arch="gpt"``: LayerNorm, learned positions, GeLU MLP with two matrices,
+    biases everywhere (the Megatron-LM GPT).
+    """
+
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    ffn_hidden: int
+    vocab: int
+    max_seq: int
+    tied_embeddings: bool = False
+    arch: Arch = "llama"
+
+    def __post_init__(self) -> None:
+        for f in ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab", "max_seq"):
+            value = getattr(self, f)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise SpecError(
+                    f"must be a positive integer, got {value!r}",
+                    field=f"model.{f}",
+                    fix="give a whole number of at least 1",
+                )
+        if self.arch not in ARCHS:
+            raise SpecError(
+                f"unknown architecture {self.arch!r}",
+                field="model.arch",
+                fix=f"use one of {', '.join(ARCHS)}",
+            )
+        if self.hidden % self.heads:
+            raise SpecError(
+                f"hidden {self.hidden} is not divisible by heads {self.heads}",
+                field="model.heads",
+                fix="choose heads that divide hidden",
+            )
+        if self.heads % self.kv_heads:
+            raise SpecError(
+                f"heads {self.heads} is not divisible by kv_heads {self.kv_heads}",
+                field="model.kv_heads",
+                fix="kv_heads must divide heads (grouped-query attention)",
+            )
+
+    # ---- shapes -------------------------------------------------------------------
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def kv_dim(self) -> int:
+        """Width of the k (and of the v) projection."""
+        return self.kv_heads * self.head_dim
+
+    @property
+    def mlp_matrices(self) -> int:
+        return 3 if self.arch == "llama" else 2
+
+    # ---- parameters ---------------------------------------------------------------
+    def attention_params(self) -> int:
+        h = self.hidden
+        weights = h * h + 2 * h * self.kv_dim + h * h  # q, k, v, o
+        biases = (h + 2 * self.kv_dim + h) if self.arch == "gpt" else 0
+        return weights + biases
+
+    def mlp_params(self) -> int:
+        weights = self.mlp_matrices * self.hidden * self.ffn_hidden
+        biases = (self.ffn_hidden + self.hidden) if self.arch == "gpt" else 0
+        return weights + biases
+
+    def norm_params(self) -> int:
+        """Two norms per layer: RMSNorm has a scale, LayerNorm a scale and a bias."""
+        per_norm = self.hidden if self.arch == "llama" else 2 * self.hidden
+        return 2 * per_norm
+
+    def layer_params(self) -> int:
+        return self.attention_params() + self.mlp_params() + self.norm_params()
+
+    def embedding_params(self) -> int:
+        """Input embedding (plus learned positions for GPT)."""
+        pos = self.max_seq * self.hidden if self.arch == "gpt" else 0
+        return self.vocab * self.hidden + pos
+
+    def head_params(self) -> int:
+        """Final norm plus the LM head (zero extra weights when tied)."""
+        final_norm = self.hidden if self.arch == "llama" else 2 * self.hidden
+        return final_norm + (0 if self.tied_embeddings else self.vocab * self.hidden)
+
+    def total_params(self) -> int:
+        return self.layers * self.layer_params() + self.embedding_params() + self.head_params()
+
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """(in, out) of every linear layer of one transformer layer, by module name.
+
+        The names are the Hugging Face Llama module names, which LoRA targets use.
+        """
+        h, kv, f = self.hidden, self.kv_dim, self.ffn_hidden
+        shapes = {"q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h)}
+        if self.arch == "llama":
+            shapes |= {"gate_proj": (h, f), "up_proj": (h, f), "down_proj": (f, h)}
+        else:
+            shapes |= {"up_proj": (h, f), "down_proj": (f, h)}
+        return shapes
+
+    # ---- FLOPs --------------------------------------------------------------------
+    def forward_flops_per_token(self, seq_len: int, *, causal: bool = False) -> float:
+        """Forward FLOPs per token, all layers and the LM head.
+
+        Matmuls count 2 FLOPs per multiply-add (Narayanan et al. 2021, sec. 5.1 / appendix):
+        2 x (linear weights) + attention scores and context 2 x 2 x s x h per layer, plus
+        the logits 2 x h x V. ``causal=True`` halves the attention term, as FlashAttention
+        computes it; the Megatron-LM formula counts the full square (``causal=False``).
+        """
+        linear = sum(i * o for i, o in self.linear_shapes().values())
+        attn = 4 * seq_len * self.hidden * (0.5 if causal else 1.0)
+        per_layer = 2 * linear + attn
+        return self.layers * per_layer + 2 * self.hidden * self.vocab
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    # ---- constructors -------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelSpec:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise SpecError(
+                f"unknown key(s) {', '.join(unknown)}",
+                field="model",
+                fix=f"use only {', '.join(sorted(known))}",
+            )
+        missing = sorted(
+            f.name for f in fields(cls) if f.name not in data and f.name not in _DEFAULTED
+        )
+        if missing:
+            raise SpecError(
+                f"missing key(s) {', '.join(missing)}",
+                field="model",
+                fix="give every shape field, or use a preset name",
+            )
+        return cls(**data)
+
+    @classmethod
+    def gpt(
+        cls,
+        hidden: int,
+        layers: int,
+        heads: int,
+        *,
+        vocab: int = 51200,
+        max_seq: int = 2048,
+        name: str | None = None,
+    ) -> ModelSpec:
+        """A Megatron-LM GPT: ffn = 4h, tied embeddings, vocab padded to 51200."""
+        return cls(
+            name=name or f"gpt-h{hidden}-l{layers}",
+            layers=layers,
+            hidden=hidden,
+            heads=heads,
+            kv_heads=heads,
+            ffn_hidden=4 * hidden,
+            vocab=vocab,
+            max_seq=max_seq,
+            tied_embeddings=True,
+            arch="gpt",
+        )
+
+    @classmethod
+    def from_hf_config(cls, source: str | Path | dict[str, Any]) -> ModelSpec:
+        """Read a Hugging Face ``config.json`` (a path or its parsed content).
+
+        Understands Llama-family configs (llama, mistral, qwen2, ...: ``hidden_size``,
+        ``num_hidden_layers``, ...) and GPT-2 configs (``n_embd``, ``n_layer``, ...).
+        """
+        if isinstance(source, dict):
+            cfg, where = source, "config"
+        else:
+            path = Path(source)
+            try:
+                cfg = json.loads(path.read_text())
+            except FileNotFoundError:
+                raise SpecError(
+                    f"no such file {str(path)!r}", field="model", fix="give a config.json path"
+                ) from None
+            except json.JSONDecodeError as e:
+                raise SpecError(
+                    f"{path} is not valid JSON ({e.msg} at line {e.lineno})",
+                    field="model",
+                    fix="give a Hugging Face config.json",
+                ) from None
+            where = str(path)
+        if not isinstance(cfg, dict):
+            raise SpecError(f"{where} is not a JSON object", field="model", fix="give a config.json")
+        name = str(cfg.get("_name_or_path") or cfg.get("model_type") or "hf-model")
+        try:
+            if "n_embd" in cfg:  # GPT-2 style
+                hidden = int(cfg["n_embd"])
+                return cls(
+                    name=name,
+                    layers=int(cfg["n_layer"]),
+                    hidden=hidden,
+                    heads=int(cfg["n_head"]),
+                    kv_heads=int(cfg["n_head"]),
+                    ffn_hidden=int(cfg.get("n_inner") or 4 * hidden),
+                    vocab=int(cfg["vocab_size"]),
+                    max_seq=int(cfg.get("n_positions", 1024)),
+                    tied_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+                    arch="gpt",
+                )
+            heads = int(cfg["num_attention_heads"])
+            return cls(
+                name=name,
+                layers=int(cfg["num_hidden_layers"]),
+                hidden=int(cfg["hidden_size"]),
+                heads=heads,
+                kv_heads=int(cfg.get("num_key_value_heads") or heads),
+                ffn_hidden=int(cfg["intermediate_size"]),
+                vocab=int(cfg["vocab_size"]),
+                max_seq=int(cfg.get("max_position_embeddings", 4096)),
+                tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                arch="llama",
+            )
+        except KeyError as e:
+            raise SpecError(
+                f"{where} has no {e.args[0]!r}",
+                field=f"model.{e.args[0]}",
+                fix="give a complete Hugging Face config.json of a decoder-only model",
+            ) from None
+        except (TypeError, ValueError) as e:
+            raise SpecError(
+                f"{where} has a value that is not a number ({e})",
+                field="model",
+                fix="check the numeric fields of config.json",
+            ) from None
+
+    @classmethod
+    def preset(cls, name: str) -> ModelSpec:
+        try:
+            return MODEL_PRESETS[name.lower()]
+        except KeyError:
+            raise UnknownPresetError(
+                f"unknown model preset {name!r}",
+                field="model",
+                fix=f"use one of {', '.join(sorted(MODEL_PRESETS))}, or a config.json path",
+            ) from None
+
+    def with_name(self, name: str) -> ModelSpec:
+        return replace(self, name=name)
+
+
+_DEFAULTED = {"tied_embeddings", "arch"}
+
+
+def _llama(
+    name: str,
+    layers: int,
+    hidden: int,
+    heads: int,
+    kv_heads: int,
+    ffn: int,
+    vocab: int,
+    max_seq: int,
+    tied: bool = False,
+) -> ModelSpec:
+    return ModelSpec(name, layers, hidden, heads, kv_heads, ffn, vocab, max_seq, tied, "llama")
+
+
+def _presets() -> dict[str, ModelSpec]:
+    models = [
+        # Llama 2 (Touvron et al. 2023, Table 1 and the released config.json files).
+        _llama("llama2-7b", 32, 4096, 32, 32, 11008, 32000, 4096),
+        _llama("llama2-13b", 40, 5120, 40, 40, 13824, 32000, 4096),
+        _llama("llama2-70b", 80, 8192, 64, 8, 28672, 32000, 4096),
+        # Llama 3 / 3.1 / 3.2 (released config.json files).
+        _llama("llama3-8b", 32, 4096, 32, 8, 14336, 128256, 8192),
+        _llama("llama3-70b", 80, 8192, 64, 8, 28672, 128256, 8192),
+        _llama("llama3.1-8b", 32, 4096, 32, 8, 14336, 128256, 8192),
+        _llama("llama3.2-1b", 16, 2048, 32, 8, 8192, 128256, 8192, tied=True),
+        _llama("llama3.2-3b", 28, 3072, 24, 8, 8192, 128256, 8192, tied=True),
+        # GPT-3 175B (Brown et al. 2020, Table 2.1), Megatron vocabulary padding.
+        ModelSpec.gpt(12288, 96, 96, name="gpt3-175b"),
+        # Tiny Llama-style models that train in seconds on a CPU.
+        _llama("tiny-llama", 4, 128, 4, 4, 344, 512, 256),
+        _llama("tiny-llama-8l", 8, 128, 4, 4, 344, 512, 256),
+        _llama("tiny-llama-gqa", 4, 128, 8, 4, 344, 512, 256),
+        ModelSpec.gpt(128, 4, 4, vocab=512, max_seq=256, name="tiny-gpt"),
+    ]
+    # The weak-scaling GPT shapes of Megatron-LM (Narayanan et al. 2021, Table 1).
+    for params, heads, hidden, layers in [
+        ("1.7b", 24, 2304, 24),
+        ("3.6b", 32, 3072, 30),
+        ("7.5b", 32, 4096, 36),
+        ("18b", 48, 6144, 40),
+        ("39b", 64, 8192, 48),
+        ("76b", 80, 10240, 60),
+        ("145b", 96, 12288, 80),
+        ("310b", 128, 16384, 96),
+        ("530b", 128, 20480, 105),
+        ("1t", 160, 25600, 128),
+    ]:
+        models.append(ModelSpec.gpt(hidden, layers, heads, name=f"megatron-gpt-{params}"))
+    # The GPT shapes of the vTrain single-node calibration set (Bang et al. 2024).
+    for hidden in (1024, 2048):
+        for layers in (12, 16, 20, 24):
+            models.append(
+                ModelSpec.gpt(hidden, layers, 16, max_seq=1024, name=f"vtrain-gpt-h{hidden}-l{layers}")
+            )
+    return {m.name: m for m in models}
+
+
+MODEL_PRESETS: dict[str, ModelSpec] = _presets()

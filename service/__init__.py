@@ -1,0 +1,1 @@
+"""The Pipette service: REST API, persistence, scheduler and dashboard."""
