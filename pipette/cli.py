@@ -1,0 +1,243 @@
+"""``pipette``: the command line.
+
+The one edge module that may reach workers/ and service/, always lazily inside the command
+that needs them, so ``pipette plan`` runs with the core alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from pipette.errors import PipetteError, SpecError
+
+EXIT_OK = 0
+EXIT_ERROR = 1  # a PipetteError: bad input or nothing feasible
+EXIT_USAGE = 2  # argparse's own code for a bad command line
+
+GiB = 1024**3
+
+PLAN_EXAMPLES = """\
+examples:
+  pipette plan --model llama2-7b --cluster examples/clusters/a100-2x8.yaml \\
+      --global-batch 64 --seq-len 4096 --method lora
+  pipette plan --model path/to/config.json --cluster examples/clusters/h100-4x8-slow-links.yaml \\
+      --recipe examples/recipes/llama2-70b-lora.yaml --top 5 --out plan-out
+  pipette plan --model tiny-llama --cluster examples/clusters/cpu-4.yaml --global-batch 16 \\
+      --seq-len 128 --json
+"""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return EXIT_USAGE
+    try:
+        code: int = args.func(args)
+        return code
+    except PipetteError as e:
+        print(f"pipette: error: {e}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        print("pipette: interrupted", file=sys.stderr)
+        return 130
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pipette",
+        description="Find the fastest parallel configuration that fits, for LLM training.",
+    )
+    sub = parser.add_subparsers(title="commands", metavar="COMMAND")
+    plan = sub.add_parser(
+        "plan",
+        help="rank every memory-feasible configuration by predicted step time (offline)",
+        description="Enumerate, estimate memory and step time, drop what does not fit, "
+        "optimise placement, and write the launch files of the best candidate.",
+        epilog=PLAN_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    plan.add_argument("--model", required=True, help="a preset name or a Hugging Face config.json path")
+    plan.add_argument("--cluster", required=True, help="a cluster file (YAML or JSON)")
+    plan.add_argument("--recipe", help="a training recipe file (YAML or JSON); flags override it")
+    plan.add_argument("--global-batch", type=int, help="sequences per optimizer step")
+    plan.add_argument("--seq-len", type=int, help="tokens per sequence")
+    plan.add_argument("--dtype", choices=["bf16", "fp16", "fp32"])
+    plan.add_argument("--optimizer", choices=["adamw", "adam", "sgd"])
+    plan.add_argument("--method", choices=["full", "lora"])
+    plan.add_argument("--lora-rank", type=int)
+    plan.add_argument("--lora-alpha", type=float)
+    plan.add_argument("--lora-targets", help="comma-separated module names (q_proj,v_proj,...)")
+    plan.add_argument("--recompute", help="allowed modes, comma-separated: none,selective,full")
+    plan.add_argument("--zero", help="allowed ZeRO stages, comma-separated: 0,1,2,3")
+    plan.add_argument("--schedules", help="allowed pipeline schedules: 1f1b,interleaved")
+    plan.add_argument("--micro-batches", help="allowed micro-batch sizes, comma-separated")
+    plan.add_argument("--margin", type=float, help="memory safety margin (fraction, default: the estimator's)")
+    plan.add_argument("--top", type=int, default=10, help="how many candidates to show (default 10)")
+    plan.add_argument("--out", default="pipette-plan", help="where to write the best candidate's launch files")
+    plan.add_argument("--no-files", action="store_true", help="do not write launch files")
+    plan.add_argument("--json", action="store_true", help="machine-readable output on stdout")
+    plan.set_defaults(func=_cmd_plan)
+    return parser
+
+
+# ---- pipette plan -----------------------------------------------------------------
+
+def load_model(value: str) -> Any:
+    from pipette.model import MODEL_PRESETS, ModelSpec
+
+    if value.lower() in MODEL_PRESETS:
+        return ModelSpec.preset(value)
+    if value.endswith(".json") or Path(value).exists():
+        return ModelSpec.from_hf_config(value)
+    return ModelSpec.preset(value)  # raises UnknownPresetError with the list of presets
+
+
+def load_recipe(path: str | None, args: argparse.Namespace) -> Any:
+    from pipette.training import TrainingSpec
+
+    data: dict[str, Any] = {}
+    if path:
+        try:
+            text = Path(path).read_text()
+        except OSError as e:
+            raise SpecError(f"cannot read {path!r} ({e.strerror})", field="recipe", fix="give a recipe file path") from None
+        try:
+            loaded = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
+        except (json.JSONDecodeError, yaml.YAMLError) as e:
+            raise SpecError(f"{path} is not valid: {str(e).splitlines()[0]}", field="recipe", fix="fix its syntax") from None
+        if not isinstance(loaded, dict):
+            raise SpecError(f"{path} does not hold a mapping", field="recipe", fix="write key: value pairs")
+        data.update(loaded)
+    flags = {
+        "global_batch": args.global_batch, "seq_len": args.seq_len, "dtype": args.dtype,
+        "optimizer": args.optimizer, "method": args.method,
+    }
+    data.update({k: v for k, v in flags.items() if v is not None})
+    for key, raw, kind in (
+        ("recompute", args.recompute, str), ("zero_stages", args.zero, int),
+        ("schedules", args.schedules, str), ("micro_batches", args.micro_batches, int),
+    ):
+        if raw:
+            data[key] = _csv(raw, kind, "--" + key.replace("_", "-"))
+    lora = dict(data.get("lora") or {})
+    if args.lora_rank is not None:
+        lora["rank"] = args.lora_rank
+    if args.lora_alpha is not None:
+        lora["alpha"] = args.lora_alpha
+    if args.lora_targets:
+        lora["targets"] = _csv(args.lora_targets, str, "--lora-targets")
+    if lora:
+        data["lora"] = lora
+        data.setdefault("method", "lora")
+    return TrainingSpec.from_dict(data)
+
+
+def _csv(raw: str, kind: type, flag: str) -> list[Any]:
+    try:
+        return [kind(x.strip()) for x in raw.split(",") if x.strip()]
+    except ValueError:
+        raise SpecError(f"cannot read {raw!r}", field=flag, fix="give comma-separated values, e.g. 0,1") from None
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from pipette.clusterfile import load_cluster
+    from pipette.emit import launch_command, write_launch_files
+    from pipette.memory import SAFETY_MARGIN
+    from pipette.plan import make_plan
+
+    model = load_model(args.model)
+    training = load_recipe(args.recipe, args)
+    cluster = load_cluster(args.cluster)
+    if args.top < 1:
+        raise SpecError(f"is {args.top}", field="--top", fix="show at least 1 candidate")
+    margin = SAFETY_MARGIN if args.margin is None else args.margin
+    if not 0 <= margin < 1:
+        raise SpecError(f"is {margin}", field="--margin", fix="give a fraction between 0 and 1, e.g. 0.05")
+    start = time.perf_counter()
+    plan = make_plan(model, training, cluster, margin=margin)
+    elapsed = time.perf_counter() - start
+    files: dict[str, str] = {}
+    if not args.no_files:
+        try:
+            written = write_launch_files(
+                args.out, model, training, plan.best.config, cluster,
+                extra={"predicted": plan.best.to_dict()},
+            )
+        except OSError as e:
+            raise SpecError(f"cannot write {args.out!r} ({e.strerror})", field="--out", fix="give a writable folder") from None
+        files = {k: str(v) for k, v in written.items()}
+    if args.json:
+        out = plan.to_dict(top=args.top)
+        out["planning_seconds"] = elapsed
+        out["files"] = files
+        out["launch_command"] = launch_command(plan.best.config, cluster, args.out)
+        json.dump(out, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return EXIT_OK
+    _print_plan(plan, args.top, elapsed)
+    if files:
+        print(f"\nlaunch files for #1 in {args.out}/: {', '.join(sorted(files))}")
+        print(f"launch: (cd {args.out} && ./launch.sh)")
+    return EXIT_OK
+
+
+def _print_plan(plan: Any, top: int, elapsed: float) -> None:
+    from pipette.estimates import MEMORY_PARTS, TIME_PARTS
+    from pipette.plan import DROP_REASONS
+
+    c = plan.cluster
+    print(
+        f"{plan.model.name} ({plan.model.total_params() / 1e9:.2f}B params), "
+        f"{plan.training.method}, {plan.training.dtype}, global batch {plan.training.global_batch} "
+        f"x {plan.training.seq_len} tokens"
+    )
+    print(f"cluster {c.name}: {len(c.nodes)} nodes, {c.world} x {c.device_spec.name}")
+    dropped = sum(plan.dropped.values())
+    print(
+        f"{plan.enumerated} candidates, {len(plan.ranked)} fit, {dropped} dropped "
+        f"(planned in {elapsed:.2f} s, memory margin {plan.margin:.0%})\n"
+    )
+    header = f"{'#':>3} {'tp':>3} {'pp':>3} {'dp':>4} {'mbs':>3} {'zero':>4} {'recompute':>9} {'schedule':>8} " \
+             f"{'step s':>9} {'tokens/s':>11} {'MFU':>6} {'peak GiB':>15}"
+    print(header)
+    for i, p in enumerate(plan.ranked[:top], 1):
+        cfg = p.config
+        sched = cfg.schedule if cfg.schedule == "1f1b" else f"int-v{cfg.virtual_stages}"
+        mem = f"{p.memory.peak_bytes / GiB:.1f}/{p.memory.capacity_bytes / GiB:.0f}"
+        print(
+            f"{i:>3} {cfg.tp:>3} {cfg.pp:>3} {cfg.dp:>4} {cfg.mbs:>3} {cfg.zero_stage:>4} "
+            f"{cfg.recompute:>9} {sched:>8} {p.perf.step_time:>9.3f} {p.perf.tokens_per_s:>11,.0f} "
+            f"{p.perf.mfu:>6.1%} {mem:>15}"
+        )
+    print("\ndropped:" if dropped else "\ndropped: none")
+    for code, count in plan.dropped.most_common():
+        if count:
+            print(f"  {count:>6}  {DROP_REASONS.get(code, code)}")
+    best = plan.best
+    print(f"\nbest: {best.config.label}  (placement: {best.placement_method}; "
+          f"default placement {best.default_step_time:.3f} s -> {best.perf.step_time:.3f} s)")
+    print("  time per step:")
+    for part in TIME_PARTS:
+        value = best.perf.breakdown.get(part, 0.0)
+        if value > 0:
+            print(f"    {part:<15} {value:>9.4f} s  {value / best.perf.step_time:>6.1%}")
+    print("  memory on the heaviest rank (stage %d):" % best.memory.stage)
+    for part in MEMORY_PARTS:
+        value = best.memory.breakdown.get(part, 0)
+        if value > 0:
+            print(f"    {part:<15} {value / GiB:>9.2f} GiB")
+    print(f"    {'total':<15} {best.memory.peak_bytes / GiB:>9.2f} GiB of {best.memory.capacity_bytes / GiB:.1f} GiB")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,147 @@
+"""The search space: every candidate the backends can run, and why the others cannot.
+
+``enumerate_space`` walks tp x pp x dp (``world = tp * pp * dp`` = the cluster's devices),
+micro-batch, ZeRO stage, recomputation and pipeline schedule; ``check`` says, for any
+candidate, which validity rule it breaks. Rejections are counted per rule so a user can
+see what removed what.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from pipette.config import ParallelConfig
+from pipette.model import ModelSpec
+from pipette.training import TrainingSpec
+
+#: Every rule, by code, with the sentence a user reads.
+RULES: dict[str, str] = {
+    "tp_heads": "tp does not divide the attention heads",
+    "tp_kv_heads": "tp does not divide the key/value heads",
+    "pp_layers": "pp is larger than the number of layers",
+    "zero_pipeline": "DeepSpeed's pipeline engine refuses ZeRO-2/3 (pp > 1)",
+    "interleaved_pp": "an interleaved schedule needs pp > 1",
+    "interleaved_layers": "layers are not divisible by pp x virtual stages",
+    "interleaved_microbatches": "interleaving needs the micro-batch count to be a multiple of pp",
+    "mbs_not_allowed": "micro-batch size not in the recipe's list",
+    "batch_divisible": "global batch is not divisible by dp x micro-batch",
+    "recompute_not_allowed": "recomputation mode not allowed by the recipe",
+    "zero_not_allowed": "ZeRO stage not allowed by the recipe",
+    "schedule_not_allowed": "pipeline schedule not allowed by the recipe",
+    "world_mismatch": "tp x pp x dp is not the cluster's device count",
+}
+
+
+def check(model: ModelSpec, training: TrainingSpec, config: ParallelConfig, world: int) -> list[str]:
+    """The codes of every rule ``config`` breaks (empty when it is valid)."""
+    broken = []
+    if config.world != world:
+        broken.append("world_mismatch")
+    if model.heads % config.tp:
+        broken.append("tp_heads")
+    if model.kv_heads % config.tp:
+        broken.append("tp_kv_heads")
+    if config.pp > model.layers:
+        broken.append("pp_layers")
+    if config.pp > 1 and config.zero_stage >= 2:
+        broken.append("zero_pipeline")
+    if config.schedule == "interleaved":
+        if config.pp == 1:
+            broken.append("interleaved_pp")
+        if model.layers % (config.pp * config.virtual_stages):
+            broken.append("interleaved_layers")
+        # Megatron-LM's interleaved 1F1B runs micro-batches in groups of pp.
+        if config.grad_accum % config.pp:
+            broken.append("interleaved_microbatches")
+    if training.micro_batches and config.mbs not in training.micro_batches:
+        broken.append("mbs_not_allowed")
+    if config.global_batch != training.global_batch or config.global_batch % (config.dp * config.mbs):
+        broken.append("batch_divisible")
+    if config.recompute not in training.recompute:
+        broken.append("recompute_not_allowed")
+    if config.zero_stage not in training.zero_stages:
+        broken.append("zero_not_allowed")
+    if config.schedule not in training.schedules:
+        broken.append("schedule_not_allowed")
+    return broken
+
+
+@dataclass
+class Space:
+    """The valid candidates, and the count of rejected ones per rule code."""
+
+    candidates: list[ParallelConfig]
+    rejected: Counter[str] = field(default_factory=Counter)
+
+    @property
+    def total(self) -> int:
+        return len(self.candidates) + sum(self.rejected.values())
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def micro_batch_sizes(training: TrainingSpec, dp: int) -> list[int]:
+    """Micro-batches to try for a given dp: the recipe's list, or powers of two."""
+    per_replica = training.global_batch // dp if training.global_batch % dp == 0 else 0
+    if training.micro_batches:
+        return sorted(set(training.micro_batches))
+    sizes, m = [], 1
+    while m <= max(per_replica, 1):
+        sizes.append(m)
+        m *= 2
+    return sizes
+
+
+def enumerate_space(model: ModelSpec, training: TrainingSpec, world: int) -> Space:
+    """All candidates for ``world`` devices; each rejection is counted by its first rule.
+
+    Degree tuples whose tp or pp break a model rule are counted once per tuple, not once
+    per (mbs, zero, recompute, schedule) combination, so the counts stay readable.
+    """
+    space = Space(candidates=[])
+    for tp in divisors(world):
+        for pp in divisors(world // tp):
+            dp = world // (tp * pp)
+            degree_rules = [
+                code for code, bad in (
+                    ("tp_heads", model.heads % tp != 0),
+                    ("tp_kv_heads", model.kv_heads % tp != 0),
+                    ("pp_layers", pp > model.layers),
+                ) if bad
+            ]
+            if degree_rules:
+                space.rejected[degree_rules[0]] += 1
+                continue
+            if training.global_batch % dp:
+                space.rejected["batch_divisible"] += 1
+                continue
+            for mbs in micro_batch_sizes(training, dp):
+                if training.global_batch % (dp * mbs):
+                    space.rejected["batch_divisible"] += 1
+                    continue
+                for zero in training.zero_stages:
+                    for recompute in training.recompute:
+                        for schedule, v in _schedules(training, pp):
+                            config = ParallelConfig(
+                                tp=tp, pp=pp, dp=dp, mbs=mbs,
+                                global_batch=training.global_batch, zero_stage=zero,
+                                recompute=recompute, schedule=schedule, virtual_stages=v,
+                            )
+                            broken = check(model, training, config, world)
+                            if broken:
+                                space.rejected[broken[0]] += 1
+                            else:
+                                space.candidates.append(config)
+    return space
+
+
+def _schedules(training: TrainingSpec, pp: int) -> list[tuple[str, int]]:
+    out = []
+    if "1f1b" in training.schedules:
+        out.append(("1f1b", 1))
+    if "interleaved" in training.schedules and pp > 1:
+        out.extend(("interleaved", v) for v in range(2, training.max_virtual_stages + 1))
+    return out

@@ -1,0 +1,125 @@
+"""ModelSpec, TrainingSpec, DeviceSpec and ParallelConfig: presets, counts, validation."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pipette.config import ParallelConfig
+from pipette.device import DEVICE_PRESETS, DeviceSpec
+from pipette.errors import SpecError, UnknownPresetError
+from pipette.model import MODEL_PRESETS, ModelSpec
+from pipette.training import TrainingSpec
+
+
+@pytest.mark.parametrize(
+    ("name", "billions"),
+    [
+        # Published parameter counts (model cards / config.json of the released weights).
+        ("llama2-7b", 6.74), ("llama2-13b", 13.02), ("llama2-70b", 68.98),
+        ("llama3-8b", 8.03), ("llama3-70b", 70.55), ("llama3.2-1b", 1.24),
+        ("llama3.2-3b", 3.21), ("gpt3-175b", 174.6),
+    ],
+)
+def test_preset_parameter_counts_match_published(name: str, billions: float) -> None:
+    assert ModelSpec.preset(name).total_params() / 1e9 == pytest.approx(billions, rel=0.005)
+
+
+def test_megatron_gpt_shapes_match_the_paper_table() -> None:
+    # Narayanan et al. 2021, Table 1: "number of parameters (billion)".
+    for name, billions in [("megatron-gpt-1.7b", 1.7), ("megatron-gpt-39b", 39.1), ("megatron-gpt-1t", 1008)]:
+        # The table rounds to two significant digits (1.65B prints as 1.7).
+        assert ModelSpec.preset(name).total_params() / 1e9 == pytest.approx(billions, rel=0.03)
+
+
+def test_every_preset_is_valid_and_named_by_its_key() -> None:
+    assert {"llama2-7b", "llama2-13b", "llama2-70b", "llama3-8b", "llama3-70b", "gpt3-175b"} <= set(MODEL_PRESETS)
+    for key, spec in MODEL_PRESETS.items():
+        assert spec.name == key
+
+
+def test_unknown_preset_lists_the_known_ones() -> None:
+    with pytest.raises(UnknownPresetError) as e:
+        ModelSpec.preset("llama9-1t")
+    assert e.value.field == "model" and "llama2-7b" in (e.value.fix or "")
+
+
+def test_from_hf_config_reads_llama_and_gpt2(tmp_path: Path) -> None:
+    llama = {
+        "model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 14336,
+        "vocab_size": 128256, "max_position_embeddings": 8192, "tie_word_embeddings": False,
+    }
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(llama))
+    spec = ModelSpec.from_hf_config(path)
+    assert spec.total_params() == ModelSpec.preset("llama3-8b").total_params()
+    gpt2 = {"model_type": "gpt2", "n_embd": 768, "n_layer": 12, "n_head": 12, "vocab_size": 50257, "n_positions": 1024}
+    assert ModelSpec.from_hf_config(gpt2).total_params() / 1e6 == pytest.approx(124.4, rel=0.01)
+
+
+def test_from_hf_config_errors_name_the_field(tmp_path: Path) -> None:
+    with pytest.raises(SpecError, match="num_attention_heads"):
+        ModelSpec.from_hf_config({"hidden_size": 64, "num_hidden_layers": 2})
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(SpecError, match="not valid JSON"):
+        ModelSpec.from_hf_config(bad)
+    with pytest.raises(SpecError, match="no such file"):
+        ModelSpec.from_hf_config(tmp_path / "missing.json")
+
+
+def test_model_validation() -> None:
+    with pytest.raises(SpecError, match="kv_heads"):
+        ModelSpec("m", 2, 64, 4, 3, 128, 100, 64)
+    with pytest.raises(SpecError, match="positive"):
+        ModelSpec("m", 0, 64, 4, 4, 128, 100, 64)
+
+
+def test_flops_per_token_matches_the_6n_rule_for_long_models() -> None:
+    m = ModelSpec.preset("llama2-70b")
+    # Kaplan et al. 2020: forward ~ 2N FLOPs per token (+ attention); embeddings excluded.
+    non_embedding = m.total_params() - m.embedding_params()
+    assert m.forward_flops_per_token(4096) / (2 * non_embedding) == pytest.approx(1.05, abs=0.05)
+
+
+def test_training_spec_lora_defaults_and_errors() -> None:
+    t = TrainingSpec(global_batch=8, seq_len=512, method="lora")
+    assert t.lora is not None and t.lora.rank == 16
+    with pytest.raises(SpecError, match="training.lora.targets"):
+        TrainingSpec.from_dict({"global_batch": 8, "seq_len": 8, "method": "lora", "lora": {"targets": ["qkv"]}})
+    with pytest.raises(SpecError, match="training.zero_stages"):
+        TrainingSpec(global_batch=8, seq_len=8, zero_stages=(4,))
+    with pytest.raises(SpecError, match="training.global_batch"):
+        TrainingSpec.from_dict({"seq_len": 8})
+    with pytest.raises(SpecError, match="unknown key"):
+        TrainingSpec.from_dict({"global_batch": 8, "seq_len": 8, "batch": 3})
+
+
+def test_device_presets() -> None:
+    for name in ("a100-40gb", "a100-80gb", "h100-80gb", "h200-141gb", "v100-32gb", "t4-16gb", "cpu"):
+        assert name in DEVICE_PRESETS
+    assert DeviceSpec.preset("H100-80GB").peak("bf16") == 989e12
+    with pytest.raises(SpecError, match="bf16"):
+        DeviceSpec.preset("V100-32GB").peak("bf16")
+    with pytest.raises(UnknownPresetError):
+        DeviceSpec.preset("B300")
+
+
+def test_parallel_config_layout_matches_megatron_order() -> None:
+    c = ParallelConfig(tp=2, pp=2, dp=2, mbs=1, global_batch=8)
+    assert c.world == 8 and c.grad_accum == 4
+    assert c.tp_groups()[0] == [0, 1] and c.dp_groups()[0] == [0, 2] and c.pp_groups()[0] == [0, 4]
+    assert all(c.rank(*c.coords(r)) == r for r in range(8))
+    assert c.layers_per_stage(7) == [4, 3]
+
+
+def test_parallel_config_validation() -> None:
+    with pytest.raises(SpecError, match="divisible"):
+        ParallelConfig(tp=1, pp=1, dp=3, mbs=1, global_batch=8)
+    with pytest.raises(SpecError, match="placement"):
+        ParallelConfig(tp=2, pp=1, dp=1, mbs=1, global_batch=1, placement=(0, 0))
+    with pytest.raises(SpecError, match="interleaved"):
+        ParallelConfig(tp=1, pp=2, dp=1, mbs=1, global_batch=2, virtual_stages=2)
