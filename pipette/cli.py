@@ -110,11 +110,15 @@ def load_recipe(path: str | None, args: argparse.Namespace) -> Any:
         try:
             text = Path(path).read_text()
         except OSError as e:
-            raise SpecError(f"cannot read {path!r} ({e.strerror})", field="recipe", fix="give a recipe file path") from None
+            raise SpecError(
+                f"cannot read {path!r} ({e.strerror})", field="recipe", fix="give a recipe file path"
+            ) from None
         try:
             loaded = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
         except (json.JSONDecodeError, yaml.YAMLError) as e:
-            raise SpecError(f"{path} is not valid: {str(e).splitlines()[0]}", field="recipe", fix="fix its syntax") from None
+            raise SpecError(
+                f"{path} is not valid: {str(e).splitlines()[0]}", field="recipe", fix="fix its syntax"
+            ) from None
         if not isinstance(loaded, dict):
             raise SpecError(f"{path} does not hold a mapping", field="recipe", fix="write key: value pairs")
         data.update(loaded)
@@ -174,7 +178,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                 extra={"predicted": plan.best.to_dict()},
             )
         except OSError as e:
-            raise SpecError(f"cannot write {args.out!r} ({e.strerror})", field="--out", fix="give a writable folder") from None
+            raise SpecError(
+                f"cannot write {args.out!r} ({e.strerror})", field="--out", fix="give a writable folder"
+            ) from None
         files = {k: str(v) for k, v in written.items()}
     if args.json:
         out = plan.to_dict(top=args.top)
@@ -231,7 +237,7 @@ def _print_plan(plan: Any, top: int, elapsed: float) -> None:
         value = best.perf.breakdown.get(part, 0.0)
         if value > 0:
             print(f"    {part:<15} {value:>9.4f} s  {value / best.perf.step_time:>6.1%}")
-    print("  memory on the heaviest rank (stage %d):" % best.memory.stage)
+    print(f"  memory on the heaviest rank (stage {best.memory.stage}):")
     for part in MEMORY_PARTS:
         value = best.memory.breakdown.get(part, 0)
         if value > 0:

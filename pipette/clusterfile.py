@@ -93,7 +93,9 @@ def load_cluster(path: str | Path) -> ClusterProfile:
     try:
         text = p.read_text()
     except FileNotFoundError:
-        raise ClusterFileError(f"no such file {str(p)!r}", field="cluster", fix="give the path of a cluster file") from None
+        raise ClusterFileError(
+            f"no such file {str(p)!r}", field="cluster", fix="give the path of a cluster file"
+        ) from None
     except OSError as e:
         raise ClusterFileError(f"cannot read {str(p)!r}: {e.strerror}", field="cluster", fix="check the path") from None
     try:
@@ -202,7 +204,9 @@ def _two_level(data: dict[str, Any], devices: tuple[Device, ...]) -> tuple[np.nd
                 )
             continue
         if not isinstance(raw, dict) or "bandwidth" not in raw:
-            raise ClusterFileError("needs a bandwidth", field=f"cluster.{key}", fix="e.g. {bandwidth: 25 GB/s, latency: 5 us}")
+            raise ClusterFileError(
+                "needs a bandwidth", field=f"cluster.{key}", fix="e.g. {bandwidth: 25 GB/s, latency: 5 us}"
+            )
         figures[key] = (
             bandwidth(raw["bandwidth"], f"cluster.{key}.bandwidth"),
             latency(raw.get("latency", 0.0), f"cluster.{key}.latency"),
@@ -220,7 +224,9 @@ def _apply_slow_links(
     rules: Any, devices: tuple[Device, ...], n_nodes: int, bw: np.ndarray, lat: np.ndarray
 ) -> None:
     if not isinstance(rules, list):
-        raise ClusterFileError("must be a list", field="cluster.slow_links", fix="give a list of {nodes|devices, bandwidth}")
+        raise ClusterFileError(
+            "must be a list", field="cluster.slow_links", fix="give a list of {nodes|devices, bandwidth}"
+        )
     n = len(devices)
     for k, rule in enumerate(rules):
         where = f"cluster.slow_links[{k}]"
@@ -254,7 +260,10 @@ def _apply_slow_links(
         elif "factor" in rule:
             factor = float(rule["factor"])
             if not factor >= 1:
-                raise ClusterFileError(f"factor {factor} is below 1", field=f"{where}.factor", fix="a slow link has factor >= 1 (2 = half speed)")
+                raise ClusterFileError(
+                    f"factor {factor} is below 1", field=f"{where}.factor",
+                    fix="a slow link has factor >= 1 (2 = half speed)",
+                )
             bw[ix] /= factor
             bw[ixt] /= factor
         else:
@@ -267,7 +276,10 @@ def _apply_slow_links(
 
 def _matrices(raw: Any, n: int) -> tuple[np.ndarray, np.ndarray]:
     if not isinstance(raw, dict) or "bandwidth" not in raw:
-        raise ClusterFileError("needs a bandwidth matrix", field="cluster.links", fix="give links: {bandwidth: [[...]], latency: [[...]]}")
+        raise ClusterFileError(
+            "needs a bandwidth matrix", field="cluster.links",
+            fix="give links: {bandwidth: [[...]], latency: [[...]]}",
+        )
     bw_scale = _unit_scale(raw.get("bandwidth_unit"), _BANDWIDTH_UNITS, "cluster.links.bandwidth_unit", "GB/s")
     lat_scale = _unit_scale(raw.get("latency_unit"), _TIME_UNITS, "cluster.links.latency_unit", "us")
     bw = _matrix(raw["bandwidth"], n, "cluster.links.bandwidth") * bw_scale
@@ -300,7 +312,9 @@ def _matrix(raw: Any, n: int, field: str) -> np.ndarray:
     try:
         arr = np.array(raw, dtype=np.float64)
     except (TypeError, ValueError):
-        raise ClusterFileError("holds something that is not a number", field=field, fix="use plain numbers with a *_unit key") from None
+        raise ClusterFileError(
+            "holds something that is not a number", field=field, fix="use plain numbers with a *_unit key"
+        ) from None
     return arr
 
 
@@ -308,7 +322,9 @@ def _from_full(data: dict[str, Any], name: str) -> ClusterProfile:
     """The probe's form: explicit devices with specs, matrices in base units."""
     raw_nodes = data.get("nodes") or []
     if not isinstance(raw_nodes, list):
-        raise ClusterFileError("must be a list with explicit devices", field="cluster.nodes", fix="list {name, address}")
+        raise ClusterFileError(
+            "must be a list with explicit devices", field="cluster.nodes", fix="list {name, address}"
+        )
     nodes = tuple(Node(str(x.get("name", f"node{i}")), str(x.get("address", ""))) for i, x in enumerate(raw_nodes))
     devices = []
     for i, d in enumerate(data["devices"]):
@@ -324,7 +340,9 @@ def _from_full(data: dict[str, Any], name: str) -> ClusterProfile:
             )
         )
     if "links" not in data:
-        raise ClusterFileError("is required with explicit devices", field="cluster.links", fix="give the measured matrices")
+        raise ClusterFileError(
+            "is required with explicit devices", field="cluster.links", fix="give the measured matrices"
+        )
     bw, lat = _matrices(data["links"], len(devices))
     # The probe writes 0 on the diagonal; ClusterProfile sets it to "infinitely fast".
     np.fill_diagonal(bw, 1.0)

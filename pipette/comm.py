@@ -24,13 +24,17 @@ FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
 
 
-def allreduce_time(nbytes: float | FloatArray, n: int, bw: float | FloatArray, lat: float | FloatArray) -> FloatArray:
+def allreduce_time(
+    nbytes: float | FloatArray, n: int, bw: float | FloatArray, lat: float | FloatArray
+) -> FloatArray:
     if n <= 1:
         return np.zeros_like(np.asarray(bw, dtype=np.float64))
     return np.asarray(2.0 * (n - 1) / n * nbytes / bw + 2.0 * (n - 1) * lat, dtype=np.float64)
 
 
-def reduce_scatter_time(nbytes: float | FloatArray, n: int, bw: float | FloatArray, lat: float | FloatArray) -> FloatArray:
+def reduce_scatter_time(
+    nbytes: float | FloatArray, n: int, bw: float | FloatArray, lat: float | FloatArray
+) -> FloatArray:
     if n <= 1:
         return np.zeros_like(np.asarray(bw, dtype=np.float64))
     return np.asarray((n - 1) / n * nbytes / bw + (n - 1) * lat, dtype=np.float64)

@@ -164,7 +164,9 @@ def _no_valid_candidate(
         ),
         "tp_heads": ("cluster", "use a device count whose divisors match the model's heads"),
         "tp_kv_heads": ("cluster", "use a device count whose divisors match the model's heads"),
-        "mbs_not_allowed": ("training.micro_batches", "allow micro-batch sizes that divide the global batch per replica"),
+        "mbs_not_allowed": (
+            "training.micro_batches", "allow micro-batch sizes that divide the global batch per replica"
+        ),
         "zero_pipeline": ("training.zero_stages", "allow ZeRO 0 or 1 with pipelining"),
         "interleaved_layers": ("training.schedules", "allow the 1f1b schedule"),
         "interleaved_microbatches": ("training.schedules", "allow the 1f1b schedule"),

@@ -111,7 +111,9 @@ def load_ultrascale(directory: Path) -> list[Row]:
             model = ModelSpec.preset(ULTRASCALE_MODELS[r["model"]])
             gpus = int(r["gpus"])
             dp, tp, pp, mbs, gbs = (int(r[k]) for k in ("dp", "tp", "pp", "mbs", "gbs"))
-            training = TrainingSpec(global_batch=gbs, seq_len=4096, dtype="bf16", optimizer="adamw", recompute=("none",))
+            training = TrainingSpec(
+                global_batch=gbs, seq_len=4096, dtype="bf16", optimizer="adamw", recompute=("none",)
+            )
             config = ParallelConfig(
                 tp=tp, pp=pp, dp=dp, mbs=mbs, global_batch=gbs, zero_stage=int(r["zero"]), recompute="none"
             )

@@ -1,0 +1,120 @@
+"""`pipette plan` as a user runs it: output, files, --json, and every bad input.
+
+Bad input must exit non-zero with one line naming the field and the fix, never a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+CLUSTERS = ROOT / "examples" / "clusters"
+RECIPES = ROOT / "examples" / "recipes"
+
+
+def pipette(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "pipette.cli", *args], capture_output=True, text=True,
+        cwd=cwd or ROOT, timeout=60,
+    )
+
+
+def test_plan_prints_ranked_candidates_and_writes_launch_files(tmp_path: Path) -> None:
+    out = tmp_path / "plan"
+    r = pipette("plan", "--model", "llama2-7b", "--cluster", str(CLUSTERS / "a100-2x8.yaml"),
+                "--recipe", str(RECIPES / "llama2-7b-lora.yaml"), "--top", "5", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    text = r.stdout
+    assert "tokens/s" in text and "MFU" in text and "dropped:" in text and "best:" in text
+    assert "time per step:" in text and "memory on the heaviest rank" in text
+    files = {"ds_config.json", "hostfile", "rank_map.json", "candidate.json", "launch.sh"}
+    assert {p.name for p in out.iterdir()} == files
+    ds = json.loads((out / "ds_config.json").read_text())
+    cand = json.loads((out / "candidate.json").read_text())["config"]
+    assert ds["train_batch_size"] == 64
+    assert ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] * cand["dp"] == 64
+    assert ds["zero_optimization"]["stage"] == cand["zero_stage"]
+    ranks = json.loads((out / "rank_map.json").read_text())
+    assert sorted(r["device"] for r in ranks) == list(range(16))
+    assert (out / "hostfile").read_text().splitlines() == ["node0 slots=8", "node1 slots=8"]
+    assert "deepspeed --hostfile" in (out / "launch.sh").read_text()
+
+
+def test_plan_json_is_machine_readable(tmp_path: Path) -> None:
+    r = pipette("plan", "--model", "tiny-llama", "--cluster", str(CLUSTERS / "cpu-4.yaml"),
+                "--global-batch", "16", "--seq-len", "128", "--method", "lora", "--json",
+                "--out", str(tmp_path / "o"))
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout)
+    ranked = data["ranked"]
+    assert ranked and ranked == sorted(ranked, key=lambda p: p["perf"]["step_time"])
+    assert data["feasible"] >= len(ranked) and data["enumerated"] > 0
+    assert all(p["memory"]["peak_bytes"] <= p["memory"]["capacity_bytes"] for p in ranked)
+    assert data["launch_command"].startswith("PIPETTE_RANK_MAP=")
+
+
+def _assert_one_line_error(r: subprocess.CompletedProcess[str], *words: str) -> None:
+    assert r.returncode == 1, (r.returncode, r.stdout, r.stderr)
+    assert "Traceback" not in r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("pipette: error: "), r.stderr
+    for w in words:
+        assert w in lines[0], (w, lines[0])
+
+
+def test_unknown_preset() -> None:
+    r = pipette("plan", "--model", "llama9-1t", "--cluster", str(CLUSTERS / "a100-2x8.yaml"),
+                "--global-batch", "8", "--seq-len", "128")
+    _assert_one_line_error(r, "model:", "unknown model preset", "fix: use one of")
+
+
+def test_non_square_link_matrix(tmp_path: Path) -> None:
+    f = tmp_path / "c.yaml"
+    f.write_text("device: A100-80GB\nnodes: 1\ndevices_per_node: 3\n"
+                 "links: {bandwidth: [[0, 1, 1], [1, 0, 1]]}\n")
+    r = pipette("plan", "--model", "llama2-7b", "--cluster", str(f), "--global-batch", "8", "--seq-len", "128")
+    _assert_one_line_error(r, "cluster.links.bandwidth", "not square", "3x3")
+
+
+def test_negative_bandwidth(tmp_path: Path) -> None:
+    f = tmp_path / "c.json"
+    f.write_text('{"device": "H100-80GB", "nodes": 2, "devices_per_node": 2,'
+                 ' "intra_node": {"bandwidth": 1e11}, "inter_node": {"bandwidth": -5}}')
+    r = pipette("plan", "--model", "llama2-7b", "--cluster", str(f), "--global-batch", "8", "--seq-len", "128")
+    _assert_one_line_error(r, "cluster.inter_node.bandwidth", "not positive")
+
+
+def test_malformed_cluster_file(tmp_path: Path) -> None:
+    f = tmp_path / "c.yaml"
+    f.write_text("device: [unclosed\n")
+    r = pipette("plan", "--model", "llama2-7b", "--cluster", str(f), "--global-batch", "8", "--seq-len", "128")
+    _assert_one_line_error(r, "not valid YAML")
+
+
+def test_recipe_no_configuration_satisfies() -> None:
+    r = pipette("plan", "--model", "tiny-llama", "--cluster", str(CLUSTERS / "cpu-4.yaml"),
+                "--global-batch", "3", "--seq-len", "64", "--micro-batches", "2")
+    _assert_one_line_error(r, "no configuration", "fix:")
+
+
+def test_nothing_fits_says_by_how_much_and_what_helps() -> None:
+    r = pipette("plan", "--model", "llama2-70b", "--cluster", str(CLUSTERS / "a100-2x8.yaml"),
+                "--global-batch", "16", "--seq-len", "4096", "--zero", "0,1", "--recompute", "none")
+    _assert_one_line_error(r, "nothing fits", "short by", "GiB", "more devices", "LoRA", "ZeRO-3", "recomputation")
+
+
+@pytest.mark.parametrize("flag", [["--top", "0"], ["--margin", "1.5"], ["--zero", "one"]])
+def test_bad_flags(flag: list[str]) -> None:
+    r = pipette("plan", "--model", "tiny-llama", "--cluster", str(CLUSTERS / "cpu-4.yaml"),
+                "--global-batch", "8", "--seq-len", "64", "--no-files", *flag)
+    _assert_one_line_error(r)
+
+
+def test_help_has_examples() -> None:
+    r = pipette("plan", "--help")
+    assert r.returncode == 0 and "examples:" in r.stdout
