@@ -1,0 +1,331 @@
+"""Peak memory per rank of one candidate, on its heaviest pipeline stage.
+
+Pure arithmetic (no allocation, no numpy): the search calls it for every candidate.
+
+Symbols (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+Models", sec. 4): s sequence length, b micro-batch size, h hidden size, a heads, t tensor-
+parallel degree, L layers; plus d bytes per element of the training dtype, kv the width of
+the k (and v) projection, f the MLP width, V the vocabulary, p pipeline degree, m
+micro-batches per step, v virtual stages per device, N_d the data-parallel degree and Psi a
+parameter count (Rajbhandari et al. 2020, "ZeRO", sec. 3 and Fig. 1).
+
+Every stage is evaluated: the first holds the embedding and the most micro-batches in
+flight, the last the LM head and the logits; the estimate reports the heaviest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipette.config import ParallelConfig
+from pipette.errors import SpecError
+from pipette.estimates import MEMORY_PARTS, MemoryEstimate
+from pipette.model import ModelSpec
+from pipette.training import TrainingSpec
+
+GiB = 1024**3
+FP32_BYTES = 4
+
+# ---- planning margin ---------------------------------------------------------------
+#: Fraction added to the predicted peak before comparing it with the capacity. Chosen on the
+#: Ultra-Scale H100 set (nanotron, Llama 3.2-1B/3.2-3B/3.1-8B shapes): the largest margin
+#: that still keeps >= 98% of the runs that succeeded (99.0% at 0.10, 97.8% at 0.15); see
+#: tests/benchmarks/memory_accuracy.py. It also covers the CUDA context, which the
+#: allocator statistics of that set do not see.
+SAFETY_MARGIN = 0.10
+
+# ---- framework defaults (documented options, not fitted) -----------------------------
+#: Flash attention (and PyTorch SDPA) never stores the a*s^2 score matrix: nanotron,
+#: DeepSpeed with HF SDPA and Megatron with flash all run it.
+FLASH_ATTENTION = True
+#: Tensor parallelism with sequence parallelism (Korthikanti sec. 4.2.2; nanotron's
+#: REDUCE_SCATTER mode, Megatron's --sequence-parallel): the norm and residual activations
+#: are sharded by t too.
+SEQUENCE_PARALLEL = True
+#: Gradients held in the training dtype (PyTorch autograd, DeepSpeed ZeRO with fp16).
+#: Some frameworks keep fp32 gradient accumulation buffers instead (nanotron's
+#: ``accumulate_grad_in_fp32``, DeepSpeed's BF16_Optimizer, Megatron's
+#: ``--accumulate-allreduce-grads-in-fp32``): set ``MemoryOptions.grad_accum_fp32``.
+GRAD_ACCUM_FP32 = False
+#: DeepSpeed's default ``allreduce_bucket_size`` / ``reduce_bucket_size`` (elements): the
+#: flat gradient bucket that is all-reduced (ZeRO-0) or reduce-scattered (ZeRO-1/2/3).
+DEEPSPEED_BUCKET_ELEMENTS = 500_000_000
+#: DeepSpeed ZeRO-3 defaults (elements): ``stage3_prefetch_bucket_size`` and
+#: ``stage3_max_live_parameters``, which bound the gathered (live) parameters.
+ZERO3_PREFETCH_ELEMENTS = 50_000_000
+ZERO3_MAX_LIVE_PARAMETERS = 1_000_000_000
+#: fp32 copies of the logits the loss keeps: the vocab-parallel cross entropy stores the
+#: fp32 softmax (Megatron ``_VocabParallelCrossEntropy``) and the backward writes an fp32
+#: gradient of the same size before it is cast back to the training dtype.
+LOSS_FP32_COPIES = 2
+
+# ---- calibration constants ------------------------------------------------------------
+#: Bytes on every GPU rank outside model state and activations that the caching allocator
+#: sees (cuBLAS workspaces, small buffers). Fitted (least squares on the relative error,
+#: 1129 runs with tp <= 8) on the Ultra-Scale H100 set (nanotron, H100 80GB);
+#: tests/benchmarks/memory_accuracy.py --fit prints 0.143 GiB.
+GPU_OVERHEAD_BYTES = int(0.143 * GiB)
+#: Multiplier on the transient memory (activations, logits): the caching allocator's
+#: fragmentation and the short-lived tensors of the backward pass (gradients of the
+#: activations, fp32 upcasts). Fitted with GPU_OVERHEAD_BYTES on the same rows: 1.237.
+FRAGMENTATION = 1.237
+#: One CPU worker process (device_kind "cpu"): the Python interpreter, PyTorch and the gloo
+#: process group resident in RAM before the model is built. A documented planning figure,
+#: not fitted (no CPU measurements in the calibration sets).
+CPU_PROCESS_OVERHEAD_BYTES = int(0.5 * GiB)
+
+DEVICE_KINDS: tuple[str, ...] = ("gpu", "cpu")
+
+
+@dataclass(frozen=True)
+class MemoryOptions:
+    """Framework behaviour the estimate depends on; the defaults are DeepSpeed's.
+
+    ``shard_master_weights``: ZeRO-1 shards the fp32 master copy with the other optimizer
+    states (Rajbhandari et al. 2020; DeepSpeed). nanotron keeps it unsharded, next to its
+    fp32 gradient buffers. ``dp_bucket_elements``: gradient elements in ZeRO-0's all-reduce
+    buckets at once (PyTorch DDP without ``gradient_as_bucket_view`` copies every gradient:
+    give the parameter count or more); ``zero_bucket_elements`` the same for ZeRO-1/2/3.
+    ``stage_layers`` overrides the layers per pipeline stage (DeepSpeed's uniform split by
+    default), for frameworks that balance stages another way.
+    """
+
+    flash_attention: bool = FLASH_ATTENTION
+    sequence_parallel: bool = SEQUENCE_PARALLEL
+    grad_accum_fp32: bool = GRAD_ACCUM_FP32
+    shard_master_weights: bool = True
+    dp_bucket_elements: int = DEEPSPEED_BUCKET_ELEMENTS
+    zero_bucket_elements: int = DEEPSPEED_BUCKET_ELEMENTS
+    stage_layers: tuple[int, ...] | None = None
+
+
+DEFAULT_OPTIONS = MemoryOptions()
+
+
+def estimate_memory(
+    model: ModelSpec,
+    training: TrainingSpec,
+    config: ParallelConfig,
+    capacity_bytes: int,
+    *,
+    device_kind: str = "gpu",
+    options: MemoryOptions = DEFAULT_OPTIONS,
+) -> MemoryEstimate:
+    """Peak bytes on the heaviest rank of ``config`` (the heaviest pipeline stage)."""
+    if capacity_bytes <= 0:
+        raise SpecError(
+            f"capacity must be positive, got {capacity_bytes!r}",
+            field="device.memory_bytes", fix="give the device memory in bytes",
+        )
+    stages = stage_breakdowns(model, training, config, device_kind=device_kind, options=options)
+    totals = [sum(part.values()) for part in stages]
+    heaviest = max(range(len(totals)), key=totals.__getitem__)
+    notes = _notes(training, config, options)
+    return MemoryEstimate(
+        peak_bytes=totals[heaviest], capacity_bytes=int(capacity_bytes),
+        breakdown=stages[heaviest], stage=heaviest, notes=notes,
+    )
+
+
+def stage_breakdowns(
+    model: ModelSpec,
+    training: TrainingSpec,
+    config: ParallelConfig,
+    *,
+    device_kind: str = "gpu",
+    options: MemoryOptions = DEFAULT_OPTIONS,
+) -> list[dict[str, int]]:
+    """The breakdown over ``MEMORY_PARTS`` of one rank of every pipeline stage, in order."""
+    if device_kind not in DEVICE_KINDS:
+        raise SpecError(
+            f"unknown device kind {device_kind!r}", field="device.kind", fix="use gpu or cpu"
+        )
+    s, b, h = training.seq_len, config.mbs, model.hidden
+    t, p, n_d, d = config.tp, config.pp, config.dp, training.dtype_bytes
+    V, m, v = model.vocab, config.grad_accum, config.virtual_stages
+    layers = options.stage_layers or tuple(config.layers_per_stage(model.layers))
+    if len(layers) != p or sum(layers) != model.layers:
+        raise SpecError(
+            f"stage_layers {list(layers)} do not split {model.layers} layers over pp={p}",
+            field="options.stage_layers", fix="give pp counts that add up to the layers",
+        )
+
+    # ---- parameters per rank (Psi) ----------------------------------------------------
+    # Megatron tensor parallelism (Shoeybi et al. 2019, sec. 3): every linear layer is split
+    # over t; norms are replicated; embedding and LM head are vocab-parallel (V/t rows).
+    # Grouped-query attention with t > kv_heads replicates each k/v head on t / kv_heads
+    # ranks: k and v split over min(t, kv_heads) only.
+    t_kv = min(t, model.kv_heads)
+    linear = sum(i * o for i, o in model.linear_shapes().values())
+    kv_linear = 2 * h * model.kv_dim
+    layer_psi = (model.layer_params() - model.norm_params() - linear) / t  # biases (GPT)
+    layer_psi += (linear - kv_linear) / t + kv_linear / t_kv + model.norm_params()
+    embed_psi = model.vocab * h / t + (model.embedding_params() - model.vocab * h)
+    final_norm = model.head_params() - (0 if model.tied_embeddings else V * h)
+    # A tied head on another stage than the embedding keeps its own copy (Megatron, nanotron
+    # and DeepSpeed's TiedLayerSpec all-reduce the two copies' gradients).
+    head_psi = final_norm + (0 if model.tied_embeddings and p == 1 else V * h / t)
+    lora_psi = _lora_params_per_layer(model, training, t)
+
+    # ---- bytes per parameter (Rajbhandari et al. 2020, sec. 3: 2 + 2 + K with K = 12) ----
+    mixed = training.dtype != "fp32"
+    grad_bytes = FP32_BYTES if (options.grad_accum_fp32 or not mixed) else d
+    # Adam: m and v in fp32; SGD: one momentum buffer. Mixed precision adds the fp32 master.
+    state_bytes = (2 if training.optimizer in ("adam", "adamw") else 1) * FP32_BYTES
+    master_bytes = FP32_BYTES if mixed else 0
+    z = config.zero_stage
+    w_shard = n_d if z >= 3 else 1  # P_os+g+p
+    g_shard = n_d if z >= 2 else 1  # P_os+g
+    o_shard = n_d if z >= 1 else 1  # P_os
+
+    # ---- activations of one layer for one micro-batch (Korthikanti sec. 4.1, eq. 1-2) ----
+    act_split, act_kv, act_seq, act_scores = _layer_activations(model, s, b, d)
+    act_sharded = act_split / t + act_kv / t_kv
+    act_seq_t = act_seq / t if options.sequence_parallel else act_seq
+    if config.recompute == "full":
+        # Only the layer input is kept (Korthikanti sec. 4.3: 2sbh per layer, /t with
+        # sequence parallelism) ...
+        per_layer = d * s * b * h / (t if options.sequence_parallel else 1)
+        # ... and during the backward one layer's activations are rebuilt at a time.
+        rebuilt = act_sharded + act_seq_t + (0 if options.flash_attention else act_scores / t)
+    else:
+        # Selective recomputation drops the a*s^2 score terms (Korthikanti sec. 4.2.1,
+        # eq. 7: sbh*34/t); flash attention never stores them.
+        keep_scores = config.recompute == "none" and not options.flash_attention
+        per_layer = act_sharded + act_seq_t + (act_scores / t if keep_scores else 0)
+        rebuilt = 0.0
+
+    # ---- last stage: final norm, logits and loss (Korthikanti sec. 4.4) ----------------
+    head_act = 2 * d * s * b * h / (t if options.sequence_parallel else 1)
+    logits = b * s * V / t * (d + LOSS_FP32_COPIES * FP32_BYTES)
+
+    trainable_full = training.method == "full"
+    stages = []
+    for i, layers_i in enumerate(layers):
+        psi = layers_i * layer_psi + (embed_psi if i == 0 else 0) + (head_psi if i == p - 1 else 0)
+        trainable = psi if trainable_full else layers_i * lora_psi
+        frozen = 0 if trainable_full else psi
+        weights = (frozen + trainable) * d / w_shard
+        gradients = trainable * grad_bytes / g_shard
+        master_shard = o_shard if options.shard_master_weights else 1
+        optimizer = trainable * (state_bytes / o_shard + master_bytes / master_shard)
+        # Micro-batches in flight: 1F1B stage i holds min(p - i, m) (Narayanan et al. 2021,
+        # sec. 2.2); the interleaved schedule holds (p - i - 1) * 2 + (v - 1) * p + 1 model
+        # chunks of L_i / v layers in its warm-up (Megatron-LM's interleaved schedule,
+        # Narayanan et al. 2021, sec. 2.2), so its first stage holds more.
+        held_layers: float
+        if v == 1:
+            held_layers = min(p - i, m) * layers_i
+        else:
+            held_layers = min((p - i - 1) * 2 + (v - 1) * p + 1, m * v) * layers_i / v
+        activations = held_layers * per_layer + (rebuilt if layers_i else 0)
+        stage_logits = 0.0
+        if i == p - 1:
+            activations += head_act
+            stage_logits = logits
+        buffers = _buffers(config, trainable, layer_psi, grad_bytes, d, options)
+        if device_kind == "gpu":
+            overhead = GPU_OVERHEAD_BYTES + (FRAGMENTATION - 1.0) * (activations + stage_logits)
+        else:
+            overhead = CPU_PROCESS_OVERHEAD_BYTES
+        values = (weights, gradients, optimizer, activations, stage_logits, buffers, overhead)
+        stages.append({k: int(x) for k, x in zip(MEMORY_PARTS, values, strict=True)})
+    return stages
+
+
+def _layer_activations(
+    model: ModelSpec, s: int, b: int, d: int
+) -> tuple[float, float, float, float]:
+    """Bytes one layer stores for one micro-batch: (split by t, k and v, sequence part, scores).
+
+    GPT (Korthikanti eq. 1, d = 2): attention 11sbh + 5as^2b, MLP 19sbh, LayerNorms 4sbh,
+    i.e. sbh(34 + 5as/h); 24sbh are split by t (Q, K, V, context, MLP inner) and 10sbh
+    (LayerNorm inputs and outputs, dropout masks) only with sequence parallelism.
+    Term by term with d bytes: Q, K 2dsbh; V dsbh; context dsbh; GeLU in/out 2 x 4dsbh
+    -> 12d; LN in + out 2 x 2dsbh, two 1-byte dropout masks -> 4d + 2; softmax output d,
+    its dropout mask 1 and dropout output d per score -> (2d + 1)as^2b.
+
+    Llama adaptation: no dropout (no masks); RMSNorm stores its input like LayerNorm, and
+    its output is the input of the next matmul (norm in + out, both norms: 4dsbh); Q is
+    dsbh but K and V are dsb*kv each under grouped-query attention; the context (flash
+    output, input of o_proj) dsbh; the SwiGLU MLP keeps the gate and up outputs, the SiLU
+    output and their product (input of down_proj), 4dsbf. The scores, when stored (eager
+    attention), are the softmax output only: d*as^2b.
+    """
+    sbh = s * b * model.hidden
+    kv = 2 * d * s * b * model.kv_dim
+    if model.arch == "gpt":
+        split = 12 * d * sbh - kv
+        seq = (4 * d + 2) * sbh
+        scores = (2 * d + 1) * model.heads * s * s * b
+    else:
+        split = d * s * b * (2 * model.hidden + 4 * model.ffn_hidden)
+        seq = 4 * d * sbh
+        scores = d * model.heads * s * s * b
+    return float(split), float(kv), float(seq), float(scores)
+
+
+def _lora_params_per_layer(model: ModelSpec, training: TrainingSpec, t: int) -> float:
+    """Adapter parameters of one layer on one tensor-parallel rank (Hu et al. 2021).
+
+    Each target W (in x out) gets A (in x r) and B (r x out): r(in + out). A column-
+    parallel W (q, k, v, gate, up: out split by t) splits B and replicates A; a row-
+    parallel W (o, down: in split by t) splits A and replicates B.
+    """
+    if training.lora is None:
+        return 0.0
+    r = training.lora.rank
+    shapes = model.linear_shapes()
+    total = 0.0
+    for name in training.lora.targets:
+        if name not in shapes:
+            continue  # a target the architecture lacks (gate_proj on GPT) has no adapter
+        n_in, n_out = shapes[name]
+        if name in ("o_proj", "down_proj"):
+            total += r * n_in / t + r * n_out
+        else:
+            total += r * n_in + r * n_out / t
+    return total
+
+
+def _buffers(
+    config: ParallelConfig,
+    trainable: float,
+    layer_psi: float,
+    grad_bytes: int,
+    d: int,
+    options: MemoryOptions,
+) -> float:
+    """Communication buffers live during the backward pass, in bytes."""
+    if config.dp == 1:
+        return 0.0
+    # ZeRO-0 all-reduces and ZeRO-1/2/3 reduce-scatter the gradients through one flat
+    # bucket (DeepSpeed allreduce_bucket_size / reduce_bucket_size), never bigger than
+    # the gradients themselves.
+    elements = options.dp_bucket_elements if config.zero_stage == 0 else options.zero_bucket_elements
+    bucket = min(float(elements), trainable) * grad_bytes
+    if config.zero_stage < 3:
+        return bucket
+    # ZeRO-3 gathers each layer's parameters before use and prefetches the next ones
+    # (Rajbhandari et al. 2020, sec. 5.3), bounded by stage3_max_live_parameters.
+    live = min(layer_psi + ZERO3_PREFETCH_ELEMENTS, ZERO3_MAX_LIVE_PARAMETERS) * d
+    return bucket + live
+
+
+def _notes(training: TrainingSpec, config: ParallelConfig, options: MemoryOptions) -> tuple[str, ...]:
+    notes = []
+    if options.flash_attention:
+        notes.append("flash attention: no a*s^2 scores stored")
+    if config.recompute != "none":
+        notes.append(f"{config.recompute} activation recomputation")
+    if training.is_lora:
+        notes.append("LoRA: frozen base has no gradients or optimizer state")
+    if options.grad_accum_fp32:
+        notes.append("fp32 gradient accumulation buffers")
+    return tuple(notes)
+
+
+__all__ = [
+    "DEFAULT_OPTIONS", "FRAGMENTATION", "GPU_OVERHEAD_BYTES", "SAFETY_MARGIN", "MemoryOptions",
+    "estimate_memory", "stage_breakdowns",
+]
