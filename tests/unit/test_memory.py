@@ -1,0 +1,175 @@
+"""The memory estimator: its parts, and the orderings the papers predict."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+import pytest
+
+from pipette.config import ParallelConfig
+from pipette.errors import SpecError
+from pipette.estimates import MEMORY_PARTS
+from pipette.memory import (
+    SAFETY_MARGIN,
+    MemoryOptions,
+    estimate_memory,
+    stage_breakdowns,
+)
+from pipette.model import ModelSpec
+from pipette.training import LoraSpec, TrainingSpec
+
+GiB = 1024**3
+H100 = 80 * GiB
+LLAMA2_7B = ModelSpec.preset("llama2-7b")
+LLAMA3_8B = ModelSpec.preset("llama3-8b")
+BF16_ADAM = TrainingSpec(global_batch=64, seq_len=4096, dtype="bf16", optimizer="adamw")
+
+
+def cfg(**kw: int | str) -> ParallelConfig:
+    base: dict[str, int | str] = {"tp": 1, "pp": 1, "dp": 1, "mbs": 1, "global_batch": 64}
+    base.update(kw)
+    return ParallelConfig(**base)  # type: ignore[arg-type]
+
+
+def test_breakdown_sums_to_peak_on_every_kind() -> None:
+    for config in (cfg(), cfg(tp=2, pp=4, dp=2, mbs=2, zero_stage=1), cfg(dp=8, zero_stage=3)):
+        for kind in ("gpu", "cpu"):
+            est = estimate_memory(LLAMA3_8B, BF16_ADAM, config, H100, device_kind=kind)
+            assert tuple(est.breakdown) == MEMORY_PARTS
+            assert sum(est.breakdown.values()) == est.peak_bytes
+            assert est.capacity_bytes == H100
+
+
+def test_full_finetune_is_16_bytes_per_param_and_does_not_fit_one_gpu() -> None:
+    est = estimate_memory(LLAMA2_7B, BF16_ADAM, cfg(), H100)
+    state = est.breakdown["weights"] + est.breakdown["gradients"] + est.breakdown["optimizer"]
+    # Mixed-precision Adam: 2 (bf16 weights) + 2 (grads) + 12 (fp32 master, m, v).
+    assert abs(state - 16 * LLAMA2_7B.total_params()) <= 3
+    assert not est.fits(SAFETY_MARGIN)
+    assert est.shortfall(SAFETY_MARGIN) > 0
+
+
+def test_lora_fits_one_gpu_and_trains_far_less_state() -> None:
+    lora = replace(BF16_ADAM, method="lora", lora=LoraSpec(rank=16))
+    full = estimate_memory(LLAMA2_7B, BF16_ADAM, cfg(), H100)
+    est = estimate_memory(LLAMA2_7B, lora, cfg(), H100)
+    assert est.fits(SAFETY_MARGIN)
+    trained = est.breakdown["gradients"] + est.breakdown["optimizer"]
+    full_trained = full.breakdown["gradients"] + full.breakdown["optimizer"]
+    assert trained < 0.01 * full_trained
+    # The frozen base is still there, in bf16.
+    assert est.breakdown["weights"] >= 2 * LLAMA2_7B.total_params()
+
+
+def test_zero_stages_reduce_memory_monotonically() -> None:
+    peaks = [
+        estimate_memory(LLAMA3_8B, BF16_ADAM, cfg(dp=8, zero_stage=z), H100).peak_bytes
+        for z in (0, 1, 2, 3)
+    ]
+    assert peaks[0] > peaks[1] > peaks[2] > peaks[3]
+
+
+def test_zero1_shards_optimizer_states_over_dp() -> None:
+    z0 = estimate_memory(LLAMA2_7B, BF16_ADAM, cfg(dp=8), H100).breakdown
+    z1 = estimate_memory(LLAMA2_7B, BF16_ADAM, cfg(dp=8, zero_stage=1), H100).breakdown
+    assert z1["optimizer"] == pytest.approx(z0["optimizer"] / 8, rel=1e-6)
+    assert z1["gradients"] == z0["gradients"]
+
+
+def test_recompute_orders_activations() -> None:
+    eager = MemoryOptions(flash_attention=False)
+    act = {
+        mode: estimate_memory(
+            LLAMA2_7B, BF16_ADAM, cfg(recompute=mode), H100, options=eager
+        ).breakdown["activations"]
+        for mode in ("none", "selective", "full")
+    }
+    assert act["full"] < act["selective"] < act["none"]
+
+
+def test_flash_attention_drops_the_score_term() -> None:
+    flash = estimate_memory(LLAMA2_7B, BF16_ADAM, cfg(), H100).breakdown["activations"]
+    eager = estimate_memory(
+        LLAMA2_7B, BF16_ADAM, cfg(), H100, options=MemoryOptions(flash_attention=False)
+    ).breakdown["activations"]
+    s, a, layers = BF16_ADAM.seq_len, LLAMA2_7B.heads, LLAMA2_7B.layers
+    assert eager - flash == pytest.approx(layers * 2 * a * s * s, rel=1e-6)
+
+
+def test_gpt_layer_matches_korthikanti() -> None:
+    # sbh(34 + 5as/h) per layer without recomputation, eager attention, fp16 (eq. 2).
+    gpt = ModelSpec.gpt(2048, 4, 16, max_seq=1024)
+    training = TrainingSpec(global_batch=8, seq_len=1024, dtype="fp16", optimizer="adam")
+    opts = MemoryOptions(flash_attention=False)
+    s, b, h, a = 1024, 1, 2048, 16
+    first = stage_breakdowns(gpt, training, cfg(global_batch=8, pp=4), options=opts)[0]
+    # Stage 0 of 4 holds one layer for min(p, m) = 4 micro-batches.
+    assert first["activations"] == pytest.approx(4 * s * b * h * (34 + 5 * a * s / h), rel=1e-9)
+
+
+def test_first_1f1b_stage_holds_more_micro_batches() -> None:
+    stages = stage_breakdowns(LLAMA2_7B, BF16_ADAM, cfg(pp=4))
+    act = [st["activations"] for st in stages]
+    # Equal layers per stage: stage i holds min(p - i, m) = 4, 3, 2 micro-batches.
+    assert act[0] / act[1] == pytest.approx(4 / 3, rel=1e-6)
+    assert act[1] / act[2] == pytest.approx(3 / 2, rel=1e-6)
+    few = stage_breakdowns(LLAMA2_7B, BF16_ADAM, cfg(pp=4, global_batch=2))
+    assert few[0]["activations"] == few[1]["activations"]  # only m = 2 micro-batches
+
+
+def test_interleaved_first_stage_holds_more_than_1f1b() -> None:
+    plain = stage_breakdowns(LLAMA2_7B, BF16_ADAM, cfg(pp=4))[0]["activations"]
+    inter = stage_breakdowns(
+        LLAMA2_7B, BF16_ADAM, cfg(pp=4, schedule="interleaved", virtual_stages=2)
+    )[0]["activations"]
+    assert inter > plain
+
+
+def test_tensor_parallelism_shards_weights() -> None:
+    one = estimate_memory(LLAMA2_7B, BF16_ADAM, cfg(), H100).breakdown["weights"]
+    two = estimate_memory(LLAMA2_7B, BF16_ADAM, cfg(tp=2), H100).breakdown["weights"]
+    # Norms are replicated, so a little more than half.
+    assert 0.5 * one < two < 0.501 * one
+
+
+def test_gqa_kv_heads_replicate_beyond_kv_heads() -> None:
+    w8 = estimate_memory(LLAMA3_8B, BF16_ADAM, cfg(tp=8), H100).breakdown["weights"]
+    w16 = estimate_memory(LLAMA3_8B, BF16_ADAM, cfg(tp=16), H100).breakdown["weights"]
+    assert w8 / 2 < w16 < w8
+
+
+def test_last_stage_with_logits_can_be_heaviest() -> None:
+    big_vocab = TrainingSpec(global_batch=64, seq_len=8192, dtype="bf16", optimizer="adamw")
+    est = estimate_memory(LLAMA3_8B, big_vocab, cfg(pp=2, mbs=8, global_batch=8), H100)
+    stages = stage_breakdowns(LLAMA3_8B, big_vocab, cfg(pp=2, mbs=8, global_batch=8))
+    assert est.stage == 1 and stages[1]["logits"] > 0 and stages[0]["logits"] == 0
+    assert est.peak_bytes == max(sum(st.values()) for st in stages)
+
+
+def test_cpu_kind_uses_process_overhead() -> None:
+    tiny = ModelSpec.preset("tiny-llama")
+    training = TrainingSpec(global_batch=8, seq_len=128, dtype="fp32", optimizer="adamw")
+    gpu = estimate_memory(tiny, training, cfg(global_batch=8), GiB)
+    cpu = estimate_memory(tiny, training, cfg(global_batch=8), GiB, device_kind="cpu")
+    assert cpu.breakdown["overhead"] != gpu.breakdown["overhead"]
+    # fp32 training: no master copy, Adam m and v only.
+    assert cpu.breakdown["optimizer"] == pytest.approx(8 * tiny.total_params(), abs=2)
+
+
+def test_bad_inputs_raise_spec_errors() -> None:
+    with pytest.raises(SpecError) as e:
+        estimate_memory(LLAMA2_7B, BF16_ADAM, cfg(), H100, device_kind="tpu")
+    assert e.value.field == "device.kind"
+    with pytest.raises(SpecError):
+        estimate_memory(LLAMA2_7B, BF16_ADAM, cfg(), 0)
+    with pytest.raises(SpecError):
+        stage_breakdowns(LLAMA2_7B, BF16_ADAM, cfg(pp=2), options=MemoryOptions(stage_layers=(1, 2)))
+
+
+def test_fast_enough_for_a_search() -> None:
+    config = cfg(tp=2, pp=8, dp=4, mbs=2, zero_stage=1)
+    start = time.perf_counter()
+    for _ in range(2000):
+        estimate_memory(LLAMA3_8B, BF16_ADAM, config, H100)
+    assert (time.perf_counter() - start) / 2000 < 100e-6
