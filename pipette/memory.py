@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from pipette.config import ParallelConfig
 from pipette.errors import SpecError
-from pipette.estimates import MEMORY_PARTS, MemoryEstimate
+from pipette.estimates import MemoryEstimate
 from pipette.model import ModelSpec
 from pipette.training import TrainingSpec
 
@@ -200,6 +200,9 @@ def stage_breakdowns(
     logits = b * s * V / t * (d + LOSS_FP32_COPIES * FP32_BYTES)
 
     trainable_full = training.method == "full"
+    master_shard = o_shard if options.shard_master_weights else 1
+    opt_per_psi = state_bytes / o_shard + master_bytes / master_shard
+    gpu = device_kind == "gpu"
     stages = []
     for i, layers_i in enumerate(layers):
         psi = layers_i * layer_psi + (embed_psi if i == 0 else 0) + (head_psi if i == p - 1 else 0)
@@ -207,8 +210,7 @@ def stage_breakdowns(
         frozen = 0 if trainable_full else psi
         weights = (frozen + trainable) * d / w_shard
         gradients = trainable * grad_bytes / g_shard
-        master_shard = o_shard if options.shard_master_weights else 1
-        optimizer = trainable * (state_bytes / o_shard + master_bytes / master_shard)
+        optimizer = trainable * opt_per_psi
         # Micro-batches in flight: 1F1B stage i holds min(p - i, m) (Narayanan et al. 2021,
         # sec. 2.2); the interleaved schedule holds (p - i - 1) * 2 + (v - 1) * p + 1 model
         # chunks of L_i / v layers in its warm-up (Megatron-LM's interleaved schedule,
@@ -224,12 +226,16 @@ def stage_breakdowns(
             activations += head_act
             stage_logits = logits
         buffers = _buffers(config, trainable, layer_psi, grad_bytes, d, options)
-        if device_kind == "gpu":
+        if gpu:
             overhead = GPU_OVERHEAD_BYTES + (FRAGMENTATION - 1.0) * (activations + stage_logits)
         else:
             overhead = CPU_PROCESS_OVERHEAD_BYTES
-        values = (weights, gradients, optimizer, activations, stage_logits, buffers, overhead)
-        stages.append({k: int(x) for k, x in zip(MEMORY_PARTS, values, strict=True)})
+        # Same keys and order as MEMORY_PARTS (checked by the unit tests).
+        stages.append({
+            "weights": int(weights), "gradients": int(gradients), "optimizer": int(optimizer),
+            "activations": int(activations), "logits": int(stage_logits),
+            "buffers": int(buffers), "overhead": int(overhead),
+        })
     return stages
 
 
