@@ -1,0 +1,92 @@
+"""Achieved fraction of a device's peak FLOP/s as a function of the GEMM size.
+
+A matmul reaches its peak only when it is large enough to fill every streaming
+multiprocessor and hide its memory traffic; small GEMMs are latency- and bandwidth-bound.
+We use a saturating (Michaelis-Menten / roofline-knee) curve in the FLOPs of one GEMM
+``x``, as in the compute models of vTrain (Bang et al. 2024, sec. 4.2, profiled
+per-operator throughput) and Calculon (Isaev et al. 2023, sec. 3.2, efficiency tables):
+
+    eff(x) = eff_max * x / (x + x_half)
+
+``eff_max`` is the fraction of the data-sheet peak that large GEMMs reach and ``x_half``
+the GEMM size at which half of it is reached. Both are physical properties of a device
+family. When the device probe has measured points (``DeviceSpec.efficiency``), those are
+used instead, interpolated in log(x).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from pipette.device import DeviceSpec
+
+FloatArray = npt.NDArray[np.float64]
+
+
+@dataclass(frozen=True)
+class EfficiencyCurve:
+    """``eff(x) = max_fraction * x / (x + half_flops)``, or measured points when given."""
+
+    max_fraction: float
+    half_flops: float
+    points: tuple[tuple[float, float], ...] = ()
+
+    def __call__(self, gemm_flops: float | FloatArray) -> FloatArray:
+        x = np.maximum(np.asarray(gemm_flops, dtype=np.float64), 1.0)
+        if len(self.points) >= 2:
+            pts = sorted(self.points)
+            xs = np.log([max(p[0], 1.0) for p in pts])
+            ys = np.array([p[1] for p in pts], dtype=np.float64)
+            return np.asarray(np.clip(np.interp(np.log(x), xs, ys), 1e-3, 1.0), dtype=np.float64)
+        if len(self.points) == 1:
+            return np.full_like(x, float(np.clip(self.points[0][1], 1e-3, 1.0)))
+        return np.asarray(self.max_fraction * x / (x + self.half_flops), dtype=np.float64)
+
+
+# ---- fitted constants --------------------------------------------------------------
+# Fitted with scipy.optimize.least_squares on log(predicted/measured) step times by
+# tests/benchmarks/accuracy.py --fit. A100 figures: the vTrain A100 set (Bang et al. 2024,
+# Megatron-DeepSpeed, fp16). H100 figures: the Ultra-Scale Playbook H100 set (nanotron,
+# bf16). They differ per family because the achieved fraction of the tensor-core peak and
+# the size needed to fill the SMs are properties of the chip (108 SMs vs 132 SMs, HBM2e vs
+# HBM3), which is why the constant is per family.
+A100_MAX_FRACTION = 0.80  # vTrain A100 set
+A100_HALF_FLOPS = 2.0e9  # vTrain A100 set
+H100_MAX_FRACTION = 0.70  # Ultra-Scale H100 set
+H100_HALF_FLOPS = 8.0e9  # Ultra-Scale H100 set
+# Devices of no calibrated family (and CPU workers, whose peak comes from the probe):
+# the A100 curve, the best-documented one, is the neutral default.
+DEFAULT_MAX_FRACTION = A100_MAX_FRACTION
+DEFAULT_HALF_FLOPS = A100_HALF_FLOPS
+
+
+def family(device: DeviceSpec) -> str:
+    """The calibrated device family: ``a100``, ``h100`` (H100 and H200: same SMs) or ``other``."""
+    if device.kind != "gpu":
+        return "other"
+    name = device.name.upper()
+    if "A100" in name:
+        return "a100"
+    if "H100" in name or "H200" in name or "GH200" in name:
+        return "h100"
+    return "other"
+
+
+def default_curve(device: DeviceSpec) -> EfficiencyCurve:
+    """The calibrated curve of the device's family, or its measured points when present."""
+    fam = family(device)
+    if fam == "a100":
+        curve = EfficiencyCurve(A100_MAX_FRACTION, A100_HALF_FLOPS)
+    elif fam == "h100":
+        curve = EfficiencyCurve(H100_MAX_FRACTION, H100_HALF_FLOPS)
+    else:
+        curve = EfficiencyCurve(DEFAULT_MAX_FRACTION, DEFAULT_HALF_FLOPS)
+    if device.efficiency:
+        return EfficiencyCurve(curve.max_fraction, curve.half_flops, device.efficiency)
+    return curve
+
+
+__all__ = ["EfficiencyCurve", "default_curve", "family"]

@@ -1,0 +1,359 @@
+"""The performance model: one optimizer step's time on the schedule's critical path.
+
+``PerfModel`` precomputes everything that does not depend on the placement (FLOPs,
+compute times, message sizes) once per candidate; ``step_time(placement)`` then prices
+only the communication on the measured links, vectorised, for the placement optimizer.
+
+Per micro-batch and pipeline stage ``s`` (Narayanan et al. 2021, sec. 2.2 and 3):
+
+    t_s = t_f,s + t_b,s + t_tp,s + t_pp,s (+ ZeRO-2/3 per-micro-batch traffic)
+
+and the 1F1B pipeline of ``m`` micro-batches over ``p`` stages, with ``v`` virtual
+stages per device (interleaved), takes
+
+    T_pipe = m * max_s t_s + (sum_s t_s - max_s t_s) / v
+
+which is ``(m + p - 1) (t_f + t_b)`` for even stages and a bubble of ``(p-1)/(v m)``
+of the ideal time (Narayanan et al. 2021, sec. 2.2, eq. for the bubble fraction).
+The step adds the exposed data-parallel gradient reduction, the tied-embedding
+synchronisation and the optimizer update:
+
+    step = T_pipe + dp_exposed + embedding_sync + optimizer
+
+Every group runs at the speed of its slowest link under the placement and the slowest
+group (pipeline replica, DP ring) sets the pace, since the step ends with a collective.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+from pipette import comm
+from pipette.cluster import ClusterProfile
+from pipette.config import ParallelConfig
+from pipette.device import DeviceSpec
+from pipette.efficiency import EfficiencyCurve, default_curve
+from pipette.errors import SpecError
+from pipette.estimates import TIME_PARTS, PerfEstimate
+from pipette.model import ModelSpec
+from pipette.training import TrainingSpec
+
+FloatArray = npt.NDArray[np.float64]
+IntArray = npt.NDArray[np.int64]
+
+# ---- fitted constants (tests/benchmarks/accuracy.py --fit) ---------------------------
+# Achieved fraction of a link's bandwidth by NCCL collectives (bus bandwidth / link
+# bandwidth). Fitted on the vTrain A100 and Ultra-Scale H100 sets together.
+LINK_FRACTION = 0.75
+# Fixed time per transformer layer per forward-equivalent pass (kernel launches,
+# layer norms, residual adds, the small ops a GEMM count misses). vTrain + Ultra-Scale.
+LAYER_OVERHEAD_S = 100e-6
+# Fraction of the last micro-batch's backward compute that hides the bucketed gradient
+# reduction (and ZeRO-3 prefetched gathers). vTrain + Ultra-Scale.
+DP_OVERLAP = 0.5
+# Fixed cost of one blocking collective or p2p call on the critical path (NCCL launch and
+# the skew of the ranks it synchronises). vTrain + Ultra-Scale.
+COLLECTIVE_OVERHEAD_S = 50e-6
+
+# ---- counted, not fitted ----------------------------------------------------------
+# Bytes of memory touched per parameter by one mixed-precision Adam(W) step
+# (Rajbhandari et al. 2020, sec. 3: fp32 master, momentum, variance, fp32 gradient read
+# (16 B), the three fp32 states written back (12 B) and the low-precision copy written
+# (2 B), plus two reads of the fp32 gradient for the overflow check and the norm clip (8 B).
+ADAM_BYTES_PER_PARAM = 38.0
+# SGD with momentum: master + momentum + gradient read, master + momentum + copy written,
+# plus the two gradient reads.
+SGD_BYTES_PER_PARAM = 30.0
+# Fp32 softmax + cross-entropy over the logits: the loss reads the logits, writes fp32
+# probabilities, and the backward reads them and writes the logit gradient: 4 passes of 4 B.
+LOSS_BYTES_PER_LOGIT = 16.0
+
+
+@dataclass(frozen=True)
+class PerfConstants:
+    """The fitted constants, bundled so the accuracy benchmark can refit them.
+
+    ``curve=None`` uses the calibrated curve of the device's family
+    (``pipette.efficiency.default_curve``).
+    """
+
+    link_fraction: float = LINK_FRACTION
+    layer_overhead_s: float = LAYER_OVERHEAD_S
+    dp_overlap: float = DP_OVERLAP
+    collective_overhead_s: float = COLLECTIVE_OVERHEAD_S
+    curve: EfficiencyCurve | None = field(default=None)
+
+
+@dataclass(frozen=True)
+class _Compute:
+    """Placement-independent per-stage times of one micro-batch (seconds)."""
+
+    forward: FloatArray  # (p,)
+    backward: FloatArray  # (p,), recomputation included
+
+
+class PerfModel:
+    """Placement-independent parts precomputed once per candidate."""
+
+    def __init__(
+        self,
+        model: ModelSpec,
+        training: TrainingSpec,
+        config: ParallelConfig,
+        cluster: ClusterProfile,
+        *,
+        constants: PerfConstants | None = None,
+    ) -> None:
+        _check(model, training, config, cluster)
+        self.model, self.training, self.config, self.cluster = model, training, config, cluster
+        self.k = constants or PerfConstants()
+        self.device = _slowest_device(cluster, training.dtype)
+        self.peak = self.device.peak(training.dtype)
+        self.curve = self.k.curve or default_curve(self.device)
+        self.layers = np.asarray(config.layers_per_stage(model.layers), dtype=np.float64)
+        self.m = config.microbatches
+        self.v = config.virtual_stages if config.schedule == "interleaved" else 1
+        self.tokens = config.mbs * training.seq_len  # T: tokens per micro-batch
+        b = training.dtype_bytes
+        self.act_bytes = float(self.tokens * model.hidden * b)  # one activation tensor
+        self.compute = self._compute_times()
+        self.stage_params = _stage_params(model, training, config)  # (p,) per device
+        self.grad_bytes = self.stage_params * b
+        self.opt_time = self._optimizer_time()
+        self.model_flops = _model_flops(model, training)
+
+    # ---- compute (Narayanan et al. 2021 sec. 5.1 FLOP counts) -------------------------
+    def _gemm_time(self, flops_per_gemm: float, count: float) -> float:
+        """Time of ``count`` GEMMs of ``flops_per_gemm`` each at the curve's efficiency."""
+        if count <= 0 or flops_per_gemm <= 0:
+            return 0.0
+        eff = float(self.curve(flops_per_gemm))
+        return count * flops_per_gemm / (self.peak * eff)
+
+    def _compute_times(self) -> _Compute:
+        model, cfg, tr = self.model, self.config, self.training
+        t, tp, s = float(self.tokens), cfg.tp, tr.seq_len
+        lora = tr.lora if tr.is_lora else None
+        targets = set(lora.targets) if lora is not None else set()
+        # Linear layers: forward 2 T in out / tp FLOPs each; backward 2x (data and weight
+        # gradients), 1x for a frozen LoRA base, which needs no weight gradient.
+        lin_f = lin_b = 0.0
+        for name, (i, o) in model.linear_shapes().items():
+            g = self._gemm_time(2.0 * t * i * o / tp, 1)
+            lin_f += g
+            lin_b += g if lora is not None else 2.0 * g
+            if lora is not None and name in targets:
+                # Adapter B A x (Hu et al. 2021): two thin GEMMs, forward and 2x backward.
+                a = self._gemm_time(2.0 * t * lora.rank * (i + o) / tp, 1)
+                lin_f += a
+                lin_b += 2.0 * a
+        # Attention core QK^T and softmax x V: 2 x 2 T s h / tp FLOPs, causal half skipped
+        # by fused kernels (FlashAttention; Dao et al. 2022).
+        attn_gemm = 2.0 * t * s * model.hidden / tp * 0.5
+        attn_f = self._gemm_time(attn_gemm, 2)
+        attn_b = 2.0 * attn_f
+        over = self.k.layer_overhead_s
+        layer_f = lin_f + attn_f + over
+        layer_b = lin_b + attn_b + 2.0 * over
+        # Recomputation (Korthikanti et al. 2022, sec. 4): full re-runs the layer's forward
+        # in the backward; selective re-runs only the attention core.
+        if cfg.recompute == "full":
+            layer_b += layer_f
+        elif cfg.recompute == "selective":
+            layer_b += attn_f
+        forward = self.layers * layer_f
+        backward = self.layers * layer_b
+        # LM head on the last stage: the logits GEMM 2 T h V / tp (2x backward) and the
+        # memory-bound fp32 loss over the T V / tp logits.
+        head = self._gemm_time(2.0 * t * model.hidden * model.vocab / tp, 1)
+        loss = t * model.vocab / tp * LOSS_BYTES_PER_LOGIT / self.device.memory_bandwidth
+        forward[-1] += head + loss / 2.0
+        backward[-1] += (head if lora is not None else 2.0 * head) + loss / 2.0
+        return _Compute(forward=forward, backward=backward)
+
+    def _optimizer_time(self) -> FloatArray:
+        """Memory-bound update of the local shard (Rajbhandari et al. 2020, ZeRO >= 1)."""
+        per_param = SGD_BYTES_PER_PARAM if self.training.optimizer == "sgd" else ADAM_BYTES_PER_PARAM
+        shard = self.config.dp if self.config.zero_stage >= 1 else 1
+        return np.asarray(
+            self.stage_params * per_param / shard / self.device.memory_bandwidth, dtype=np.float64
+        )
+
+    # ---- communication under a placement --------------------------------------------
+    def _placement(self, placement: Sequence[int] | npt.NDArray[np.integer] | None) -> IntArray:
+        if placement is None:
+            return np.asarray(self.config.devices(), dtype=np.int64)
+        arr = np.asarray(placement, dtype=np.int64)
+        if arr.shape != (self.config.world,):
+            raise SpecError(
+                f"placement has {arr.size} entries, the candidate has {self.config.world} ranks",
+                field="config.placement", fix="give one device index per rank",
+            )
+        if arr.min() < 0 or arr.max() >= self.cluster.world:
+            raise SpecError(
+                f"placement uses device {int(arr.max())}, the cluster has {self.cluster.world}",
+                field="config.placement", fix=f"use device indices 0..{self.cluster.world - 1}",
+            )
+        return arr
+
+    def _parts(self, placement: Sequence[int] | npt.NDArray[np.integer] | None) -> dict[str, float]:
+        cfg, k = self.config, self.k
+        p, dp, tp, m, v = cfg.pp, cfg.dp, cfg.tp, self.m, self.v
+        grid = comm.device_grid(cfg, self._placement(placement))
+        frac = k.link_fraction
+
+        # Tensor parallelism (Shoeybi et al. 2019, sec. 3): per layer 2 all-reduces of
+        # T h forward, 2 backward, 2 more when full recomputation re-runs the forward;
+        # plus the vocabulary-parallel embedding's and LM head's input all-reduce.
+        bw, lat = comm.clique_links(self.cluster, comm.tp_groups(grid))
+        per_ar = comm.allreduce_time(self.act_bytes, tp, bw * frac, lat).reshape(p, dp)
+        if tp > 1:
+            per_ar = per_ar + k.collective_overhead_s
+        n_ar = 4.0 + (2.0 if cfg.recompute == "full" else 0.0)
+        n_layer_ar = self.layers * n_ar
+        n_layer_ar[0] += 2.0
+        n_layer_ar[-1] += 2.0
+        t_tp = per_ar * n_layer_ar[:, None]  # (p, dp)
+
+        # Pipeline p2p: one activation forward and one gradient backward per boundary
+        # and micro-batch; v chunks per device cross v times, the last wrapping to stage 0.
+        t_pp = np.zeros((p, dp))
+        if p > 1:
+            pipes = comm.pp_groups(grid).reshape(dp, tp, p)
+            nxt = np.roll(pipes, -1, axis=2)
+            bw_n, lat_n = comm.pair_links(self.cluster, pipes, nxt)
+            hop = comm.p2p_time(self.act_bytes, bw_n * frac, lat_n).max(axis=1).T  # (p, dp)
+            hop = hop + k.collective_overhead_s
+            if v == 1:
+                hop[-1] = 0.0  # no wrap-around for plain 1F1B
+            # Stage s sends forward over hop s and receives the backward gradient over it.
+            t_pp = v * (hop + np.roll(hop, 1, axis=0))
+
+        # Data parallelism: ring all-reduce of the gradients (ZeRO-1 reduce-scatter +
+        # all-gather moves the same bytes; Rajbhandari et al. 2020, sec. 7).
+        bw_d, lat_d = comm.ring_links(self.cluster, comm.dp_groups(grid))
+        bw_d = (bw_d * frac).reshape(p, tp)
+        lat_d = lat_d.reshape(p, tp)
+        gb = self.grad_bytes[:, None]
+        t_z3 = np.zeros((p, dp))
+        t_dp_mb = np.zeros(p)
+        back = self.compute.backward
+        if cfg.zero_stage <= 1:
+            t_dp = comm.allreduce_time(gb, dp, bw_d, lat_d).max(axis=1)
+        else:
+            # ZeRO-2/3 reduce-scatter the gradients at every micro-batch's backward and
+            # all-gather the updated parameters once (stage 2) or at use (stage 3).
+            rs = comm.reduce_scatter_time(gb, dp, bw_d, lat_d).max(axis=1)
+            t_dp_mb = np.maximum(rs - k.dp_overlap * back, 0.0)
+            ag = comm.allgather_time(gb, dp, bw_d, lat_d).max(axis=1)
+            t_dp = ag if cfg.zero_stage == 2 else np.zeros(p)
+            if cfg.zero_stage == 3:
+                # Parameter gathers before each forward and backward (and the recomputed
+                # forward), prefetched under compute (Rajbhandari et al. 2020, sec. 5.3).
+                n_g = 2.0 + (1.0 if cfg.recompute == "full" else 0.0)
+                comp = self.compute.forward + back
+                t_z3 = np.maximum(n_g * ag - k.dp_overlap * comp, 0.0)[:, None] * np.ones(dp)
+        t_dp_exposed = np.maximum(t_dp - k.dp_overlap * back, 0.0)
+
+        # Critical path: per pipeline replica, then the slowest replica.
+        comp = (self.compute.forward + self.compute.backward)[:, None]
+        stage = comp + t_tp + t_pp + t_z3 + t_dp_mb[:, None]  # (p, dp)
+        pipe = m * stage.max(axis=0) + (stage.sum(axis=0) - stage.max(axis=0)) / v
+        d = int(np.argmax(pipe))
+        s = int(np.argmax(stage[:, d]))
+
+        # Tied embeddings split over stages: all-reduce of the embedding gradient between
+        # the first and last stage (Shoeybi et al. 2019, Megatron-LM's embedding group).
+        t_emb = 0.0
+        if p > 1 and self.model.tied_embeddings:
+            first, last = grid[0].reshape(-1), grid[-1].reshape(-1)
+            bw_e, lat_e = comm.pair_links(self.cluster, first, last)
+            nbytes = self.model.vocab * self.model.hidden / tp * self.training.dtype_bytes
+            t_emb = float(comm.allreduce_time(nbytes, 2, bw_e * frac, lat_e).max())
+
+        return {
+            "compute": m * float(comp[s, 0]),
+            "tp_comm": m * float(t_tp[s, d]),
+            "pp_comm": m * float(t_pp[s, d]),
+            "dp_comm": m * float(t_dp_mb[s]) + float(t_dp_exposed.max()),
+            "zero3_gather": m * float(t_z3[s, d]),
+            "bubble": float(pipe[d]) - m * float(stage[s, d]),
+            "optimizer": float(self.opt_time.max()),
+            "embedding_sync": t_emb,
+        }
+
+    # ---- public -----------------------------------------------------------------------
+    def step_time(self, placement: Sequence[int] | npt.NDArray[np.integer] | None = None) -> float:
+        """Seconds per optimizer step (the fast path of the placement optimizer)."""
+        return float(sum(self._parts(placement).values()))
+
+    def estimate(self, placement: Sequence[int] | npt.NDArray[np.integer] | None = None) -> PerfEstimate:
+        parts = self._parts(placement)
+        breakdown = {key: parts[key] for key in TIME_PARTS}
+        step = float(sum(breakdown.values()))
+        tokens = float(self.training.tokens_per_step)
+        flops_peak = step * self.config.world * self.peak
+        return PerfEstimate(
+            step_time=step,
+            breakdown=breakdown,
+            tokens_per_s=tokens / step,
+            mfu=self.model_flops / flops_peak,
+        )
+
+
+def estimate_perf(
+    model: ModelSpec, training: TrainingSpec, config: ParallelConfig, cluster: ClusterProfile
+) -> PerfEstimate:
+    """Convenience: ``PerfModel(...).estimate()`` for the config's own placement."""
+    return PerfModel(model, training, config, cluster).estimate()
+
+
+# ---- helpers ----------------------------------------------------------------------------
+def _check(model: ModelSpec, training: TrainingSpec, config: ParallelConfig, cluster: ClusterProfile) -> None:
+    if config.world > cluster.world:
+        raise SpecError(
+            f"the candidate needs {config.world} devices, the cluster has {cluster.world}",
+            field="config", fix="lower tp x pp x dp or use a larger cluster",
+        )
+    if config.global_batch != training.global_batch:
+        raise SpecError(
+            f"config global batch {config.global_batch} differs from training {training.global_batch}",
+            field="config.global_batch", fix="use the training spec's global batch",
+        )
+
+
+def _slowest_device(cluster: ClusterProfile, dtype: str) -> DeviceSpec:
+    """The device with the lowest peak: synchronous training runs at its pace everywhere."""
+    return min((d.spec for d in cluster.devices), key=lambda spec: spec.peak(dtype))
+
+
+def _stage_params(model: ModelSpec, training: TrainingSpec, config: ParallelConfig) -> FloatArray:
+    """Trainable parameters held by one device of each stage (Megatron split by tp)."""
+    layers = np.asarray(config.layers_per_stage(model.layers), dtype=np.float64)
+    if training.is_lora and training.lora is not None:
+        lora = training.lora
+        shapes = model.linear_shapes()
+        per_layer = sum(lora.rank * (shapes[t][0] + shapes[t][1]) for t in lora.targets)
+        return layers * per_layer / config.tp
+    params = layers * model.layer_params()
+    params[0] += model.embedding_params()
+    # The last stage holds the head; tied embeddings keep a copy there only when pp > 1.
+    head = model.head_params()
+    if model.tied_embeddings and config.pp > 1:
+        head += model.vocab * model.hidden
+    params[-1] += head
+    return np.asarray(params / config.tp, dtype=np.float64)
+
+
+def _model_flops(model: ModelSpec, training: TrainingSpec) -> float:
+    """Model FLOPs of one step without recomputation: forward + 2x backward
+    (Narayanan et al. 2021, appendix; the Megatron formula counts the full attention square).
+    """
+    return 3.0 * model.forward_flops_per_token(training.seq_len) * training.tokens_per_step
+
+
+__all__ = ["PerfConstants", "PerfModel", "estimate_perf"]
