@@ -136,7 +136,7 @@ def make_plan(
         perf_model = PerfModel(model, training, placed, cluster)
         perf = perf_model.estimate()
         planned.append((Planned(placed, mem, perf, perf.step_time), perf_model))
-    planned.sort(key=lambda p: (p[0].perf.step_time, p[0].config.label))
+    planned.sort(key=lambda p: _rank_key(p[0]))
 
     improved = []
     for item, perf_model in planned[:optimize_top]:
@@ -147,9 +147,14 @@ def make_plan(
                     item.default_step_time, result.method)
         )
     ranked = improved + [p for p, _ in planned[optimize_top:]]
-    ranked.sort(key=lambda p: (p.perf.step_time, p.config.label))
+    ranked.sort(key=_rank_key)
     oom.sort(key=lambda d: d.memory.shortfall(margin))
     return Plan(model, training, cluster, ranked, dropped, oom, margin, space.total)
+
+
+def _rank_key(p: Planned) -> tuple[float, int, str]:
+    """Fastest first; among equally fast ones the one with the most memory headroom."""
+    return (p.perf.step_time, p.memory.peak_bytes, p.config.label)
 
 
 def _no_valid_candidate(
