@@ -16,8 +16,9 @@ Three steps, each cheaper than the next is useful:
    accept a worse state with probability ``exp(-dC / T)``) over structured moves that keep
    the rank layout meaningful: swap two devices, two TP groups, two stages, two DP replicas
    (whole pipelines), reverse a segment of a DP ring or of the pipeline, or trade a used
-   device for an idle one. The best placement seen is returned; the default is evaluated
-   first, so the answer is never worse than it.
+   device for an idle one, restarting from the best after a long plateau. It starts from
+   the better of the default and the rank order (both evaluated) and returns the best
+   placement seen, so the answer is never worse than either.
 """
 
 from __future__ import annotations
@@ -42,12 +43,15 @@ PlacementCost = Callable[[IntArray], float]
 # Two link figures closer than this (relative) are the same figure: the matrices go through
 # unit conversions and sums, so exact float equality would miss equal links.
 _SAME_RTOL = 1e-9
-# Annealing temperature, relative to the default's cost: starts accepting a move 5 % worse
-# with probability 1/e and ends near pure descent. Chosen on the slow-link unit clusters.
-_T_START = 0.05
+# Annealing temperature, relative to the start's cost: a move 1 % worse is first accepted
+# with probability 1/e, at the end almost never. Picked (with the restart share below) on ten
+# slow-link clusters x degrees, against 0.05 and 0.002, by the gap to 30000-evaluation runs.
+_T_START = 0.01
 _T_END = 1e-4
 # Stop after this share of the budget without a new best (the tail of a cold anneal).
 _STALL_SHARE = 0.35
+# Go back to the best placement after this share of ``stall`` proposals without a gain.
+_RESTART_SHARE = 0.25
 # Relative weights of the structured moves (see ``_propose``).
 _MOVE_WEIGHTS = {
     "device": 4.0, "idle": 2.0, "tp_group": 2.0, "stage": 1.0, "replica": 1.0,
@@ -128,9 +132,16 @@ def optimize_placement(
                     best, best_cost = p, c
             method = "default" if best is start else "layout"
             return PlacementResult(_tuple(best), best_cost, default_cost, evaluator.calls, method)
+    # The rank order is what a user gets without Pipette: never answer worse than it either.
+    naive = np.arange(config.world, dtype=np.int64)
+    naive_cost = evaluator(naive) if max_evaluations > 1 else math.inf
+    if naive_cost < default_cost:
+        start, start_cost = naive, naive_cost
+    else:
+        start_cost = default_cost
     rng = np.random.default_rng(seed)
     idle = np.setdiff1d(np.arange(cluster.world, dtype=np.int64), start)
-    best, best_cost = _anneal(config, start, idle, default_cost, evaluator, rng, max_evaluations)
+    best, best_cost = _anneal(config, start, idle, start_cost, evaluator, rng, max_evaluations)
     return PlacementResult(_tuple(best), best_cost, default_cost, evaluator.calls, "annealing")
 
 
@@ -201,18 +212,24 @@ def _best_index(primary: FloatArray, secondary: FloatArray, allowed: npt.NDArray
 
 def _greedy_cliques(bw: FloatArray, lat: FloatArray, size: int) -> IntArray:
     """Cut ``range(n)`` into cliques of ``size``, each grown by the member whose slowest
-    link to the clique is fastest. ``bw`` and ``lat`` are symmetric; rows in clique order."""
+    link to the clique is fastest. ``bw`` and ``lat`` are symmetric; rows in clique order.
+
+    Each clique is seeded with the worst-connected free member (largest sum of ``1/B``
+    to the free ones), so a device with slow links picks its best partners before they
+    are gone instead of being left over with whoever remains.
+    """
     n = bw.shape[0]
     free = np.ones(n, dtype=bool)
+    inv = 1.0 / bw
+    score = inv.sum(axis=1)
     groups = np.empty((n // size, size), dtype=np.int64)
     for g in range(n // size):
-        seed = int(np.argmax(free))
-        free[seed] = False
-        groups[g, 0] = seed
+        seed = _best_index(score, score, free, largest=True)
         min_bw, max_lat = bw[seed].copy(), lat[seed].copy()
-        for k in range(1, size):
-            j = _best_index(min_bw, max_lat, free, largest=True)
+        for k in range(size):
+            j = seed if k == 0 else _best_index(min_bw, max_lat, free, largest=True)
             free[j] = False
+            score -= inv[:, j]
             groups[g, k] = j
             np.minimum(min_bw, bw[j], out=min_bw)
             np.maximum(max_lat, lat[j], out=max_lat)
@@ -361,11 +378,17 @@ def _anneal(
     scale = start_cost if math.isfinite(start_cost) and start_cost > 0 else 1.0
     cur_cost = best_cost = start_cost
     best = start
+    # Counted in proposals, not evaluations: on a small cluster most proposals are
+    # placements already seen, which cost nothing but find nothing either.
     stall = max(50, int(_STALL_SHARE * budget))
-    last_gain = evaluate.calls
-    for _ in range(20 * budget):  # cache hits cost no evaluation; bound the loop anyway
-        if evaluate.calls >= budget or evaluate.calls - last_gain > stall:
+    last_gain = last_restart = 0
+    best_state = state
+    for step in range(20 * budget):
+        if evaluate.calls >= budget or step - last_gain > stall:
             break
+        if step - max(last_gain, last_restart) > _RESTART_SHARE * stall:
+            # Lost on a plateau of the max-type cost: go back to the best and walk again.
+            state, cur_cost, last_restart = best_state, best_cost, step
         frac = evaluate.calls / budget
         temp = scale * _T_START * (_T_END / _T_START) ** frac
         cand = _propose(names[rng.choice(len(names), p=weights)], state, config, rng)
@@ -374,7 +397,7 @@ def _anneal(
         if delta <= 0 or (math.isfinite(c) and rng.random() < math.exp(-delta / temp)):
             state, cur_cost = cand, c
             if c < best_cost:
-                best, best_cost, last_gain = cand[:world].copy(), c, evaluate.calls
+                best, best_cost, best_state, last_gain = cand[:world].copy(), c, cand, step
     return best, best_cost
 
 
