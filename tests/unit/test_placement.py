@@ -107,6 +107,15 @@ def test_default_keeps_each_tp_group_inside_one_node(
     assert np.all(nodes == nodes[:, :1])
 
 
+def test_default_builds_tp_cliques_around_a_slow_pair() -> None:
+    cluster = _cluster(2, 4, [{"devices": [0, 1], "factor": 8}])
+    config = _config(2, 2, 2)
+    groups = comm.tp_groups(comm.device_grid(config, default_placement(config, cluster)))
+    assert not any({0, 1} <= set(g.tolist()) for g in groups)
+    nodes = cluster.node_of[groups]
+    assert np.all(nodes == nodes[:, :1])
+
+
 def test_the_greedy_returns_whole_nodes_in_rank_order_on_a_two_level_cluster() -> None:
     # default_placement skips the greedy on two-level clusters because of this.
     for cluster in (_cluster(2, 4), _cluster(4, 8), _cluster(3, 2)):
@@ -238,3 +247,21 @@ def test_too_many_ranks_or_no_budget_are_spec_errors() -> None:
     with pytest.raises(SpecError) as e:
         optimize_placement(_config(2, 1, 2), cluster, lambda p: 1.0, max_evaluations=0)
     assert e.value.field == "max_evaluations"
+
+
+@pytest.mark.parametrize("degrees", [(4, 2, 4), (2, 4, 4)])
+def test_real_perf_model_step_time_is_never_worse_than_the_default(degrees: tuple[int, int, int]) -> None:
+    from pipette.model import ModelSpec
+    from pipette.perf import PerfModel
+    from pipette.training import TrainingSpec
+
+    config = ParallelConfig(tp=degrees[0], pp=degrees[1], dp=degrees[2], mbs=1, global_batch=64)
+    perf = PerfModel(ModelSpec.preset("llama2-13b"), TrainingSpec(global_batch=64, seq_len=4096),
+                     config, TWO_RACKS)
+    result = optimize_placement(config, TWO_RACKS, perf.step_time, max_evaluations=500)
+    assert result.method == "annealing"
+    assert result.cost <= result.default_cost
+    assert result.default_cost == pytest.approx(perf.step_time(default_placement(config, TWO_RACKS)))
+    assert result.cost == pytest.approx(perf.step_time(result.placement))
+    assert result.cost <= perf.step_time(naive_placement(config))
+    _assert_placement(result.placement, config, TWO_RACKS)
