@@ -108,7 +108,12 @@ def optimize_placement(
     seed: int = 0,
     max_evaluations: int = 2000,
 ) -> PlacementResult:
-    """The placement with the lowest ``cost`` found; never worse than the default."""
+    """The placement with the lowest ``cost`` found; never worse than the default.
+
+    ``cost`` gets a read-only ``(world,)`` array of device indices (e.g.
+    ``PerfModel.step_time``) and is called at most ``max_evaluations`` times, once per
+    distinct placement. Deterministic for a given ``seed``.
+    """
     if isinstance(max_evaluations, bool) or not isinstance(max_evaluations, int) or max_evaluations < 1:
         raise SpecError(
             f"is {max_evaluations!r}", field="max_evaluations", fix="give a positive whole number"
@@ -117,21 +122,10 @@ def optimize_placement(
     evaluator = _Evaluator(cost)
     default_cost = evaluator(start)
     levels = _two_level(cluster)
-    if levels is not None and config.world <= levels.node_size:
-        # Every link the job uses is an intra-node link, the fastest there is.
-        return PlacementResult(_tuple(start), default_cost, default_cost, evaluator.calls, "default")
-    if levels is not None and levels.flat:
-        return PlacementResult(_tuple(start), default_cost, default_cost, evaluator.calls, "default")
-    if levels is not None and config.world % levels.node_size == 0:
-        tilings = _node_tilings(config, levels)
-        if tilings:
-            best, best_cost = start, default_cost
-            for p in tilings:
-                c = evaluator(p)
-                if c < best_cost:
-                    best, best_cost = p, c
-            method = "default" if best is start else "layout"
-            return PlacementResult(_tuple(best), best_cost, default_cost, evaluator.calls, method)
+    if levels is not None:
+        found = _on_two_levels(config, levels, start, default_cost, evaluator, max_evaluations)
+        if found is not None:
+            return found
     # The rank order is what a user gets without Pipette: never answer worse than it either.
     naive = np.arange(config.world, dtype=np.int64)
     naive_cost = evaluator(naive) if max_evaluations > 1 else math.inf
@@ -143,6 +137,30 @@ def optimize_placement(
     idle = np.setdiff1d(np.arange(cluster.world, dtype=np.int64), start)
     best, best_cost = _anneal(config, start, idle, start_cost, evaluator, rng, max_evaluations)
     return PlacementResult(_tuple(best), best_cost, default_cost, evaluator.calls, "annealing")
+
+
+def _on_two_levels(
+    config: ParallelConfig, levels: _Levels, start: IntArray, start_cost: float,
+    evaluate: _Evaluator, budget: int,
+) -> PlacementResult | None:
+    """The answer without search on a two-level cluster, or None when there is none."""
+    if config.world <= levels.node_size or levels.flat:
+        # All links used are the fastest there are, or every placement costs the same.
+        return PlacementResult(_tuple(start), start_cost, start_cost, evaluate.calls, "default")
+    if config.world % levels.node_size:
+        return None
+    tilings = _node_tilings(config, levels)
+    if not tilings:
+        return None
+    best, best_cost = start, start_cost
+    for p in tilings:
+        if evaluate.calls >= budget:
+            break
+        c = evaluate(p)
+        if c < best_cost:
+            best, best_cost = p, c
+    method = "default" if best is start else "layout"
+    return PlacementResult(_tuple(best), best_cost, start_cost, evaluate.calls, method)
 
 
 # ---- the default ------------------------------------------------------------------
