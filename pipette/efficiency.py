@@ -6,8 +6,9 @@ We use a saturating (Michaelis-Menten / roofline-knee) curve in the FLOPs of one
 ``x``, as in the compute models of vTrain (Bang et al. 2024, sec. 4.2, profiled
 per-operator throughput) and Calculon (Isaev et al. 2023, sec. 3.2, efficiency tables):
 
-    eff(x) = eff_max * x / (x + x_half)
+    eff(x) = eff_max * r / (1 + r),   r = (x / x_half) ** n
 
+(a Hill curve; ``n = 1`` is the plain hyperbola) 
 ``eff_max`` is the fraction of the data-sheet peak that large GEMMs reach and ``x_half``
 the GEMM size at which half of it is reached. Both are physical properties of a device
 family. When the device probe has measured points (``DeviceSpec.efficiency``), those are
@@ -28,10 +29,12 @@ FloatArray = npt.NDArray[np.float64]
 
 @dataclass(frozen=True)
 class EfficiencyCurve:
-    """``eff(x) = max_fraction * x / (x + half_flops)``, or measured points when given."""
+    """``eff(x) = max_fraction * r / (1 + r)``, ``r = (x / half_flops) ** steepness``,
+    or measured points when given."""
 
     max_fraction: float
     half_flops: float
+    steepness: float = 1.0
     points: tuple[tuple[float, float], ...] = ()
 
     def __call__(self, gemm_flops: float | FloatArray) -> FloatArray:
@@ -43,7 +46,8 @@ class EfficiencyCurve:
             return np.asarray(np.clip(np.interp(np.log(x), xs, ys), 1e-3, 1.0), dtype=np.float64)
         if len(self.points) == 1:
             return np.full_like(x, float(np.clip(self.points[0][1], 1e-3, 1.0)))
-        return np.asarray(self.max_fraction * x / (x + self.half_flops), dtype=np.float64)
+        r = (x / self.half_flops) ** self.steepness
+        return np.asarray(self.max_fraction * r / (1.0 + r), dtype=np.float64)
 
 
 # ---- fitted constants --------------------------------------------------------------
@@ -53,10 +57,12 @@ class EfficiencyCurve:
 # bf16). They differ per family because the achieved fraction of the tensor-core peak and
 # the size needed to fill the SMs are properties of the chip (108 SMs vs 132 SMs, HBM2e vs
 # HBM3), which is why the constant is per family.
-A100_MAX_FRACTION = 0.80  # vTrain A100 set
-A100_HALF_FLOPS = 2.0e9  # vTrain A100 set
-H100_MAX_FRACTION = 0.70  # Ultra-Scale H100 set
-H100_HALF_FLOPS = 8.0e9  # Ultra-Scale H100 set
+A100_MAX_FRACTION = 0.710  # vTrain A100 set
+A100_HALF_FLOPS = 1.27e10  # vTrain A100 set
+H100_MAX_FRACTION = 0.672  # Ultra-Scale H100 set (healthy rows)
+H100_HALF_FLOPS = 5.06e10  # Ultra-Scale H100 set (healthy rows)
+# Hill exponent of the curve, shared by the families (both sets).
+STEEPNESS = 1.20
 # Devices of no calibrated family (and CPU workers, whose peak comes from the probe):
 # the A100 curve, the best-documented one, is the neutral default.
 DEFAULT_MAX_FRACTION = A100_MAX_FRACTION
@@ -79,13 +85,13 @@ def default_curve(device: DeviceSpec) -> EfficiencyCurve:
     """The calibrated curve of the device's family, or its measured points when present."""
     fam = family(device)
     if fam == "a100":
-        curve = EfficiencyCurve(A100_MAX_FRACTION, A100_HALF_FLOPS)
+        curve = EfficiencyCurve(A100_MAX_FRACTION, A100_HALF_FLOPS, STEEPNESS)
     elif fam == "h100":
-        curve = EfficiencyCurve(H100_MAX_FRACTION, H100_HALF_FLOPS)
+        curve = EfficiencyCurve(H100_MAX_FRACTION, H100_HALF_FLOPS, STEEPNESS)
     else:
-        curve = EfficiencyCurve(DEFAULT_MAX_FRACTION, DEFAULT_HALF_FLOPS)
+        curve = EfficiencyCurve(DEFAULT_MAX_FRACTION, DEFAULT_HALF_FLOPS, STEEPNESS)
     if device.efficiency:
-        return EfficiencyCurve(curve.max_fraction, curve.half_flops, device.efficiency)
+        return EfficiencyCurve(curve.max_fraction, curve.half_flops, curve.steepness, device.efficiency)
     return curve
 
 

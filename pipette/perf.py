@@ -48,16 +48,25 @@ IntArray = npt.NDArray[np.int64]
 # ---- fitted constants (tests/benchmarks/accuracy.py --fit) ---------------------------
 # Achieved fraction of a link's bandwidth by NCCL collectives (bus bandwidth / link
 # bandwidth). Fitted on the vTrain A100 and Ultra-Scale H100 sets together.
-LINK_FRACTION = 0.75
+LINK_FRACTION = 1.0
 # Fixed time per transformer layer per forward-equivalent pass (kernel launches,
 # layer norms, residual adds, the small ops a GEMM count misses). vTrain + Ultra-Scale.
-LAYER_OVERHEAD_S = 100e-6
+LAYER_OVERHEAD_S = 0.0
 # Fraction of the last micro-batch's backward compute that hides the bucketed gradient
 # reduction (and ZeRO-3 prefetched gathers). vTrain + Ultra-Scale.
-DP_OVERLAP = 0.5
+DP_OVERLAP = 0.0
 # Fixed cost of one blocking collective or p2p call on the critical path (NCCL launch and
 # the skew of the ranks it synchronises). vTrain + Ultra-Scale.
-COLLECTIVE_OVERHEAD_S = 50e-6
+COLLECTIVE_OVERHEAD_S = 0.0
+# Activation-sized (T x h) memory passes per layer forward that no GEMM counts: norms,
+# residual adds, dropout, bias and activation functions. Megatron-LM without sequence
+# parallelism replicates the norms and residuals on every TP rank (Korthikanti et al.
+# 2022, sec. 4.2.2), so these passes are not divided by tp. vTrain + Ultra-Scale.
+ELEMENTWISE_PASSES = 11.7
+# Passes over the attention scores (mbs x heads/tp x s x s) per layer forward: scale,
+# mask, softmax, dropout in unfused attention (Korthikanti et al. 2022, eq. 2 counts
+# these tensors). FlashAttention (Dao et al. 2022) never writes them. vTrain + Ultra-Scale.
+SCORE_PASSES = 2.89
 
 # ---- counted, not fitted ----------------------------------------------------------
 # Bytes of memory touched per parameter by one mixed-precision Adam(W) step
@@ -85,6 +94,8 @@ class PerfConstants:
     layer_overhead_s: float = LAYER_OVERHEAD_S
     dp_overlap: float = DP_OVERLAP
     collective_overhead_s: float = COLLECTIVE_OVERHEAD_S
+    elementwise_passes: float = ELEMENTWISE_PASSES
+    score_passes: float = SCORE_PASSES
     curve: EfficiencyCurve | None = field(default=None)
 
 
@@ -156,9 +167,14 @@ class PerfModel:
         attn_gemm = 2.0 * t * s * model.hidden / tp * 0.5
         attn_f = self._gemm_time(attn_gemm, 2)
         attn_b = 2.0 * attn_f
+        # Memory-bound ops: activation passes and attention-score passes, at the device's
+        # memory bandwidth (roofline: bytes / bandwidth; Williams et al. 2009).
+        b, bw = tr.dtype_bytes, self.device.memory_bandwidth
+        elementwise = self.k.elementwise_passes * t * model.hidden * b / bw
+        scores = self.k.score_passes * t * s * model.heads / tp * b / bw
         over = self.k.layer_overhead_s
-        layer_f = lin_f + attn_f + over
-        layer_b = lin_b + attn_b + 2.0 * over
+        layer_f = lin_f + attn_f + elementwise + scores + over
+        layer_b = lin_b + attn_b + 2.0 * (elementwise + scores + over)
         # Recomputation (Korthikanti et al. 2022, sec. 4): full re-runs the layer's forward
         # in the backward; selective re-runs only the attention core.
         if cfg.recompute == "full":
