@@ -8,7 +8,7 @@ per-operator throughput) and Calculon (Isaev et al. 2023, sec. 3.2, efficiency t
 
     eff(x) = eff_max * r / (1 + r),   r = (x / x_half) ** n
 
-(a Hill curve; ``n = 1`` is the plain hyperbola) 
+(a Hill curve; ``n = 1`` is the plain hyperbola)
 ``eff_max`` is the fraction of the data-sheet peak that large GEMMs reach and ``x_half``
 the GEMM size at which half of it is reached. Both are physical properties of a device
 family. When the device probe has measured points (``DeviceSpec.efficiency``), those are

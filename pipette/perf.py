@@ -276,11 +276,20 @@ class PerfModel:
         t_dp_exposed = np.maximum(t_dp - k.dp_overlap * back, 0.0)
 
         # Critical path: per pipeline replica, then the slowest replica.
-        comp = (self.compute.forward + self.compute.backward)[:, None]
-        stage = comp + t_tp + t_pp + t_z3 + t_dp_mb[:, None]  # (p, dp)
-        pipe = m * stage.max(axis=0) + (stage.sum(axis=0) - stage.max(axis=0)) / v
+        comp = self.compute.forward + self.compute.backward  # (p,)
+        comms = {"tp_comm": t_tp, "pp_comm": t_pp, "zero3_gather": t_z3,
+                 "dp_comm": np.repeat(t_dp_mb[:, None], dp, axis=1)}
+        stage = comp[:, None] + sum(comms.values())  # (p, dp)
+        pipe = _pipeline(stage, m, v)
         d = int(np.argmax(pipe))
-        s = int(np.argmax(stage[:, d]))
+        # Attribution: compute and its bubble are the pipeline without communication
+        # (placement-independent); what communication adds to the critical path is split
+        # over its kinds by their weight in the same formula.
+        ideal = float(_pipeline(comp[:, None], m, v)[0])
+        exposed = float(pipe[d]) - ideal
+        weights = {key: float(_pipeline(c[:, d : d + 1], m, v)[0]) for key, c in comms.items()}
+        total = sum(weights.values())
+        share = {key: (exposed * w / total if total > 0 else 0.0) for key, w in weights.items()}
 
         # Tied embeddings split over stages: all-reduce of the embedding gradient between
         # the first and last stage (Shoeybi et al. 2019, Megatron-LM's embedding group).
@@ -292,12 +301,12 @@ class PerfModel:
             t_emb = float(comm.allreduce_time(nbytes, 2, bw_e * frac, lat_e).max())
 
         return {
-            "compute": m * float(comp[s, 0]),
-            "tp_comm": m * float(t_tp[s, d]),
-            "pp_comm": m * float(t_pp[s, d]),
-            "dp_comm": m * float(t_dp_mb[s]) + float(t_dp_exposed.max()),
-            "zero3_gather": m * float(t_z3[s, d]),
-            "bubble": float(pipe[d]) - m * float(stage[s, d]),
+            "compute": m * float(comp.max()),
+            "tp_comm": share["tp_comm"],
+            "pp_comm": share["pp_comm"],
+            "dp_comm": share["dp_comm"] + float(t_dp_exposed.max()),
+            "zero3_gather": share["zero3_gather"],
+            "bubble": ideal - m * float(comp.max()),
             "optimizer": float(self.opt_time.max()),
             "embedding_sync": t_emb,
         }
@@ -340,6 +349,13 @@ def _check(model: ModelSpec, training: TrainingSpec, config: ParallelConfig, clu
             f"config global batch {config.global_batch} differs from training {training.global_batch}",
             field="config.global_batch", fix="use the training spec's global batch",
         )
+
+
+def _pipeline(stage: FloatArray, m: int, v: int) -> FloatArray:
+    """1F1B time of each pipeline (column) from per-stage micro-batch times (rows):
+    ``m * max_s t_s + (sum_s t_s - max_s t_s) / v`` (Narayanan et al. 2021, sec. 2.2)."""
+    top = stage.max(axis=0)
+    return np.asarray(m * top + (stage.sum(axis=0) - top) / v, dtype=np.float64)
 
 
 def _slowest_device(cluster: ClusterProfile, dtype: str) -> DeviceSpec:
