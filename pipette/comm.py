@@ -10,6 +10,19 @@ Ring algorithms (Thakur, Rabenseifner and Gropp 2005; Patarasuk and Yuan 2009), 
 
 A ring moves at the pace of its slowest hop, so each group is reduced to one bottleneck
 bandwidth and one worst latency taken from the cluster's matrices under the placement.
+
+Groups that span nodes (``channel_links``): NCCL splits a collective over several
+channels, rings (or trees) run in parallel, each crossing a node boundary through a
+different device's NIC (NCCL's rail-aligned channels: NCCL environment-variable docs,
+NCCL_CROSS_NIC and NCCL_MIN_NCHANNELS; bus bandwidth as in nccl-tests doc/PERFORMANCE.md;
+Jeaugey, NCCL, GTC 2019). A group with ``k`` members on a node therefore moves data across that node's cut at
+``k`` times its members' inter-node bandwidth, not at one link's speed:
+
+    B_group = min( min over intra-node pairs b_ij,
+                   min over nodes N of  k_N * min_{i in N, j not in N} b_ij )
+
+The slowest member of a node sets its node's rate (``k_N`` channels each as slow as it),
+so a slow link still slows every group that uses it.
 """
 
 from __future__ import annotations
@@ -76,6 +89,34 @@ def clique_links(cluster: ClusterProfile, groups: IntArray) -> tuple[FloatArray,
     sub_bw = cluster.bandwidth[groups[:, :, None], groups[:, None, :]]
     sub_lat = cluster.latency[groups[:, :, None], groups[:, None, :]]
     return sub_bw.min(axis=(1, 2)), sub_lat.max(axis=(1, 2))
+
+
+def channel_links(
+    cluster: ClusterProfile, groups: IntArray, cut_fraction: float = 1.0
+) -> tuple[FloatArray, FloatArray]:
+    """Bottleneck bandwidth of each group with one channel per member across node cuts.
+
+    ``groups`` is ``(g, n)``. The bandwidth is the rule of the module docstring: the
+    slowest intra-node pair, and per node ``k_N`` times the slowest inter-node link of its
+    members, times ``cut_fraction`` (the achieved share of the summed NIC bandwidth, a
+    calibration of the caller). The latency is the worst pair's. Groups of one device get
+    infinite bandwidth.
+    """
+    groups = np.asarray(groups, dtype=np.int64)
+    g, n = groups.shape
+    if n <= 1:
+        return np.full(g, np.inf), np.zeros(g)
+    sub_bw = cluster.bandwidth[groups[:, :, None], groups[:, None, :]]  # (g, n, n)
+    sub_lat = cluster.latency[groups[:, :, None], groups[:, None, :]]
+    node = cluster.node_of[groups]  # (g, n)
+    same = node[:, :, None] == node[:, None, :]  # diagonal included: b_ii is inf
+    intra = np.where(same, sub_bw, np.inf).min(axis=(1, 2))
+    # Each member's slowest link off its node, then the slowest member of each node.
+    off = np.where(same, np.inf, sub_bw).min(axis=2)  # (g, n)
+    node_min = np.where(same, off[:, None, :], np.inf).min(axis=2)  # (g, n), per member's node
+    k = same.sum(axis=2)  # members on each member's node
+    cut = (k * node_min).min(axis=1) * cut_fraction
+    return np.minimum(intra, cut), sub_lat.max(axis=(1, 2))
 
 
 def pair_links(cluster: ClusterProfile, src: IntArray, dst: IntArray) -> tuple[FloatArray, FloatArray]:

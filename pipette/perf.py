@@ -49,6 +49,13 @@ IntArray = npt.NDArray[np.int64]
 # Achieved fraction of a link's bandwidth by NCCL collectives (bus bandwidth / link
 # bandwidth). Fitted on the vTrain A100 and Ultra-Scale H100 sets together.
 LINK_FRACTION = 1.0
+# Achieved fraction of the summed NIC bandwidth when a tensor-parallel group crosses a
+# node cut on one NCCL channel per member (pipette.comm.channel_links). Scanned on the
+# Ultra-Scale H100 healthy rows (0.3..0.7; 0.4 best on tp 16/32, 8x H100 + EFA nodes).
+# Data-parallel rings keep one link's speed: the same rule for them made the large-dp
+# rows, already predicted too fast, worse (accuracy.py: healthy MAPE 33.9% -> 34.6%,
+# median top-1 regret 6.7% -> 10.8%).
+CUT_FRACTION = 0.4
 # Fixed time per transformer layer per forward-equivalent pass (kernel launches,
 # layer norms, residual adds, the small ops a GEMM count misses). vTrain + Ultra-Scale.
 LAYER_OVERHEAD_S = 0.0
@@ -91,6 +98,7 @@ class PerfConstants:
     """
 
     link_fraction: float = LINK_FRACTION
+    cut_fraction: float = CUT_FRACTION
     layer_overhead_s: float = LAYER_OVERHEAD_S
     dp_overlap: float = DP_OVERLAP
     collective_overhead_s: float = COLLECTIVE_OVERHEAD_S
@@ -225,7 +233,9 @@ class PerfModel:
         # Tensor parallelism (Shoeybi et al. 2019, sec. 3): per layer 2 all-reduces of
         # T h forward, 2 backward, 2 more when full recomputation re-runs the forward;
         # plus the vocabulary-parallel embedding's and LM head's input all-reduce.
-        bw, lat = comm.clique_links(self.cluster, comm.tp_groups(grid))
+        # A TP group spanning nodes crosses each node cut on one channel per member
+        # (comm.channel_links); within a node this is the clique's slowest link.
+        bw, lat = comm.channel_links(self.cluster, comm.tp_groups(grid), k.cut_fraction)
         per_ar = comm.allreduce_time(self.act_bytes, tp, bw * frac, lat).reshape(p, dp)
         if tp > 1:
             per_ar = per_ar + k.collective_overhead_s

@@ -206,3 +206,13 @@ def test_step_time_is_fast_for_1024_devices() -> None:
         pm.step_time(p)
     per_call = (time.perf_counter() - t0) / len(placements)
     assert per_call < 5e-3
+
+
+def test_tp_across_nodes_is_dragged_by_one_slow_nic_link() -> None:
+    # Two 8-GPU nodes: a TP group of 16 crosses the cut on 8 channels; one slow
+    # inter-node link sets the pace of all channels of its node (DESIGN: a slow link
+    # slows the group that uses it).
+    c = cluster(nodes=2, per_node=8, intra=300 * GB, inter=25 * GB)
+    wide = PerfModel(MODEL, TRAIN, cfg(tp=16), c).estimate().breakdown["tp_comm"]
+    slow = with_slow_link(c, 7, 15, 1 * GB)
+    assert PerfModel(MODEL, TRAIN, cfg(tp=16), slow).estimate().breakdown["tp_comm"] > wide
