@@ -2,7 +2,9 @@
 
 The backend for a candidate is DeepSpeed in every case (``backend_name``):
 pp == 1 runs the Hugging Face model under the DeepSpeed engine (ZeRO 0-3, AutoTP when
-tp > 1); pp > 1 runs it as a ``PipelineModule`` under DeepSpeed's pipeline engine.
+tp > 1); pp > 1 runs it as a ``PipelineModule`` under DeepSpeed's pipeline engine,
+with tp > 1 sharded by ``workers.tp_shard`` over the pipeline grid's model-parallel group
+(AutoTP cannot parse a ``PipelineModule``; the ``tensor_parallel`` block is then unused).
 """
 
 from __future__ import annotations
@@ -28,8 +30,6 @@ def refusals(trial: TrialSpec) -> list[str]:
         out.append(f"pp={c.pp} exceeds the {m.layers} layers")
     if c.pp > 1 and m.tied_embeddings:
         out.append("tied embeddings across pipeline stages are not supported by the runner yet")
-    if c.pp > 1 and c.tp > 1:
-        out.append("DeepSpeed AutoTP inside its pipeline engine is not supported by the runner")
     if c.tp > 1:
         for name, width in (("heads", m.heads), ("kv_heads", m.kv_heads), ("ffn_hidden", m.ffn_hidden)):
             if width % c.tp:
@@ -53,7 +53,7 @@ def backend_name(trial: TrialSpec) -> str:
     c = trial.config
     parts = ["deepspeed", "pipeline" if c.pp > 1 else "engine", f"zero{c.zero_stage}"]
     if c.tp > 1:
-        parts.append("autotp")
+        parts.append("megatron-tp" if c.pp > 1 else "autotp")
     if trial.training.is_lora:
         parts.append("tp-lora" if c.tp > 1 else "peft-lora")
     return "+".join(parts)

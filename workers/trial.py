@@ -70,6 +70,7 @@ class Engine:
             model.config._attn_implementation = _selective_attention()
         hf: Any = model
         added: list[Any] = []
+        tp_group: Any = None
         module: Any = model
         if t.is_lora and t.lora is not None:
             if c.tp > 1:
@@ -80,6 +81,13 @@ class Engine:
         self.pipeline = c.pp > 1
         if self.pipeline:
             module = pipeline_module(hf, c.pp, c.dp, c.tp, recompute_layers=c.recompute == "full")
+            if c.tp > 1:
+                from workers.tp_shard import shard_layers
+
+                grid = module.mpu()
+                tp_group = grid.get_slice_parallel_group()
+                shard_layers(module, c.tp, grid.get_slice_parallel_rank(), tp_group)
+                ds_config = {k: v for k, v in ds_config.items() if k != "tensor_parallel"}
         elif c.recompute == "full":
             hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         params = [p for p in module.parameters() if p.requires_grad]
@@ -96,7 +104,7 @@ class Engine:
         if added:
             from deepspeed.utils import groups
 
-            attach_tp_lora(added, groups.get_tensor_model_parallel_group())
+            attach_tp_lora(added, tp_group if self.pipeline else groups.get_tensor_model_parallel_group())
         self.trainable = sum(p.numel() for p in params)
 
     def step(self) -> float:
