@@ -120,7 +120,8 @@ def _run(
     world = len(slots)
     host, port = ray.get(actors[0].address.remote(), timeout=60)
     files = {"candidate.json": json.dumps(trial.candidate()), "ds_config.json": json.dumps(trial.ds_config())}
-    argv = [sys.executable, "-m", "workers.train", "--deepspeed_config", "ds_config.json", "--candidate", "candidate.json"]
+    argv = [sys.executable, "-m", "workers.train",
+            "--deepspeed_config", "ds_config.json", "--candidate", "candidate.json"]
     start = time.monotonic()
     pids = []
     for rank, (_, local) in enumerate(slots):
@@ -165,7 +166,7 @@ def _run(
             outcome = _Outcome("oom")
         elif any(c != 0 for c in codes.values()):
             time.sleep(0.5)  # let the other ranks' last lines (an oom report) arrive
-            for rank, (lines, _) in enumerate(ray.get([a.poll.remote() for a in actors], timeout=60)):
+            for lines, _ in ray.get([a.poll.remote() for a in actors], timeout=60):
                 ooms += [e for e in map(json.loads, lines) if e.get("event") == "oom"]
             if ooms:
                 outcome = _Outcome("oom")

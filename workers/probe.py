@@ -40,7 +40,7 @@ def inventory(cpu_devices: int) -> dict[str, Any]:
         pynvml.nvmlInit()
     except (ImportError, OSError) as e:
         return host | {"kind": "cpu", "devices": _cpu_devices(cpu_devices), "nvml": str(e)}
-    except Exception as e:  # noqa: BLE001 - pynvml raises NVMLError_* subclasses of a dynamic base
+    except Exception as e:
         if type(e).__name__.startswith("NVMLError"):
             return host | {"kind": "cpu", "devices": _cpu_devices(cpu_devices), "nvml": type(e).__name__}
         raise

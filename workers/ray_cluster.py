@@ -32,7 +32,8 @@ def ensure_ray(num_cpus: int | None = None) -> None:
 def alive_nodes() -> list[dict[str, Any]]:
     """Ray's live nodes, the head first, then by address."""
     nodes = [n for n in ray.nodes() if n.get("Alive")]
-    return sorted(nodes, key=lambda n: (not n.get("Resources", {}).get("node:__internal_head__"), n["NodeManagerAddress"]))
+    head = "node:__internal_head__"
+    return sorted(nodes, key=lambda n: (not n.get("Resources", {}).get(head), n["NodeManagerAddress"]))
 
 
 def ray_node_ips(cluster: ClusterProfile) -> list[str]:

@@ -9,9 +9,8 @@ with tp > 1 sharded by ``workers.tp_shard`` over the pipeline grid's model-paral
 
 from __future__ import annotations
 
-from workers.spec import TrialSpec
-
 from pipette.errors import InfeasibleError
+from workers.spec import TrialSpec
 
 
 def refusals(trial: TrialSpec) -> list[str]:

@@ -23,6 +23,7 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         rows = linear.out_features // tp
         self.weight = nn.Parameter(linear.weight.detach()[tp_index * rows : (tp_index + 1) * rows].clone())
+        self.weight.requires_grad_(linear.weight.requires_grad)  # frozen under LoRA
         self.weight.model_parallel = True  # type: ignore[attr-defined]  # DeepSpeed's norm reads it
         self.group = group
 
@@ -36,6 +37,7 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         cols = linear.in_features // tp
         self.weight = nn.Parameter(linear.weight.detach()[:, tp_index * cols : (tp_index + 1) * cols].clone())
+        self.weight.requires_grad_(linear.weight.requires_grad)
         self.weight.model_parallel = True  # type: ignore[attr-defined]
         self.group = group
 

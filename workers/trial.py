@@ -104,6 +104,9 @@ class Engine:
         if added:
             from deepspeed.utils import groups
 
+            mine = {id(m) for m in module.modules()}  # a pipeline stage holds only its own layers
+            added = [(parent, name) for parent, name in added if id(parent) in mine]
+
             attach_tp_lora(added, tp_group if self.pipeline else groups.get_tensor_model_parallel_group())
         self.trainable = sum(p.numel() for p in params)
 
