@@ -149,8 +149,10 @@ def _profile(
         for peer, (t1, t2) in r["links"].items():
             j = int(peer)
             # t(S) = alpha + S / beta, from the two sizes (Hockney's model).
-            beta = (s2 - s1) / max(t2 - t1, 1e-9)
-            alpha = max(t1 - s1 / beta, 0.0)
+            # When noise makes the large message no slower than the small one (busy cores), the
+            # slope is meaningless: fall back to the bound S2 / t2 for beta and t1 for alpha.
+            beta = (s2 - s1) / (t2 - t1) if t2 > 1.05 * t1 else s2 / t2
+            alpha = max(t1 - s1 / beta, 0.0) if t2 > 1.05 * t1 else t1
             for a, b in ((r["rank"], j), (j, r["rank"])):
                 bandwidth[a, b], latency[a, b] = beta, alpha
     devices = []
