@@ -1,0 +1,30 @@
+"""Integration fixtures: one real local Ray for the session, DeepSpeed on CPU with gloo."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+pytest.importorskip("deepspeed")
+pytest.importorskip("ray")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def ray_session() -> Iterator[None]:
+    import ray
+
+    from workers.ray_cluster import ensure_ray
+
+    # DeepSpeed builds its CPU shared-memory comm op on first use (about a minute, once per
+    # machine, cached); build it here so no trial's timeout pays for it.
+    subprocess.run(
+        [sys.executable, "-c", "from deepspeed.comm.torch import build_shm_op; build_shm_op()"],
+        env={**os.environ, "DS_ACCELERATOR": "cpu"}, check=True, capture_output=True, timeout=600,
+    )
+    ensure_ray()
+    yield
+    ray.shutdown()

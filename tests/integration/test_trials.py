@@ -1,0 +1,153 @@
+"""Real trials: real Ray, real DeepSpeed, a tiny Llama, 2 and 4 CPU devices with gloo."""
+
+from __future__ import annotations
+
+import os
+import signal
+import statistics
+import time
+from dataclasses import replace
+
+import pytest
+
+from pipette.config import ParallelConfig
+from pipette.errors import InfeasibleError
+from pipette.model import ModelSpec
+from pipette.training import LORA_TARGETS, LoraSpec, TrainingSpec
+from workers.executor import StepReport, run_trial
+from workers.spec import TrialSpec
+
+MODEL = ModelSpec.preset("tiny-llama")
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+def trial(tp: int = 1, pp: int = 1, dp: int = 1, zero: int = 0, recompute: str = "none", method: str = "full",
+          mbs: int = 1, batch: int = 4, seq: int = 32, **options: object) -> TrialSpec:
+    training = TrainingSpec(global_batch=batch, seq_len=seq, dtype="fp32", method=method)  # type: ignore[arg-type]
+    config = ParallelConfig(tp=tp, pp=pp, dp=dp, mbs=mbs, global_batch=batch, zero_stage=zero, recompute=recompute)
+    kwargs: dict = {"warmup_steps": 2, "min_steps": 3, "max_steps": 4} | options
+    return TrialSpec(MODEL, training, config, **kwargs)
+
+
+CASES = {
+    "dp2-zero1-full": (trial(dp=2, zero=1), "deepspeed+engine+zero1"),
+    "dp2-zero2-lora": (trial(dp=2, zero=2, method="lora"), "deepspeed+engine+zero2+peft-lora"),
+    "dp2-zero3-recompute-full": (trial(dp=2, zero=3, recompute="full"), "deepspeed+engine+zero3"),
+    "tp2-full": (trial(tp=2), "deepspeed+engine+zero0+autotp"),
+    "tp2-lora-zero1-selective": (trial(tp=2, zero=1, method="lora", recompute="selective"),
+                                 "deepspeed+engine+zero1+autotp+tp-lora"),
+    "pp2-zero1-recompute-full": (trial(pp=2, zero=1, recompute="full"), "deepspeed+pipeline+zero1"),
+    "tp2xpp2-lora": (trial(tp=2, pp=2, method="lora"), "deepspeed+pipeline+zero0+megatron-tp+tp-lora"),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_candidate_runs_and_is_measured(name: str) -> None:
+    spec, backend = CASES[name]
+    seen: list[StepReport] = []
+    m = run_trial(spec, timeout_s=240, on_step=seen.append)
+    assert m.status == "ok", m.error
+    assert m.extra["backend"] == backend
+    assert spec.min_steps <= len(m.step_times) <= spec.max_steps
+    assert all(t > 0 for t in m.step_times)
+    assert len(m.peak_memory) == spec.config.world and min(m.peak_memory) > 0
+    assert len(m.extra["peak_rss_bytes"]) == spec.config.world
+    assert m.tokens_per_s is not None and m.tokens_per_s > 0
+    assert len(m.losses) == spec.warmup_steps + len(m.step_times)
+    assert [s.step for s in seen] == list(range(len(m.losses)))  # streamed as they happened
+    trainable_full = MODEL.total_params()
+    if spec.training.is_lora:
+        assert 0 < m.extra["trainable_params"] < trainable_full // 10
+    print(name, m.extra["backend"], [round(t, 4) for t in m.step_times])
+
+
+def _losses(spec: TrialSpec) -> list[float]:
+    m = run_trial(spec, timeout_s=240)
+    assert m.status == "ok", m.error
+    return list(m.losses)
+
+
+def test_tensor_and_pipeline_parallel_train_the_same_model_as_one_device() -> None:
+    """tp and pp split the same computation: the first losses match a single device's."""
+    one = _losses(trial())
+    assert _losses(trial(tp=2))[:3] == pytest.approx(one[:3], rel=1e-4)
+    assert _losses(trial(tp=2, pp=2)) == pytest.approx(_losses(trial(pp=2)), rel=1e-4)
+
+
+@pytest.mark.parametrize("method", ["full", "lora"])
+def test_loss_goes_down(method: str) -> None:
+    lr = 1e-2 if method == "full" else 5e-2
+    tp = 1 if method == "full" else 2  # LoRA through the sharding-aware adapters
+    spec = trial(tp=tp, dp=2 // tp, method=method, lr=lr, batch=8, seq=64, mbs=2, min_steps=30, max_steps=30)
+    if method == "lora":  # adapters on the MLP too: the synthetic task is a token-to-token map
+        spec = replace(spec, training=replace(spec.training, lora=LoraSpec(rank=16, alpha=32.0, targets=LORA_TARGETS)))
+    losses = _losses(spec)
+    first, last = statistics.fmean(losses[:3]), statistics.fmean(losses[-3:])
+    # LoRA on a randomly initialized tiny model learns slowly (PEFT at tp=1 measured the same
+    # rate as the TP-aware adapters here: about 0.08 nats in 30 steps).
+    assert last < first - (0.5 if method == "full" else 0.03), losses
+
+
+def test_memory_cap_makes_an_oom_result() -> None:
+    spec = trial(dp=2, batch=32, mbs=16, seq=256, memory_cap_bytes=150 * 1024**2)
+    m = run_trial(spec, timeout_s=120)
+    assert m.status == "oom", (m.status, m.error)
+    assert m.extra["oom_rank"] in (0, 1) and m.extra["oom_bytes"] > 0
+    assert f"rank {m.extra['oom_rank']}" in m.error
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def test_killed_rank_fails_the_trial() -> None:
+    pids: list[int] = []
+
+    def kill_rank_1(s: StepReport) -> None:
+        if s.step == 2 and not pids:
+            pids.extend(s.pids)
+            os.kill(s.pids[1], signal.SIGKILL)
+
+    m = run_trial(trial(dp=2, min_steps=200, max_steps=200), timeout_s=120, on_step=kill_rank_1)
+    assert m.status == "failed", (m.status, m.error)
+    assert "rank 1 was killed by SIGKILL" in m.error
+    assert all(_gone(p) for p in pids)
+
+
+def test_hang_is_caught_by_the_timeout() -> None:
+    pids: list[int] = []
+
+    def freeze_rank_1(s: StepReport) -> None:
+        if s.step == 1 and not pids:
+            pids.extend(s.pids)
+            os.kill(s.pids[1], signal.SIGSTOP)  # rank 0 now waits forever in a collective
+
+    start = time.monotonic()
+    m = run_trial(trial(dp=2, min_steps=10_000, max_steps=10_000), timeout_s=30, on_step=freeze_rank_1)
+    assert m.status == "timeout", (m.status, m.error)
+    assert time.monotonic() - start < 60
+    assert all(_gone(p) for p in pids)
+
+
+def test_pruned_trial_stops_within_seconds() -> None:
+    asked: list[float] = []
+
+    def prune_at_3(s: StepReport) -> bool:
+        if s.step == 3:
+            asked.append(time.monotonic())
+            return True
+        return False
+
+    m = run_trial(trial(dp=2, min_steps=10_000, max_steps=10_000), timeout_s=120, on_step=prune_at_3)
+    assert m.status == "pruned"
+    assert time.monotonic() - asked[0] < 5
+    assert len(m.step_times) >= 1
+
+
+def test_unrunnable_candidate_is_refused_before_any_process() -> None:
+    with pytest.raises(InfeasibleError, match="ZeRO-2"):
+        run_trial(trial(pp=2, zero=2), timeout_s=5)

@@ -1,0 +1,74 @@
+"""Training batches: synthetic learnable tokens, or a local JSONL of prompt/response pairs.
+
+The synthetic task is an affine successor sequence ``t[i+1] = (a * t[i] + b) mod V`` with a
+random start per sample: the next token is a fixed function of the current one, so a model
+that trains drives the loss from ``ln V`` towards zero within a few dozen steps. Batches
+depend only on (seed, step, micro-batch, dp index), so the ranks of a tensor- or
+pipeline-parallel group see identical data, as they must.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from pipette.errors import SpecError
+
+
+def synthetic_batch(vocab: int, seq_len: int, mbs: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    a = 5 if vocab % 5 else 7  # a multiplier coprime with most vocabularies keeps the sequence long
+    start = torch.randint(0, vocab, (mbs, 1), generator=g)
+    tokens = start.expand(mbs, seq_len + 1).clone()
+    for i in range(1, seq_len + 1):
+        tokens[:, i] = (a * tokens[:, i - 1] + 3) % vocab
+    return tokens
+
+
+def packed_jsonl(path: str, vocab: int, seq_len: int) -> torch.Tensor:
+    """Prompt/response pairs (``{"input": ..., "output": ...}`` as in SCROLLS GovReport, or
+    ``prompt``/``response``), byte-tokenized modulo the vocabulary and packed into rows."""
+    file = Path(path)
+    if not file.is_file():
+        raise SpecError(f"no data file {path!r}", field="data", fix="give a local JSONL path")
+    ids: list[int] = []
+    for n, line in enumerate(file.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise SpecError(f"line {n} is not JSON ({e.msg})", field="data", fix="one JSON object per line") from None
+        text = str(row.get("input", row.get("prompt", ""))) + "\n" + str(row.get("output", row.get("response", "")))
+        ids.extend(b % vocab for b in text.encode())
+        ids.append(0)
+    rows = len(ids) // (seq_len + 1)
+    if rows == 0:
+        raise SpecError(f"{path} holds fewer than {seq_len + 1} tokens", field="data", fix="give more text")
+    return torch.tensor(ids[: rows * (seq_len + 1)]).view(rows, seq_len + 1)
+
+
+class Batches:
+    """Micro-batches of (input_ids, labels) for one data-parallel replica."""
+
+    def __init__(self, vocab: int, seq_len: int, mbs: int, dp_index: int, seed: int = 0, data: str | None = None):
+        self.vocab, self.seq_len, self.mbs, self.dp_index, self.seed = vocab, seq_len, mbs, dp_index, seed
+        self.rows = packed_jsonl(data, vocab, seq_len) if data else None
+        self.count = 0
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        key = self.seed * 1_000_003 + self.count * 1009 + self.dp_index
+        self.count += 1
+        if self.rows is None:
+            tokens = synthetic_batch(self.vocab, self.seq_len, self.mbs, key)
+        else:
+            g = torch.Generator().manual_seed(key)
+            tokens = self.rows[torch.randint(0, self.rows.shape[0], (self.mbs,), generator=g)]
+        return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        while True:
+            yield self.next()

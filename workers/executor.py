@@ -1,0 +1,244 @@
+"""Run a trial on Ray: one rank per device, each a fresh subprocess, placed as the candidate's
+placement says, streamed back step by step, and always ended: ``ok``, ``oom``, ``failed``,
+``timeout`` or ``pruned``, with nothing left running.
+
+Placement: one placement-group bundle per rank, pinned to the Ray node of the rank's node
+(``node:<address>`` resource); the rank's device is its ``local_index`` on that node
+(``CUDA_VISIBLE_DEVICES`` on GPUs). Ranks find each other through a store on rank 0's node.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from pipette.cluster import ClusterProfile
+from pipette.errors import PipetteError, SpecError
+from pipette.measurement import Measurement, Status
+from workers.rank_process import RankProcess
+from workers.ray_cluster import ensure_ray, ray_node_ips
+from workers.spec import TrialSpec
+from workers.support import check_runnable
+
+OOM_EXIT = 3  # workers.trial.OOM_EXIT
+POLL_S = 0.1
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """One step of rank 0, as it happens."""
+
+    step: int
+    time: float
+    loss: float
+    warmup: bool
+    #: seconds since the trial's processes started
+    elapsed: float
+    #: process id of each rank, on its node
+    pids: tuple[int, ...]
+
+
+#: Called after every step; returning True prunes the trial (stopped within a poll interval).
+OnStep = Callable[[StepReport], bool | None]
+
+
+@dataclass
+class _Outcome:
+    status: Status
+    error: str = ""
+
+
+def run_trial(
+    trial: TrialSpec,
+    cluster: ClusterProfile | None = None,
+    *,
+    timeout_s: float = 300.0,
+    on_step: OnStep | None = None,
+    env: dict[str, str] | None = None,
+) -> Measurement:
+    """Run ``trial`` and return what it measured. Refuses (raises) before starting anything
+    when the backends cannot run the candidate or the placement does not fit the cluster."""
+    check_runnable(trial)
+    slots = _slots(trial, cluster)
+    ensure_ray()
+    ips = ray_node_ips(cluster) if cluster is not None else [ray.util.get_node_ip_address()]
+    pg = placement_group([{"CPU": 1, f"node:{ips[node]}": 0.001} for node, _ in slots], strategy="PACK")
+    if not pg.wait(timeout_seconds=60):
+        remove_placement_group(pg)
+        raise PipetteError(
+            f"Ray could not place {len(slots)} ranks", field="cluster", fix="free the devices or add Ray nodes"
+        )
+    actors = [
+        RankProcess.options(  # type: ignore[attr-defined]
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank)
+        ).remote()
+        for rank in range(len(slots))
+    ]
+    try:
+        return _run(trial, slots, actors, timeout_s, on_step, env or {})
+    finally:
+        for a in actors:
+            try:
+                ray.get(a.kill.remote(), timeout=30)
+            except (ray.exceptions.RayError, TimeoutError):
+                pass  # the actor is gone already; its subprocess died with it (PDEATHSIG)
+            ray.kill(a)
+        remove_placement_group(pg)
+
+
+def _slots(trial: TrialSpec, cluster: ClusterProfile | None) -> list[tuple[int, int]]:
+    """(node, local device index) of each rank."""
+    devices = trial.config.devices()
+    if cluster is None:
+        return [(0, d) for d in devices]
+    bad = [d for d in devices if d >= cluster.world]
+    if bad:
+        raise SpecError(
+            f"placement names device(s) {bad}, the cluster has {cluster.world}",
+            field="config.placement", fix=f"use device indices 0..{cluster.world - 1}",
+        )
+    return [(cluster.devices[d].node, cluster.devices[d].local_index) for d in devices]
+
+
+def _run(
+    trial: TrialSpec,
+    slots: list[tuple[int, int]],
+    actors: list[Any],
+    timeout_s: float,
+    on_step: OnStep | None,
+    extra_env: dict[str, str],
+) -> Measurement:
+    world = len(slots)
+    host, port = ray.get(actors[0].address.remote(), timeout=60)
+    files = {"candidate.json": json.dumps(trial.candidate()), "ds_config.json": json.dumps(trial.ds_config())}
+    argv = [sys.executable, "-m", "workers.train",
+            "--deepspeed_config", "ds_config.json", "--candidate", "candidate.json"]
+    start = time.monotonic()
+    pids = []
+    for rank, (_, local) in enumerate(slots):
+        env = {
+            "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(local),
+            "MASTER_ADDR": host, "MASTER_PORT": str(port), "PYTHONUNBUFFERED": "1",
+            "MALLOC_ARENA_MAX": "2", "OMP_NUM_THREADS": "1",
+        }
+        if trial.device_kind == "cpu":
+            env |= {"DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""}
+        else:
+            env |= {"CUDA_VISIBLE_DEVICES": str(local), "LOCAL_RANK": "0"}
+        pids.append(ray.get(actors[rank].start.remote(files, argv, env | extra_env), timeout=60))
+    steps: list[dict[str, Any]] = []
+    done: dict[int, dict[str, Any]] = {}
+    ooms: list[dict[str, Any]] = []
+    codes: dict[int, int] = {}
+    outcome: _Outcome | None = None
+    while outcome is None:
+        polled = ray.get([a.poll.remote() for a in actors], timeout=60)
+        for rank, (lines, code) in enumerate(polled):
+            for line in lines:
+                event = json.loads(line)
+                kind = event.get("event")
+                if kind == "step" and rank == 0:
+                    steps.append(event)
+                    report = StepReport(
+                        int(event["step"]), float(event["time"]), float(event["loss"]), bool(event["warmup"]),
+                        time.monotonic() - start, tuple(pids),
+                    )
+                    if on_step is not None and on_step(report) and outcome is None:
+                        outcome = _Outcome("pruned", f"pruned by the caller after step {report.step}")
+                elif kind == "done":
+                    done[rank] = event
+                elif kind == "oom":
+                    ooms.append(event)
+            if code is not None:
+                codes[rank] = code
+        if outcome is not None:
+            break
+        if ooms:
+            outcome = _Outcome("oom")
+        elif any(c != 0 for c in codes.values()):
+            time.sleep(0.5)  # let the other ranks' last lines (an oom report) arrive
+            for lines, _ in ray.get([a.poll.remote() for a in actors], timeout=60):
+                ooms += [e for e in map(json.loads, lines) if e.get("event") == "oom"]
+            if ooms:
+                outcome = _Outcome("oom")
+            else:
+                rank, code = next((r, c) for r, c in sorted(codes.items()) if c != 0)
+                tail = ray.get(actors[rank].output_tail.remote(), timeout=30)
+                outcome = _Outcome("failed", f"rank {rank} {_exit_text(code)}\n{tail[-4000:]}")
+        elif len(codes) == world and len(done) == world:
+            outcome = _Outcome("ok")
+        elif time.monotonic() - start > timeout_s:
+            last = steps[-1]["step"] if steps else None
+            outcome = _Outcome("timeout", f"trial ran past its {timeout_s:g} s timeout (last step of rank 0: {last})")
+        else:
+            time.sleep(POLL_S)
+    wall = time.monotonic() - start
+    return _measurement(trial, outcome, steps, done, ooms, wall)
+
+
+def _exit_text(code: int) -> str:
+    if code < 0:
+        return f"was killed by {signal.Signals(-code).name}"
+    return f"exited with status {code}"
+
+
+def _measurement(
+    trial: TrialSpec,
+    outcome: _Outcome,
+    steps: list[dict[str, Any]],
+    done: dict[int, dict[str, Any]],
+    ooms: list[dict[str, Any]],
+    wall: float,
+) -> Measurement:
+    extra: dict[str, Any] = {"wall_s": wall, "backend": None}
+    if outcome.status == "ok":
+        ranks = [done[r] for r in sorted(done)]
+        # A step ends when its slowest rank does.
+        step_times = tuple(max(ts) for ts in zip(*(d["step_times"] for d in ranks), strict=True))
+        losses = tuple(float(x) for x in ranks[0]["losses"])
+        extra |= {
+            "backend": ranks[0]["backend"],
+            "peak_rss_bytes": [int(d["peak_rss_bytes"]) for d in ranks],
+            "trainable_params": int(ranks[0]["trainable_params"]),
+            "warmup_steps": trial.warmup_steps,
+        }
+        flops = _model_flops_per_step(trial)
+        extra["model_flops_per_step"] = flops
+        if step_times:
+            import statistics
+
+            achieved = flops / statistics.median(step_times) / trial.config.world
+            extra["achieved_flops_per_device"] = achieved
+            if trial.peak_flops:
+                extra["mfu"] = achieved / trial.peak_flops
+        return Measurement(
+            "ok", step_times=step_times, tokens_per_step=trial.tokens_per_step,
+            peak_memory=tuple(int(d["peak_tensor_bytes"]) for d in ranks), losses=losses, extra=extra,
+        )
+    timed = tuple(float(s["time"]) for s in steps if not s["warmup"])
+    losses = tuple(float(s["loss"]) for s in steps)
+    error = outcome.error
+    if outcome.status == "oom":
+        first = min(ooms, key=lambda e: int(e["rank"]))
+        extra |= {"oom_rank": int(first["rank"]), "oom_bytes": int(first["bytes"])}
+        error = f"rank {first['rank']} ran out of memory asking for {first['bytes']} bytes: {first['error']}"
+    return Measurement(
+        outcome.status, step_times=timed, tokens_per_step=trial.tokens_per_step, losses=losses, error=error,
+        extra=extra,
+    )
+
+
+def _model_flops_per_step(trial: TrialSpec) -> float:
+    """Model FLOPs of one step: forward + backward = 3 x forward (Narayanan et al. 2021,
+    sec. 5.1), without recomputation, as MFU counts them (Chowdhery et al. 2022, app. B)."""
+    per_token = trial.model.forward_flops_per_token(trial.training.seq_len, causal=True)
+    return 3.0 * per_token * trial.tokens_per_step

@@ -1,0 +1,51 @@
+"""Build the job's model as a Hugging Face ``LlamaForCausalLM`` from a ``ModelSpec``.
+
+Random weights by default (seeded, so every rank of a trial builds the same model);
+a local checkpoint directory is loaded when given. Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from pipette.errors import SpecError
+from pipette.model import ModelSpec
+
+TORCH_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def llama_config(model: ModelSpec, attn_implementation: str = "sdpa") -> LlamaConfig:
+    if model.arch != "llama":
+        raise SpecError(
+            f"the trial runner builds Llama models, not {model.arch!r}",
+            field="model.arch", fix="use a Llama-architecture model (arch: llama)",
+        )
+    config = LlamaConfig(
+        vocab_size=model.vocab,
+        hidden_size=model.hidden,
+        intermediate_size=model.ffn_hidden,
+        num_hidden_layers=model.layers,
+        num_attention_heads=model.heads,
+        num_key_value_heads=model.kv_heads,
+        max_position_embeddings=model.max_seq,
+        tie_word_embeddings=model.tied_embeddings,
+        use_cache=False,
+    )
+    config._attn_implementation = attn_implementation
+    return config
+
+
+def build_llama(model: ModelSpec, seed: int = 0, checkpoint: str | None = None) -> LlamaForCausalLM:
+    """The model in fp32 (DeepSpeed casts to the training dtype)."""
+    if checkpoint is not None:
+        path = Path(checkpoint)
+        if not path.is_dir():
+            raise SpecError(f"no checkpoint directory {checkpoint!r}", field="checkpoint", fix="give a local path")
+        loaded = LlamaForCausalLM.from_pretrained(str(path), local_files_only=True, torch_dtype=torch.float32)
+        assert isinstance(loaded, LlamaForCausalLM)
+        return loaded
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(llama_config(model))

@@ -1,0 +1,125 @@
+"""LoRA adapters (Hu et al. 2021): ``y = W x + (alpha / r) B A x``, with B zero at start.
+
+Without tensor parallelism PEFT does it. Under AutoTP, PEFT's adapters are lost: AutoTP
+replaces each sharded ``nn.Linear``. So the adapters here are sharding-aware and live
+beside the layer they adapt, added to its output by a forward hook:
+
+* column-parallel layer (output sharded: q, k, v, gate, up): A is whole, B holds this
+  rank's output rows. ``h = A x`` is the same on every rank, but each rank's gradient of
+  ``h`` is only its shard's share, so ``h`` passes through ``copy_to_tp`` (identity
+  forward, all-reduce backward), as Megatron-LM's ``f`` operator (Shoeybi et al. 2019).
+* row-parallel layer (input sharded, output all-reduced: o, down): A holds this rank's
+  input columns, B is whole. ``h = A_local x_local`` is a partial sum, completed by
+  ``reduce_from_tp`` (all-reduce forward, identity backward): Megatron-LM's ``g``.
+
+The adapters are created before DeepSpeed builds its optimizer (so they are trained,
+partitioned under ZeRO like any other parameter) with the shard shapes AutoTP will use;
+``attach_tp_lora`` checks those shapes against the sharded layers.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipette.errors import PipetteError
+from pipette.training import LoraSpec
+
+COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+ROW = ("o_proj", "down_proj")
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        x = x.contiguous()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+class TPLoraAdapter(nn.Module):
+    def __init__(self, in_features: int, out_features: int, rank: int, alpha: float, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.scale = alpha / rank
+        self.lora_A = nn.Parameter(torch.empty(rank, in_features))
+        self.lora_B = nn.Parameter(torch.zeros(out_features, rank))
+        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))  # PEFT's initialization
+        self.group: Any = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = nn.functional.linear(x, self.lora_A.to(x.dtype))
+        h = _CopyToTP.apply(h, self.group) if self.kind == "column" else _ReduceFromTP.apply(h, self.group)
+        out: torch.Tensor = nn.functional.linear(h, self.lora_B.to(x.dtype)) * self.scale
+        return out
+
+
+def add_peft_lora(model: nn.Module, lora: LoraSpec) -> nn.Module:
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=list(lora.targets), lora_dropout=0.0)
+    return get_peft_model(model, config)  # type: ignore[arg-type]
+
+
+def add_tp_lora(model: nn.Module, lora: LoraSpec, tp: int) -> list[tuple[nn.Module, str]]:
+    """Freeze the base, add sharded adapters beside each target; returns (parent, name) pairs."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    added = []
+    for _, parent in list(model.named_modules()):
+        for name in lora.targets:
+            linear = getattr(parent, name, None)
+            if not isinstance(linear, nn.Linear):
+                continue
+            kind = "column" if name in COLUMN else "row"
+            fan_in, fan_out = linear.in_features, linear.out_features
+            if (fan_out if kind == "column" else fan_in) % tp:
+                raise PipetteError(f"{name} width is not divisible by tp={tp}", field="config.tp", fix="lower tp")
+            shape = (fan_in, fan_out // tp) if kind == "column" else (fan_in // tp, fan_out)
+            parent.add_module(f"{name}_lora", TPLoraAdapter(*shape, lora.rank, lora.alpha, kind))
+            added.append((parent, name))
+    return added
+
+
+def attach_tp_lora(added: list[tuple[nn.Module, str]], group: Any) -> None:
+    """After AutoTP has sharded the layers: hook each adapter onto its (replaced) layer."""
+    for parent, name in added:
+        adapter = getattr(parent, f"{name}_lora")
+        adapter.group = group
+        layer = getattr(parent, name)
+        weight = layer.weight
+        local_out, local_in = weight.ds_shape if hasattr(weight, "ds_shape") else weight.shape
+        want = (adapter.lora_A.shape[1], adapter.lora_B.shape[0])
+        if hasattr(adapter.lora_A, "ds_shape"):
+            want = (adapter.lora_A.ds_shape[1], adapter.lora_B.ds_shape[0])
+        if (local_in, local_out) != want:
+            raise PipetteError(
+                f"AutoTP sharded {name} to {local_in}x{local_out}, the adapter expects {want[0]}x{want[1]}",
+                field="config.tp", fix="use a tp that divides the heads and the MLP width evenly",
+            )
+
+        def hook(module: nn.Module, args: tuple[Any, ...], output: torch.Tensor, adapter: nn.Module = adapter) -> Any:
+            return output + adapter(args[0])
+
+        layer.register_forward_hook(hook)

@@ -1,0 +1,95 @@
+"""Peak memory per rank and the memory cap that turns an over-size trial into ``oom``.
+
+* GPU: ``torch.cuda.max_memory_allocated`` (live tensor bytes, by the caching allocator).
+* CPU: there is no allocator counter, so a dispatch mode counts the bytes of every tensor
+  an operator allocates until that tensor dies, on top of the tensors alive when the
+  step starts; plus the peak resident set size (``ru_maxrss``) of the process.
+* The cap (CPU): an address-space limit (``RLIMIT_AS``) of the process's size when the
+  trial starts plus the cap, so an allocation past it fails as a real out-of-memory.
+"""
+
+from __future__ import annotations
+
+import gc
+import re
+import resource
+import weakref
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+_OOM_BYTES = re.compile(r"(?:tried to allocate|allocate)\s+([0-9]+(?:\.[0-9]+)?)\s*(bytes|[KMG]i?B)?", re.I)
+_UNITS = {None: 1, "bytes": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def live_tensor_bytes() -> int:
+    """Bytes of the distinct storages of every tensor Python can reach."""
+    seen: dict[int, int] = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and not obj.is_meta:
+            storage = obj.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+class PeakTensorBytes(TorchDispatchMode):
+    """Peak live tensor bytes during the block: the bytes alive at entry plus the most that
+    operators allocated (and had not yet freed) at any moment inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.base = 0
+        self.live = 0
+        self.peak = 0
+
+    def __enter__(self) -> PeakTensorBytes:
+        self.base = live_tensor_bytes()
+        super().__enter__()
+        return self
+
+    def _freed(self, nbytes: int) -> None:
+        self.live -= nbytes
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        aliasing = any(r.alias_info is not None for r in func._schema.returns)
+        if not aliasing:
+            for t in out if isinstance(out, list | tuple) else (out,):
+                if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                    nbytes = t.untyped_storage().nbytes()
+                    self.live += nbytes
+                    weakref.finalize(t, self._freed, nbytes)
+            self.peak = max(self.peak, self.live)
+        return out
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.base + self.peak
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # ru_maxrss is in KiB on Linux
+
+
+def address_space_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[0]) * resource.getpagesize()
+
+
+def apply_memory_cap(cap_bytes: int) -> int:
+    """Limit the process to its current size plus ``cap_bytes``; returns the limit set."""
+    limit = address_space_bytes() + cap_bytes
+    resource.setrlimit(resource.RLIMIT_AS, (limit, resource.RLIM_INFINITY))
+    return limit
+
+
+def oom_bytes(error: BaseException) -> int | None:
+    """The bytes an allocation asked for, when ``error`` is an out-of-memory error; else None."""
+    text = str(error)
+    if isinstance(error, MemoryError) or "out of memory" in text.lower() or "can't allocate memory" in text:
+        m = _OOM_BYTES.search(text)
+        if not m:
+            return 0
+        return int(float(m.group(1)) * _UNITS[(m.group(2) or "bytes").lower()])
+    return None

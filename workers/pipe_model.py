@@ -1,0 +1,71 @@
+"""The Llama model as a DeepSpeed ``PipelineModule``: embedding, decoder layers, head.
+
+Each stage is a plain module whose input and output is one tensor (the hidden states),
+as DeepSpeed's pipeline engine passes activations between stages. Rotary embeddings are
+recomputed per layer from the sequence length (cheap, and it keeps the interface one
+tensor); attention is causal through SDPA with no mask.
+"""
+
+from __future__ import annotations
+
+import torch
+from deepspeed.pipe import PipelineModule
+from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+from torch import nn
+from transformers import LlamaForCausalLM
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+
+class EmbedStage(nn.Module):
+    def __init__(self, embed: nn.Embedding):
+        super().__init__()
+        self.embed_tokens = embed
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.embed_tokens(input_ids)
+        return out
+
+
+class DecoderStage(nn.Module):
+    def __init__(self, layer: LlamaDecoderLayer, rotary: LlamaRotaryEmbedding):
+        super().__init__()
+        self.layer = layer
+        self.rotary = rotary
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        out: torch.Tensor = self.layer(hidden, position_embeddings=self.rotary(hidden, positions))
+        return out
+
+
+class HeadStage(nn.Module):
+    def __init__(self, norm: nn.Module, lm_head: nn.Linear):
+        super().__init__()
+        self.norm = norm
+        self.lm_head = lm_head
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.lm_head(self.norm(hidden))
+        return out
+
+
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+def pipeline_module(model: LlamaForCausalLM, pp: int, dp: int, tp: int, recompute_layers: bool) -> PipelineModule:
+    """Split ``model`` into ``pp`` stages, decoder layers spread evenly (DeepSpeed's type-based
+    partition), on the rank layout of ``pipette.config`` (axes pipe, data, model)."""
+    inner = model.model
+    layers: list[nn.Module] = [EmbedStage(inner.embed_tokens)]
+    layers += [DecoderStage(layer, LlamaRotaryEmbedding(model.config)) for layer in inner.layers]
+    layers.append(HeadStage(inner.norm, model.lm_head))
+    topology = PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=dp)
+    return PipelineModule(
+        layers=layers,
+        topology=topology,
+        loss_fn=lm_loss,
+        partition_method="type:DecoderStage",
+        activation_checkpoint_interval=1 if recompute_layers else 0,
+        checkpointable_layers=["DecoderStage"],
+    )

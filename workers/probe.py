@@ -1,0 +1,178 @@
+"""Measure a cluster: its devices (NVML, or CPU worker processes without a GPU), the link
+matrix between every pair of devices, and each device's matmul throughput. The result is a
+``ClusterProfile`` with ``method="measured"`` and when it was measured.
+
+Inventory runs as one Ray task per node; the link and compute probe as one fresh process
+per device (``workers.probe_rank``), placed like trial ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from datetime import UTC, datetime
+from typing import Any
+
+import numpy as np
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
+
+from pipette.cluster import ClusterProfile, Device, Node
+from pipette.device import DeviceSpec
+from pipette.errors import PipetteError
+from pipette.model import ModelSpec
+from workers.probe_rank import SIZES
+from workers.rank_process import RankProcess
+from workers.ray_cluster import alive_nodes, ensure_ray
+
+
+def inventory(cpu_devices: int) -> dict[str, Any]:
+    """This node's devices: GPUs through NVML, else ``cpu_devices`` workers sharing the RAM."""
+    import socket
+
+    host = {"name": socket.gethostname(), "address": ray.util.get_node_ip_address()}
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except (ImportError, OSError) as e:
+        return host | {"kind": "cpu", "devices": _cpu_devices(cpu_devices), "nvml": str(e)}
+    except Exception as e:
+        if type(e).__name__.startswith("NVMLError"):
+            return host | {"kind": "cpu", "devices": _cpu_devices(cpu_devices), "nvml": type(e).__name__}
+        raise
+    try:
+        devices = []
+        count = pynvml.nvmlDeviceGetCount()
+        handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
+        for i, h in enumerate(handles):
+            mem = pynvml.nvmlDeviceGetMemoryInfo(h)
+            topo = [int(pynvml.nvmlDeviceGetTopologyCommonAncestor(h, o)) if o is not h else 0 for o in handles]
+            name = pynvml.nvmlDeviceGetName(h)
+            devices.append({"local_index": i, "name": name if isinstance(name, str) else name.decode(),
+                            "memory": int(mem.total), "free": int(mem.free), "topology": topo})
+        return host | {"kind": "gpu", "devices": devices}
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def _cpu_devices(n: int) -> list[dict[str, Any]]:
+    page = os.sysconf("SC_PAGE_SIZE")
+    total, free = os.sysconf("SC_PHYS_PAGES") * page, os.sysconf("SC_AVPHYS_PAGES") * page
+    return [{"local_index": i, "name": "cpu", "memory": total // n, "free": free // n} for i in range(n)]
+
+
+def probe_cluster(
+    name: str = "measured",
+    cpu_devices_per_node: int = 4,
+    model: ModelSpec | None = None,
+    seq_len: int = 512,
+    timeout_s: float = 120.0,
+) -> ClusterProfile:
+    """Measure every node Ray sees (``RAY_ADDRESS``, or a local Ray)."""
+    started = time.monotonic()
+    ensure_ray()
+    nodes = alive_nodes()
+    inventory_task = ray.remote(num_cpus=0)(inventory)
+    found = ray.get([
+        inventory_task.options(
+            scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)
+        ).remote(cpu_devices_per_node)
+        for n in nodes
+    ], timeout=timeout_s)
+    slots = [(i, d) for i, node in enumerate(found) for d in node["devices"]]
+    shapes = [[256, 256, 256], [512, 512, 512], [1024, 1024, 1024]]
+    if model is not None:
+        tokens = seq_len
+        shapes += [[tokens, model.hidden, model.hidden], [tokens, model.hidden, model.ffn_hidden]]
+    ranks = _run_probe(found, slots, {"shapes": shapes}, timeout_s)
+    return _profile(name, found, slots, ranks, time.monotonic() - started)
+
+
+def _run_probe(
+    found: list[dict[str, Any]], slots: list[tuple[int, dict[str, Any]]], options: dict[str, Any], timeout_s: float
+) -> list[dict[str, Any]]:
+    world = len(slots)
+    pg = placement_group([{"CPU": 1, f"node:{found[n]['address']}": 0.001} for n, _ in slots], strategy="PACK")
+    if not pg.wait(timeout_seconds=60):
+        remove_placement_group(pg)
+        raise PipetteError(f"Ray could not place {world} probe processes", field="cluster", fix="add Ray CPUs")
+    actors = [
+        RankProcess.options(  # type: ignore[attr-defined]
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r)
+        ).remote()
+        for r in range(world)
+    ]
+    try:
+        host, port = ray.get(actors[0].address.remote(), timeout=60)
+        gpu = found[0]["kind"] == "gpu"
+        for rank, (_, dev) in enumerate(slots):
+            env = {"RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": host, "MASTER_PORT": str(port),
+                   "OMP_NUM_THREADS": "1", "PIPETTE_PROBE": json.dumps(options), "PYTHONUNBUFFERED": "1",
+                   "CUDA_VISIBLE_DEVICES": str(dev["local_index"]) if gpu else ""}
+            ray.get(actors[rank].start.remote({}, [sys.executable, "-m", "workers.probe_rank"], env), timeout=60)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            polled = ray.get([a.poll.remote() for a in actors], timeout=60)
+            for lines, _ in polled[:1]:
+                for line in lines:
+                    event = json.loads(line)
+                    if event.get("event") == "done":
+                        return list(event["ranks"])
+            bad = [(r, c) for r, (_, c) in enumerate(polled) if c not in (None, 0)]
+            if bad:
+                tail = ray.get(actors[bad[0][0]].output_tail.remote(), timeout=30)
+                raise PipetteError(f"probe rank {bad[0][0]} exited with {bad[0][1]}: {tail[-2000:]}")
+            time.sleep(0.1)
+        raise PipetteError(f"the probe ran past {timeout_s:g} s", fix="raise the timeout or check the network")
+    finally:
+        for a in actors:
+            try:
+                ray.get(a.kill.remote(), timeout=30)
+            except (ray.exceptions.RayError, TimeoutError):
+                pass
+            ray.kill(a)
+        remove_placement_group(pg)
+
+
+def _profile(
+    name: str, found: list[dict[str, Any]], slots: list[tuple[int, dict[str, Any]]],
+    ranks: list[dict[str, Any]], elapsed: float,
+) -> ClusterProfile:
+    n = len(slots)
+    bandwidth, latency = np.zeros((n, n)), np.zeros((n, n))
+    (s1, s2) = SIZES
+    for r in ranks:
+        for peer, (t1, t2) in r["links"].items():
+            j = int(peer)
+            # t(S) = alpha + S / beta, from the two sizes (Hockney's model).
+            # When noise makes the large message no slower than the small one (busy cores), the
+            # slope is meaningless: fall back to the bound S2 / t2 for beta and t1 for alpha.
+            beta = (s2 - s1) / (t2 - t1) if t2 > 1.05 * t1 else s2 / t2
+            alpha = max(t1 - s1 / beta, 0.0) if t2 > 1.05 * t1 else t1
+            for a, b in ((r["rank"], j), (j, r["rank"])):
+                bandwidth[a, b], latency[a, b] = beta, alpha
+    devices = []
+    for index, ((node, dev), r) in enumerate(zip(slots, sorted(ranks, key=lambda x: x["rank"]), strict=True)):
+        peaks = {dtype: max(p[3] for p in points) for dtype, points in r["matmul"].items()}
+        efficiency = tuple((2.0 * m * k * nn, f / peaks["fp32"]) for m, k, nn, f in r["matmul"]["fp32"])
+        spec = DeviceSpec(
+            name=dev["name"], memory_bytes=int(dev["memory"]), peak_flops=peaks,
+            memory_bandwidth=float(r["copy_bandwidth"]), kind="gpu" if found[node]["kind"] == "gpu" else "cpu",
+            efficiency=efficiency,
+        )
+        devices.append(Device(index=index, node=node, local_index=int(dev["local_index"]), spec=spec,
+                              free_memory=int(dev["free"])))
+    return ClusterProfile(
+        name=name,
+        nodes=tuple(Node(name=f["name"], address=f["address"]) for f in found),
+        devices=tuple(devices),
+        bandwidth=bandwidth,
+        latency=latency,
+        measured_at=datetime.now(UTC).isoformat(timespec="seconds"),
+        method="measured",
+        extra={"probe_s": elapsed, "matmul": [r["matmul"] for r in ranks], "message_sizes": list(SIZES)},
+    )

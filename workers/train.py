@@ -1,0 +1,87 @@
+"""The entry point every rank runs, for a trial and for a launch Pipette emitted.
+
+    PIPETTE_RANK_MAP=rank_map.json deepspeed --hostfile hostfile --include ... \\
+        --module workers.train --deepspeed_config ds_config.json --candidate candidate.json
+
+Launchers number processes node by node; ``PIPETTE_RANK_MAP`` (``pipette.emit.rank_map``)
+renumbers each one to the rank its (node, local device) has in the candidate's placement,
+so any placement runs as planned. The rendezvous store stays with the launcher's rank 0,
+at ``MASTER_ADDR``. The Ray executor runs this same command with ``RANK`` already the
+candidate's rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from pipette.errors import PipetteError, SpecError
+
+
+def pipette_rank(launcher_rank: int, rank_map: list[dict[str, Any]]) -> int:
+    """The candidate's rank of this process, from the launcher's node order and local rank."""
+    nodes = sorted({int(e["node"]) for e in rank_map})
+    node = nodes[int(os.environ.get("CROSS_RANK", os.environ.get("GROUP_RANK", "0")))]
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    here = [e for e in rank_map if int(e["node"]) == node]
+    if visible:
+        device = int(visible.split(",")[local_rank])
+        match = [e for e in here if int(e["local_device"]) == device]
+    else:
+        match = sorted(here, key=lambda e: int(e["rank"]))[local_rank : local_rank + 1]
+    if len(match) != 1:
+        raise SpecError(
+            f"process {launcher_rank} (node {node}, local rank {local_rank}) is not in the rank map",
+            field="PIPETTE_RANK_MAP", fix="launch with the hostfile and --include Pipette wrote",
+        )
+    return int(match[0]["rank"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="workers.train")
+    parser.add_argument("--deepspeed_config", required=True)
+    parser.add_argument("--candidate", required=True)
+    parser.add_argument("--local_rank", type=int, default=None)  # the deepspeed launcher passes it
+    args = parser.parse_args(argv)
+
+    import torch.distributed as dist
+
+    from workers.spec import TrialSpec
+    from workers.trial import run_rank
+
+    trial = TrialSpec.from_candidate(json.loads(Path(args.candidate).read_text()))
+    ds_config = json.loads(Path(args.deepspeed_config).read_text())
+    launcher_rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = launcher_rank
+    if os.environ.get("PIPETTE_RANK_MAP"):
+        rank = pipette_rank(launcher_rank, json.loads(Path(os.environ["PIPETTE_RANK_MAP"]).read_text()))
+        os.environ["RANK"] = str(rank)
+    store = dist.TCPStore(
+        os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "29500")),
+        world, is_master=launcher_rank == 0, timeout=timedelta(seconds=120),
+    )
+    return run_rank(trial, ds_config, rank, world, store)
+
+
+def _exit(code: int) -> None:
+    # Leave without running destructors: DeepSpeed's and gloo's threads can abort the
+    # interpreter at teardown ("terminate called without an active exception") after a
+    # trial that finished fine.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    try:
+        _exit(main())
+    except PipetteError as e:
+        print(f"pipette: {e}", file=sys.stderr)
+        _exit(2)
