@@ -31,17 +31,41 @@ ENTRY_MODULE = "workers.train"
 _BUCKET_ELEMENTS = 500_000_000
 
 
-def deepspeed_config(training: TrainingSpec, config: ParallelConfig, lr: float = 1e-4) -> dict[str, Any]:
+def trainable_params(model: ModelSpec, training: TrainingSpec) -> int:
+    """Parameters the optimizer updates: all of them, or the LoRA adapters only.
+
+    An adapter on a linear layer of shape (in, out) adds ``r * (in + out)`` parameters
+    (Hu et al. 2021, sec. 4).
+    """
+    if training.lora is None:
+        return model.total_params()
+    shapes = model.linear_shapes()
+    per_layer = sum(training.lora.rank * sum(shapes[t]) for t in training.lora.targets if t in shapes)
+    return model.layers * per_layer
+
+
+def deepspeed_config(
+    training: TrainingSpec, config: ParallelConfig, lr: float = 1e-4, model: ModelSpec | None = None
+) -> dict[str, Any]:
+    """The DeepSpeed config of ``config``; with ``model``, buckets are sized to what trains.
+
+    DeepSpeed allocates its ZeRO gradient buckets at full size whatever the model (two
+    ``reduce_bucket_size`` buffers under ``overlap_comm``: ~4 GB of fp32 for the defaults,
+    seen on tiny-model trials), so they are capped at the trainable parameter count.
+    """
+    bucket = _BUCKET_ELEMENTS
+    if model is not None:
+        bucket = max(1, min(_BUCKET_ELEMENTS, trainable_params(model, training)))
     zero: dict[str, Any] = {"stage": config.zero_stage}
     if config.zero_stage >= 1:
         zero |= {
             "overlap_comm": True,
             "contiguous_gradients": True,
-            "reduce_bucket_size": _BUCKET_ELEMENTS,
-            "allgather_bucket_size": _BUCKET_ELEMENTS,
+            "reduce_bucket_size": bucket,
+            "allgather_bucket_size": bucket,
         }
     if config.zero_stage == 3:
-        zero |= {"stage3_prefetch_bucket_size": _BUCKET_ELEMENTS, "stage3_param_persistence_threshold": 100_000}
+        zero |= {"stage3_prefetch_bucket_size": bucket, "stage3_param_persistence_threshold": 100_000}
     ds: dict[str, Any] = {
         "train_batch_size": config.global_batch,
         "train_micro_batch_size_per_gpu": config.mbs,
@@ -130,7 +154,7 @@ def write_launch_files(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     files = {
-        "ds_config.json": json.dumps(deepspeed_config(training, config), indent=2) + "\n",
+        "ds_config.json": json.dumps(deepspeed_config(training, config, model=model), indent=2) + "\n",
         "hostfile": hostfile(config, cluster),
         "rank_map.json": json.dumps(rank_map(config, cluster), indent=2) + "\n",
         "candidate.json": json.dumps(

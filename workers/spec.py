@@ -80,4 +80,4 @@ class TrialSpec:
 
     def ds_config(self) -> dict[str, Any]:
         """The DeepSpeed config Pipette emits for this candidate: the one the trial runs."""
-        return deepspeed_config(self.training, self.config, lr=self.lr)
+        return deepspeed_config(self.training, self.config, lr=self.lr, model=self.model)

@@ -72,3 +72,18 @@ def test_emitted_files_agree_with_the_candidate() -> None:
     assert all(best.rank(r["pp"], r["dp"], r["tp"]) == r["rank"] for r in ranks)
     slots = sum(int(line.split("slots=")[1]) for line in hostfile(best, cluster).splitlines())
     assert slots == best.world
+
+
+def test_buckets_are_sized_to_what_trains() -> None:
+    from pipette.emit import trainable_params
+
+    training = TrainingSpec(global_batch=8, seq_len=128, method="lora", zero_stages=(1,))
+    model = ModelSpec.preset("tiny-llama")
+    config = make_plan(model, training, homogeneous_cluster("cpu", 1, 2, 1e9, 1e9)).best.config
+    # LoRA r=16 on q, k, v, o of 128x128 projections, 4 layers: 4 * 4 * 16 * 256.
+    assert trainable_params(model, training) == 65_536
+    zero = deepspeed_config(training, config, model=model)["zero_optimization"]
+    assert zero["reduce_bucket_size"] == zero["allgather_bucket_size"] == 65_536
+    big = deepspeed_config(TrainingSpec(global_batch=8, seq_len=128, zero_stages=(1,)), config,
+                           model=ModelSpec.preset("llama2-70b"))
+    assert big["zero_optimization"]["reduce_bucket_size"] == 500_000_000
