@@ -80,10 +80,6 @@ class ParallelConfig:
         """Micro-batches per step per data-parallel replica: ``global / (dp * mbs)``."""
         return self.global_batch // (self.dp * self.mbs)
 
-    @property
-    def microbatches(self) -> int:
-        return self.grad_accum
-
     def layers_per_stage(self, layers: int) -> list[int]:
         """Layers per pipeline stage, heaviest first when uneven (DeepSpeed's uniform split)."""
         base, extra = divmod(layers, self.pp)

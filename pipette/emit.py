@@ -21,6 +21,7 @@ from typing import Any
 
 from pipette.cluster import ClusterProfile
 from pipette.config import ParallelConfig
+from pipette.memory import trainable_params
 from pipette.model import ModelSpec
 from pipette.training import TrainingSpec
 
@@ -29,19 +30,6 @@ ENTRY_MODULE = "workers.train"
 
 # DeepSpeed's own defaults for these buckets (deepspeed/runtime/zero/config.py).
 _BUCKET_ELEMENTS = 500_000_000
-
-
-def trainable_params(model: ModelSpec, training: TrainingSpec) -> int:
-    """Parameters the optimizer updates: all of them, or the LoRA adapters only.
-
-    An adapter on a linear layer of shape (in, out) adds ``r * (in + out)`` parameters
-    (Hu et al. 2021, sec. 4).
-    """
-    if training.lora is None:
-        return model.total_params()
-    shapes = model.linear_shapes()
-    per_layer = sum(training.lora.rank * sum(shapes[t]) for t in training.lora.targets if t in shapes)
-    return model.layers * per_layer
 
 
 def deepspeed_config(

@@ -271,6 +271,13 @@ def _layer_activations(
     return float(split), float(kv), float(seq), float(scores)
 
 
+def trainable_params(model: ModelSpec, training: TrainingSpec) -> int:
+    """Parameters the optimizer updates, whole model: all of them, or the adapters only."""
+    if training.lora is None:
+        return model.total_params()
+    return int(model.layers * _lora_params_per_layer(model, training, 1))
+
+
 def _lora_params_per_layer(model: ModelSpec, training: TrainingSpec, t: int) -> float:
     """Adapter parameters of one layer on one tensor-parallel rank (Hu et al. 2021).
 

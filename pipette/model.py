@@ -7,7 +7,7 @@ MLP), so grouped-query attention, gated MLPs and untied embeddings are counted r
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Literal
 
@@ -267,9 +267,6 @@ class ModelSpec:
                 field="model",
                 fix=f"use one of {', '.join(sorted(MODEL_PRESETS))}, or a config.json path",
             ) from None
-
-    def with_name(self, name: str) -> ModelSpec:
-        return replace(self, name=name)
 
 
 _DEFAULTED = {"tied_embeddings", "arch"}

@@ -134,7 +134,7 @@ class PerfModel:
         self.peak = self.device.peak(training.dtype)
         self.curve = self.k.curve or default_curve(self.device)
         self.layers = np.asarray(config.layers_per_stage(model.layers), dtype=np.float64)
-        self.m = config.microbatches
+        self.m = config.grad_accum
         self.v = config.virtual_stages if config.schedule == "interleaved" else 1
         self.tokens = config.mbs * training.seq_len  # T: tokens per micro-batch
         b = training.dtype_bytes

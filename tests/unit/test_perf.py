@@ -85,7 +85,7 @@ def test_bubble_matches_narayanan_for_even_stages() -> None:
     c = cluster(nodes=1, per_node=4, intra=1e18, inter=1e18)
     pm = PerfModel(MODEL, TRAIN, cfg(pp=4), c)
     est = pm.estimate()
-    m, p = cfg(pp=4).microbatches, 4
+    m, p = cfg(pp=4).grad_accum, 4
     # The last stage also holds the LM head, so the bubble is at least (p-1)/m of compute.
     assert est.breakdown["bubble"] >= (p - 1) / m * est.breakdown["compute"] * 0.5
 
