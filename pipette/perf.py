@@ -20,8 +20,11 @@ synchronisation and the optimizer update:
 
     step = T_pipe + dp_exposed + embedding_sync + optimizer
 
-Every group runs at the speed of its slowest link under the placement and the slowest
-group (pipeline replica, DP ring) sets the pace, since the step ends with a collective.
+DP rings and pipeline boundaries run at the speed of their slowest link under the
+placement; a TP group that spans nodes crosses each node cut on one NCCL channel per
+member (``pipette.comm.channel_links``), still dragged down by any slow link it uses. The
+slowest group (pipeline replica, DP ring) sets the pace, since the step ends with a
+collective.
 """
 
 from __future__ import annotations
