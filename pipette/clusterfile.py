@@ -318,6 +318,15 @@ def _matrix(raw: Any, n: int, field: str) -> np.ndarray:
     return arr
 
 
+def _index(value: Any, field: str, limit: int | None) -> int:
+    """A non-negative integer index (below ``limit`` when given)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or value != int(value) or value < 0 \
+            or (limit is not None and value >= limit):
+        allowed = f"from 0 to {limit - 1}" if limit is not None else "of 0 or more"
+        raise ClusterFileError(f"is {value!r}", field=field, fix=f"give a whole number {allowed}")
+    return int(value)
+
+
 def _from_full(data: dict[str, Any], name: str) -> ClusterProfile:
     """The probe's form: explicit devices with specs, matrices in base units."""
     raw_nodes = data.get("nodes") or []
@@ -325,6 +334,9 @@ def _from_full(data: dict[str, Any], name: str) -> ClusterProfile:
         raise ClusterFileError(
             "must be a list with explicit devices", field="cluster.nodes", fix="list {name, address}"
         )
+    for i, x in enumerate(raw_nodes):
+        if not isinstance(x, dict):
+            raise ClusterFileError("is not a mapping", field=f"cluster.nodes[{i}]", fix="give {name, address}")
     nodes = tuple(Node(str(x.get("name", f"node{i}")), str(x.get("address", ""))) for i, x in enumerate(raw_nodes))
     devices = []
     for i, d in enumerate(data["devices"]):
@@ -335,7 +347,8 @@ def _from_full(data: dict[str, Any], name: str) -> ClusterProfile:
         free = d.get("free_memory")
         devices.append(
             Device(
-                index=i, node=int(d.get("node", 0)), local_index=int(d.get("local_index", i)),
+                index=i, node=_index(d.get("node", 0), f"{where}.node", len(nodes) or None),
+                local_index=_index(d.get("local_index", i), f"{where}.local_index", None),
                 spec=spec, free_memory=None if free is None else size(free, f"{where}.free_memory"),
             )
         )

@@ -98,19 +98,21 @@ def rank_map(config: ParallelConfig, cluster: ClusterProfile) -> list[dict[str, 
 
 
 def hostfile(config: ParallelConfig, cluster: ClusterProfile) -> str:
-    used: dict[int, int] = {}
-    for device in config.devices():
-        node = cluster.devices[device].node
-        used[node] = used.get(node, 0) + 1
+    """The nodes the candidate uses, each with its device count: DeepSpeed's slots are the
+    device indices ``0..slots-1`` that ``--include`` picks from (deepspeed/launcher/runner.py)."""
+    used = sorted({cluster.devices[d].node for d in config.devices()})
     lines = []
-    for node in sorted(used):
+    for node in used:
         n = cluster.nodes[node]
-        lines.append(f"{n.address or n.name} slots={used[node]}")
+        lines.append(f"{n.address or n.name} slots={len(cluster.devices_on(node))}")
     return "\n".join(lines) + "\n"
 
 
 def launch_command(config: ParallelConfig, cluster: ClusterProfile, out_dir: str = ".") -> str:
-    """The ``deepspeed`` launcher line, run from ``out_dir``'s parent or with absolute paths."""
+    """The ``deepspeed`` launcher line, run from ``out_dir``'s parent or with absolute paths: over
+    ssh (pdsh) from the first node when the candidate spans nodes, locally when it uses one.
+    The rendezvous port is ``$MASTER_PORT`` when set, else DeepSpeed's default 29500, so two
+    launches on one host can be given different ports (``MASTER_PORT=29600 ./launch.sh``)."""
     nodes = {cluster.devices[d].node for d in config.devices()}
     include = ",".join(
         f"{cluster.nodes[n].address or cluster.nodes[n].name}:"
@@ -122,6 +124,13 @@ def launch_command(config: ParallelConfig, cluster: ClusterProfile, out_dir: str
         f"PIPETTE_RANK_MAP={q(out_dir + '/rank_map.json')}",
         "deepspeed",
         f"--hostfile {q(out_dir + '/hostfile')}",
+        '--master_port "${MASTER_PORT:-29500}"',
+    ]
+    if len(nodes) == 1:
+        # One node: start the ranks here. With a hostfile the launcher otherwise checks ssh to
+        # the host and asks it for its address over ssh (deepspeed/launcher/runner.py).
+        parts.append("--no_ssh --node_rank 0 --master_addr 127.0.0.1")
+    parts += [
         f"--include {q(include)}",
         f"--module {ENTRY_MODULE}",
         f"--deepspeed_config {q(out_dir + '/ds_config.json')}",

@@ -46,3 +46,17 @@ class Measurement:
             "error": self.error,
             "extra": dict(self.extra),
         }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Measurement:
+        """Invert ``to_dict`` (derived keys such as ``step_time`` are recomputed)."""
+        if d.get("status") not in STATUSES:
+            from pipette.errors import SpecError
+
+            raise SpecError(f"status {d.get('status')!r}", field="trial.measurement.status",
+                            fix=f"use one of {', '.join(STATUSES)}")
+        return cls(
+            d["status"], tuple(float(x) for x in d.get("step_times", ())), int(d.get("tokens_per_step", 0)),
+            tuple(int(x) for x in d.get("peak_memory", ())), tuple(float(x) for x in d.get("losses", ())),
+            str(d.get("error", "")), dict(d.get("extra", {})),
+        )

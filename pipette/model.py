@@ -304,6 +304,7 @@ def _presets() -> dict[str, ModelSpec]:
         _llama("tiny-llama", 4, 128, 4, 4, 344, 512, 256),
         _llama("tiny-llama-8l", 8, 128, 4, 4, 344, 512, 256),
         _llama("tiny-llama-gqa", 4, 128, 8, 4, 344, 512, 256),
+        _llama("tiny-llama-tied", 4, 128, 4, 4, 344, 512, 256, tied=True),
         ModelSpec.gpt(128, 4, 4, vocab=512, max_seq=256, name="tiny-gpt"),
     ]
     # The weak-scaling GPT shapes of Megatron-LM (Narayanan et al. 2021, Table 1).

@@ -25,12 +25,16 @@ from pipette.cluster import ClusterProfile
 from pipette.errors import PipetteError, SpecError
 from pipette.measurement import Measurement, Status
 from workers.rank_process import RankProcess
-from workers.ray_cluster import ensure_ray, ray_node_ips
+from workers.ray_cluster import ensure_ray, missing_nodes, ray_node_ips
 from workers.spec import TrialSpec
 from workers.support import check_runnable
 
 OOM_EXIT = 3  # workers.trial.OOM_EXIT
 POLL_S = 0.1
+#: a rank whose actor does not answer for this long is lost (its node is down or cut off)
+LOST_AFTER_S = 10.0
+#: how long Ray may take to place a trial's ranks
+PLACE_TIMEOUT_S = 60
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,9 @@ OnStep = Callable[[StepReport], bool | None]
 class _Outcome:
     status: Status
     error: str = ""
+    #: the addresses of the Ray nodes lost during the trial (the failure is the cluster's, not
+    #: the candidate's: the runner waits for them before the next attempt)
+    lost: tuple[str, ...] = ()
 
 
 def run_trial(
@@ -72,8 +79,13 @@ def run_trial(
     ensure_ray()
     ips = ray_node_ips(cluster) if cluster is not None else [ray.util.get_node_ip_address()]
     pg = placement_group([{"CPU": 1, f"node:{ips[node]}": 0.001} for node, _ in slots], strategy="PACK")
-    if not pg.wait(timeout_seconds=60):
+    if not pg.wait(timeout_seconds=PLACE_TIMEOUT_S):
         remove_placement_group(pg)
+        lost = _missing(cluster)
+        if lost:  # a node died since the trial was planned: the cluster's failure, not the candidate's
+            return Measurement("failed", tokens_per_step=trial.tokens_per_step,
+                               error=f"Ray could not place {len(slots)} ranks: lost {', '.join(lost)}",
+                               extra={"wall_s": float(PLACE_TIMEOUT_S), "backend": None, "lost_nodes": lost})
         raise PipetteError(
             f"Ray could not place {len(slots)} ranks", field="cluster", fix="free the devices or add Ray nodes"
         )
@@ -83,8 +95,15 @@ def run_trial(
         ).remote()
         for rank in range(len(slots))
     ]
+    started = time.monotonic()
     try:
-        return _run(trial, slots, actors, timeout_s, on_step, env or {})
+        return _run(trial, slots, [ips[node] for node, _ in slots], actors, timeout_s, on_step, env or {})
+    except ray.exceptions.RayError as e:
+        # A node lost while the ranks start (``_poll`` names the rank of one lost later).
+        return Measurement("failed", tokens_per_step=trial.tokens_per_step,
+                           error=f"Ray lost a rank's node: {type(e).__name__}: {e}",
+                           extra={"wall_s": time.monotonic() - started, "backend": None,
+                                  "lost_nodes": _missing(cluster)})
     finally:
         for a in actors:
             try:
@@ -93,6 +112,13 @@ def run_trial(
                 pass  # the actor is gone already; its subprocess died with it (PDEATHSIG)
             ray.kill(a)
         remove_placement_group(pg)
+
+
+def _missing(cluster: ClusterProfile | None) -> list[str]:
+    try:
+        return missing_nodes(cluster) if cluster is not None else []
+    except ray.exceptions.RayError:
+        return []
 
 
 def _slots(trial: TrialSpec, cluster: ClusterProfile | None) -> list[tuple[int, int]]:
@@ -112,6 +138,7 @@ def _slots(trial: TrialSpec, cluster: ClusterProfile | None) -> list[tuple[int, 
 def _run(
     trial: TrialSpec,
     slots: list[tuple[int, int]],
+    hosts: list[str],
     actors: list[Any],
     timeout_s: float,
     on_step: OnStep | None,
@@ -122,6 +149,8 @@ def _run(
     files = {"candidate.json": json.dumps(trial.candidate()), "ds_config.json": json.dumps(trial.ds_config())}
     argv = [sys.executable, "-m", "workers.train",
             "--deepspeed_config", "ds_config.json", "--candidate", "candidate.json"]
+    cpu_env = {"DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""} if trial.device_kind == "cpu" else {}
+    ray.get([a.prepare.remote(argv, cpu_env | extra_env) for a in actors], timeout=400)
     start = time.monotonic()
     pids = []
     for rank, (_, local) in enumerate(slots):
@@ -140,8 +169,14 @@ def _run(
     ooms: list[dict[str, Any]] = []
     codes: dict[int, int] = {}
     outcome: _Outcome | None = None
+    unavailable: dict[int, float] = {}
     while outcome is None:
-        polled = ray.get([a.poll.remote() for a in actors], timeout=60)
+        polled, lost = _poll(actors, unavailable)
+        if lost:
+            rank, why = min(lost.items())
+            outcome = _Outcome("failed", f"rank {rank} (node {slots[rank][0]}, {hosts[rank]}) was lost: {why}",
+                               lost=tuple(sorted({hosts[r] for r in lost})))
+            break
         for rank, (lines, code) in enumerate(polled):
             for line in lines:
                 event = json.loads(line)
@@ -165,15 +200,22 @@ def _run(
         if ooms:
             outcome = _Outcome("oom")
         elif any(c != 0 for c in codes.values()):
-            time.sleep(0.5)  # let the other ranks' last lines (an oom report) arrive
-            for lines, _ in ray.get([a.poll.remote() for a in actors], timeout=60):
+            time.sleep(0.5)  # let the other ranks' last lines (an oom report) and exits arrive
+            for rank, (lines, code) in enumerate(_poll(actors, unavailable)[0]):
                 ooms += [e for e in map(json.loads, lines) if e.get("event") == "oom"]
+                if code is not None:
+                    codes[rank] = code
             if ooms:
                 outcome = _Outcome("oom")
             else:
-                rank, code = next((r, c) for r, c in sorted(codes.items()) if c != 0)
+                rank, code = _root_cause(codes)
                 tail = ray.get(actors[rank].output_tail.remote(), timeout=30)
-                outcome = _Outcome("failed", f"rank {rank} {_exit_text(code)}\n{tail[-4000:]}")
+                head = f"rank {rank} {_exit_text(code)}"
+                if unavailable:  # the cause: a lost node; the exit is its consequence
+                    gone = ", ".join(f"rank {r} (node {slots[r][0]}, {hosts[r]})" for r in sorted(unavailable))
+                    head = f"{gone} became unreachable (node down?); then {head}"
+                outcome = _Outcome("failed", f"{head}\n{tail[-4000:]}",
+                                   lost=tuple(sorted({hosts[r] for r in unavailable})))
         elif len(codes) == world and len(done) == world:
             outcome = _Outcome("ok")
         elif time.monotonic() - start > timeout_s:
@@ -183,6 +225,42 @@ def _run(
             time.sleep(POLL_S)
     wall = time.monotonic() - start
     return _measurement(trial, outcome, steps, done, ooms, wall)
+
+
+Polled = list[tuple[list[str], int | None]]
+
+
+def _poll(actors: list[Any], unavailable: dict[int, float]) -> tuple[Polled, dict[int, str]]:
+    """Each rank's new event lines and exit status, and the ranks lost with their Ray node.
+
+    A dead actor (its node gone: ``max_restarts=0``) is lost at once; one that does not answer
+    (``ActorUnavailableError``, a timed-out poll) is lost once that lasts ``LOST_AFTER_S``,
+    so a network blip does not fail the trial. ``unavailable`` keeps when that began."""
+    refs = [a.poll.remote() for a in actors]
+    polled: list[tuple[list[str], int | None]] = []
+    lost: dict[int, str] = {}
+    for rank, ref in enumerate(refs):
+        try:
+            polled.append(ray.get(ref, timeout=LOST_AFTER_S))
+            unavailable.pop(rank, None)
+            continue
+        except ray.exceptions.ActorDiedError as e:
+            unavailable.setdefault(rank, time.monotonic())
+            lost[rank] = f"its Ray actor died (node down?): {e}"
+        except (ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError) as e:
+            since = unavailable.setdefault(rank, time.monotonic())
+            if time.monotonic() - since >= LOST_AFTER_S:
+                lost[rank] = f"unreachable for {time.monotonic() - since:.0f} s: {type(e).__name__}: {e}"
+        polled.append(([], None))
+    return polled, lost
+
+
+def _root_cause(codes: dict[int, int]) -> tuple[int, int]:
+    """The rank whose exit explains the failure: one killed by a signal first (its peers then
+    fail on the broken collective, often before its own exit is seen), else the lowest rank
+    that exited non-zero."""
+    failed = sorted((r, c) for r, c in codes.items() if c != 0)
+    return next(((r, c) for r, c in failed if c < 0), failed[0])
 
 
 def _exit_text(code: int) -> str:
@@ -224,6 +302,8 @@ def _measurement(
             "ok", step_times=step_times, tokens_per_step=trial.tokens_per_step,
             peak_memory=tuple(int(d["peak_tensor_bytes"]) for d in ranks), losses=losses, extra=extra,
         )
+    if outcome.lost:
+        extra["lost_nodes"] = list(outcome.lost)
     timed = tuple(float(s["time"]) for s in steps if not s["warmup"])
     losses = tuple(float(s["loss"]) for s in steps)
     error = outcome.error

@@ -20,7 +20,7 @@ partitioned under ZeRO like any other parameter) with the shard shapes AutoTP wi
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -58,6 +58,18 @@ class _ReduceFromTP(torch.autograd.Function):
         return grad, None
 
 
+def copy_to_tp(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """Megatron-LM's ``f``: identity forward, all-reduce of the gradient over ``group``."""
+    out: torch.Tensor = _CopyToTP.apply(x, group)  # type: ignore[no-untyped-call]  # torch leaves apply untyped
+    return out
+
+
+def reduce_from_tp(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """Megatron-LM's ``g``: all-reduce forward over ``group``, identity backward."""
+    out: torch.Tensor = _ReduceFromTP.apply(x, group)  # type: ignore[no-untyped-call]
+    return out
+
+
 class TPLoraAdapter(nn.Module):
     def __init__(self, in_features: int, out_features: int, rank: int, alpha: float, kind: str):
         super().__init__()
@@ -70,7 +82,7 @@ class TPLoraAdapter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = nn.functional.linear(x, self.lora_A.to(x.dtype))
-        h = _CopyToTP.apply(h, self.group) if self.kind == "column" else _ReduceFromTP.apply(h, self.group)
+        h = copy_to_tp(h, self.group) if self.kind == "column" else reduce_from_tp(h, self.group)
         out: torch.Tensor = nn.functional.linear(h, self.lora_B.to(x.dtype)) * self.scale
         return out
 
@@ -78,8 +90,10 @@ class TPLoraAdapter(nn.Module):
 def add_peft_lora(model: nn.Module, lora: LoraSpec) -> nn.Module:
     from peft import LoraConfig, get_peft_model
 
-    config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=list(lora.targets), lora_dropout=0.0)
-    return get_peft_model(model, config)  # type: ignore[arg-type]
+    # PEFT annotates lora_alpha as int, but scales by lora_alpha / r in floating point.
+    alpha = cast(int, lora.alpha)
+    config = LoraConfig(r=lora.rank, lora_alpha=alpha, target_modules=list(lora.targets), lora_dropout=0.0)
+    return get_peft_model(model, config)
 
 
 def add_tp_lora(model: nn.Module, lora: LoraSpec, tp: int) -> list[tuple[nn.Module, str]]:

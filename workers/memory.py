@@ -38,14 +38,14 @@ class PeakTensorBytes(TorchDispatchMode):
     operators allocated (and had not yet freed) at any moment inside it."""
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # TorchDispatchMode is unannotated
         self.base = 0
         self.live = 0
         self.peak = 0
 
     def __enter__(self) -> PeakTensorBytes:
         self.base = live_tensor_bytes()
-        super().__enter__()
+        super().__enter__()  # type: ignore[no-untyped-call]
         return self
 
     def _freed(self, nbytes: int) -> None:

@@ -4,12 +4,19 @@ Each stage is a plain module whose input and output is one tensor (the hidden st
 as DeepSpeed's pipeline engine passes activations between stages. Rotary embeddings are
 recomputed per layer from the sequence length (cheap, and it keeps the interface one
 tensor); attention is causal through SDPA with no mask.
+
+A model with tied embeddings (one matrix for the input embedding and the LM head) keeps
+that matrix in one ``TiedEmbedding`` module that DeepSpeed places on the first and on the
+last stage (``TiedLayerSpec``): it broadcasts the weights from the first stage at start and
+all-reduces the two stages' gradients after every backward pass
+(``PipelineEngine._exec_reduce_tied_grads``), so both copies stay one parameter, as in
+Megatron-LM's shared word embeddings (Narayanan et al. 2021, sec. 4).
 """
 
 from __future__ import annotations
 
 import torch
-from deepspeed.pipe import PipelineModule
+from deepspeed.pipe import PipelineModule, TiedLayerSpec
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 from torch import nn
 from transformers import LlamaForCausalLM
@@ -49,6 +56,34 @@ class HeadStage(nn.Module):
         return out
 
 
+class NormStage(nn.Module):
+    def __init__(self, norm: nn.Module):
+        super().__init__()
+        self.norm = norm
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.norm(hidden)
+        return out
+
+
+class TiedEmbedding(nn.Module):
+    """The tied embedding matrix (the HF model's ``embed_tokens``, which its ``lm_head`` shares)."""
+
+    def __init__(self, embed: nn.Embedding):
+        super().__init__()
+        self.embed = embed
+
+
+def tied_embed(module: TiedEmbedding, input_ids: torch.Tensor) -> torch.Tensor:
+    out: torch.Tensor = module.embed(input_ids)
+    return out
+
+
+def tied_head(module: TiedEmbedding, hidden: torch.Tensor) -> torch.Tensor:
+    out: torch.Tensor = nn.functional.linear(hidden, module.embed.weight)
+    return out
+
+
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
@@ -57,9 +92,21 @@ def pipeline_module(model: LlamaForCausalLM, pp: int, dp: int, tp: int, recomput
     """Split ``model`` into ``pp`` stages, decoder layers spread evenly (DeepSpeed's type-based
     partition), on the rank layout of ``pipette.config`` (axes pipe, data, model)."""
     inner = model.model
-    layers: list[nn.Module] = [EmbedStage(inner.embed_tokens)]
+    tied = bool(model.config.tie_word_embeddings)
+    if tied and model.lm_head.weight is not inner.embed_tokens.weight:
+        raise ValueError("the model says its embeddings are tied, but its LM head has its own weight")
+    layers: list[nn.Module | TiedLayerSpec] = []
+    if tied:
+        layers.append(TiedLayerSpec("embed", TiedEmbedding, inner.embed_tokens, forward_fn=tied_embed,
+                                    tied_weight_attr=["embed.weight"]))
+    else:
+        layers.append(EmbedStage(inner.embed_tokens))
     layers += [DecoderStage(layer, LlamaRotaryEmbedding(model.config)) for layer in inner.layers]
-    layers.append(HeadStage(inner.norm, model.lm_head))
+    if tied:
+        layers += [NormStage(inner.norm), TiedLayerSpec("embed", TiedEmbedding, inner.embed_tokens,
+                                                        forward_fn=tied_head, tied_weight_attr=["embed.weight"])]
+    else:
+        layers.append(HeadStage(inner.norm, model.lm_head))
     topology = PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=dp)
     return PipelineModule(
         layers=layers,

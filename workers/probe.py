@@ -30,23 +30,32 @@ from workers.ray_cluster import alive_nodes, ensure_ray
 
 
 def inventory(cpu_devices: int) -> dict[str, Any]:
-    """This node's devices: GPUs through NVML, else ``cpu_devices`` workers sharing the RAM."""
+    """This node's devices: GPUs through NVML, else ``cpu_devices`` workers sharing the RAM.
+
+    No NVML library (``NVMLError_LibraryNotFound``: no GPU driver installed) or no loaded
+    driver means no GPU, so the node's CPU is profiled instead, and ``nvml`` says why. Any
+    other NVML error is a GPU node that cannot be read, which is an error, not a CPU node."""
     import socket
 
     host = {"name": socket.gethostname(), "address": ray.util.get_node_ip_address()}
     try:
         import pynvml
-
+    except ImportError as e:
+        return host | {"kind": "cpu", "devices": _cpu_devices(cpu_devices), "nvml": f"ImportError: {e}"}
+    try:
         pynvml.nvmlInit()
-    except (ImportError, OSError) as e:
-        return host | {"kind": "cpu", "devices": _cpu_devices(cpu_devices), "nvml": str(e)}
-    except Exception as e:
-        if type(e).__name__.startswith("NVMLError"):
-            return host | {"kind": "cpu", "devices": _cpu_devices(cpu_devices), "nvml": type(e).__name__}
-        raise
+    except (pynvml.NVMLError_LibraryNotFound, pynvml.NVMLError_DriverNotLoaded) as e:
+        return host | {"kind": "cpu", "devices": _cpu_devices(cpu_devices), "nvml": type(e).__name__}
+    except pynvml.NVMLError as e:
+        raise PipetteError(
+            f"NVML failed on {host['name']}: {type(e).__name__} ({e})", field="cluster",
+            fix="check the GPU driver on that node (nvidia-smi)",
+        ) from None
     try:
         devices = []
         count = pynvml.nvmlDeviceGetCount()
+        if count == 0:
+            return host | {"kind": "cpu", "devices": _cpu_devices(cpu_devices), "nvml": "no GPU (device count 0)"}
         handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
         for i, h in enumerate(handles):
             mem = pynvml.nvmlDeviceGetMemoryInfo(h)
@@ -83,13 +92,26 @@ def probe_cluster(
         ).remote(cpu_devices_per_node)
         for n in nodes
     ], timeout=timeout_s)
+    found, without_gpus = training_nodes(found)
     slots = [(i, d) for i, node in enumerate(found) for d in node["devices"]]
     shapes = [[256, 256, 256], [512, 512, 512], [1024, 1024, 1024]]
     if model is not None:
         tokens = seq_len
         shapes += [[tokens, model.hidden, model.hidden], [tokens, model.hidden, model.ffn_hidden]]
     ranks = _run_probe(found, slots, {"shapes": shapes}, timeout_s)
-    return _profile(name, found, slots, ranks, time.monotonic() - started)
+    profile = _profile(name, found, slots, ranks, time.monotonic() - started)
+    if without_gpus:
+        profile.extra["nodes_without_gpus"] = [f"{f['name']} ({f['address']})" for f in without_gpus]
+    return profile
+
+
+def training_nodes(found: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The nodes whose devices train, and the others: on a cluster with GPUs, only the GPU
+    nodes (a CPU-only Ray head, as KubeRay and most clusters run it, is no training device);
+    on a CPU-only cluster, every node."""
+    if any(f["kind"] == "gpu" for f in found):
+        return [f for f in found if f["kind"] == "gpu"], [f for f in found if f["kind"] != "gpu"]
+    return found, []
 
 
 def _run_probe(
@@ -108,8 +130,8 @@ def _run_probe(
     ]
     try:
         host, port = ray.get(actors[0].address.remote(), timeout=60)
-        gpu = found[0]["kind"] == "gpu"
-        for rank, (_, dev) in enumerate(slots):
+        for rank, (node, dev) in enumerate(slots):
+            gpu = found[node]["kind"] == "gpu"
             env = {"RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": host, "MASTER_PORT": str(port),
                    "OMP_NUM_THREADS": "1", "PIPETTE_PROBE": json.dumps(options), "PYTHONUNBUFFERED": "1",
                    "CUDA_VISIBLE_DEVICES": str(dev["local_index"]) if gpu else ""}
@@ -174,5 +196,6 @@ def _profile(
         latency=latency,
         measured_at=datetime.now(UTC).isoformat(timespec="seconds"),
         method="measured",
-        extra={"probe_s": elapsed, "matmul": [r["matmul"] for r in ranks], "message_sizes": list(SIZES)},
+        extra={"probe_s": elapsed, "matmul": [r["matmul"] for r in ranks], "message_sizes": list(SIZES),
+               "nvml": [f.get("nvml") for f in found]},
     )

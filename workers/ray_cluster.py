@@ -3,13 +3,17 @@ each node of a ``ClusterProfile``."""
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 from typing import Any
 
 import ray
 
 from pipette.cluster import ClusterProfile
 from pipette.errors import PipetteError
+
+log = logging.getLogger("pipette.workers")
 
 
 def ensure_ray(num_cpus: int | None = None) -> None:
@@ -18,7 +22,7 @@ def ensure_ray(num_cpus: int | None = None) -> None:
     if ray.is_initialized():
         return
     if os.environ.get("RAY_ADDRESS"):
-        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
+        _connect(os.environ["RAY_ADDRESS"])
         return
     ray.init(
         address="local",
@@ -29,6 +33,34 @@ def ensure_ray(num_cpus: int | None = None) -> None:
     )
 
 
+#: seconds to wait before each further attempt to connect to a Ray cluster
+CONNECT_BACKOFF_S = (2.0, 5.0, 10.0)
+
+
+def _connect(address: str) -> None:
+    """Connect to the cluster at ``address``. A connection the head aborted is retried: Ray
+    Client's per-driver server died as it started once in CI on the shaped cluster
+    ("Initialization failure from server"), and each attempt gets a new one. (The fault did not
+    recur in the later runs, so no retry has been seen to succeed.)"""
+    for attempt, wait in enumerate((*CONNECT_BACKOFF_S, None), start=1):
+        try:
+            ray.init(address=address, log_to_driver=False)
+            return
+        except ConnectionError as e:
+            if ray.is_initialized():
+                ray.shutdown()
+            # an unreachable head (a timeout, refused) is not retried: it took Ray 30 s to say
+            if wait is None or not isinstance(e, ConnectionAbortedError):
+                raise PipetteError(
+                    f"cannot connect to the Ray cluster at {address} ({attempt} attempts): {type(e).__name__}: {e}",
+                    field="RAY_ADDRESS", fix="check that the Ray head runs and is reachable from here "
+                    "(ray://HEAD:10001 through Ray Client, HEAD:PORT from a Ray node)",
+                ) from e
+            log.warning("connecting to Ray at %s failed (attempt %d): %s; retrying in %.0f s", address, attempt,
+                        str(e).splitlines()[0] if str(e) else type(e).__name__, wait)
+            time.sleep(wait)
+
+
 def alive_nodes() -> list[dict[str, Any]]:
     """Ray's live nodes, the head first, then by address."""
     nodes = [n for n in ray.nodes() if n.get("Alive")]
@@ -36,24 +68,34 @@ def alive_nodes() -> list[dict[str, Any]]:
     return sorted(nodes, key=lambda n: (not n.get("Resources", {}).get(head), n["NodeManagerAddress"]))
 
 
-def ray_node_ips(cluster: ClusterProfile) -> list[str]:
-    """The Ray node address of each cluster node: by address or name when Ray has it, else in order."""
-    nodes = alive_nodes()
+def _match(cluster: ClusterProfile, nodes: list[dict[str, Any]]) -> list[str]:
+    """The Ray node address of each cluster node ("" where none is left): by address or name
+    when Ray has it, else the live nodes no cluster node named, in order."""
     by_ip = {n["NodeManagerAddress"]: n for n in nodes}
     by_name = {n.get("NodeName", ""): n for n in nodes}
     out: list[str] = []
-    spare = [n["NodeManagerAddress"] for n in nodes]
     for node in cluster.nodes:
         hit = by_ip.get(node.address) or by_ip.get(node.name) or by_name.get(node.name)
         out.append(hit["NodeManagerAddress"] if hit else "")
-    for i, ip in enumerate(out):
-        if ip:
-            continue
-        unused = [s for s in spare if s not in out]
-        if not unused:
-            raise PipetteError(
-                f"the cluster has {len(cluster.nodes)} nodes but Ray sees {len(nodes)}",
-                field="cluster.nodes", fix="start Ray on every node of the cluster (RAY_ADDRESS)",
-            )
-        out[i] = unused[0]
+    unused = [n["NodeManagerAddress"] for n in nodes if n["NodeManagerAddress"] not in out]
+    return [ip or (unused.pop(0) if unused else "") for ip in out]
+
+
+def ray_node_ips(cluster: ClusterProfile) -> list[str]:
+    """The Ray node address of each cluster node: by address or name when Ray has it, else in order."""
+    nodes = alive_nodes()
+    out = _match(cluster, nodes)
+    if "" in out:
+        missing = ", ".join(f"{n.name} ({n.address})" for n, ip in zip(cluster.nodes, out, strict=True) if not ip)
+        raise PipetteError(
+            f"the cluster has {len(cluster.nodes)} nodes but Ray sees {len(nodes)} alive; missing: {missing}",
+            field="cluster.nodes", fix="start Ray on every node of the cluster (ray start --address=HEAD:PORT)",
+        )
     return out
+
+
+def missing_nodes(cluster: ClusterProfile, suspects: frozenset[str] = frozenset()) -> list[str]:
+    """The addresses (or names) of the cluster's nodes that have no live Ray node now, counting
+    the Ray nodes whose ids are in ``suspects`` as dead (Ray takes a while to notice a lost node)."""
+    out = _match(cluster, [n for n in alive_nodes() if n["NodeID"] not in suspects])
+    return [n.address or n.name for n, ip in zip(cluster.nodes, out, strict=True) if not ip]

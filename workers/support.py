@@ -4,19 +4,31 @@ The backend for a candidate is DeepSpeed in every case (``backend_name``):
 pp == 1 runs the Hugging Face model under the DeepSpeed engine (ZeRO 0-3, AutoTP when
 tp > 1); pp > 1 runs it as a ``PipelineModule`` under DeepSpeed's pipeline engine,
 with tp > 1 sharded by ``workers.tp_shard`` over the pipeline grid's model-parallel group
-(AutoTP cannot parse a ``PipelineModule``; the ``tensor_parallel`` block is then unused).
+(AutoTP cannot parse a ``PipelineModule``; the ``tensor_parallel`` block is then unused),
+and a tied embedding shared by the first and last stage through ``TiedLayerSpec``.
+
+``refusals_for`` needs only the job and the candidate, so a tuner can drop the candidates no
+backend runs before it measures anything; ``refusals``/``check_runnable`` take a ``TrialSpec``.
 """
 
 from __future__ import annotations
 
+from pipette.config import ParallelConfig
 from pipette.errors import InfeasibleError
+from pipette.model import ModelSpec
+from pipette.training import TrainingSpec
 from workers.spec import TrialSpec
 
+DEVICE_KINDS = ("cpu", "gpu")
 
-def refusals(trial: TrialSpec) -> list[str]:
-    """Why the backends cannot run ``trial``; empty when they can."""
-    m, t, c = trial.model, trial.training, trial.config
+
+def refusals_for(model: ModelSpec, training: TrainingSpec, config: ParallelConfig, device_kind: str) -> list[str]:
+    """Why the backends cannot run ``config`` for this job on ``device_kind`` devices; empty
+    when they can. Pure: builds no model and starts no process."""
+    m, t, c = model, training, config
     out = []
+    if device_kind not in DEVICE_KINDS:
+        out.append(f"device kind {device_kind!r} is not one of {', '.join(DEVICE_KINDS)}")
     if m.arch != "llama":
         out.append(f"the runner builds Llama models; {m.name} is {m.arch}")
     if t.seq_len > m.max_seq:
@@ -24,18 +36,26 @@ def refusals(trial: TrialSpec) -> list[str]:
     if c.pp > 1 and c.zero_stage >= 2:
         out.append(f"DeepSpeed's pipeline engine refuses ZeRO-{c.zero_stage} (pp={c.pp}); use ZeRO 0 or 1")
     if c.schedule != "1f1b":
-        out.append("DeepSpeed's pipeline engine has no interleaved schedule; use 1f1b")
+        # deepspeed.runtime.pipe.schedule has TrainSchedule (1F1B) and InferenceSchedule only,
+        # and a PipelineModule gives each rank one contiguous block of layers.
+        out.append(
+            f"schedule {c.schedule!r} with {c.virtual_stages} virtual stages per device: DeepSpeed's "
+            "pipeline engine runs only 1F1B with one contiguous stage per device (no interleaving); use 1f1b"
+        )
     if c.pp > m.layers:
         out.append(f"pp={c.pp} exceeds the {m.layers} layers")
-    if c.pp > 1 and m.tied_embeddings:
-        out.append("tied embeddings across pipeline stages are not supported by the runner yet")
     if c.tp > 1:
         for name, width in (("heads", m.heads), ("kv_heads", m.kv_heads), ("ffn_hidden", m.ffn_hidden)):
             if width % c.tp:
                 out.append(f"tp={c.tp} does not divide {name}={width}")
-    if trial.device_kind == "cpu" and t.dtype == "fp16":
+    if device_kind == "cpu" and t.dtype == "fp16":
         out.append("fp16 training needs a GPU; use bf16 or fp32 on CPU")
     return out
+
+
+def refusals(trial: TrialSpec) -> list[str]:
+    """Why the backends cannot run ``trial``; empty when they can."""
+    return refusals_for(trial.model, trial.training, trial.config, trial.device_kind)
 
 
 def check_runnable(trial: TrialSpec) -> None:
@@ -53,6 +73,8 @@ def backend_name(trial: TrialSpec) -> str:
     parts = ["deepspeed", "pipeline" if c.pp > 1 else "engine", f"zero{c.zero_stage}"]
     if c.tp > 1:
         parts.append("megatron-tp" if c.pp > 1 else "autotp")
+    if c.pp > 1 and trial.model.tied_embeddings:
+        parts.append("tied-embedding")
     if trial.training.is_lora:
         parts.append("tp-lora" if c.tp > 1 else "peft-lora")
     return "+".join(parts)

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from workers.lora import COLUMN, ROW, _CopyToTP, _ReduceFromTP
+from workers.lora import COLUMN, ROW, copy_to_tp, reduce_from_tp
 
 
 class ColumnParallelLinear(nn.Module):
@@ -28,7 +28,7 @@ class ColumnParallelLinear(nn.Module):
         self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = nn.functional.linear(_CopyToTP.apply(x, self.group), self.weight)
+        out: torch.Tensor = nn.functional.linear(copy_to_tp(x, self.group), self.weight)
         return out
 
 
@@ -42,7 +42,7 @@ class RowParallelLinear(nn.Module):
         self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = _ReduceFromTP.apply(nn.functional.linear(x, self.weight), self.group)
+        out: torch.Tensor = reduce_from_tp(nn.functional.linear(x, self.weight), self.group)
         return out
 
 

@@ -13,6 +13,7 @@ candidate's rank.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import sys
@@ -43,7 +44,30 @@ def pipette_rank(launcher_rank: int, rank_map: list[dict[str, Any]]) -> int:
     return int(match[0]["rank"])
 
 
+def build_environment() -> dict[str, str]:
+    """``PATH`` and ``TORCH_EXTENSIONS_DIR`` for DeepSpeed's JIT builds in a rank.
+
+    DeepSpeed JIT-builds its CPU communication op on every rank's start, with whichever
+    ``ninja`` PATH finds, into one cache per user (``~/.cache/torch_extensions``). Ninja 1.13
+    (the environment's, a DeepSpeed dependency) and 1.11 (Debian's) discard each other's
+    build log, and two environments compile different paths, so processes that differ in
+    either rebuilt the op in turn: 1.5 to 4 minutes each on this 2-core machine (measured),
+    inside trials' timeouts. So a rank uses its environment's ``bin`` first (as an activated
+    environment does) and a cache of its own environment, unless the user set one."""
+    bindir = str(Path(sys.executable).parent)
+    path = os.environ.get("PATH", "")
+    if path.split(os.pathsep)[0] != bindir:
+        path = bindir + os.pathsep + path if path else bindir
+    cache = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if not cache:
+        tag = hashlib.sha1(sys.prefix.encode()).hexdigest()[:10]
+        root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        cache = os.path.join(root, "pipette", f"torch_extensions-{tag}")
+    return {"PATH": path, "TORCH_EXTENSIONS_DIR": cache}
+
+
 def main(argv: list[str] | None = None) -> int:
+    os.environ.update(build_environment())
     parser = argparse.ArgumentParser(prog="workers.train")
     parser.add_argument("--deepspeed_config", required=True)
     parser.add_argument("--candidate", required=True)
@@ -53,9 +77,15 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     from workers.spec import TrialSpec
-    from workers.trial import run_rank
+    from workers.trial import emit, run_rank
 
-    trial = TrialSpec.from_candidate(json.loads(Path(args.candidate).read_text()))
+    candidate = json.loads(Path(args.candidate).read_text())
+    options = candidate["trial"] = dict(candidate.get("trial") or {})
+    if "device_kind" not in options:  # an emitted candidate.json: the devices are this machine's
+        import torch
+
+        options["device_kind"] = "gpu" if torch.cuda.is_available() else "cpu"
+    trial = TrialSpec.from_candidate(candidate)
     ds_config = json.loads(Path(args.deepspeed_config).read_text())
     launcher_rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -63,6 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     if os.environ.get("PIPETTE_RANK_MAP"):
         rank = pipette_rank(launcher_rank, json.loads(Path(os.environ["PIPETTE_RANK_MAP"]).read_text()))
         os.environ["RANK"] = str(rank)
+    emit({"event": "rank", "rank": rank, "launcher_rank": launcher_rank, "local_rank": os.environ.get("LOCAL_RANK"),
+          "visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "device_kind": trial.device_kind,
+          "master_port": os.environ.get("MASTER_PORT")})
     store = dist.TCPStore(
         os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "29500")),
         world, is_master=launcher_rank == 0, timeout=timedelta(seconds=120),

@@ -9,7 +9,7 @@ import pytest
 
 from pipette.clusterfile import cluster_from_dict
 from pipette.model import ModelSpec
-from workers.probe import probe_cluster
+from workers.probe import inventory, probe_cluster, training_nodes
 
 
 @pytest.mark.slow
@@ -28,4 +28,45 @@ def test_probe_of_four_cpu_devices() -> None:
         assert set(d.spec.peak_flops) == {"fp32", "bf16"} and d.spec.memory_bandwidth > 0
         assert d.free_memory is not None and 0 < d.free_memory <= d.spec.memory_bytes
     assert cluster_from_dict(profile.to_dict()).method == "measured"  # readable as a cluster file
+    if not _has_nvml():
+        assert profile.extra["nvml"] == ["NVMLError_LibraryNotFound"]  # why the node counted as CPU
     assert elapsed <= 60, elapsed
+
+
+def _has_nvml() -> bool:
+    import pynvml
+
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError_LibraryNotFound:
+        return False
+    pynvml.nvmlShutdown()
+    return True
+
+
+def test_without_a_gpu_the_inventory_falls_back_to_cpu_devices() -> None:
+    """NVML is installed (nvidia-ml-py) but has no library to load here: the node is profiled
+    as CPU worker processes sharing its RAM, and says why."""
+    if _has_nvml():
+        pytest.skip("this machine has NVML: the fallback is for machines without a GPU")
+    found = inventory(3)
+    assert found["kind"] == "cpu" and found["nvml"] == "NVMLError_LibraryNotFound"
+    devices = found["devices"]
+    assert [d["local_index"] for d in devices] == [0, 1, 2]
+    assert len({d["memory"] for d in devices}) == 1 and all(0 < d["free"] <= d["memory"] for d in devices)
+    with open("/proc/meminfo") as f:
+        total_kib = int(f.readline().split()[1])
+    assert 3 * devices[0]["memory"] == pytest.approx(total_kib * 1024, rel=0.01)
+
+
+def test_on_a_gpu_cluster_only_gpu_nodes_are_measured() -> None:
+    """A CPU-only Ray head (KubeRay's default) next to GPU workers is no training device; on a
+    CPU-only cluster every node's CPU devices are."""
+
+    head = {"name": "head", "address": "10.0.0.1", "kind": "cpu", "devices": [{"local_index": 0}]}
+    gpus = [{"name": f"g{i}", "address": f"10.0.0.{i + 2}", "kind": "gpu", "devices": [{"local_index": 0}]}
+            for i in range(2)]
+    kept, dropped = training_nodes([head, *gpus])
+    assert kept == gpus and dropped == [head]
+    cpus = [head, {**head, "name": "w1", "address": "10.0.0.9"}]
+    assert training_nodes(cpus) == (cpus, [])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import statistics
@@ -14,19 +15,21 @@ from pipette.config import ParallelConfig
 from pipette.errors import InfeasibleError
 from pipette.model import ModelSpec
 from pipette.training import LORA_TARGETS, LoraSpec, TrainingSpec
+from workers.data import PERIOD
 from workers.executor import StepReport, run_trial
 from workers.spec import TrialSpec
+from workers.support import refusals, refusals_for
 
 MODEL = ModelSpec.preset("tiny-llama")
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
 def trial(tp: int = 1, pp: int = 1, dp: int = 1, zero: int = 0, recompute: str = "none", method: str = "full",
-          mbs: int = 1, batch: int = 4, seq: int = 32, **options: object) -> TrialSpec:
+          mbs: int = 1, batch: int = 4, seq: int = 32, model: ModelSpec = MODEL, **options: object) -> TrialSpec:
     training = TrainingSpec(global_batch=batch, seq_len=seq, dtype="fp32", method=method)  # type: ignore[arg-type]
     config = ParallelConfig(tp=tp, pp=pp, dp=dp, mbs=mbs, global_batch=batch, zero_stage=zero, recompute=recompute)
     kwargs: dict = {"warmup_steps": 2, "min_steps": 3, "max_steps": 4} | options
-    return TrialSpec(MODEL, training, config, **kwargs)
+    return TrialSpec(model, training, config, **kwargs)
 
 
 CASES = {
@@ -71,21 +74,45 @@ def test_tensor_and_pipeline_parallel_train_the_same_model_as_one_device() -> No
     """tp and pp split the same computation: the first losses match a single device's."""
     one = _losses(trial())
     assert _losses(trial(tp=2))[:3] == pytest.approx(one[:3], rel=1e-4)
-    assert _losses(trial(tp=2, pp=2)) == pytest.approx(_losses(trial(pp=2)), rel=1e-4)
+    # Trials time steps until the step time is known well enough, so their lengths may differ.
+    both, pipe = _losses(trial(tp=2, pp=2)), _losses(trial(pp=2))
+    n = min(len(both), len(pipe))
+    assert n >= 3 and both[:n] == pytest.approx(pipe[:n], rel=1e-4)
 
 
-@pytest.mark.parametrize("method", ["full", "lora"])
-def test_loss_goes_down(method: str) -> None:
-    lr = 1e-2 if method == "full" else 5e-2
-    tp = 1 if method == "full" else 2  # LoRA through the sharding-aware adapters
-    spec = trial(tp=tp, dp=2 // tp, method=method, lr=lr, batch=8, seq=64, mbs=2, min_steps=30, max_steps=30)
-    if method == "lora":  # adapters on the MLP too: the synthetic task is a token-to-token map
+LEARNERS: dict[str, dict] = {
+    "full-dp2": {"dp": 2},
+    "peft-lora-dp2": {"dp": 2, "method": "lora"},
+    "tp-lora-tp2": {"tp": 2, "method": "lora"},  # the sharding-aware adapters under AutoTP
+}
+
+
+@pytest.mark.parametrize("name", list(LEARNERS))
+def test_training_learns_the_synthetic_task(name: str) -> None:
+    """The loss falls from an untrained ln V to well below ln PERIOD: the run learned which
+    token follows which, not only which tokens occur. Frozen adapters or an optimizer that
+    does not step leave it near ln V (6.2 nats), so they fail here."""
+    spec = trial(**LEARNERS[name], mbs=2, lr=1e-2, min_steps=10, max_steps=10)  # 12 steps with the warm-up
+    if spec.training.is_lora:  # adapters on the MLP too: the task is a token-to-token map
         spec = replace(spec, training=replace(spec.training, lora=LoraSpec(rank=16, alpha=32.0, targets=LORA_TARGETS)))
     losses = _losses(spec)
-    first, last = statistics.fmean(losses[:3]), statistics.fmean(losses[-3:])
-    # LoRA on a randomly initialized tiny model learns slowly (PEFT at tp=1 measured the same
-    # rate as the TP-aware adapters here: about 0.08 nats in 30 steps).
-    assert last < first - (0.5 if method == "full" else 0.03), losses
+    assert losses[0] > math.log(MODEL.vocab) - 0.5, losses  # it starts untrained
+    # ln PERIOD (2.8 nats) is knowing the cycle's tokens but not their order.
+    assert statistics.fmean(losses[-3:]) < min(1.0, math.log(PERIOD)), losses
+
+
+def test_tied_embeddings_stay_one_matrix_across_pipeline_stages() -> None:
+    """pp=2 on a tied model: the first stage's embedding and the last stage's LM head are one
+    parameter (DeepSpeed's TiedLayerSpec), so the run follows one device's losses and learns.
+    Untied copies (each stage training its own) measured 7% off at step 2; tied, 1.5e-4."""
+    tied = ModelSpec.preset("tiny-llama-tied")
+    assert tied.tied_embeddings and tied.arch == "llama"
+    one = run_trial(trial(model=tied, lr=1e-2, min_steps=1, max_steps=1), timeout_s=240)
+    two = run_trial(trial(model=tied, pp=2, lr=1e-2, min_steps=8, max_steps=8), timeout_s=240)
+    assert one.status == "ok" and two.status == "ok", (one.error, two.error)
+    assert two.extra["backend"] == "deepspeed+pipeline+zero0+tied-embedding"
+    assert list(two.losses[:3]) == pytest.approx(list(one.losses[:3]), rel=1e-3)
+    assert statistics.fmean(two.losses[-3:]) < 1.0, two.losses
 
 
 def test_memory_cap_makes_an_oom_result() -> None:
@@ -151,3 +178,25 @@ def test_pruned_trial_stops_within_seconds() -> None:
 def test_unrunnable_candidate_is_refused_before_any_process() -> None:
     with pytest.raises(InfeasibleError, match="ZeRO-2"):
         run_trial(trial(pp=2, zero=2), timeout_s=5)
+    interleaved = replace(trial(pp=2), config=replace(trial(pp=2).config, schedule="interleaved", virtual_stages=2))
+    with pytest.raises(InfeasibleError, match="only 1F1B") as e:
+        run_trial(interleaved, timeout_s=5)
+    assert e.value.field == "config" and e.value.fix
+
+
+def test_refusals_for_is_the_runners_check_without_a_trial() -> None:
+    """What a tuner calls to skip candidates: the same reasons as the runner's own check."""
+    t = TrainingSpec(global_batch=4, seq_len=32, dtype="fp32")
+    pp2 = ParallelConfig(tp=1, pp=2, dp=1, mbs=1, global_batch=4)
+    interleaved = replace(pp2, schedule="interleaved", virtual_stages=2)
+    (reason,) = refusals_for(MODEL, t, interleaved, "cpu")
+    assert "'interleaved' with 2 virtual stages" in reason and "use 1f1b" in reason
+    assert refusals(TrialSpec(MODEL, t, interleaved)) == [reason]
+    assert refusals_for(ModelSpec.preset("tiny-llama-tied"), t, pp2, "cpu") == []  # tied pp > 1 runs now
+    assert refusals_for(MODEL, t, pp2, "cpu") == []
+    fp16 = replace(t, dtype="fp16")
+    assert any("fp16" in r for r in refusals_for(MODEL, fp16, pp2, "cpu"))
+    assert refusals_for(MODEL, fp16, pp2, "gpu") == []
+    assert any("tp=3" in r for r in refusals_for(MODEL, t, replace(pp2, tp=3), "gpu"))
+    assert any("device kind 'tpu'" in r for r in refusals_for(MODEL, t, pp2, "tpu"))
+    assert any("tiny-gpt is gpt" in r for r in refusals_for(ModelSpec.preset("tiny-gpt"), t, pp2, "cpu"))

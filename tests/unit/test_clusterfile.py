@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipette.clusterfile import cluster_from_dict, load_cluster
+from pipette.clusterfile import cluster_from_dict, homogeneous_cluster, load_cluster
 from pipette.errors import ClusterFileError
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "clusters"
@@ -85,3 +85,29 @@ def test_unreadable_files(tmp_path: Path) -> None:
     listy.write_text("[1, 2]")
     with pytest.raises(ClusterFileError, match="not a mapping"):
         load_cluster(listy)
+
+
+@pytest.mark.parametrize(
+    ("where", "value", "field"),
+    [("node", "x", "cluster.devices[0].node"), ("node", 9, "cluster.devices[0].node"),
+     ("node", -1, "cluster.devices[0].node"), ("local_index", 1.5, "cluster.devices[0].local_index"),
+     ("local_index", None, "cluster.devices[0].local_index")],
+)
+def test_a_measured_profile_with_a_wrongly_typed_device_field_names_it(where: str, value: object, field: str) -> None:
+
+    data = homogeneous_cluster("a100-80gb", nodes=2, devices_per_node=2, intra_bandwidth=1e11,
+                               inter_bandwidth=1e10).to_dict()
+    data["devices"][0][where] = value
+    with pytest.raises(ClusterFileError) as e:
+        cluster_from_dict(data)
+    assert e.value.field == field
+
+
+def test_a_measured_profile_whose_node_is_not_a_mapping_names_it() -> None:
+
+    data = homogeneous_cluster("a100-80gb", nodes=2, devices_per_node=1, intra_bandwidth=1e11,
+                               inter_bandwidth=1e10).to_dict()
+    data["nodes"][1] = "n1"
+    with pytest.raises(ClusterFileError) as e:
+        cluster_from_dict(data)
+    assert e.value.field == "cluster.nodes[1]"

@@ -16,6 +16,7 @@ from typing import Any
 
 import yaml
 
+from pipette.cli import client, tune
 from pipette.errors import PipetteError, SpecError
 
 EXIT_OK = 0
@@ -68,26 +69,33 @@ def _parser() -> argparse.ArgumentParser:
     )
     plan.add_argument("--model", required=True, help="a preset name or a Hugging Face config.json path")
     plan.add_argument("--cluster", required=True, help="a cluster file (YAML or JSON)")
-    plan.add_argument("--recipe", help="a training recipe file (YAML or JSON); flags override it")
-    plan.add_argument("--global-batch", type=int, help="sequences per optimizer step")
-    plan.add_argument("--seq-len", type=int, help="tokens per sequence")
-    plan.add_argument("--dtype", choices=["bf16", "fp16", "fp32"])
-    plan.add_argument("--optimizer", choices=["adamw", "adam", "sgd"])
-    plan.add_argument("--method", choices=["full", "lora"])
-    plan.add_argument("--lora-rank", type=int)
-    plan.add_argument("--lora-alpha", type=float)
-    plan.add_argument("--lora-targets", help="comma-separated module names (q_proj,v_proj,...)")
-    plan.add_argument("--recompute", help="allowed modes, comma-separated: none,selective,full")
-    plan.add_argument("--zero", help="allowed ZeRO stages, comma-separated: 0,1,2,3")
-    plan.add_argument("--schedules", help="allowed pipeline schedules: 1f1b,interleaved")
-    plan.add_argument("--micro-batches", help="allowed micro-batch sizes, comma-separated")
+    add_recipe_flags(plan)
     plan.add_argument("--margin", type=float, help="memory safety margin (fraction, default: the estimator's)")
     plan.add_argument("--top", type=int, default=10, help="how many candidates to show (default 10)")
     plan.add_argument("--out", default="pipette-plan", help="where to write the best candidate's launch files")
     plan.add_argument("--no-files", action="store_true", help="do not write launch files")
     plan.add_argument("--json", action="store_true", help="machine-readable output on stdout")
     plan.set_defaults(func=_cmd_plan)
+    tune.add_parser(sub, add_recipe_flags)
+    client.add_parsers(sub)  # the service's client: serve, cluster, submit, jobs, watch, ...
     return parser
+
+
+def add_recipe_flags(p: argparse.ArgumentParser) -> None:
+    """The training recipe's flags (``plan`` and ``tune``); they override ``--recipe``."""
+    p.add_argument("--recipe", help="a training recipe file (YAML or JSON); flags override it")
+    p.add_argument("--global-batch", type=int, help="sequences per optimizer step")
+    p.add_argument("--seq-len", type=int, help="tokens per sequence")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"])
+    p.add_argument("--optimizer", choices=["adamw", "adam", "sgd"])
+    p.add_argument("--method", choices=["full", "lora"])
+    p.add_argument("--lora-rank", type=int)
+    p.add_argument("--lora-alpha", type=float)
+    p.add_argument("--lora-targets", help="comma-separated module names (q_proj,v_proj,...)")
+    p.add_argument("--recompute", help="allowed modes, comma-separated: none,selective,full")
+    p.add_argument("--zero", help="allowed ZeRO stages, comma-separated: 0,1,2,3")
+    p.add_argument("--schedules", help="allowed pipeline schedules: 1f1b,interleaved")
+    p.add_argument("--micro-batches", help="allowed micro-batch sizes, comma-separated")
 
 
 # ---- pipette plan -----------------------------------------------------------------

@@ -1,0 +1,5 @@
+import sys
+
+from pipette.cli import main
+
+sys.exit(main())

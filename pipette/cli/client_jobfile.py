@@ -1,0 +1,87 @@
+"""Job files: YAML (or JSON) holding exactly what ``POST /v1/jobs`` takes.
+
+    cluster: local                 # a registered cluster's name or id
+    model: tiny-llama              # a preset, a path to a Hugging Face config.json, or its content
+    training: {global_batch: 4, seq_len: 32, method: lora}
+    budget: {max_trials: 2}
+    name: my first job
+
+The file is only read and parsed here; the service checks every field and answers with the
+field's name and the fix, so the CLI and the API can never disagree on what is valid.
+``--set budget.max_trials=4`` overrides one value (the value is read as YAML).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from pipette.errors import SpecError
+
+TOP_LEVEL = ("cluster", "model", "training", "budget", "name")
+
+
+def load_job_file(path: str, overrides: Sequence[str] = ()) -> dict[str, Any]:
+    file = Path(path)
+    try:
+        text = file.read_text()
+    except OSError as e:
+        raise SpecError(f"cannot read {path!r} ({e.strerror})", field="job file",
+                        fix="give the path of a job YAML file (see examples/jobs/)") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise SpecError(f"{path} is not valid YAML{where}: {problem}", field="job file",
+                        fix="fix the syntax (indent with spaces; quote values that contain ': ')") from None
+    if not isinstance(data, dict):
+        raise SpecError(f"{path} does not hold a mapping", field="job file",
+                        fix="write key: value pairs: cluster, model, training, budget, name (see examples/jobs/)")
+    for item in overrides:
+        apply_override(data, item)
+    model = data.get("model")
+    if isinstance(model, str) and model.endswith(".json"):
+        data["model"] = _read_hf_config(file.parent / model if not Path(model).is_absolute() else Path(model))
+    return data
+
+
+def apply_override(data: dict[str, Any], item: str) -> None:
+    """``a.b=value``: set ``data["a"]["b"]`` to ``value`` read as YAML."""
+    key, sep, raw = item.partition("=")
+    if not sep or not key.strip():
+        raise SpecError(f"{item!r} is not KEY=VALUE", field="--set", fix="write e.g. --set budget.max_trials=4")
+    parts = [p for p in key.strip().split(".") if p]
+    if parts[0] not in TOP_LEVEL:
+        raise SpecError(f"{parts[0]!r} is not a job field", field="--set", fix=f"use one of {', '.join(TOP_LEVEL)}")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    node = data
+    for part in parts[:-1]:
+        child = node.get(part)
+        if not isinstance(child, dict):
+            child = {}
+            node[part] = child
+        node = child
+    node[parts[-1]] = value
+
+
+def _read_hf_config(path: Path) -> dict[str, Any]:
+    try:
+        loaded = json.loads(path.read_text())
+    except OSError as e:
+        raise SpecError(f"cannot read {str(path)!r} ({e.strerror})", field="model",
+                        fix="give a preset name or the path of a Hugging Face config.json") from None
+    except json.JSONDecodeError as e:
+        raise SpecError(f"{path} is not valid JSON ({e.msg} at line {e.lineno})", field="model",
+                        fix="give a Hugging Face config.json") from None
+    if not isinstance(loaded, dict):
+        raise SpecError(f"{path} does not hold an object", field="model", fix="give a Hugging Face config.json")
+    return loaded

@@ -1,0 +1,319 @@
+"""``pipette tune``: the main job. Measure the cluster (or reuse a fresh profile), plan, run
+real trials of the most promising candidates on Ray, learn, stop, and write the winner's
+launch files.
+
+With no flags it tunes the embedded default: a local Ray, 4 CPU devices with gloo, the
+``tiny-llama`` model fine-tuned with LoRA. ``--cluster`` and ``--model`` point the same
+command at a real GPU cluster (``RAY_ADDRESS``).
+
+What a job learns is kept under ``--home`` (``$PIPETTE_HOME``, default ``~/.pipette``):
+profiles in ``profiles/``, trial records per cluster in ``trials/<cluster key>.jsonl``; the
+next job on the same cluster starts from them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+import time
+import uuid
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from pipette.errors import SpecError
+
+GiB = 1024**3
+#: A profile younger than this is reused instead of measuring again.
+PROFILE_MAX_AGE_S = 3600.0
+
+TUNE_EXAMPLES = """\
+examples:
+  pipette tune                                   # the embedded default: 4 CPU devices, tiny-llama, LoRA
+  pipette tune --max-trials 4 --json > result.json
+  RAY_ADDRESS=head:6380 pipette tune --model llama2-7b --cluster my-a100s.yaml \\
+      --recipe examples/recipes/llama2-7b-lora.yaml --out best-7b
+"""
+
+
+def add_parser(sub: Any, add_recipe_flags: Any) -> None:
+    p = sub.add_parser(
+        "tune",
+        help="find the fastest configuration by real trials (the main job)",
+        description="Profile the cluster, plan, run short real DeepSpeed trials of the most promising "
+        "candidates on Ray, learn from each, stop when no candidate is likely to beat the best, and "
+        "write the best configuration's launch files.",
+        epilog=TUNE_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--model", default="tiny-llama", help="a preset name or a config.json path (default tiny-llama)")
+    p.add_argument("--cluster", help="a cluster file; default: measure the local machine as --devices CPU devices")
+    p.add_argument("--devices", type=int, default=4, help="CPU devices of the embedded cluster (default 4)")
+    p.add_argument("--reprofile", action="store_true", help="measure the cluster even if a fresh profile exists")
+    add_recipe_flags(p)
+    p.add_argument("--max-trials", type=int, default=8, help="trial budget (default 8)")
+    p.add_argument("--time-budget", type=float, default=None, help="seconds of trials at most (default: none)")
+    p.add_argument("--tolerance", type=float, default=0.02, help="stop when nothing is likely to beat the best "
+                   "by more than this fraction (default 0.02)")
+    p.add_argument("--stop-probability", type=float, default=0.05, help="...with more than this chance (0.05)")
+    p.add_argument("--steps", type=int, default=8, help="timed steps per trial at most (default 8)")
+    p.add_argument("--trial-timeout", type=float, default=180.0, help="seconds before a trial is a timeout")
+    p.add_argument("--data", help="a local JSONL of prompt/response pairs (default: synthetic tokens)")
+    p.add_argument("--checkpoint", help="a local checkpoint to load (default: random weights)")
+    p.add_argument("--home", default=None, help="where profiles and trial records live (default ~/.pipette)")
+    p.add_argument("--no-memory", action="store_true", help="neither read nor keep past trials of this cluster")
+    p.add_argument("--out", default="pipette-best", help="where to write the best configuration's files")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print the result as JSON on stdout (progress on stderr)")
+    p.set_defaults(func=cmd_tune)
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    from pipette.cli import load_model, load_recipe
+    from pipette.plan import make_plan
+    from pipette.tuner import TuneOptions, Tuner, cluster_key
+
+    for name in ("max_trials", "steps", "devices"):
+        if getattr(args, name) < 1:
+            raise SpecError(f"is {getattr(args, name)}", field="--" + name.replace("_", "-"), fix="give 1 or more")
+    options = TuneOptions(max_trials=args.max_trials, time_budget_s=args.time_budget, tolerance=args.tolerance,
+                          stop_probability=args.stop_probability, seed=args.seed)
+    model = load_model(args.model)
+    training = load_recipe(args.recipe, _with_defaults(args))
+    home = Path(args.home or os.environ.get("PIPETTE_HOME") or Path.home() / ".pipette")
+    ui = Progress(args.max_trials, stream=sys.stderr)
+
+    from workers.runner import RayTrialRunner
+
+    cluster = _cluster(args, home, ui, model)
+    device_kind = cluster.device_spec.kind
+    ui.say(f"planning {model.name} ({training.method}, global batch {training.global_batch} x {training.seq_len}) "
+           f"on {cluster.world} x {cluster.device_spec.name} ...")
+    plan = make_plan(model, training, cluster, seed=args.seed)
+    from workers.ray_cluster import ensure_ray
+
+    ensure_ray()
+    # Every rank of this job carries a tag, so an operator (or a test) can find them: `ps e`.
+    tag = os.environ.get("PIPETTE_RANK_TAG") or f"tune-{uuid.uuid4().hex[:12]}"
+    runner = RayTrialRunner(model, training, cluster, device_kind=device_kind, timeout_s=args.trial_timeout,
+                            max_steps=args.steps, seed=args.seed, data=args.data, checkpoint=args.checkpoint,
+                            env={"PIPETTE_RANK_TAG": tag})
+    store = None if args.no_memory else home / "trials" / f"{cluster_key(plan)}.jsonl"
+    prior = _read_records(store) if store is not None else []
+    tuner = Tuner(plan, options, prior=prior, runnable=runner.refusals)
+    ui.say(f"{plan.enumerated} candidates, {len(plan.ranked)} fit, {len(tuner.candidates)} runnable by the backend"
+           + (f"; learning from {len(prior)} earlier trials on this cluster" if prior else ""))
+    ui.header()
+    # Ctrl-C asks the tuner to stop: the running trial is stopped at its next step and kept
+    # (as pruned), then the best so far is written. A flag, not an exception, so that no
+    # library between here and the trial can swallow it; a second Ctrl-C abandons at once.
+    stop = threading.Event()
+
+    def on_sigint(signum: int, frame: Any) -> None:
+        if stop.is_set():
+            raise KeyboardInterrupt
+        stop.set()
+        ui.say("interrupted (Ctrl-C): stopping the running trial; Ctrl-C again to abandon it")
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        result = tuner.run(runner, on_event=lambda e: _on_event(e, ui, store), should_stop=stop.is_set)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if stop.is_set():
+        result.interrupted = True
+        result.stop_reason = "interrupted (Ctrl-C); the running trial was stopped, what it measured is kept"
+    ui.done(result.stop_reason)
+    files: dict[str, str] = {}
+    if result.best is not None:
+        try:
+            files = {k: str(v) for k, v in result.launch_files(args.out).items()}
+        except OSError as e:
+            raise SpecError(f"cannot write {args.out!r} ({e.strerror})", field="--out",
+                            fix="give a writable folder") from None
+    if args.json:
+        out = result.to_dict()
+        out["files"] = files
+        out["cluster"] = {"name": cluster.name, "devices": cluster.world, "measured_at": cluster.measured_at}
+        json.dump(out, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        _print_result(result, args.out, files)
+    if result.interrupted:
+        return 130
+    return 0 if result.best is not None else 1
+
+
+def _with_defaults(args: argparse.Namespace) -> argparse.Namespace:
+    """The embedded default recipe where neither a recipe file nor a flag says otherwise."""
+    if args.recipe:
+        return args
+    args = argparse.Namespace(**vars(args))
+    args.global_batch = args.global_batch or 16
+    args.seq_len = args.seq_len or 128
+    if args.method is None and args.lora_rank is None:
+        args.method, args.lora_rank, args.lora_alpha = "lora", 8, args.lora_alpha or 16.0
+    if args.dtype is None and not args.cluster:
+        args.dtype = "fp32"  # CPU devices: bf16 matmuls are emulated and slower there
+    return args
+
+
+def _cluster(args: argparse.Namespace, home: Path, ui: Progress, model: Any) -> Any:
+    from pipette.clusterfile import cluster_from_dict, load_cluster
+    from workers.ray_cluster import ensure_ray
+
+    if args.cluster:
+        return load_cluster(args.cluster)  # Ray starts after planning: a job that fits nowhere needs none
+    path = home / "profiles" / f"local-cpu-{args.devices}.json"
+    ensure_ray()
+    if path.exists() and not args.reprofile:
+        try:
+            data = json.loads(path.read_text())
+            age = time.time() - datetime.fromisoformat(data["measured_at"]).timestamp()
+            if age < PROFILE_MAX_AGE_S:
+                ui.say(f"reusing the profile measured {age / 60:.0f} min ago ({path}; --reprofile to measure again)")
+                return cluster_from_dict(data, default_name=path.stem)
+        except (ValueError, KeyError, OSError):
+            pass  # unreadable or old: measure again
+    from workers.probe import probe_cluster
+
+    ui.say(f"measuring the local cluster: {args.devices} CPU devices (links, memory, compute) ...")
+    start = time.monotonic()
+    cluster = probe_cluster(name=f"local-cpu-{args.devices}", cpu_devices_per_node=args.devices, model=model)
+    ui.say(f"profiled in {time.monotonic() - start:.1f} s: {_links_summary(cluster)}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(cluster.to_dict()))
+    return cluster
+
+
+def _links_summary(cluster: Any) -> str:
+    import numpy as np
+
+    n = cluster.world
+    if n < 2:
+        return "one device"
+    off = cluster.bandwidth[~np.eye(n, dtype=bool)]
+    return (f"link bandwidth {off.min() / 1e9:.2f}-{off.max() / 1e9:.2f} GB/s, "
+            f"memory {cluster.min_usable_memory / GiB:.1f} GiB per device")
+
+
+def _read_records(path: Path) -> list[Any]:
+    from pipette.tuner import TrialRecord
+
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(TrialRecord.from_dict(json.loads(line)))
+        except (ValueError, SpecError):
+            continue  # a line cut by a crash: the others still count
+    return out
+
+
+def _on_event(event: Any, ui: Progress, store: Path | None) -> None:
+    if event.kind == "trial_started":
+        ui.start(event.trial, event.data)
+    elif event.kind == "trial_step":
+        ui.step(event.data)
+    elif event.kind == "trial_ended":
+        ui.end(event.data)
+        if store is not None:
+            store.parent.mkdir(parents=True, exist_ok=True)
+            with store.open("a") as f:
+                f.write(json.dumps(event.data) + "\n")
+
+
+class Progress:
+    """Progress on stderr: one line per trial, and a live bar on a terminal."""
+
+    def __init__(self, total: int, stream: Any) -> None:
+        self.total, self.stream = total, stream
+        self.tty = bool(getattr(stream, "isatty", lambda: False)())
+        self.done_trials = 0
+        self.best: float | None = None
+        self.best_label = ""
+        self.current = ""
+        self.steps = 0
+        self.start_time = time.monotonic()
+
+    def _c(self, text: str, code: str) -> str:
+        return f"\033[{code}m{text}\033[0m" if self.tty else text
+
+    def say(self, text: str) -> None:
+        self._clear()
+        print(text, file=self.stream, flush=True)
+
+    def header(self) -> None:
+        self.say(f"{'trial':>5}  {'candidate':<38} {'status':<8} {'predicted':>10} {'measured':>10} "
+                 f"{'error':>7} {'peak MiB':>9}")
+
+    def start(self, number: int, data: dict[str, Any]) -> None:
+        self.current = f"#{number} {data['label']}" + (f" (attempt {data['attempt']})" if data["attempt"] > 1 else "")
+        self.steps = 0
+        self._bar()
+
+    def step(self, data: dict[str, Any]) -> None:
+        self.steps += 1
+        self._bar()
+
+    def end(self, r: dict[str, Any]) -> None:
+        m = r["measurement"]
+        status = m["status"]
+        colour = {"ok": "32", "oom": "31", "failed": "31", "timeout": "33", "pruned": "33"}.get(status, "0")
+        measured = f"{m['step_time']:.3f} s" if m["step_time"] else "-"
+        error = f"{r['error_pct']:+.0f}%" if r["error_pct"] is not None else ""
+        peak = f"{max(m['peak_memory']) / 2**20:.0f}" if m["peak_memory"] else "-"
+        if status == "ok" and (self.best is None or m["step_time"] < self.best):
+            self.best, self.best_label = m["step_time"], r["label"]
+        self.done_trials = r["number"] + 1
+        self.say(f"{'#' + str(r['number']):>5}  {r['label']:<38} {self._c(f'{status:<8}', colour)} "
+                 f"{r['predicted_step_time']:>8.3f} s {measured:>10} {error:>7} {peak:>9}")
+        if status not in ("ok", "pruned") and m["error"]:
+            self.say(f"       {m['error'].splitlines()[0][:160]}")
+
+    def done(self, reason: str) -> None:
+        self.say(f"stopped after {time.monotonic() - self.start_time:.0f} s: {reason}")
+
+    def _bar(self) -> None:
+        if not self.tty:
+            return
+        width = 24
+        filled = int(width * min(self.done_trials, self.total) / self.total)
+        best = f"best {self.best:.3f} s/step" if self.best else "no result yet"
+        line = (f"[{'#' * filled}{'.' * (width - filled)}] {self.done_trials}/{self.total} trials, {best}; "
+                f"running {self.current}, step {self.steps}")
+        self.stream.write("\r\033[K" + line[:200])
+        self.stream.flush()
+
+    def _clear(self) -> None:
+        if self.tty:
+            self.stream.write("\r\033[K")
+
+
+def _print_result(result: Any, out: str, files: dict[str, str]) -> None:
+    print()
+    if result.best is None:
+        print(f"no configuration succeeded ({result.stop_reason}); see the trials' errors above")
+        return
+    b = result.best
+    m = b.measurement
+    cfg = b.config
+    print(f"best: {b.label}   placement {list(cfg.devices())}")
+    print(f"  tp={cfg.tp} pp={cfg.pp} dp={cfg.dp} micro-batch={cfg.mbs} grad-accum={cfg.grad_accum} "
+          f"ZeRO-{cfg.zero_stage} recompute={cfg.recompute} schedule={cfg.schedule}")
+    print(f"  {'':<18}{'predicted':>12}{'measured':>12}")
+    print(f"  {'step time (s)':<18}{b.predicted_step_time:>12.4f}{m.step_time:>12.4f}")
+    print(f"  {'tokens/s':<18}{b.perf.tokens_per_s * b.perf.step_time / b.predicted_step_time:>12,.0f}"
+          f"{m.tokens_per_s:>12,.0f}")
+    if m.peak_memory:
+        print(f"  {'peak memory (MiB)':<18}{b.memory.peak_bytes / 2**20:>12,.0f}{max(m.peak_memory) / 2**20:>12,.0f}")
+    ran = len({t.number for t in result.trials})
+    print(f"  found in {ran} trials of {len(result.plan.ranked)} candidates that fit")
+    if files:
+        print(f"\nfiles in {out}/: {', '.join(sorted(Path(f).name for f in files.values()))}")
+        print(f"launch: (cd {out} && ./launch.sh)")

@@ -1,0 +1,234 @@
+"""The learned correction: the analytic models, corrected by what the trials measured.
+
+Step time. A Gaussian process on the residual ``r = log(measured / analytic)`` (Rasmussen &
+Williams 2006, *Gaussian Processes for Machine Learning*, eq. 2.25-2.26 for the posterior
+mean and variance) with a kernel made of
+
+- a constant term ``b^2``: one offset shared by every candidate (the analytic model's
+  efficiency on this cluster is off by a common factor; one trial learns it);
+- an RBF term ``s^2 exp(-|x - x'|^2 / 2 l^2)`` over the candidate's features (its degrees,
+  micro-batch, ZeRO stage, recomputation, and the shares of its predicted breakdown), so a
+  trial corrects its neighbours more than distant candidates;
+- observations from another job on the same cluster (``job_key`` differs) enter the RBF
+  term scaled by ``CROSS_JOB_CORRELATION``: they inform, but less than this job's own.
+
+With no observations the posterior mean is 0: the prediction *is* the analytic model
+(DESIGN.md: the learned part corrects, never replaces). A trial that was pruned still ran
+some steps: its partial median enters with a larger noise.
+
+Memory. A trial that ran out of memory at a predicted peak ``P`` excludes every candidate
+predicted at ``0.95 P`` or more, so the same mistake is not proposed again; an ``ok``
+trial that peaked close to capacity at ``M`` against a predicted ``P`` scales every
+prediction by ``M / P`` (when above 1) before the safety margin is applied.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from pipette.config import ParallelConfig
+from pipette.estimates import TIME_PARTS, MemoryEstimate, PerfEstimate
+from pipette.measurement import Measurement
+from pipette.memory import SAFETY_MARGIN
+
+FloatArray = npt.NDArray[np.float64]
+
+#: Prior standard deviation of the common log offset (a factor of e^1 either way).
+PRIOR_OFFSET_SD = 1.0
+#: Prior standard deviation of the candidate-specific log correction: about the analytic
+#: model's measured error (vTrain MAPE 7.5%, Ultra-Scale healthy rows 34%; README).
+PRIOR_RESIDUAL_SD = 0.3
+#: RBF length scale over the features below (each is O(1) per doubling or per mode).
+LENGTH_SCALE = 1.5
+#: Floor of a trial's measurement noise in log space: run-to-run spread of one candidate
+#: (load on the machine, clocks) that its own step times cannot show.
+NOISE_FLOOR_SD = 0.03
+#: A pruned trial's partial median is noisier: fewer steps, maybe still warming up.
+PRUNED_NOISE_SD = 0.15
+#: With this many timed trials, the residual sd and length scale are fitted (ML-II).
+MIN_FOR_FIT = 3
+RESIDUAL_SD_GRID = (0.02, 0.05, 0.1, 0.2, 0.3, 0.5)
+LENGTH_SCALE_GRID = (0.75, 1.5, 3.0)
+#: Correlation of the candidate-specific correction between two different jobs.
+CROSS_JOB_CORRELATION = 0.5
+
+#: A candidate predicted at this fraction of an out-of-memory trial's peak or more is excluded.
+OOM_CEILING = 0.95
+#: An ok trial that peaked at this fraction of capacity or more corrects the memory scale.
+NEAR_CAPACITY = 0.85
+#: A residual this far (log) above the median residual is an outlier run (a 3x slow run of a
+#: candidate whose neighbours ran at 1.1x, in the Ultra-Scale set): it is trusted less.
+OUTLIER_LOG = 0.4
+
+_RECOMPUTE = {"none": 0.0, "selective": 0.5, "full": 1.0}
+
+
+@dataclass(frozen=True)
+class Observation:
+    """One trial as the learned model sees it: what was predicted and what was measured."""
+
+    config: ParallelConfig
+    perf: PerfEstimate
+    memory: MemoryEstimate
+    measurement: Measurement
+    job_key: str = ""
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """Learned step time: ``analytic * exp(mean)``, with ``sd`` the log-space uncertainty."""
+
+    analytic: float
+    mean: float
+    sd: float
+
+    @property
+    def step_time(self) -> float:
+        return self.analytic * math.exp(self.mean)
+
+    @property
+    def log_step_time(self) -> float:
+        return math.log(self.analytic) + self.mean
+
+
+def features(config: ParallelConfig, perf: PerfEstimate) -> FloatArray:
+    """What makes two candidates alike for the correction: their shape, and where the
+    analytic model says their time goes."""
+    total = perf.step_time if perf.step_time > 0 else 1.0
+    shares = [perf.breakdown.get(k, 0.0) / total for k in TIME_PARTS]
+    return np.array(
+        [
+            math.log2(config.tp), math.log2(config.pp), math.log2(config.dp), math.log2(config.mbs),
+            config.zero_stage / 1.5, 2.0 * _RECOMPUTE.get(config.recompute, 0.0),
+            math.log2(config.virtual_stages), *(2.0 * s for s in shares),
+        ],
+        dtype=np.float64,
+    )
+
+
+class LearnedModel:
+    """The analytic estimates corrected by a set of observations (see the module docstring)."""
+
+    def __init__(self, observations: Sequence[Observation] = (), *, job_key: str = "") -> None:
+        self.job_key = job_key
+        self.observations = tuple(observations)
+        timed = [o for o in self.observations if _observed_time(o) is not None]
+        self._keys = [o.job_key == job_key for o in timed]
+        self._x = np.array([features(o.config, o.perf) for o in timed]) if timed else np.zeros((0, 0))
+        self._noise = np.array([_noise_sd(o.measurement) for o in timed])
+        self._y = np.array([math.log(_observed_time(o) or 1.0) - math.log(o.perf.step_time) for o in timed])
+        if len(self._y) >= 3:
+            # Robustness: a run far slower than the others' median residual gets a noise as
+            # large as its distance, so one odd run (a glitch: load, a straggler) does not drag
+            # its neighbours' predictions with it. Only slow ones: glitches do not make a run
+            # faster, so a fast surprise is a discovery and its neighbours should follow it.
+            dist = self._y - np.median(self._y)
+            self._noise = np.where(dist > OUTLIER_LOG, np.maximum(self._noise, dist), self._noise)
+        self.residual_sd, self.length_scale = PRIOR_RESIDUAL_SD, LENGTH_SCALE
+        self._alpha: FloatArray = np.zeros(0)
+        self._chol: FloatArray = np.zeros((0, 0))
+        if timed:
+            if len(timed) >= MIN_FOR_FIT:
+                self.residual_sd, self.length_scale = max(
+                    ((s, ell) for s in RESIDUAL_SD_GRID for ell in LENGTH_SCALE_GRID),
+                    key=lambda h: self._log_marginal_likelihood(*h),
+                )
+            self._chol, self._alpha = self._factor(self.residual_sd, self.length_scale)
+        self.memory_scale, self.memory_ceiling = _memory_correction(self.observations, job_key)
+
+    def _factor(self, s: float, ell: float) -> tuple[FloatArray, FloatArray]:
+        k = self._kernel(self._x, self._keys, self._x, self._keys, s, ell) + np.diag(self._noise**2)
+        chol = np.asarray(np.linalg.cholesky(k), dtype=np.float64)
+        return chol, _solve_chol(chol, self._y)
+
+    def _log_marginal_likelihood(self, s: float, ell: float) -> float:
+        """Rasmussen & Williams eq. 2.30 (type-II maximum likelihood over a small grid)."""
+        chol, alpha = self._factor(s, ell)
+        return float(-0.5 * self._y @ alpha - np.log(np.diag(chol)).sum() - 0.5 * len(self._y) * math.log(2 * math.pi))
+
+    @property
+    def n_timed(self) -> int:
+        return len(self._alpha)
+
+    def _kernel(
+        self, xa: FloatArray, ka: list[bool], xb: FloatArray, kb: list[bool], s: float, ell: float
+    ) -> FloatArray:
+        d2 = ((xa[:, None, :] - xb[None, :, :]) ** 2).sum(-1)
+        same = np.equal.outer(np.array(ka), np.array(kb))
+        rho = np.where(same, 1.0, CROSS_JOB_CORRELATION)
+        k = PRIOR_OFFSET_SD**2 + s**2 * np.exp(-d2 / (2 * ell**2)) * rho
+        return np.asarray(k, dtype=np.float64)
+
+    def predict_many(self, configs: Sequence[ParallelConfig], perfs: Sequence[PerfEstimate]) -> list[Prediction]:
+        """Predictions of this job's candidates (posterior of Rasmussen & Williams eq. 2.25-2.26)."""
+        if not configs:
+            return []
+        analytic = [p.step_time for p in perfs]
+        prior_var = PRIOR_OFFSET_SD**2 + self.residual_sd**2
+        if self.n_timed == 0:
+            return [Prediction(a, 0.0, math.sqrt(prior_var)) for a in analytic]
+        x = np.array([features(c, p) for c, p in zip(configs, perfs, strict=True)])
+        ks = self._kernel(x, [True] * len(configs), self._x, self._keys, self.residual_sd, self.length_scale)
+        mean = ks @ self._alpha
+        v = np.linalg.solve(self._chol, ks.T)
+        var = np.maximum(prior_var - (v * v).sum(0), 1e-8)
+        return [Prediction(a, float(m), float(math.sqrt(s))) for a, m, s in zip(analytic, mean, var, strict=True)]
+
+    def predict(self, config: ParallelConfig, perf: PerfEstimate) -> Prediction:
+        return self.predict_many([config], [perf])[0]
+
+    def fits(self, memory: MemoryEstimate, margin: float = SAFETY_MARGIN) -> bool:
+        """Whether a candidate fits once the learned memory scale is applied."""
+        if self.memory_ceiling is not None and memory.peak_bytes >= self.memory_ceiling:
+            return False
+        return memory.peak_bytes * self.memory_scale * (1.0 + margin) <= memory.capacity_bytes
+
+
+def _observed_time(o: Observation) -> float | None:
+    m = o.measurement
+    if m.status in ("ok", "pruned") and m.step_times:
+        return m.step_time
+    return None
+
+
+def _noise_sd(m: Measurement) -> float:
+    """The log-space standard error of a trial's step time: its steps' spread over sqrt(n)."""
+    if m.status == "pruned":
+        return PRUNED_NOISE_SD
+    logs = np.log(np.asarray(m.step_times, dtype=np.float64))
+    spread = float(logs.std(ddof=1) / math.sqrt(len(logs))) if len(logs) > 1 else 0.0
+    return max(NOISE_FLOOR_SD, spread)
+
+
+def _memory_correction(observations: Sequence[Observation], job_key: str) -> tuple[float, int | None]:
+    """What this job's trials taught about memory (another job's model teaches nothing here).
+
+    - ``ceiling``: a trial that ran out of memory at a predicted peak ``P`` rules out every
+      candidate predicted at ``OOM_CEILING * P`` or more: nothing as large is proposed again.
+    - ``scale``: a trial that ran and peaked close to capacity (``NEAR_CAPACITY``) at ``M``
+      against a predicted ``P`` scales every prediction by ``M / P`` when that is above 1.
+      Trials far from capacity do not: the estimator's ratio varies between candidates
+      (0.5-2.1x on the Ultra-Scale set), and one large ratio far from the limit would shut
+      out candidates that fit (seen in the replay benchmark, group 8B / 1 node).
+    """
+    scale, ceiling = 1.0, None
+    for o in observations:
+        if o.job_key != job_key or o.memory.peak_bytes <= 0:
+            continue
+        m = o.measurement
+        if m.status == "oom":
+            bound = int(OOM_CEILING * o.memory.peak_bytes)
+            ceiling = bound if ceiling is None else min(ceiling, bound)
+        elif m.status == "ok" and m.peak_memory_max and m.peak_memory_max >= NEAR_CAPACITY * o.memory.capacity_bytes:
+            scale = max(scale, m.peak_memory_max / o.memory.peak_bytes)
+    return scale, ceiling
+
+
+def _solve_chol(chol: FloatArray, b: FloatArray) -> FloatArray:
+    """Solve ``(L L^T) x = b`` given the lower Cholesky factor ``L``."""
+    return np.asarray(np.linalg.solve(chol.T, np.linalg.solve(chol, b)), dtype=np.float64)

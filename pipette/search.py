@@ -1,0 +1,213 @@
+"""The search: an Optuna sampler that proposes the candidate with the best expected
+improvement under the learned model, a pruner that stops a trial clearly slower than the
+incumbent, and the stop rule's probabilities.
+
+Free of I/O (like Optuna's own samplers): everything it knows comes from the study's
+trials. A trial's parameters name one candidate of the plan (``PARAMS``); its value is the
+measured throughput in tokens/s (maximised); a trial that ran out of memory or failed is
+``COMPLETE`` with value 0 and a positive constraint (``memory`` or ``runs``), set with
+``trial.set_constraint`` (Optuna 5; ``constraints_func`` is deprecated); its
+``TrialRecord`` travels in the user attribute ``record``.
+
+Expected improvement on the log step time ``y`` with incumbent ``y*`` and a Gaussian
+prediction ``N(mu, sd^2)`` (Jones, Schonlau & Welch 1998, eq. 15):
+``EI = (y* - mu) Phi(z) + sd phi(z)``, ``z = (y* - mu) / sd``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import optuna
+from optuna.distributions import BaseDistribution, CategoricalDistribution
+from optuna.pruners import BasePruner
+from optuna.samplers import BaseSampler, RandomSampler
+from optuna.study import Study
+from optuna.trial import FrozenTrial, TrialState
+from scipy.stats import norm
+
+from pipette.config import ParallelConfig
+from pipette.learned import LearnedModel, Observation, Prediction
+from pipette.measurement import Measurement
+from pipette.plan import Planned
+
+#: The parameters that name a candidate in the study.
+PARAMS: tuple[str, ...] = ("tp", "pp", "dp", "mbs", "zero_stage", "recompute", "schedule")
+#: The user attribute holding a trial's record (``pipette.tuner.TrialRecord.to_dict``).
+RECORD_ATTR = "record"
+
+
+def candidate_params(config: ParallelConfig) -> dict[str, Any]:
+    sched = "1f1b" if config.schedule == "1f1b" else f"interleaved-{config.virtual_stages}"
+    return {
+        "tp": config.tp, "pp": config.pp, "dp": config.dp, "mbs": config.mbs,
+        "zero_stage": config.zero_stage, "recompute": config.recompute, "schedule": sched,
+    }
+
+
+def params_key(params: dict[str, Any]) -> tuple[Any, ...]:
+    return tuple(params[p] for p in PARAMS)
+
+
+def search_space(candidates: Sequence[Planned]) -> dict[str, BaseDistribution]:
+    """One categorical per parameter over the values the candidates take."""
+    values: dict[str, list[Any]] = {p: [] for p in PARAMS}
+    for c in candidates:
+        for name, value in candidate_params(c.config).items():
+            if value not in values[name]:
+                values[name].append(value)
+    return {name: CategoricalDistribution(sorted(v, key=str)) for name, v in values.items()}
+
+
+@dataclass(frozen=True)
+class Scored:
+    """An untried candidate under the learned model."""
+
+    planned: Planned
+    prediction: Prediction
+    expected_improvement: float
+    #: probability of beating the incumbent's step time by more than the tolerance
+    p_beat: float
+
+
+def observations(
+    study: Study, by_key: dict[tuple[Any, ...], Planned], job_key: str
+) -> list[Observation]:
+    """The study's finished trials as the learned model's observations."""
+    out = []
+    for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED)):
+        record = t.user_attrs.get(RECORD_ATTR)
+        planned = by_key.get(params_key(t.params)) if set(PARAMS) <= t.params.keys() else None
+        if record is None or planned is None:
+            continue
+        out.append(Observation(planned.config, planned.perf, planned.memory,
+                               Measurement.from_dict(record["measurement"]), job_key))
+    return out
+
+
+def tried_keys(study: Study) -> set[tuple[Any, ...]]:
+    """Candidates already tried or running (never proposed twice)."""
+    return {
+        params_key(t.params) for t in study.get_trials(deepcopy=False)
+        if set(PARAMS) <= t.params.keys() and t.state != TrialState.WAITING
+    }
+
+
+def _ok_measurements(study: Study) -> list[dict[str, Any]]:
+    """The measurement dicts of the study's trials that ran to the end."""
+    return [
+        t.user_attrs[RECORD_ATTR]["measurement"]
+        for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+        if RECORD_ATTR in t.user_attrs and t.user_attrs[RECORD_ATTR]["measurement"]["status"] == "ok"
+    ]
+
+
+def incumbent_step_time(study: Study) -> float | None:
+    times = [m["step_time"] for m in _ok_measurements(study)]
+    return min(times) if times else None
+
+
+def incumbent_throughput(study: Study) -> float | None:
+    """The best measured tokens/s (what trials report as intermediate values)."""
+    values = [m["tokens_per_s"] for m in _ok_measurements(study)]
+    return max(values) if values else None
+
+
+def score(
+    candidates: Sequence[Planned],
+    learned: LearnedModel,
+    incumbent: float | None,
+    tolerance: float,
+) -> list[Scored]:
+    """Every candidate the learned model says fits, with its EI and its chance to beat the
+    incumbent by more than ``tolerance``; best acquisition first."""
+    fitting = [c for c in candidates if learned.fits(c.memory)]
+    preds = learned.predict_many([c.config for c in fitting], [c.perf for c in fitting])
+    out = []
+    for c, p in zip(fitting, preds, strict=True):
+        if incumbent is None:
+            # Nothing measured yet: the prediction alone ranks (the analytic top-1 first).
+            out.append(Scored(c, p, -p.log_step_time, 1.0))
+            continue
+        y_star = math.log(incumbent)
+        z = (y_star - p.log_step_time) / p.sd
+        ei = (y_star - p.log_step_time) * float(norm.cdf(z)) + p.sd * float(norm.pdf(z))
+        p_beat = float(norm.cdf((y_star + math.log(1.0 - tolerance) - p.log_step_time) / p.sd))
+        out.append(Scored(c, p, ei, p_beat))
+    out.sort(key=lambda s: (-s.expected_improvement, s.prediction.step_time, s.planned.config.label))
+    return out
+
+
+class PerfModelSampler(BaseSampler):
+    """Proposes the untried candidate with the best expected improvement under the model
+    learned from the study's trials (DESIGN.md, data flow). Deterministic."""
+
+    def __init__(
+        self,
+        candidates: Sequence[Planned],
+        *,
+        job_key: str = "",
+        prior: Sequence[Observation] = (),
+        tolerance: float = 0.02,
+        seed: int = 0,
+        space: dict[str, BaseDistribution] | None = None,
+    ) -> None:
+        self.candidates = list(candidates)
+        self.job_key = job_key
+        self.prior = tuple(prior)
+        self.tolerance = tolerance
+        self.by_key = {params_key(candidate_params(c.config)): c for c in self.candidates}
+        self.space = space if space is not None else search_space(self.candidates)
+        self._fallback = RandomSampler(seed=seed)
+
+    def learned(self, study: Study) -> LearnedModel:
+        return LearnedModel([*self.prior, *observations(study, self.by_key, self.job_key)], job_key=self.job_key)
+
+    def ranking(self, study: Study) -> list[Scored]:
+        """Untried candidates, best first, with the learned model of the study so far."""
+        tried = tried_keys(study)
+        untried = [c for k, c in self.by_key.items() if k not in tried]
+        return score(untried, self.learned(study), incumbent_step_time(study), self.tolerance)
+
+    def infer_relative_search_space(self, study: Study, trial: FrozenTrial) -> dict[str, BaseDistribution]:
+        return dict(self.space)
+
+    def sample_relative(
+        self, study: Study, trial: FrozenTrial, search_space: dict[str, BaseDistribution]
+    ) -> dict[str, Any]:
+        ranked = self.ranking(study)
+        return candidate_params(ranked[0].planned.config) if ranked else {}
+
+    def sample_independent(
+        self, study: Study, trial: FrozenTrial, param_name: str, param_distribution: BaseDistribution
+    ) -> Any:
+        return self._fallback.sample_independent(study, trial, param_name, param_distribution)
+
+
+class IncumbentPruner(BasePruner):
+    """Prunes a trial whose measured steps are clearly slower than the incumbent: after
+    ``min_steps`` timed steps, when even its best step's throughput is below the
+    incumbent's by more than ``slower`` (a single slow step never prunes; a fast one keeps
+    the trial alive)."""
+
+    def __init__(self, slower: float = 0.25, min_steps: int = 2) -> None:
+        self.slower = slower
+        self.min_steps = min_steps
+
+    def prune(self, study: Study, trial: FrozenTrial) -> bool:
+        values = list(trial.intermediate_values.values())
+        best = incumbent_throughput(study)
+        if best is None or len(values) < self.min_steps:
+            return False
+        return max(values) < best * (1.0 - self.slower)
+
+
+def new_study(sampler: BaseSampler, pruner: BasePruner | None = None, name: str = "pipette") -> Study:
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    return optuna.create_study(
+        study_name=name, direction="maximize", sampler=sampler, pruner=pruner or optuna.pruners.NopPruner()
+    )
+

@@ -1,0 +1,437 @@
+"""The tuning loop: plan, trial the most promising candidate for real, learn, stop, emit.
+
+``Tuner`` drives an Optuna study whose sampler is ``pipette.search.PerfModelSampler``;
+trials run through a ``TrialRunner`` (the workers' Ray executor in a real job,
+``workers.runner.RayTrialRunner``; recorded measurements in the replay benchmark). Every
+finished attempt becomes a ``TrialRecord``; the records are the one source of truth: a
+``Tuner`` built with ``history=`` rebuilds the same study (``optuna.trial.create_trial``)
+and goes on, so a restarted service resumes a job without a second store.
+
+Stop rule: stop when no untried candidate has more than ``stop_probability`` chance of
+beating the incumbent's measured step time by more than ``tolerance`` under the learned
+model, or when every candidate predicted to fit was tried, or at the trial or time budget.
+A trial that fails for another reason than memory (``failed``, ``timeout``) is retried
+``retries`` times, then recorded as failed; the search goes on. A trial that failed because
+the cluster lost a node (``Measurement.extra["lost_nodes"]``) is rerun without using a retry,
+``LOST_NODE_RETRIES`` times at most: the runner waits for the node before the rerun.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Protocol
+
+import optuna
+from optuna.trial import TrialState
+
+from pipette.config import ParallelConfig
+from pipette.errors import InfeasibleError, SpecError
+from pipette.estimates import MemoryEstimate, PerfEstimate
+from pipette.learned import Observation
+from pipette.measurement import Measurement
+from pipette.model import ModelSpec
+from pipette.plan import Plan, Planned
+from pipette.search import (
+    RECORD_ATTR,
+    IncumbentPruner,
+    PerfModelSampler,
+    Scored,
+    candidate_params,
+    new_study,
+    params_key,
+    search_space,
+)
+from pipette.training import TrainingSpec
+
+#: reruns of one trial that failed because a node was lost (beyond ``TuneOptions.retries``)
+LOST_NODE_RETRIES = 2
+
+
+@dataclass(frozen=True)
+class TuneOptions:
+    max_trials: int = 10
+    time_budget_s: float | None = None
+    tolerance: float = 0.02
+    stop_probability: float = 0.05
+    prune: bool = True
+    #: prune when even the trial's best step is this much slower than the incumbent
+    prune_slower: float = 0.25
+    retries: int = 1
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_trials < 1:
+            raise SpecError(f"is {self.max_trials}", field="budget.max_trials", fix="allow at least one trial")
+        if self.time_budget_s is not None and self.time_budget_s <= 0:
+            raise SpecError(f"is {self.time_budget_s}", field="budget.time_s", fix="give a positive number of seconds")
+        for name in ("tolerance", "stop_probability", "prune_slower"):
+            value = getattr(self, name)
+            if not 0.0 <= value < 1.0:
+                raise SpecError(f"is {value}", field=f"budget.{name}", fix="give a fraction in [0, 1), e.g. 0.02")
+        if self.retries < 0:
+            raise SpecError(f"is {self.retries}", field="budget.retries", fix="give 0 or more")
+
+
+@dataclass(frozen=True)
+class StepProgress:
+    """One step of a running trial, as the runner sees it."""
+
+    step: int
+    time: float
+    warmup: bool
+    loss: float | None = None
+
+
+#: Called by a runner after every step; returning True stops the trial (``pruned``).
+OnStep = Callable[[StepProgress], bool]
+
+
+class TrialRunner(Protocol):
+    def __call__(self, config: ParallelConfig, on_step: OnStep) -> Measurement: ...
+
+
+@dataclass(frozen=True)
+class TrialRecord:
+    """One attempt of one trial: the candidate, what was predicted, what was measured."""
+
+    number: int
+    config: ParallelConfig
+    measurement: Measurement
+    perf: PerfEstimate
+    memory: MemoryEstimate
+    #: the learned model's step time when the trial was proposed, and its log-space sd
+    predicted_step_time: float
+    predicted_sd: float = 0.0
+    attempt: int = 1
+    job_key: str = ""
+
+    @property
+    def label(self) -> str:
+        return self.config.label
+
+    @property
+    def analytic_step_time(self) -> float:
+        return self.perf.step_time
+
+    def observation(self) -> Observation:
+        return Observation(self.config, self.perf, self.memory, self.measurement, self.job_key)
+
+    def to_dict(self) -> dict[str, Any]:
+        m = self.measurement
+        return {
+            "number": self.number, "attempt": self.attempt, "label": self.label, "job_key": self.job_key,
+            "config": self.config.to_dict(), "measurement": m.to_dict(),
+            "perf": self.perf.to_dict(), "memory": self.memory.to_dict(),
+            "analytic_step_time": self.analytic_step_time,
+            "predicted_step_time": self.predicted_step_time, "predicted_sd": self.predicted_sd,
+            "predicted_peak_bytes": self.memory.peak_bytes,
+            "error_pct": None if m.step_time is None or m.status != "ok"
+            else 100.0 * (self.predicted_step_time - m.step_time) / m.step_time,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TrialRecord:
+        try:
+            p, mem = d["perf"], d["memory"]
+            return cls(
+                number=int(d["number"]), attempt=int(d.get("attempt", 1)), job_key=str(d.get("job_key", "")),
+                config=ParallelConfig.from_dict(d["config"]),
+                measurement=Measurement.from_dict(d["measurement"]),
+                perf=PerfEstimate(float(p["step_time"]), {k: float(v) for k, v in p["breakdown"].items()},
+                                  float(p["tokens_per_s"]), float(p["mfu"])),
+                memory=MemoryEstimate(int(mem["peak_bytes"]), int(mem["capacity_bytes"]),
+                                      {k: int(v) for k, v in mem["breakdown"].items()}, int(mem.get("stage", 0)),
+                                      tuple(mem.get("notes", ()))),
+                predicted_step_time=float(d["predicted_step_time"]), predicted_sd=float(d.get("predicted_sd", 0.0)),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise SpecError(f"is not a trial record ({type(e).__name__}: {e})", field="trial",
+                            fix="pass what TrialRecord.to_dict wrote") from None
+
+
+@dataclass(frozen=True)
+class TuneEvent:
+    kind: str  # trial_started | trial_step | trial_ended | stopped
+    trial: int | None
+    data: dict[str, Any]
+
+
+@dataclass
+class TuneResult:
+    plan: Plan
+    trials: tuple[TrialRecord, ...]
+    stop_reason: str
+    best: TrialRecord | None
+    interrupted: bool = False
+    unrunnable: Counter[str] = field(default_factory=Counter)
+
+    def to_dict(self) -> dict[str, Any]:
+        best = None
+        if self.best is not None:
+            b, m = self.best, self.best.measurement
+            best = {
+                **b.to_dict(),
+                "side_by_side": {
+                    "step_time_s": {"analytic": b.analytic_step_time, "learned": b.predicted_step_time,
+                                    "measured": m.step_time},
+                    "tokens_per_s": {"analytic": b.perf.tokens_per_s, "measured": m.tokens_per_s},
+                    "peak_memory_bytes": {"predicted": b.memory.peak_bytes, "measured": m.peak_memory_max},
+                },
+            }
+        return {
+            "stop_reason": self.stop_reason, "interrupted": self.interrupted,
+            "trials_run": len({t.number for t in self.trials}), "attempts": len(self.trials),
+            "candidates": len(self.plan.ranked), "enumerated": self.plan.enumerated,
+            "unrunnable": dict(self.unrunnable),
+            "best": best, "trials": [t.to_dict() for t in self.trials],
+        }
+
+    def launch_files(self, out_dir: str | Path) -> dict[str, Path]:
+        """The best candidate's DeepSpeed config, hostfile, rank map and launch script."""
+        from pipette.emit import write_launch_files
+
+        if self.best is None:
+            raise InfeasibleError(
+                f"no trial succeeded ({self.stop_reason})", field="job",
+                fix="look at the trials' errors; allow more trials or more memory headroom",
+            )
+        p = self.plan
+        return write_launch_files(out_dir, p.model, p.training, self.best.config, p.cluster,
+                                  extra={"tuning": {"stop_reason": self.stop_reason,
+                                                    "best": self.to_dict()["best"]["side_by_side"]}})
+
+
+def job_key(model: ModelSpec, training: TrainingSpec) -> str:
+    """Identifies what is tuned (model and recipe): trials of the same key share the most."""
+    text = json.dumps({"model": model.to_dict(), "training": training.to_dict()}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def cluster_key(plan: Plan) -> str:
+    """Identifies a cluster across profiles (its nodes and devices, not the noisy links)."""
+    c = plan.cluster
+    text = json.dumps([c.name, [n.name for n in c.nodes], [(d.node, d.local_index, d.spec.name) for d in c.devices]])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+class Tuner:
+    """One job's search (see the module docstring)."""
+
+    def __init__(
+        self,
+        plan: Plan,
+        options: TuneOptions | None = None,
+        *,
+        history: Sequence[TrialRecord] = (),
+        prior: Sequence[TrialRecord] = (),
+        runnable: Callable[[ParallelConfig], list[str]] | None = None,
+    ) -> None:
+        self.plan = plan
+        self.options = options or TuneOptions()
+        self.job_key = job_key(plan.model, plan.training)
+        self.unrunnable: Counter[str] = Counter()
+        candidates: list[Planned] = []
+        for p in plan.ranked:
+            reasons = runnable(p.config) if runnable is not None else []
+            self.unrunnable.update(reasons)
+            if not reasons:
+                candidates.append(p)
+        if not candidates:
+            raise InfeasibleError(
+                f"none of the {len(plan.ranked)} candidates that fit can be run by the trial backend: "
+                + "; ".join(f"{r} ({n})" for r, n in self.unrunnable.most_common(3)),
+                field="training", fix="allow the schedules/ZeRO stages the backend runs (see the reasons)",
+                reasons=dict(self.unrunnable),
+            )
+        self.candidates = candidates
+        self.space = search_space([*plan.ranked, *(_as_planned(r) for r in history)])
+        self.sampler = PerfModelSampler(
+            candidates, job_key=self.job_key, prior=[r.observation() for r in prior if r.job_key != ""],
+            tolerance=self.options.tolerance, seed=self.options.seed, space=self.space,
+        )
+        pruner = IncumbentPruner(self.options.prune_slower) if self.options.prune else None
+        self.study = new_study(self.sampler, pruner)
+        self.records: list[TrialRecord] = []
+        self._replay(history)
+
+    # ---- the study, rebuilt from records ------------------------------------------------
+    def _replay(self, history: Sequence[TrialRecord]) -> None:
+        by_number: dict[int, list[TrialRecord]] = {}
+        for r in sorted(history, key=lambda r: (r.number, r.attempt)):
+            by_number.setdefault(r.number, []).append(r)
+        for number in sorted(by_number):
+            if number != len(self.study.trials):
+                raise SpecError(
+                    f"trial records jump to number {number} after {len(self.study.trials)} trials",
+                    field="history", fix="pass every finished trial of the job, numbered from 0",
+                )
+            attempts = by_number[number]
+            final = attempts[-1]
+            state, value, constraints = _outcome(final.measurement)
+            steps = _intermediate(final.measurement)
+            self.study.add_trial(optuna.trial.create_trial(
+                state=state, value=value, params=candidate_params(final.config),
+                distributions={k: self.space[k] for k in candidate_params(final.config)},
+                user_attrs={RECORD_ATTR: final.to_dict()}, constraints=constraints, intermediate_values=steps,
+            ))
+            self.records.extend(attempts)
+
+    # ---- state ----------------------------------------------------------------------
+    @property
+    def best(self) -> TrialRecord | None:
+        ok = [r for r in self.records if r.measurement.status == "ok" and r.measurement.step_time]
+        return min(ok, key=lambda r: (r.measurement.step_time or math.inf, r.number)) if ok else None
+
+    def ranking(self) -> list[Scored]:
+        return self.sampler.ranking(self.study)
+
+    def stop_reason(self, elapsed_s: float = 0.0) -> str | None:
+        """Why the search should stop now, or None to go on."""
+        o = self.options
+        n = len(self.study.trials)
+        if n >= o.max_trials:
+            return f"trial budget spent ({n} trials)"
+        if o.time_budget_s is not None and elapsed_s >= o.time_budget_s:
+            return f"time budget spent ({elapsed_s:.0f} s of {o.time_budget_s:.0f} s)"
+        ranked = self.ranking()
+        if not ranked:
+            return "every candidate predicted to fit was tried"
+        best = self.best
+        if best is not None:
+            top = max(ranked, key=lambda s: s.p_beat)
+            if top.p_beat < o.stop_probability:
+                return (
+                    f"converged: no untried candidate has a {o.stop_probability:.0%} chance to beat "
+                    f"{best.label} by more than {o.tolerance:.0%} (the likeliest, {top.planned.config.label}, "
+                    f"has {top.p_beat:.1%})"
+                )
+        return None
+
+    def result(self, stop_reason: str, interrupted: bool = False) -> TuneResult:
+        return TuneResult(self.plan, tuple(self.records), stop_reason, self.best, interrupted, self.unrunnable)
+
+    # ---- the loop -------------------------------------------------------------------
+    def run(
+        self,
+        runner: TrialRunner,
+        on_event: Callable[[TuneEvent], None] | None = None,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> TuneResult:
+        """Trial candidates until the stop rule says stop; Ctrl-C stops the running trial
+        (the runner cleans up) and returns what was measured, with ``interrupted`` set."""
+        emit = on_event or (lambda event: None)
+        start = time.monotonic()
+        reason: str | None = None
+        interrupted = False
+        try:
+            while True:
+                if should_stop is not None and should_stop():
+                    reason = "cancelled"
+                    break
+                reason = self.stop_reason(time.monotonic() - start)
+                if reason is not None:
+                    break
+                if self.step(runner, emit, should_stop) == "cancelled":
+                    reason = "cancelled"
+                    break
+        except KeyboardInterrupt:
+            interrupted = True
+            reason = "interrupted (Ctrl-C); the running trial was stopped and not recorded"
+        emit(TuneEvent("stopped", None, {"reason": reason, "best": None if self.best is None else self.best.label}))
+        return self.result(reason or "stopped", interrupted)
+
+    def step(
+        self,
+        runner: TrialRunner,
+        emit: Callable[[TuneEvent], None] = lambda event: None,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> str:
+        """Run one trial (with its retries); returns its final status, or "cancelled"."""
+        learned = self.sampler.learned(self.study)
+        trial = self.study.ask(fixed_distributions=self.space)
+        try:
+            planned = self.sampler.by_key[params_key(trial.params)]
+        except KeyError:
+            self.study.tell(trial, state=TrialState.FAIL)
+            raise InfeasibleError("the sampler proposed no candidate", field="plan",
+                                  fix="report this: the stop rule should have ended the search") from None
+        prediction = learned.predict(planned.config, planned.perf)
+        trial.set_user_attr("tokens_per_step", self.plan.training.tokens_per_step)
+        cancelled = False
+        reported = 0
+        record: TrialRecord | None = None
+        retries_left, lost_left = self.options.retries, LOST_NODE_RETRIES
+        attempt = 0
+        try:
+            while True:
+                attempt += 1
+                emit(TuneEvent("trial_started", trial.number, {
+                    "label": planned.config.label, "config": planned.config.to_dict(), "attempt": attempt,
+                    "predicted_step_time": prediction.step_time, "analytic_step_time": planned.perf.step_time,
+                }))
+
+                def on_step(p: StepProgress, number: int = trial.number) -> bool:
+                    nonlocal cancelled, reported
+                    emit(TuneEvent("trial_step", number, {"step": p.step, "time": p.time, "warmup": p.warmup,
+                                                          "loss": p.loss}))
+                    if should_stop is not None and should_stop():
+                        cancelled = True
+                        return True
+                    if p.warmup or p.time <= 0:
+                        return False
+                    trial.report(self.plan.training.tokens_per_step / p.time, step=reported)
+                    reported += 1
+                    return self.options.prune and trial.should_prune()
+
+                m = runner(planned.config, on_step)
+                if cancelled:
+                    m = replace(m, status="pruned", error="cancelled")
+                record = TrialRecord(trial.number, planned.config, m, planned.perf, planned.memory,
+                                     prediction.step_time, prediction.sd, attempt, self.job_key)
+                self.records.append(record)
+                emit(TuneEvent("trial_ended", trial.number, record.to_dict()))
+                if cancelled or m.status not in ("failed", "timeout"):
+                    break
+                if m.extra.get("lost_nodes") and lost_left > 0:
+                    lost_left -= 1  # the cluster's failure, not the candidate's: rerun it
+                elif retries_left > 0:
+                    retries_left -= 1
+                else:
+                    break
+        except BaseException:
+            self.study.tell(trial, state=TrialState.FAIL)
+            raise
+        if record is None:  # the loop always runs once; this keeps the type checker honest
+            raise InfeasibleError("no attempt ran", field="budget.retries", fix="give 0 or more retries")
+        state, value, constraints = _outcome(record.measurement)
+        for key, v in constraints.items():
+            trial.set_constraint(key, v)
+        trial.set_user_attr(RECORD_ATTR, record.to_dict())
+        self.study.tell(trial, value, state=state)
+        return "cancelled" if cancelled else record.measurement.status
+
+
+def _outcome(m: Measurement) -> tuple[TrialState, float | None, dict[str, float]]:
+    """Optuna state, value (tokens/s) and constraints (positive = infeasible) of a trial."""
+    if m.status == "pruned":
+        return TrialState.PRUNED, None, {}
+    if m.status == "ok":
+        return TrialState.COMPLETE, float(m.tokens_per_s or 0.0), {"memory": 0.0, "runs": 0.0}
+    if m.status == "oom":
+        return TrialState.COMPLETE, 0.0, {"memory": 1.0, "runs": 0.0}
+    return TrialState.COMPLETE, 0.0, {"memory": 0.0, "runs": 1.0}
+
+
+def _intermediate(m: Measurement) -> dict[int, float]:
+    return {i: m.tokens_per_step / t for i, t in enumerate(m.step_times) if t > 0}
+
+
+def _as_planned(r: TrialRecord) -> Planned:
+    return Planned(r.config, r.memory, r.perf, r.perf.step_time)

@@ -1,0 +1,90 @@
+"""What routes receive: the app's database and settings, and the caller (every route but
+health depends on ``principal``, which authenticates the Bearer token)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Annotated, Any
+
+from fastapi import Depends, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from starlette.concurrency import run_in_threadpool
+
+from service.auth import Principal, TokenCache, bearer_secret, verify
+from service.db import Database
+from service.errors import RequestError
+from service.metrics import Metrics
+from service.settings import Settings
+
+if TYPE_CHECKING:
+    from service.scheduler import Scheduler
+
+
+@dataclass
+class AppState:
+    settings: Settings
+    db: Database
+    metrics: Metrics
+    scheduler: Scheduler | None = None
+    tokens: TokenCache = field(default_factory=TokenCache)
+
+    def kick(self) -> None:
+        """Wake this process's scheduler (new work); other processes find it by polling."""
+        if self.scheduler is not None:
+            self.scheduler.kick()
+
+
+async def app_state(request: Request) -> AppState:
+    state: AppState = request.app.state.pipette
+    return state
+
+
+#: Declares the Bearer scheme in the OpenAPI schema; the header is checked in ``principal``
+#: (so a missing and a malformed header get their own message).
+_BEARER = HTTPBearer(auto_error=False, description="a token from `pipette-admin token create --tenant NAME`")
+
+
+async def principal(
+    request: Request,
+    state: Annotated[AppState, Depends(app_state)],
+    _declared: Annotated[HTTPAuthorizationCredentials | None, Depends(_BEARER)],
+) -> Principal:
+    # Dependencies are async so the cheap path (a cached token) costs no thread hop; the
+    # database lookup runs in the thread pool like every sync route.
+    secret = bearer_secret(request)
+    cached = state.tokens.get(secret)
+    if cached is not None:
+        return cached
+
+    def lookup() -> Principal:
+        with state.db.read() as session:
+            return verify(session, secret)
+
+    found = await run_in_threadpool(lookup)
+    state.tokens.put(secret, found)
+    return found
+
+
+State = Annotated[AppState, Depends(app_state)]
+Caller = Annotated[Principal, Depends(principal)]
+
+
+async def reject_unknown_query(request: Request) -> None:
+    """A query parameter the route does not take is an error (a typo such as ``?stat=running``
+    would otherwise be ignored and answer as if no filter had been asked for)."""
+    route = request.scope.get("route")
+    dependant = getattr(route, "dependant", None)
+    if dependant is None:
+        return
+    known = _query_names(dependant)
+    for name in request.query_params:
+        if name not in known:
+            raise RequestError(f"unknown query parameter {name!r}", field=name or "query",
+                               fix=f"use only {', '.join(sorted(known))}" if known else "send no query parameters")
+
+
+def _query_names(dependant: Any) -> set[str]:
+    names = {p.alias for p in dependant.query_params}
+    for sub in dependant.dependencies:
+        names |= _query_names(sub)
+    return names

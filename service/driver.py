@@ -1,0 +1,342 @@
+"""Drive one job under its lease: profile -> plan -> tune, writing everything as it happens.
+
+The tuner (``pipette.tuner.Tuner``) runs in this thread; its events are written to the
+database at once (a trial row per trial, every step, every event), so a reader of the API or
+the event stream sees the job live from any process, and a restarted service finds all of it.
+
+Resume: a job taken again after its holder died is rebuilt from its stored trials
+(``Tuner(history=...)``); a trial that was running is marked ``interrupted`` and, never having
+been recorded, is proposed again under the same number, so nothing is lost or duplicated.
+A graceful stop (the service shutting down, or the lease lost) interrupts the running trial the
+same way instead of recording the tuner's "cancelled" prune as its outcome.
+
+A lost Ray node: the trial running on it ends ``failed`` naming the rank and node; the job
+stays ``running`` and waits for the node (event ``waiting_for_nodes``, ``progress.waiting_for_nodes``)
+before the next trial, which reruns the failed one (``pipette.tuner.LOST_NODE_RETRIES``); after
+``PIPETTE_NODE_WAIT_S`` without it the job fails, every trial kept.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.orm import Session
+
+from pipette.cluster import ClusterProfile
+from pipette.clusterfile import cluster_from_dict
+from pipette.errors import PipetteError
+from pipette.memory import SAFETY_MARGIN
+from pipette.model import ModelSpec
+from pipette.plan import make_plan
+from pipette.training import TrainingSpec
+from pipette.tuner import TrialRecord, TuneOptions, Tuner
+from service.db import Database
+from service.errors import stored_error
+from service.leasekeeper import LeaseKeeper
+from service.models import FINAL_STATES, Cluster, Job, Profile, utcnow
+from service.planning import plan_dict
+from service.profiling import measure
+from service.repositories import clusters as cluster_repo
+from service.repositories import events, trials
+from service.repositories.jobs import set_state
+from service.settings import Settings
+
+log = logging.getLogger("pipette.service")
+
+#: How often the driver reads the job's cancel flag while a trial runs (seconds).
+CANCEL_POLL_S = 0.5
+
+
+class Interrupted(Exception):
+    """The work must stop without an outcome (shutdown, lease lost); it resumes elsewhere."""
+
+
+class JobDriver:
+    def __init__(
+        self, db: Database, settings: Settings, job_id: str, keeper: LeaseKeeper, shutdown: threading.Event,
+        *, resumed: bool = False,
+    ) -> None:
+        self.db = db
+        self.settings = settings
+        self.job_id = job_id
+        self.keeper = keeper
+        self.shutdown = shutdown
+        self.resumed = resumed
+        self.interrupt_reason: str | None = None
+        self.cancelled = False
+        self._cancel_checked = 0.0
+        self._trial_started: dict[int, float] = {}
+        self._waiting: list[str] | None = None
+        self._waiting_since = 0.0
+
+    # ---- the job ------------------------------------------------------------------
+    def run(self) -> None:
+        try:
+            self._run()
+        except Interrupted:
+            log.info("job %s interrupted (%s); it resumes when a scheduler takes it again",
+                     self.job_id, self.interrupt_reason)
+        except SQLAlchemyError:
+            # The database went away: nothing can be recorded, not even a failure. The lease
+            # expires and the job resumes from what was stored.
+            log.exception("job %s: database error; leaving it to resume", self.job_id)
+        except PipetteError as e:
+            self._finish("failed", error=stored_error(e), stop_reason="error")
+        except Exception as e:
+            log.exception("job %s failed unexpectedly", self.job_id)
+            self._finish("failed", error=stored_error(e, "see the service log; resubmit the job", "internal error: "),
+                         stop_reason="error")
+
+    def _run(self) -> None:
+        with self.db.write() as session:
+            job = self._job(session)
+            if job.state in FINAL_STATES:
+                return
+            if job.cancel_requested:
+                set_state(session, job, "cancelled", stop_reason="cancelled")
+                return
+            rerun = trials.interrupt_running(session, job.id)
+            job.attempts += 1
+            job.worker = self.keeper.holder
+            job.started_at = job.started_at or utcnow()
+            if self.resumed:
+                events.add_event(session, job.id, "resumed", {"attempt": job.attempts, "interrupted_trials": rerun})
+            model = ModelSpec.from_dict(job.model)
+            training = TrainingSpec.from_dict(job.training)
+            options = dict(job.options)
+            profile_id = job.profile_id
+            cluster_row = session.get(Cluster, job.cluster_id)
+            assert cluster_row is not None  # a foreign key
+        cluster, profile_id = self._cluster(cluster_row, profile_id)
+        self._check_interrupt()
+
+        with self.db.write() as session:
+            set_state(session, self._job(session), "planning", profile_id=profile_id)
+        from workers.runner import RayTrialRunner
+
+        timeout = float(options.get("trial_timeout_s") or self.settings.trial_timeout_s)
+        steps = int(options.get("steps", 8))
+        runner = RayTrialRunner(model, training, cluster, device_kind=cluster.device_spec.kind, timeout_s=timeout,
+                                max_steps=steps, min_steps=min(3, steps), seed=int(options.get("seed", 0)),
+                                node_wait_s=self.settings.node_wait_s, on_wait=self.on_wait)
+        start = time.perf_counter()
+        margin = SAFETY_MARGIN if options.get("margin") is None else float(options["margin"])
+        plan = make_plan(model, training, cluster, margin=margin, seed=int(options.get("seed", 0)))
+        planned = plan_dict(plan, planning_seconds=time.perf_counter() - start, refusals=runner.refusals)
+
+        with self.db.write() as session:
+            job = self._job(session)
+            history = [TrialRecord.from_dict(d) for d in trials.finished_records(session, job.id)]
+            prior = [TrialRecord.from_dict(d)
+                     for d in trials.prior_records(session, cluster_row.resource, exclude_job=job.id)]
+            used = job.tuning_s
+            set_state(session, job, "running", plan=planned)
+        self._check_interrupt()
+
+        budget = options.get("time_budget_s")
+        tune = TuneOptions(
+            max_trials=int(options["max_trials"]),
+            time_budget_s=None if budget is None else max(float(budget) - used, 1e-3),
+            tolerance=float(options["tolerance"]), stop_probability=float(options["stop_probability"]),
+            prune=bool(options["prune"]), prune_slower=float(options.get("prune_slower", 0.25)),
+            retries=int(options["retries"]), seed=int(options["seed"]),
+        )
+        tuner = Tuner(plan, tune, history=history, prior=prior, runnable=runner.refusals)
+        began = time.monotonic()
+        try:
+            result = tuner.run(runner, on_event=self.on_event, should_stop=self.should_stop)
+        finally:
+            self._add_tuning_time(time.monotonic() - began)
+        self._check_interrupt()
+
+        outcome = result.to_dict()
+        outcome.pop("trials", None)  # every attempt is in the trials table already
+        best = _best_summary(result.best.to_dict()) if result.best is not None else None
+        if self.cancelled:
+            state = "cancelled"
+        elif best is not None:
+            state = "succeeded"
+        else:
+            state = "failed"
+        error = None
+        if state == "failed":
+            error = {"message": f"no trial ran ok ({len(result.trials)} tried; stop: {result.stop_reason})",
+                     "field": None, "fix": "see the trials' errors (GET /v1/jobs/{id}/trials)"}
+        self._finish(state, result=outcome, best=best, stop_reason=result.stop_reason, error=error)
+
+    # ---- the tuner's callbacks --------------------------------------------------------
+    def on_event(self, event: Any) -> None:
+        """A ``TuneEvent``: store it (and the trial it concerns) at once."""
+        kind, number, data = event.kind, event.trial, dict(event.data or {})
+        with self.db.write() as session:
+            job = self._job(session)
+            if kind == "trial_started" and number is not None:
+                trials.start_trial(session, job.id, number, label=str(data.get("label", "")),
+                                   config=dict(data.get("config") or {}),
+                                   predicted_step_time=_float(data.get("predicted_step_time")),
+                                   attempt=int(data.get("attempt", 1)))
+                job.progress = {**(job.progress or {}), "running_trial": number}
+            elif kind == "trial_step" and number is not None:
+                trials.add_step(session, job.id, number, {k: data.get(k) for k in ("step", "time", "warmup", "loss")})
+            elif kind == "trial_ended" and number is not None:
+                if self.interrupt_reason is not None and _cancel_prune(data):
+                    trials.interrupt_trial(session, job.id, number)
+                    events.add_event(session, job.id, "trial_interrupted", {"reason": self.interrupt_reason},
+                                     trial=number)
+                    return
+                trials.end_trial(session, job.id, number, data)
+                self._update_progress(session, job)
+            events.add_event(session, job.id, kind, data, trial=number)
+
+    def on_wait(self, missing: list[str] | None) -> bool:
+        """The runner waits for lost nodes before a trial (``missing``; ``None`` once they are
+        back): say so once, in an event and in the job's progress, and stop waiting when the
+        job must stop."""
+        if missing != self._waiting:
+            with self.db.write() as session:
+                job = self._job(session)
+                progress = dict(job.progress or {})
+                if missing is None:
+                    waited = time.monotonic() - self._waiting_since
+                    progress.pop("waiting_for_nodes", None)
+                    events.add_event(session, job.id, "nodes_back", {"waited_s": round(waited, 1)})
+                else:
+                    self._waiting_since = self._waiting_since if self._waiting else time.monotonic()
+                    progress["waiting_for_nodes"] = missing
+                    events.add_event(session, job.id, "waiting_for_nodes", {
+                        "missing": missing, "limit_s": self.settings.node_wait_s})
+                job.progress = progress
+            self._waiting = missing
+        return self.should_stop()
+
+    def should_stop(self) -> bool:
+        if self.shutdown.is_set():
+            self.interrupt_reason = "the service is stopping"
+        elif self.keeper.lost.is_set():
+            self.interrupt_reason = "the cluster's lease was lost"
+        if self.interrupt_reason is not None:
+            return True
+        now = time.monotonic()
+        if not self.cancelled and now - self._cancel_checked > CANCEL_POLL_S:
+            self._cancel_checked = now
+            with self.db.read() as session:
+                job = session.get(Job, self.job_id)
+                self.cancelled = bool(job is None or job.cancel_requested)
+        return self.cancelled
+
+    # ---- steps --------------------------------------------------------------------
+    def _cluster(self, row: Cluster, profile_id: str | None) -> tuple[ClusterProfile, str]:
+        """The job's profile: the one it planned with (resume), else the cluster's latest, else
+        measure the cluster now (state ``profiling``)."""
+        with self.db.read() as session:
+            profile = session.get(Profile, profile_id) if profile_id else None
+            if profile is None:
+                profile = cluster_repo.latest_profile(session, row.id)
+        if profile is not None and profile.profile is not None:
+            return cluster_from_dict(profile.profile), profile.id
+        with self.db.write() as session:
+            set_state(session, self._job(session), "profiling")
+            profile = cluster_repo.request_profile(session, row)
+            profile.state, profile.started_at = "running", utcnow()
+            new_id = profile.id
+        try:
+            measured = measure(row)
+        except Exception as e:
+            record_profile(self.db, new_id, error=stored_error(e))
+            raise
+        record_profile(self.db, new_id, profile=measured.to_dict())
+        return measured, new_id
+
+    def _check_interrupt(self) -> None:
+        self.should_stop()
+        if self.interrupt_reason is not None:
+            raise Interrupted(self.interrupt_reason)
+
+    def _finish(self, state: str, **fields: Any) -> None:
+        with self.db.write() as session:
+            job = self._job(session)
+            if job.state in FINAL_STATES:
+                return
+            progress = dict(job.progress or {})
+            progress["running_trial"] = None
+            best = fields.pop("best", None)
+            set_state(session, job, state, progress=progress, **fields)
+            if best is not None:
+                job.best = best
+            events.add_event(session, job.id, "finished", {"state": state, "stop_reason": fields.get("stop_reason"),
+                                                          "best": job.best, "error": fields.get("error")})
+
+    def _update_progress(self, session: Session, job: Job) -> None:
+        rows = trials.list_trials(session, job.id)
+        done = [t for t in rows if t.state not in ("running", "interrupted")]
+        ok = [t for t in done if t.state == "ok" and t.measured_step_time]
+        job.progress = {"trials_done": len(done), "trials_ok": len(ok), "running_trial": None,
+                        "max_trials": int(job.options.get("max_trials", 0))}
+        if ok:
+            best = min(ok, key=lambda t: float(t.measured_step_time or 0.0))
+            job.best = _best_summary(best.record or {})
+
+    def _add_tuning_time(self, seconds: float) -> None:
+        try:
+            with self.db.write() as session:
+                job = self._job(session)
+                job.tuning_s = job.tuning_s + seconds
+        except SQLAlchemyError:
+            log.warning("job %s: could not add %.1f s of tuning time", self.job_id, seconds)
+
+    def _job(self, session: Session) -> Job:
+        job = session.get(Job, self.job_id)
+        if job is None:
+            raise Interrupted("the job was deleted")
+        return job
+
+
+def record_profile(db: Database, profile_id: str, *, profile: dict[str, Any] | None = None,
+                   error: dict[str, Any] | None = None) -> None:
+    with db.write() as session:
+        row = session.get(Profile, profile_id)
+        if row is None:
+            return
+        row.state = "failed" if error else "succeeded"
+        row.profile = profile
+        row.error = error
+        row.finished_at = utcnow()
+
+
+def _best_summary(record: dict[str, Any]) -> dict[str, Any]:
+    measurement = record.get("measurement") or {}
+    config = record.get("config") or {}
+    return {
+        "trial": int(record.get("number", 0)),
+        "label": str(record.get("label") or _label(config)),
+        "config": config,
+        "measured_step_time": measurement.get("step_time"),
+        "tokens_per_s": measurement.get("tokens_per_s"),
+        "predicted_step_time": _float(record.get("predicted_step_time")),
+    }
+
+
+def _label(config: dict[str, Any]) -> str:
+    from pipette.config import ParallelConfig
+
+    try:
+        return ParallelConfig.from_dict(config).label
+    except PipetteError:
+        return ""
+
+
+def _cancel_prune(record: dict[str, Any]) -> bool:
+    """The tuner's record of a trial it stopped because ``should_stop`` said so."""
+    measurement = record.get("measurement") or {}
+    return measurement.get("status") == "pruned" and "cancel" in str(measurement.get("error", ""))
+
+
+def _float(value: Any) -> float | None:
+    try:
+        return None if value is None else float(value)
+    except (TypeError, ValueError):
+        return None

@@ -1,0 +1,74 @@
+"""Clusters and their profiles."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from sqlalchemy import or_, select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from service.errors import ConflictError, NotFoundError
+from service.models import Cluster, Profile, utcnow
+from service.repositories.leases import ensure_lease
+
+
+def create_cluster(
+    session: Session, *, tenant: str, name: str, kind: str, address: str, resource: str,
+    nodes: list[dict[str, Any]], devices_per_node: int,
+) -> Cluster:
+    if session.execute(select(Cluster.id).where(Cluster.tenant == tenant, Cluster.name == name)).first():
+        raise ConflictError(f"a cluster named {name!r} exists already", field="name", fix="choose another name")
+    cluster = Cluster(
+        id=str(uuid.uuid4()), tenant=tenant, name=name, kind=kind, address=address, resource=resource,
+        nodes=nodes, devices_per_node=devices_per_node, created_at=utcnow(),
+    )
+    session.add(cluster)
+    try:
+        session.flush()
+    except IntegrityError:
+        raise ConflictError(f"a cluster named {name!r} exists already", field="name",
+                            fix="choose another name") from None
+    ensure_lease(session, resource)
+    return cluster
+
+
+def get_cluster(session: Session, tenant: str, ref: str) -> Cluster:
+    """By id or by name, within the tenant."""
+    cluster = session.execute(
+        select(Cluster).where(Cluster.tenant == tenant, or_(Cluster.id == ref, Cluster.name == ref))
+    ).scalars().first()
+    if cluster is None:
+        raise NotFoundError(f"no cluster {ref!r}", field="cluster",
+                            fix="register it with POST /v1/clusters, or list them with GET /v1/clusters")
+    return cluster
+
+
+def list_clusters(session: Session, tenant: str) -> Sequence[Cluster]:
+    return session.execute(
+        select(Cluster).where(Cluster.tenant == tenant).order_by(Cluster.created_at, Cluster.id)
+    ).scalars().all()
+
+
+def latest_profile(session: Session, cluster_id: str, *, succeeded: bool = True) -> Profile | None:
+    query = select(Profile).where(Profile.cluster_id == cluster_id)
+    if succeeded:
+        query = query.where(Profile.state == "succeeded")
+    return session.execute(query.order_by(Profile.created_at.desc(), Profile.id.desc()).limit(1)).scalars().first()
+
+
+def request_profile(session: Session, cluster: Cluster) -> Profile:
+    profile = Profile(id=str(uuid.uuid4()), cluster_id=cluster.id, state="queued", created_at=utcnow())
+    session.add(profile)
+    session.flush()
+    return profile
+
+
+def get_profile(session: Session, cluster_id: str, profile_id: str) -> Profile:
+    profile = session.get(Profile, profile_id)
+    if profile is None or profile.cluster_id != cluster_id:
+        raise NotFoundError(f"no profile {profile_id!r} of this cluster", field="profile_id",
+                            fix="use an id from POST /v1/clusters/{id}/profile")
+    return profile

@@ -1,0 +1,99 @@
+"""Jobs: submit, read, list (filters, cursor pages), cancel, and the scheduler's transitions."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from sqlalchemy import and_, func, or_, select, update
+from sqlalchemy.orm import Session
+
+from service.errors import ConflictError, NotFoundError
+from service.models import FINAL_STATES, Cluster, Job, utcnow
+from service.repositories.events import add_event
+
+
+def create_job(
+    session: Session, *, tenant: str, cluster: Cluster, name: str, model: dict[str, Any],
+    training: dict[str, Any], options: dict[str, Any],
+) -> Job:
+    now = utcnow()
+    job = Job(
+        id=str(uuid.uuid4()), tenant=tenant, name=name, cluster_id=cluster.id, state="queued",
+        model=model, training=training, options=options, created_at=now, updated_at=now,
+        cancel_requested=False, attempts=0, tuning_s=0.0,
+    )
+    session.add(job)
+    session.flush()
+    add_event(session, job.id, "state", {"state": "queued", "previous": None})
+    return job
+
+
+def get_job(session: Session, tenant: str, job_id: str) -> Job:
+    job = session.get(Job, job_id)
+    if job is None or job.tenant != tenant:
+        # Another tenant's job answers exactly like a missing one.
+        raise NotFoundError(f"no job {job_id!r}", field="job_id", fix="use an id from GET /v1/jobs")
+    return job
+
+
+def list_jobs(
+    session: Session, tenant: str, *, states: Sequence[str] = (), cluster_id: str | None = None,
+    limit: int = 50, cursor: str | None = None,
+) -> tuple[Sequence[Job], str | None]:
+    """Newest first. ``cursor`` is the id of the last job of the previous page (``next_cursor``):
+    the page goes on after it, stable while new jobs arrive."""
+    query = select(Job).where(Job.tenant == tenant)
+    if states:
+        query = query.where(Job.state.in_(list(states)))
+    if cluster_id:
+        query = query.where(Job.cluster_id == cluster_id)
+    if cursor:
+        last = session.get(Job, cursor)
+        if last is None or last.tenant != tenant:
+            raise NotFoundError(f"no job {cursor!r} to continue after", field="cursor",
+                                fix="pass next_cursor from the previous page, or no cursor")
+        query = query.where(or_(Job.created_at < last.created_at,
+                                and_(Job.created_at == last.created_at, Job.id < last.id)))
+    rows = session.execute(query.order_by(Job.created_at.desc(), Job.id.desc()).limit(limit + 1)).scalars().all()
+    page = rows[:limit]
+    after = page[-1].id if len(rows) > limit else None
+    return page, after
+
+
+def request_cancel(session: Session, tenant: str, job_id: str) -> Job:
+    """A queued job is cancelled at once; a running one is flagged and its driver stops it
+    (the running trial is pruned) within a step."""
+    job = get_job(session, tenant, job_id)
+    if job.state in FINAL_STATES:
+        raise ConflictError(f"the job is {job.state} already", field="job_id", fix="nothing to cancel")
+    job.cancel_requested = True
+    job.updated_at = utcnow()
+    if job.state == "queued":
+        set_state(session, job, "cancelled", stop_reason="cancelled")
+    else:
+        add_event(session, job.id, "cancel_requested", {"state": job.state})
+    return job
+
+
+def set_state(session: Session, job: Job, state: str, **fields: Any) -> None:
+    previous = job.state
+    now = utcnow()
+    job.state = state
+    job.updated_at = now
+    if state in FINAL_STATES:
+        job.finished_at = now
+    for key, value in fields.items():
+        setattr(job, key, value)
+    if previous != state:
+        add_event(session, job.id, "state", {"state": state, "previous": previous})
+
+
+def update_job(session: Session, job_id: str, **fields: Any) -> None:
+    session.execute(update(Job).where(Job.id == job_id).values(updated_at=utcnow(), **fields))
+
+
+def counts_by_state(session: Session) -> dict[str, int]:
+    rows = session.execute(select(Job.state, func.count()).group_by(Job.state)).all()
+    return {str(state): int(n) for state, n in rows}

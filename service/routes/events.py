@@ -1,0 +1,105 @@
+"""``GET /v1/jobs/{id}/events``: the job's live event stream as server-sent events.
+
+Each event is one stored ``Event`` row; its id is the SSE ``id``, so a client that reconnects
+with ``Last-Event-ID`` (browsers do it themselves) gets exactly what it missed. Events are
+read from the database, so the stream works whichever process runs the job. The stream ends
+after the job's final state has been sent (or at once with ``follow=false``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import Annotated
+
+from fastapi import APIRouter, Header, Path, Query, Request
+from fastapi.responses import StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from service.deps import Caller, State
+from service.errors import RequestError
+from service.models import FINAL_STATES, Event, Job
+from service.repositories import events as repo
+from service.repositories.jobs import get_job
+from service.routes import AUTHED, json_errors
+from service.schemas import ID_PATTERN
+
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+
+POLL_S = 0.25
+KEEPALIVE_S = 15.0
+RETRY_MS = 2000
+
+
+@router.get("/{job_id}/events", response_class=StreamingResponse, responses={
+    200: {"content": {"text/event-stream": {"schema": {"type": "string"}}},
+          "description": "Server-sent events: `id` (resume with Last-Event-ID), `event` (the kind), `data` (JSON)"},
+    **json_errors(*AUTHED, 404),
+})
+async def stream_events(
+    request: Request,
+    state: State,
+    caller: Caller,
+    job_id: Annotated[str, Path(max_length=36, pattern=ID_PATTERN)],
+    last_event_id: Annotated[str, Header(alias="Last-Event-ID", max_length=20, pattern=r"^[0-9]*$",
+                                         description="resume after this event id (what EventSource sends)")] = "",
+    after: Annotated[int, Query(ge=0, le=2**62, description="start after this event id")] = 0,
+    follow: Annotated[bool, Query(description="keep the stream open until the job ends")] = True,
+) -> StreamingResponse:
+    start = _resume_point(last_event_id, after)
+
+    def check() -> None:
+        with state.db.read() as session:
+            get_job(session, caller.tenant, job_id)
+
+    await run_in_threadpool(check)
+
+    def fetch(last: int) -> tuple[Sequence[Event], bool]:
+        with state.db.read() as session:
+            # The state first: a final state's own event is committed with it, so it is in rows.
+            job = session.get(Job, job_id)
+            final = job is None or job.state in FINAL_STATES
+            return repo.events_after(session, job_id, last), final
+
+    async def body() -> AsyncIterator[str]:
+        last = start
+        yield f"retry: {RETRY_MS}\n\n"
+        quiet_since = time.monotonic()
+        while True:
+            rows, final = await run_in_threadpool(fetch, last)
+            for event in rows:
+                last = event.id
+                yield format_event(event)
+            if rows:
+                quiet_since = time.monotonic()
+                continue
+            if final or not follow or await request.is_disconnected():
+                return
+            if time.monotonic() - quiet_since > KEEPALIVE_S:
+                yield ": keep-alive\n\n"
+                quiet_since = time.monotonic()
+            await asyncio.sleep(POLL_S)
+
+    return StreamingResponse(body(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def format_event(event: Event) -> str:
+    data = {"id": event.id, "job_id": event.job_id, "kind": event.kind, "trial": event.trial,
+            "data": event.data, "at": event.created_at.isoformat()}
+    return f"id: {event.id}\nevent: {event.kind}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+def _resume_point(last_event_id: str, after: int) -> int:
+    if not last_event_id:
+        return after
+    try:
+        value = int(last_event_id)
+    except ValueError:
+        raise RequestError(f"is {last_event_id!r}, not an event id", field="Last-Event-ID",
+                           fix="send the id of the last event received (a whole number)") from None
+    if value < 0:
+        raise RequestError("is negative", field="Last-Event-ID", fix="send the id of the last event received")
+    return value

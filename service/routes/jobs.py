@@ -1,0 +1,176 @@
+"""Jobs: submit (202), list with filters and cursor pages, read, cancel, trials, the best
+result (JSON and downloadable launch files) and the full plan."""
+
+from __future__ import annotations
+
+import pathlib
+import tempfile
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Path, Query, Response
+from fastapi.responses import JSONResponse, PlainTextResponse
+from sqlalchemy.orm import Session
+
+from pipette.clusterfile import cluster_from_dict
+from pipette.config import ParallelConfig
+from pipette.emit import deepspeed_config, hostfile, launch_command, rank_map, write_launch_files
+from pipette.model import ModelSpec
+from pipette.training import TrainingSpec
+from service.deps import Caller, State
+from service.errors import NotFoundError
+from service.models import Cluster, Job, Profile
+from service.repositories import clusters as cluster_repo
+from service.repositories import jobs as repo
+from service.repositories import trials as trial_repo
+from service.repositories.leases import get_lease
+from service.routes import AUTHED, errors, json_errors
+from service.schemas import (
+    ID_PATTERN,
+    NAME_PATTERN,
+    BestOut,
+    JobAccepted,
+    JobIn,
+    JobList,
+    JobOut,
+    TrialDetail,
+    TrialList,
+)
+from service.specs import model_spec, training_spec
+from service.views import as_json, job_out, job_url, trial_detail, trial_out, unserved_notice
+
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+
+JobState = Literal["queued", "profiling", "planning", "running", "succeeded", "failed", "cancelled"]
+FileName = Literal["ds_config.json", "hostfile", "launch.sh", "rank_map.json", "candidate.json"]
+FILES: tuple[str, ...] = ("ds_config.json", "hostfile", "launch.sh", "rank_map.json", "candidate.json")
+JobId = Annotated[str, Path(max_length=36, pattern=ID_PATTERN, description="the job's id")]
+TrialNumber = Annotated[int, Path(ge=0, le=2**31 - 1)]
+
+
+@router.post("", status_code=202, response_model=JobAccepted, responses=errors(*AUTHED, 404))
+def submit_job(body: JobIn, state: State, caller: Caller, response: Response) -> JobAccepted:
+    """Queue a tuning job; it runs when its cluster's devices are free (see the job's state)."""
+    model = model_spec(body.model)
+    training = training_spec(body.training)
+    with state.db.write() as session:
+        cluster = cluster_repo.get_cluster(session, caller.tenant, body.cluster)
+        job = repo.create_job(
+            session, tenant=caller.tenant, cluster=cluster, name=body.name, model=model.to_dict(),
+            training=training.to_dict(), options=body.budget.model_dump(),
+        )
+        accepted = JobAccepted(id=job.id, url=job_url(job.id), state=job.state)
+    state.kick()
+    response.headers["Location"] = accepted.url
+    return accepted
+
+
+@router.get("", response_model=JobList, responses=errors(*AUTHED, 404))
+def list_jobs(
+    state: State,
+    caller: Caller,
+    job_state: Annotated[list[JobState] | None, Query(alias="state", description="repeat to allow several")] = None,
+    cluster: Annotated[str | None, Query(max_length=200, pattern=NAME_PATTERN,
+                                         description="a cluster id or name")] = None,
+    limit: Annotated[int, Query(ge=1, le=200)] = 50,
+    cursor: Annotated[str | None, Query(max_length=36, pattern=ID_PATTERN,
+                                        description="next_cursor of the previous page")] = None,
+) -> Response:
+    with state.db.read() as session:
+        cluster_id = cluster_repo.get_cluster(session, caller.tenant, cluster).id if cluster else None
+        page, after = repo.list_jobs(session, caller.tenant, states=job_state or (), cluster_id=cluster_id,
+                                     limit=limit, cursor=cursor)
+        return as_json(JobList(items=[job_out(j) for j in page], next_cursor=after))
+
+
+@router.get("/{job_id}", response_model=JobOut, responses=errors(*AUTHED, 404))
+def read_job(job_id: JobId, state: State, caller: Caller) -> Response:
+    with state.db.read() as session:
+        job = repo.get_job(session, caller.tenant, job_id)
+        out = job_out(job)
+        if job.state == "queued":  # the hot path (running and finished jobs) pays no extra query
+            cluster = session.get(Cluster, job.cluster_id)
+            out.notice = unserved_notice(job, cluster, get_lease(session, cluster.resource) if cluster else None)
+        return as_json(out)
+
+
+@router.post("/{job_id}/cancel", status_code=202, response_model=JobOut, responses=errors(*AUTHED, 404, 409))
+def cancel_job(job_id: JobId, state: State, caller: Caller) -> JobOut:
+    """A queued job is cancelled at once; a running one stops within a step (its trial is pruned)."""
+    with state.db.write() as session:
+        job = repo.request_cancel(session, caller.tenant, job_id)
+        return job_out(job)
+
+
+@router.get("/{job_id}/trials", response_model=TrialList, responses=errors(*AUTHED, 404))
+def list_trials(job_id: JobId, state: State, caller: Caller) -> Response:
+    with state.db.read() as session:
+        job = repo.get_job(session, caller.tenant, job_id)
+        return as_json(TrialList(items=[trial_out(t) for t in trial_repo.list_trials(session, job.id)]))
+
+
+@router.get("/{job_id}/trials/{number}", response_model=TrialDetail, responses=errors(*AUTHED, 404))
+def read_trial(job_id: JobId, number: TrialNumber, state: State, caller: Caller) -> Response:
+    with state.db.read() as session:
+        job = repo.get_job(session, caller.tenant, job_id)
+        return as_json(trial_detail(trial_repo.get_trial(session, job.id, number)))
+
+
+@router.get("/{job_id}/plan", response_model=dict[str, Any], responses=errors(*AUTHED, 404))
+def read_plan(job_id: JobId, state: State, caller: Caller) -> Response:
+    """Every candidate with its estimates, and every dropped one with its reason."""
+    with state.db.read() as session:
+        job = repo.get_job(session, caller.tenant, job_id)
+        if job.plan is None:
+            raise NotFoundError(f"the job has no plan yet (it is {job.state})", field="job_id",
+                                fix="wait until the job is past planning (GET /v1/jobs/{id})")
+        return JSONResponse(job.plan)
+
+
+@router.get("/{job_id}/best", response_model=BestOut, responses=errors(*AUTHED, 404))
+def read_best(job_id: JobId, state: State, caller: Caller) -> BestOut:
+    """The best configuration so far: its DeepSpeed config, launch command and placement."""
+    with state.db.read() as session:
+        job = repo.get_job(session, caller.tenant, job_id)
+        best = _best_parts(session, job)
+    url = job_url(job_id)
+    return BestOut(
+        job_id=job_id, trial=trial_out(best["trial"]), config=best["config"].to_dict(),
+        ds_config=deepspeed_config(best["training"], best["config"], model=best["model"]),
+        launch_command=launch_command(best["config"], best["cluster"], out_dir="."),
+        hostfile=hostfile(best["config"], best["cluster"]), rank_map=rank_map(best["config"], best["cluster"]),
+        files={name: f"{url}/best/files/{name}" for name in FILES},
+    )
+
+
+@router.get("/{job_id}/best/files/{name}", response_class=PlainTextResponse, responses={
+    200: {"content": {"text/plain": {"schema": {"type": "string"}}, "application/json": {"schema": {}}},
+          "description": "the file, as an attachment (JSON for the .json files)"},
+    **json_errors(*AUTHED, 404),
+})
+def download_best_file(job_id: JobId, name: FileName, state: State, caller: Caller) -> PlainTextResponse:
+    """One launch file of the best configuration, exactly as ``pipette plan --out`` writes it."""
+    with state.db.read() as session:
+        job = repo.get_job(session, caller.tenant, job_id)
+        best = _best_parts(session, job)
+    with tempfile.TemporaryDirectory(prefix="pipette-best-") as tmp:
+        written = write_launch_files(tmp, best["model"], best["training"], best["config"], best["cluster"],
+                                     extra={"job_id": job_id, "trial": best["trial"].number})
+        text = pathlib.Path(written[name]).read_text()
+    media = "application/json" if name.endswith(".json") else "text/plain"
+    return PlainTextResponse(text, media_type=media,
+                             headers={"Content-Disposition": f'attachment; filename="{name}"'})
+
+
+def _best_parts(session: Session, job: Job) -> dict[str, Any]:
+    if not job.best:
+        raise NotFoundError(f"the job has no successful trial yet (it is {job.state})", field="job_id",
+                            fix="wait for a trial to end ok (GET /v1/jobs/{id}/trials)")
+    profile = session.get(Profile, job.profile_id) if job.profile_id else None
+    if profile is None or profile.profile is None:
+        raise NotFoundError("the job's cluster profile is gone", field="job_id", fix="rerun the job")
+    trial = trial_repo.get_trial(session, job.id, int(job.best["trial"]))
+    return {
+        "trial": trial, "config": ParallelConfig.from_dict(job.best["config"]),
+        "model": ModelSpec.from_dict(job.model), "training": TrainingSpec.from_dict(job.training),
+        "cluster": cluster_from_dict(profile.profile),
+    }

@@ -1,0 +1,79 @@
+"""Operations: ``/healthz`` (the process answers), ``/readyz`` (the database is reachable and
+migrated, Ray is reachable), ``/metrics`` (Prometheus text)."""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+from urllib.parse import urlsplit
+
+from fastapi import APIRouter, Response
+from fastapi.responses import JSONResponse
+from sqlalchemy.exc import SQLAlchemyError
+
+from service.deps import Caller, State
+from service.migrations import current_revision, head_revision
+from service.routes import json_errors
+from service.schemas import Health, Readiness
+from service.settings import Settings
+
+router = APIRouter(tags=["operations"])
+
+
+@router.get("/healthz", response_model=Health)
+async def healthz() -> Health:
+    return Health(status="ok")
+
+
+@router.get("/readyz", response_model=Readiness, responses={503: {"model": Readiness, "description": "Not ready"}})
+def readyz(state: State) -> JSONResponse:
+    checks = {"database": _database(state), "ray": _ray(state.settings)}
+    ready = all(c["ok"] for c in checks.values())
+    body = Readiness(status="ready" if ready else "not ready", checks=checks)
+    return JSONResponse(body.model_dump(), status_code=200 if ready else 503)
+
+
+@router.get("/metrics", response_class=Response, responses={
+    200: {"content": {"text/plain": {"schema": {"type": "string"}}}, "description": "Prometheus text format"},
+    **json_errors(401, 413),
+})
+def metrics(state: State, _caller: Caller) -> Response:
+    return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+def _database(state: State) -> dict[str, Any]:
+    try:
+        current = current_revision(state.db.engine)
+    except SQLAlchemyError as e:
+        return {"ok": False, "dialect": state.db.dialect, "error": str(e).splitlines()[0]}
+    head = head_revision()
+    if current != head:
+        return {"ok": False, "dialect": state.db.dialect, "revision": current, "head": head,
+                "fix": "run `pipette-admin migrate`"}
+    return {"ok": True, "dialect": state.db.dialect, "revision": current}
+
+
+def _ray(settings: Settings) -> dict[str, Any]:
+    import ray
+
+    if ray.is_initialized():
+        alive = [n for n in ray.nodes() if n.get("Alive")]  # type: ignore[no-untyped-call,unused-ignore]
+        return {"ok": bool(alive), "connected": True, "nodes": len(alive)}
+    if not settings.ray_address:
+        return {"ok": True, "connected": False, "note": "the local Ray starts with the first job or profile"}
+    return _reachable(settings.ray_address)
+
+
+def _reachable(address: str) -> dict[str, Any]:
+    parts = urlsplit(address if "://" in address else f"ray://{address}")
+    host, port = parts.hostname, parts.port
+    if not host or not port:
+        return {"ok": False, "connected": False, "address": address,
+                "error": "cannot check an address without host:port", "fix": "set RAY_ADDRESS to host:port"}
+    try:
+        with socket.create_connection((host, port), timeout=2):
+            return {"ok": True, "connected": False, "address": address}
+    except OSError as e:
+        return {"ok": False, "connected": False, "address": address, "error": str(e)}
+
+

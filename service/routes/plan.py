@@ -1,0 +1,46 @@
+"""``POST /v1/plan``: the core's what-if answer (no trials) for a cluster the caller describes,
+or for a registered cluster's latest profile."""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import APIRouter
+
+from pipette.cluster import ClusterProfile
+from pipette.clusterfile import cluster_from_dict
+from pipette.memory import SAFETY_MARGIN
+from pipette.plan import make_plan
+from service.deps import Caller, State
+from service.errors import NotFoundError
+from service.planning import plan_dict
+from service.repositories import clusters as cluster_repo
+from service.routes import AUTHED, errors
+from service.schemas import PlanIn, PlanOut
+from service.specs import cluster_file, model_spec, training_spec
+
+router = APIRouter(prefix="/v1", tags=["planning"])
+
+
+@router.post("/plan", response_model=PlanOut, responses=errors(*AUTHED, 404))
+def what_if(body: PlanIn, state: State, caller: Caller) -> PlanOut:
+    """Rank every memory-feasible candidate by predicted step time; say why the others drop."""
+    model = model_spec(body.model)
+    training = training_spec(body.training)
+    cluster = _cluster(body, state, caller.tenant)
+    margin = SAFETY_MARGIN if body.margin is None else body.margin
+    start = time.perf_counter()
+    plan = make_plan(model, training, cluster, margin=margin)
+    return PlanOut(**plan_dict(plan, top=body.top, planning_seconds=time.perf_counter() - start))
+
+
+def _cluster(body: PlanIn, state: State, tenant: str) -> ClusterProfile:
+    if isinstance(body.cluster, dict):
+        return cluster_file(body.cluster)
+    with state.db.read() as session:
+        cluster = cluster_repo.get_cluster(session, tenant, body.cluster)
+        profile = cluster_repo.latest_profile(session, cluster.id)
+    if profile is None or profile.profile is None:
+        raise NotFoundError(f"cluster {cluster.name!r} has not been profiled yet", field="cluster",
+                            fix=f"POST /v1/clusters/{cluster.id}/profile, or describe the cluster as an object")
+    return cluster_from_dict(profile.profile)

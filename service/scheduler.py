@@ -1,0 +1,110 @@
+"""The scheduler: take work for this process's devices, run it under the devices' lease, repeat.
+
+One thread per process (in the API process, or ``python -m service.worker``): a process has one
+Ray connection, so it drives one set of devices (``Settings.resource_key``), and the lease
+lets one job at a time run trials there. Queued jobs and profile requests wait their turn in
+submission order; a job whose holder died (its lease expired while it was active) is resumed
+before anything new starts.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import uuid
+
+from sqlalchemy.exc import SQLAlchemyError
+
+from pipette.errors import PipetteError
+from service.db import Database
+from service.driver import JobDriver, record_profile
+from service.errors import stored_error
+from service.leasekeeper import LeaseKeeper
+from service.models import Cluster, Profile, utcnow
+from service.profiling import measure
+from service.repositories import leases
+from service.repositories.leases import Work
+from service.settings import Settings
+
+log = logging.getLogger("pipette.service")
+
+
+class Scheduler:
+    def __init__(self, db: Database, settings: Settings) -> None:
+        self.db = db
+        self.settings = settings
+        self.holder = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.shutdown = threading.Event()
+        self._wake = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="pipette-scheduler", daemon=True)
+
+    def start(self) -> None:
+        with self.db.write() as session:
+            leases.ensure_lease(session, self.settings.resource_key)
+        self._thread.start()
+        log.info("scheduler %s serves %s", self.holder, self.settings.resource_key)
+
+    def stop(self, timeout_s: float = 120.0) -> None:
+        """Stop taking work; interrupt the running job (its trial is rerun on resume)."""
+        self.shutdown.set()
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+
+    def kick(self) -> None:
+        self._wake.set()
+
+    def run_once(self) -> Work | None:
+        """Claim one piece of work and run it to its end; None when there was none."""
+        try:
+            with self.db.write() as session:
+                work = leases.claim(session, self.settings.resource_key, self.holder, self.settings.lease_ttl_s)
+        except SQLAlchemyError as e:
+            log.warning("claim failed: %s", e)
+            return None
+        if work is None:
+            return None
+        keeper = LeaseKeeper(self.db, work.resource, self.holder, self.settings.lease_ttl_s)
+        keeper.start()
+        try:
+            if work.kind == "job":
+                log.info("%s job %s", "resuming" if work.resumed else "starting", work.id)
+                JobDriver(self.db, self.settings, work.id, keeper, self.shutdown, resumed=work.resumed).run()
+            else:
+                self._profile(work.id)
+        finally:
+            keeper.stop()
+            keeper.release()
+        return work
+
+    def _loop(self) -> None:
+        while not self.shutdown.is_set():
+            try:
+                ran = self.run_once()
+            except Exception:
+                log.exception("scheduler error")
+                ran = None
+            if ran is None:
+                self._wake.wait(self.settings.poll_s)
+                self._wake.clear()
+
+    def _profile(self, profile_id: str) -> None:
+        with self.db.write() as session:
+            profile = session.get(Profile, profile_id)
+            if profile is None:
+                return
+            profile.state, profile.started_at = "running", utcnow()
+            cluster = session.get(Cluster, profile.cluster_id)
+            assert cluster is not None
+        try:
+            measured = measure(cluster)
+        except PipetteError as e:
+            record_profile(self.db, profile_id, error=stored_error(e))
+            return
+        except Exception as e:
+            log.exception("profile %s failed", profile_id)
+            record_profile(self.db, profile_id, error=stored_error(e))
+            return
+        record_profile(self.db, profile_id, profile=measured.to_dict())

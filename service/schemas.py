@@ -1,0 +1,312 @@
+"""The API's request and response shapes (pydantic), documented in README.md "The API".
+
+Requests are checked twice: here for types and ranges (so a bad field answers 422 naming it
+before anything runs), then by the core (``TrainingSpec.from_dict``, ``ModelSpec``,
+``cluster_from_dict``) for meaning. Responses carry the core's own ``to_dict`` forms where the
+core has one (model, recipe, plan, measurement), so the CLI and the service agree.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import TYPE_CHECKING, Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from pipette.model import MODEL_PRESETS
+
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$"
+#: ids are UUIDs; anything else cannot name a row (and never reaches the database)
+ID_PATTERN = r"^[0-9a-fA-F-]{1,36}$"
+#: free text (job names): no control characters (PostgreSQL refuses NUL in text)
+TEXT_PATTERN = r"^[^\x00-\x1f\x7f]*$"
+# Ray addresses: host:port, ray://host:port, or "auto"; nothing a shell would read specially.
+ADDRESS_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:/\[\]-]{0,499}$"
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# ---- errors ---------------------------------------------------------------------------
+
+class ErrorDetail(BaseModel):
+    message: str
+    field: str | None
+    fix: str | None
+
+
+class ErrorOut(BaseModel):
+    """Every 4xx/5xx answer."""
+
+    error: ErrorDetail
+
+
+# ---- clusters -------------------------------------------------------------------------
+
+class NodeIn(Strict):
+    name: str = Field(min_length=1, max_length=200, pattern=NAME_PATTERN)
+    address: str = Field("", max_length=500, pattern=r"^[A-Za-z0-9._:\[\]-]*$")
+    devices: int = Field(ge=1, le=1024, description="devices of this node the jobs may use")
+
+
+class ClusterIn(Strict):
+    name: str = Field(pattern=NAME_PATTERN, description="unique within the tenant")
+    kind: Literal["local", "ray"] = Field(
+        "local", description="local: this host's embedded Ray, CPU devices with gloo; ray: a Ray cluster")
+    devices: int = Field(2, ge=1, le=1024, description="devices per node (CPU worker processes where no GPU)")
+    address: str | None = Field(None, pattern=ADDRESS_PATTERN, description="the Ray address (kind ray)")
+    nodes: list[NodeIn] = Field(default_factory=list, max_length=4096,
+                                description="kind ray: the nodes to use (empty: every node Ray sees)")
+
+
+class ProfileOut(BaseModel):
+    id: str
+    cluster_id: str
+    url: str
+    state: Literal["queued", "running", "succeeded", "failed"]
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    error: ErrorDetail | None
+    #: the measured ClusterProfile (pipette.cluster.ClusterProfile.to_dict): nodes, devices
+    #: with memory and compute peaks, and the link matrix (bandwidth bytes/s, latency s)
+    profile: dict[str, Any] | None
+
+
+class LeaseOut(BaseModel):
+    busy: bool
+    job_id: str | None
+    profile_id: str | None
+    expires_at: datetime | None
+    #: when a scheduler serving these devices last looked for work (None: never)
+    served_at: datetime | None = None
+
+
+class ClusterOut(BaseModel):
+    id: str
+    url: str
+    name: str
+    kind: Literal["local", "ray"]
+    address: str
+    nodes: list[dict[str, Any]]
+    devices_per_node: int
+    created_at: datetime
+    lease: LeaseOut
+    latest_profile: ProfileOut | None
+
+
+class ClusterList(BaseModel):
+    items: list[ClusterOut]
+
+
+# ---- jobs -----------------------------------------------------------------------------
+
+class LoraIn(Strict):
+    rank: int = Field(16, ge=1, le=65536)
+    alpha: float = Field(32.0, gt=0, le=1e6)
+    targets: list[Annotated[str, Field(max_length=40)]] | None = Field(None, min_length=1, max_length=16)
+
+
+class TrainingIn(Strict):
+    """The recipe (pipette.training.TrainingSpec); omitted lists allow every option."""
+
+    global_batch: int = Field(ge=1, le=1 << 24)
+    seq_len: int = Field(ge=1, le=1 << 24)
+    dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
+    optimizer: Literal["adamw", "adam", "sgd"] = "adamw"
+    method: Literal["full", "lora"] = "full"
+    lora: LoraIn | None = None
+    recompute: list[Literal["none", "selective", "full"]] | None = Field(None, min_length=1, max_length=3)
+    zero_stages: list[Literal[0, 1, 2, 3]] | None = Field(None, min_length=1, max_length=4)
+    schedules: list[Literal["1f1b", "interleaved"]] | None = Field(None, min_length=1, max_length=2)
+    micro_batches: list[Annotated[int, Field(ge=1, le=1 << 24)]] | None = Field(None, min_length=1, max_length=32)
+    max_virtual_stages: int = Field(4, ge=1, le=64)
+
+    def to_spec_dict(self) -> dict[str, Any]:
+        data = self.model_dump(exclude_none=True)
+        if self.lora is not None:
+            data["lora"] = self.lora.model_dump(exclude_none=True)
+        return data
+
+
+class BudgetIn(Strict):
+    """The search budget and the stop rule (pipette.tuner.TuneOptions), and the trials' length."""
+
+    max_trials: int = Field(10, ge=1, le=500)
+    time_budget_s: float | None = Field(None, gt=0, le=30 * 86400, description="over all attempts of the job")
+    tolerance: float = Field(0.02, ge=0, lt=1, description="stop when no untried candidate is likely to beat "
+                             "the best by more than this fraction")
+    stop_probability: float = Field(0.05, ge=0, lt=1, description="...with more than this chance")
+    prune: bool = Field(True, description="stop a trial early when it is clearly slower than the best")
+    prune_slower: float = Field(0.25, ge=0, lt=1, description="how much slower counts as clearly")
+    retries: int = Field(1, ge=0, le=5, description="reruns of a trial that failed or timed out")
+    seed: int = Field(0, ge=0, le=2**31 - 1)
+    steps: int = Field(8, ge=1, le=1000, description="timed steps per trial at most")
+    trial_timeout_s: float | None = Field(None, gt=0, le=86400, description="default: the service's")
+    margin: float | None = Field(None, ge=0, lt=1, description="memory safety margin (default: the estimator's)")
+
+
+if TYPE_CHECKING:
+    Preset = str
+else:
+    #: The model presets, as an enum in the OpenAPI schema (pipette.model.MODEL_PRESETS).
+    Preset = Literal[tuple(sorted(MODEL_PRESETS))]
+#: A preset name, or the content of a Hugging Face config.json.
+ModelIn = Preset | dict[str, Any]
+
+
+class JobIn(Strict):
+    cluster: str = Field(pattern=NAME_PATTERN, max_length=200, description="a cluster id or name of this tenant")
+    model: ModelIn = Field(description="a preset name (tiny-llama, llama2-7b, ...) or a config.json object")
+    training: TrainingIn
+    budget: BudgetIn = Field(default_factory=lambda: BudgetIn.model_validate({}))
+    name: str = Field("", max_length=200, pattern=TEXT_PATTERN)
+
+
+class Progress(BaseModel):
+    trials_done: int = 0
+    trials_ok: int = 0
+    max_trials: int = 0
+    running_trial: int | None = None
+    tuning_s: float = 0.0
+    #: the addresses of lost Ray nodes the job waits for before its next trial; absent otherwise
+    waiting_for_nodes: list[str] | None = None
+
+
+class BestSummary(BaseModel):
+    trial: int
+    label: str
+    config: dict[str, Any]
+    measured_step_time: float | None
+    tokens_per_s: float | None
+    predicted_step_time: float | None
+
+
+class JobLinks(BaseModel):
+    self: str
+    trials: str
+    best: str
+    plan: str
+    events: str
+    cancel: str
+
+
+class JobOut(BaseModel):
+    id: str
+    url: str
+    name: str
+    state: Literal["queued", "profiling", "planning", "running", "succeeded", "failed", "cancelled"]
+    cluster_id: str
+    model: dict[str, Any]
+    training: dict[str, Any]
+    budget: dict[str, Any]
+    created_at: datetime
+    updated_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    cancel_requested: bool
+    attempts: int
+    progress: Progress
+    best: BestSummary | None
+    stop_reason: str | None
+    error: ErrorDetail | None
+    #: why a queued job does not start (no scheduler serves its cluster's devices), else None
+    notice: str | None = None
+    links: JobLinks
+
+
+class JobAccepted(BaseModel):
+    id: str
+    url: str
+    state: str
+
+
+class JobList(BaseModel):
+    items: list[JobOut]
+    next_cursor: str | None
+
+
+class TrialOut(BaseModel):
+    number: int
+    state: Literal["running", "ok", "oom", "failed", "timeout", "pruned", "interrupted"]
+    label: str
+    config: dict[str, Any]
+    predicted_step_time: float | None
+    analytic_step_time: float | None
+    predicted_peak_bytes: int | None
+    measured_step_time: float | None
+    tokens_per_s: float | None
+    peak_memory_bytes: int | None
+    #: (measured - predicted) / predicted
+    prediction_error: float | None
+    error: str | None
+    attempt: int
+    runs: int
+    started_at: datetime
+    ended_at: datetime | None
+    duration_s: float | None
+
+
+class TrialDetail(TrialOut):
+    #: every step as it streamed in: [{step, time, warmup}]
+    steps: list[dict[str, Any]]
+    #: the tuner's TrialRecord dict of the last attempt (measurement with every step time,
+    #: losses, peak memory, the estimates it was proposed with)
+    record: dict[str, Any] | None
+    #: every attempt's TrialRecord dict (more than one when a failed attempt was retried)
+    attempts: list[dict[str, Any]]
+
+
+class TrialList(BaseModel):
+    items: list[TrialOut]
+
+
+class BestOut(BaseModel):
+    job_id: str
+    trial: TrialOut
+    config: dict[str, Any]
+    ds_config: dict[str, Any]
+    launch_command: str
+    hostfile: str
+    rank_map: list[dict[str, Any]]
+    #: download links, by file name
+    files: dict[str, str]
+
+
+# ---- planning -------------------------------------------------------------------------
+
+class PlanIn(Strict):
+    model: ModelIn
+    training: TrainingIn
+    cluster: Annotated[str, Field(pattern=NAME_PATTERN, max_length=100)] | dict[str, Any] = Field(
+        description="a cluster file as an object (see README, Cluster file), or a registered cluster's "
+                    "id or name (its latest profile)")
+    margin: float | None = Field(None, ge=0, lt=1)
+    top: int = Field(20, ge=1, le=1000, description="how many ranked candidates to return")
+
+
+class PlanOut(BaseModel):
+    """``pipette plan --json``'s object: ranked candidates, drop counts and the out-of-memory list."""
+
+    model_config = ConfigDict(extra="allow")
+    model: dict[str, Any]
+    training: dict[str, Any]
+    cluster: dict[str, Any]
+    enumerated: int
+    feasible: int
+    dropped: dict[str, Any]
+    ranked: list[dict[str, Any]]
+    out_of_memory: list[dict[str, Any]]
+    planning_seconds: float
+
+
+# ---- operations -----------------------------------------------------------------------
+
+class Health(BaseModel):
+    status: Literal["ok"]
+
+
+class Readiness(BaseModel):
+    status: Literal["ready", "not ready"]
+    checks: dict[str, dict[str, Any]]

@@ -1,0 +1,131 @@
+"""The service's settings, read once from the environment.
+
+Embedded default: a SQLite file under ``PIPETTE_HOME`` (``~/.pipette``) and a local Ray; on a
+cluster, PostgreSQL through ``PIPETTE_DATABASE_URL`` and the Ray cluster at ``RAY_ADDRESS``.
+A bad value is a ``SpecError`` naming the variable, so the service refuses to start with one
+line instead of a traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipette.errors import SpecError
+
+MiB = 1024**2
+
+
+@dataclass(frozen=True)
+class Settings:
+    database_url: str
+    home: Path
+    #: the Ray cluster this process drives trials on; None: a local Ray on this host
+    ray_address: str | None = None
+    #: run the scheduler thread inside the API process (else run ``python -m service.worker``)
+    scheduler: bool = True
+    #: largest request body accepted, in bytes (413 above it)
+    max_body_bytes: int = 1 * MiB
+    #: a lease not renewed for this long is free again (its holder is presumed dead)
+    lease_ttl_s: float = 30.0
+    #: how often an idle scheduler looks for work
+    poll_s: float = 1.0
+    #: the wall-clock limit of one trial
+    trial_timeout_s: float = 300.0
+    #: how long a job waits for lost Ray nodes to come back before it fails
+    node_wait_s: float = 1800.0
+    #: a verified token is trusted this long without a query (a revocation takes this long)
+    token_cache_s: float = 5.0
+    #: this host's name, used for the lease of the embedded ("local") cluster
+    hostname: str = socket.gethostname()
+
+    @property
+    def resource_key(self) -> str:
+        """The devices this process can drive: a lease is held on this key, not on a cluster
+        row, so two registered clusters on the same devices never run trials at once."""
+        return resource_key("ray" if self.ray_address else "local", self.ray_address or self.hostname)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
+        env = os.environ if env is None else env
+        home = Path(env.get("PIPETTE_HOME") or Path.home() / ".pipette").expanduser()
+        url = env.get("PIPETTE_DATABASE_URL") or f"sqlite:///{home / 'pipette.db'}"
+        return cls(
+            database_url=normalize_url(url),
+            home=home,
+            ray_address=env.get("RAY_ADDRESS") or None,
+            scheduler=_flag(env, "PIPETTE_SCHEDULER", True),
+            max_body_bytes=int(_number(env, "PIPETTE_MAX_BODY_BYTES", 1 * MiB, minimum=1024)),
+            lease_ttl_s=_number(env, "PIPETTE_LEASE_TTL_S", 30.0, minimum=1.0),
+            poll_s=_number(env, "PIPETTE_POLL_S", 1.0, minimum=0.05),
+            trial_timeout_s=_number(env, "PIPETTE_TRIAL_TIMEOUT_S", 300.0, minimum=1.0),
+            node_wait_s=_number(env, "PIPETTE_NODE_WAIT_S", 1800.0, minimum=0.0),
+            token_cache_s=_number(env, "PIPETTE_TOKEN_CACHE_S", 5.0, minimum=0.0),
+        )
+
+
+def resource_key(kind: str, address: str) -> str:
+    """The key of the devices behind a cluster address. A Ray cluster is named by its head's
+    host, resolved to an address: the scheduler reaches it through Ray Client
+    (``ray://head:10001``) while users register it by its GCS address (``head:6380``) or by IP,
+    and all of them must meet on one lease."""
+    if kind != "ray":
+        return f"{kind}:{address}"
+    return f"ray:{ray_head_host(address)}"
+
+
+def ray_head_host(address: str) -> str:
+    """``ray://head:10001``, ``head:6380``, ``head`` -> the head's IP address (or its name when
+    it does not resolve here)."""
+    from urllib.parse import urlsplit
+
+    try:
+        host = urlsplit(address if "://" in address else f"ray://{address}").hostname or address
+    except ValueError as e:  # e.g. "0[": an unclosed IPv6 bracket
+        raise SpecError(f"{address!r} is not a Ray address ({e})", field="address",
+                        fix="give HOST:PORT or ray://HOST:PORT, e.g. 10.0.0.1:6380") from None
+    try:
+        return socket.gethostbyname(host)
+    except (OSError, UnicodeError):
+        return host
+
+
+def normalize_url(url: str) -> str:
+    """``postgresql://`` means psycopg 3 here (SQLAlchemy's default driver, psycopg2, is not
+    installed); ``postgres://`` (Heroku style) is accepted too."""
+    for prefix in ("postgresql://", "postgres://"):
+        if url.startswith(prefix):
+            return "postgresql+psycopg://" + url[len(prefix):]
+    if not url.startswith(("sqlite://", "postgresql+")):
+        raise SpecError(
+            f"unsupported database URL scheme in {url.split(':', 1)[0]!r}", field="PIPETTE_DATABASE_URL",
+            fix="use sqlite:///path/to/pipette.db or postgresql+psycopg://user@host/db",
+        )
+    return url
+
+
+def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    if raw.lower() in ("1", "true", "yes", "on"):
+        return True
+    if raw.lower() in ("0", "false", "no", "off"):
+        return False
+    raise SpecError(f"is {raw!r}", field=name, fix="use 1 or 0")
+
+
+def _number(env: Mapping[str, str], name: str, default: float, minimum: float) -> float:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise SpecError(f"is {raw!r}, not a number", field=name, fix=f"give a number of at least {minimum:g}") from None
+    if not value >= minimum:
+        raise SpecError(f"is {raw}", field=name, fix=f"give a number of at least {minimum:g}")
+    return value

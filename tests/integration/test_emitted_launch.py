@@ -1,0 +1,77 @@
+"""The launch files Pipette emits run the same job as the trial: ``launch.sh`` run for real
+with the ``deepspeed`` launcher on this machine (one node, 2 CPU devices, gloo)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipette.clusterfile import load_cluster
+from pipette.config import ParallelConfig
+from pipette.emit import write_launch_files
+from pipette.model import ModelSpec
+from pipette.training import TrainingSpec
+from workers.executor import run_trial
+from workers.spec import TrialSpec
+from workers.trial import EVENT_PREFIX
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+def test_emitted_launch_runs_the_trials_job(tmp_path: Path) -> None:
+    cluster = load_cluster(ROOT / "examples" / "clusters" / "cpu-4.yaml")
+    # tp=2 on devices 3 and 2: the launcher numbers the processes by device (2, 3), so the
+    # rank map must swap them for rank 0 to run on device 3.
+    config = ParallelConfig(tp=2, pp=1, dp=1, mbs=2, global_batch=4, placement=(3, 2))
+    spec = TrialSpec(ModelSpec.preset("tiny-llama"), TrainingSpec(global_batch=4, seq_len=32, dtype="fp32"), config,
+                     warmup_steps=2, min_steps=3, max_steps=3)
+    options = {k: v for k, v in spec.runner_options().items() if k != "device_kind"}  # found at launch
+    files = write_launch_files(tmp_path, spec.model, spec.training, config, cluster, extra={"trial": options})
+    assert json.loads(files["ds_config.json"].read_text()) == spec.ds_config()
+    script = files["launch.sh"].read_text()
+    assert "--no_ssh" in script and "--include node0:3,2" in script
+    assert '--master_port "${MASTER_PORT:-29500}"' in script
+
+    with socket.socket() as sock:  # a free rendezvous port: not 29500, which another launch may hold
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(ROOT), "MASTER_PORT": str(port)}
+    env.pop("RANK", None)
+    launcher = subprocess.Popen([str(files["launch.sh"])], cwd="/", env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = launcher.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(launcher.pid, signal.SIGKILL)
+        out, err = launcher.communicate()
+        pytest.fail("the launch ran past 240 s:\n" + out[-3000:] + err[-3000:])
+    finally:  # the launcher and its ranks share its session: leave nothing running
+        try:
+            os.killpg(launcher.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert launcher.returncode == 0, out[-3000:] + err[-3000:]
+    events = [json.loads(line[len(EVENT_PREFIX):]) for line in out.splitlines() if line.startswith(EVENT_PREFIX)]
+
+    ranks = {int(e["launcher_rank"]): e for e in events if e["event"] == "rank"}
+    assert {k: (v["rank"], v["device_kind"]) for k, v in ranks.items()} == {0: (1, "cpu"), 1: (0, "cpu")}
+    assert {v["master_port"] for v in ranks.values()} == {str(port)}  # MASTER_PORT reached the launcher
+    finished = {int(e["rank"]): e for e in events if e["event"] == "done"}
+    assert set(finished) == {0, 1}
+    assert finished[0]["backend"] == "deepspeed+engine+zero0+autotp"
+    assert len(finished[0]["step_times"]) == 3 and len(finished[0]["losses"]) == 5
+
+    # The trial runner on Ray, with the same candidate, computes the same losses.
+    trial = run_trial(spec, timeout_s=240)
+    assert trial.status == "ok", trial.error
+    assert finished[0]["losses"] == pytest.approx(list(trial.losses), rel=1e-5)
+    assert finished[1]["losses"] == pytest.approx(list(trial.losses), rel=1e-5)

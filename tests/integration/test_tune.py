@@ -1,0 +1,112 @@
+"""``pipette tune`` for real: the CLI on a real Ray, real DeepSpeed trials of tiny-llama with
+LoRA on CPU devices (gloo), a small budget so CI can afford it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+
+TAG = f"test-tune-{uuid.uuid4().hex[:8]}"
+
+
+def _env() -> dict[str, str]:
+    import ray
+
+    # Join the session's Ray instead of starting a second one on this small machine.
+    return {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address, "PYTHONUNBUFFERED": "1",
+            "PIPETTE_RANK_TAG": TAG}
+
+
+def _tune(tmp: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "pipette.cli", "tune", "--devices", "2", "--steps", "3",
+            "--home", str(tmp / "home"), "--out", str(tmp / "best"), *extra]
+
+
+def _no_rank_left() -> bool:
+    """No process carries this test's rank tag (the CLI hands it to every rank it starts)."""
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if f"PIPETTE_RANK_TAG={TAG}".encode() in environ.read_bytes():
+                return False
+        except OSError:
+            continue  # gone, or not ours to read
+    return True
+
+
+def test_tune_runs_real_trials_and_writes_the_best(tmp_path: Path) -> None:
+    done = subprocess.run(_tune(tmp_path, "--max-trials", "2", "--json"), capture_output=True, text=True,
+                          env=_env(), timeout=850)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout)
+    assert result["trials_run"] == 2
+    best = result["best"]
+    assert best["measurement"]["status"] == "ok"
+    assert len(best["measurement"]["step_times"]) >= 3
+    side = best["side_by_side"]["step_time_s"]
+    assert side["measured"] > 0 and side["analytic"] > 0 and side["learned"] > 0
+    losses = best["measurement"]["losses"]
+    assert losses[-1] < losses[0]  # it trained
+    for name in ("ds_config.json", "hostfile", "rank_map.json", "launch.sh", "candidate.json"):
+        assert (tmp_path / "best" / name).exists()
+    ds = json.loads((tmp_path / "best" / "ds_config.json").read_text())
+    assert ds["train_batch_size"] == 16
+    # progress went to stderr: the plan, one line per trial, and why it stopped
+    assert "runnable by the backend" in done.stderr
+    assert best["label"] in done.stderr and "stopped after" in done.stderr
+    # what it measured is kept for the next job on this cluster
+    store = list((tmp_path / "home" / "trials").glob("*.jsonl"))
+    assert len(store) == 1 and len(store[0].read_text().splitlines()) == len(result["trials"])
+    assert list((tmp_path / "home" / "profiles").glob("*.json"))
+    assert _no_rank_left()
+
+
+def test_ctrl_c_stops_the_running_trial_and_keeps_what_was_measured(tmp_path: Path) -> None:
+    proc = subprocess.Popen(_tune(tmp_path, "--max-trials", "8", "--stop-probability", "0"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+    assert proc.stderr is not None
+    lines: list[str] = []
+    deadline = time.monotonic() + 600
+    # wait for the first trial to end, then for the second to start running, then Ctrl-C
+    while time.monotonic() < deadline:
+        line = proc.stderr.readline()
+        if not line:
+            break
+        lines.append(line)
+        if line.strip().startswith("#0"):
+            time.sleep(8)
+            proc.send_signal(signal.SIGINT)
+            break
+    _, err = proc.communicate(timeout=120)
+    text = "".join(lines) + err
+    assert proc.returncode == 130, text[-3000:]
+    assert "interrupted" in text
+    store = list((tmp_path / "home" / "trials").glob("*.jsonl"))
+    kept = [json.loads(x) for x in store[0].read_text().splitlines()]
+    assert kept and kept[0]["number"] == 0
+    time.sleep(2)
+    assert _no_rank_left()
+
+
+def test_a_model_that_fits_nowhere_ends_at_planning(tmp_path: Path) -> None:
+    start = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "pipette.cli", "tune", "--model", "llama2-70b", "--method", "full",
+         "--cluster", "examples/clusters/cpu-4.yaml", "--home", str(tmp_path)],
+        capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[2],
+    )
+    assert done.returncode == 1
+    assert "nothing fits" in done.stderr and "short by" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert not (tmp_path / "trials").exists()
+    assert time.monotonic() - start < 60

@@ -1,0 +1,58 @@
+"""The admin command: tokens are created (printed once, stored hashed), listed without their
+secrets and revoked; errors are one line naming the field and the fix, exit code 1."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from sqlalchemy import create_engine, text
+
+from service.migrations import upgrade
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def admin(*args: str, url: str, home: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PIPETTE_DATABASE_URL": url, "PIPETTE_HOME": str(home), "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "service.admin", *args], env=env, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_token_lifecycle(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'admin.db'}"
+    upgrade(url)
+    created = admin("token", "create", "--tenant", "acme", "--name", "ci", "--json", url=url, home=tmp_path)
+    assert created.returncode == 0, created.stderr
+    token = json.loads(created.stdout)
+    assert token["tenant"] == "acme" and token["token"].startswith("pip_") and len(token["token"]) > 40
+    engine = create_engine(url)
+    with engine.connect() as conn:
+        stored = conn.execute(text("SELECT token_hash, prefix FROM tokens")).one()
+    engine.dispose()
+    assert stored.token_hash == hashlib.sha256(token["token"].encode()).hexdigest()
+    listed = admin("token", "list", url=url, home=tmp_path)
+    assert listed.returncode == 0 and "acme" in listed.stdout and token["token"] not in listed.stdout
+    assert admin("token", "revoke", str(token["id"]), url=url, home=tmp_path).returncode == 0
+    assert "revoked" in admin("token", "list", "--tenant", "acme", url=url, home=tmp_path).stdout
+    again = admin("token", "revoke", str(token["id"]), url=url, home=tmp_path)
+    assert again.returncode == 1 and again.stderr.startswith("pipette-admin: error: id: no active token")
+
+
+def test_errors_are_one_line(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'empty.db'}"
+    bad_tenant = admin("token", "create", "--tenant", "a b;rm", url=url, home=tmp_path)
+    assert bad_tenant.returncode == 1
+    unmigrated = admin("token", "create", "--tenant", "acme", url=url, home=tmp_path)
+    assert unmigrated.returncode == 1
+    assert "pipette-admin migrate" in unmigrated.stderr and len(unmigrated.stderr.strip().splitlines()) == 1
+    upgrade(url)
+    bad_tenant = admin("token", "create", "--tenant", "a b;rm", url=url, home=tmp_path)
+    assert bad_tenant.returncode == 1 and "tenant" in bad_tenant.stderr and "Traceback" not in bad_tenant.stderr
+    bad_url = admin("migrate", url="mysql://x/y", home=tmp_path)
+    assert bad_url.returncode == 1 and "PIPETTE_DATABASE_URL" in bad_url.stderr
+    assert admin("frobnicate", url=url, home=tmp_path).returncode == 2

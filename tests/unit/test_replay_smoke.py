@@ -1,0 +1,132 @@
+"""The replay benchmark (tests/benchmarks/replay.py) on one small group with one seed, so
+the harness cannot rot: every method runs, the figures agree with the trials, the tuner
+only tries measured candidates, and bad flags are refused with the flag named.
+
+Needs the calibration data (``../shared/data/calibration`` or ``$PIPETTE_CALIBRATION_DIR``);
+skipped without it, as the benchmarks are.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from tests.benchmarks import replay  # noqa: E402
+from tests.benchmarks.calibration import calibration_dir  # noqa: E402
+
+pytestmark = [
+    pytest.mark.timeout(120),
+    pytest.mark.skipif(calibration_dir() is None, reason="no calibration data (PIPETTE_CALIBRATION_DIR)"),
+]
+
+#: Llama 3.1-8B shape on one node of 8 H100: 60 measured rows, 47 of them failed.
+GROUP = "8B/1"
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("replay") / "replay.json"
+    rc = replay.main(["--source", "ultrascale", "--group", GROUP, "--seeds", "1", "--budget", "12",
+                      "--out", str(out), "--quiet"])
+    assert rc == 0
+    data: dict[str, Any] = json.loads(out.read_text())
+    return data
+
+
+@pytest.fixture(scope="module")
+def group() -> replay.Group:
+    directory = calibration_dir()
+    assert directory is not None
+    return replay.load_groups(directory, ["ultrascale"], GROUP)[0]
+
+
+def test_every_method_ran_within_its_budget(result: dict[str, Any]) -> None:
+    runs = result["runs"]
+    assert sorted(r["method"] for r in runs) == sorted(replay.METHODS)
+    for r in runs:
+        assert 1 <= r["attempts"] <= 12
+        assert len(r["trials"]) == r["attempts"]
+    table = result["tables"]["ultrascale"]
+    assert set(table) == set(replay.METHODS)
+    assert any(line.startswith(("MET", "MISSED")) for line in result["targets"])
+
+
+def test_figures_agree_with_the_trials(result: dict[str, Any], group: replay.Group) -> None:
+    by_label = {c.label: group.truths[k] for k, c in group.configs.items()}
+    for r in result["runs"]:
+        statuses = [s for _, s in r["trials"]]
+        assert r["failed"] == sum(s in ("oom", "failed") for s in statuses)
+        assert r["oom"] == statuses.count("oom")
+        for label, status in r["trials"]:
+            truth = by_label[label]  # only measured configurations are ever tried
+            assert status in (truth.status, "pruned")
+        regrets = [r["regret"][str(k)] for k in replay.REGRET_AT]
+        assert regrets == sorted(regrets, reverse=True)  # more trials never lose what was found
+        ok_times = [by_label[lab].step_time for lab, s in r["trials"] if s == "ok"]
+        if r["found_at"] is not None:
+            label, status = r["trials"][r["found_at"] - 1]
+            found = by_label[label].step_time
+            assert status == "ok" and found is not None and found <= group.best * 1.02
+        else:
+            assert not any(t is not None and t <= group.best * 1.02 for t in ok_times)
+
+
+def test_baselines_follow_their_orders(result: dict[str, Any], group: replay.Group) -> None:
+    runs = {r["method"]: r for r in result["runs"]}
+    # the analytic order is the plan's rank order over the measured candidates
+    measured_in_plan = [p.config.label for p in group.plan.ranked if replay.key_of(p.config) in group.truths]
+    assert [lab for lab, _ in runs["analytic"]["trials"]] == measured_in_plan[:12]
+    # the grid goes ZeRO stage upward
+    zeros = [group.configs[_key(group, lab)].zero_stage for lab, _ in runs["grid"]["trials"]]
+    assert zeros == sorted(zeros)
+    for method in ("random", "tpe", "grid", "analytic"):
+        labels = [lab for lab, _ in runs[method]["trials"]]
+        assert len(labels) == len(set(labels)), method  # no configuration twice
+
+
+def test_the_tuner_starts_from_the_analytic_top_one(result: dict[str, Any]) -> None:
+    runs = {r["method"]: r for r in result["runs"]}
+    assert runs["tuner"]["trials"][0][0] == runs["analytic"]["trials"][0][0]
+    # a failed (not out-of-memory) trial is retried once; nothing else twice
+    labels = [lab for lab, _ in runs["tuner"]["trials"]]
+    for lab in set(labels):
+        statuses = [s for la, s in runs["tuner"]["trials"] if la == lab]
+        assert len(statuses) == 1 or statuses == ["failed", "failed"], (lab, statuses)
+
+
+def test_the_replayed_trial_is_the_measured_one(group: replay.Group) -> None:
+    ok = next(k for k, t in group.truths.items() if t.status == "ok")
+    trace = replay.Trace("check")
+    m = replay.ReplayRunner(group, 0, trace).replay(ok)
+    truth = group.truths[ok]
+    assert m.status == "ok" and len(m.step_times) == replay.STEPS
+    assert m.step_time is not None and truth.step_time is not None
+    assert math.isclose(m.step_time, truth.step_time, rel_tol=4 * replay.NOISE_SD)
+    again = replay.ReplayRunner(group, 0, replay.Trace("again")).replay(ok)
+    assert again.step_times == m.step_times  # deterministic per seed
+    bad = next(k for k, t in group.truths.items() if t.status != "ok")
+    assert replay.ReplayRunner(group, 0, trace).replay(bad).status == group.truths[bad].status
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [(["--methods", "tuner,bogus"], "--methods"), (["--seeds", "0"], "--seeds"),
+     (["--group", "9B/1"], "--group"), (["--out", "/nonexistent/dir/x.json"], "--out")],
+)
+def test_bad_flags_name_the_flag(argv: list[str], flag: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert replay.main(["--source", "ultrascale", *argv, "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert flag in err
+
+
+def _key(group: replay.Group, label: str) -> tuple[Any, ...]:
+    return next(k for k, c in group.configs.items() if c.label == label)

@@ -1,0 +1,132 @@
+"""The tuner's ``TrialRunner`` on Ray: a candidate in, a ``Measurement`` out.
+
+Bridges ``pipette.tuner`` (pure: it only knows the ``TrialRunner`` protocol) and the Ray
+executor: builds the ``TrialSpec`` of a candidate (memory cap = the device's usable memory
+on CPU, so an over-large candidate ends as ``oom`` rather than swapping the machine),
+relays every measured step to the tuner (which may prune), and says which candidates the
+backends cannot run so the tuner never proposes them.
+
+Lost nodes: before every trial the runner checks that Ray has a live node for each node of the
+cluster. When one is missing (a host died, possibly in the previous trial, which then ended
+``failed`` naming it) it waits for it to come back, telling ``on_wait`` every few seconds, up to
+``node_wait_s``; then it raises, and the job fails with every trial kept. A node a trial lost
+counts as missing until Ray replaces it (a new node id at its address) or ``suspect_s`` passes,
+so the rerun does not start on a node Ray has not yet noticed is dead.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pipette.cluster import ClusterProfile
+from pipette.config import ParallelConfig
+from pipette.errors import PipetteError
+from pipette.measurement import Measurement
+from pipette.model import ModelSpec
+from pipette.training import TrainingSpec
+from pipette.tuner import OnStep, StepProgress
+from workers.spec import TrialSpec
+from workers.support import refusals
+
+
+@dataclass
+class RayTrialRunner:
+    model: ModelSpec
+    training: TrainingSpec
+    cluster: ClusterProfile
+    device_kind: str = "cpu"
+    timeout_s: float = 300.0
+    warmup_steps: int = 2
+    min_steps: int = 3
+    max_steps: int = 10
+    rel_ci: float = 0.05
+    seed: int = 0
+    data: str | None = None
+    checkpoint: str | None = None
+    #: extra environment for every rank (e.g. NCCL settings)
+    env: dict[str, str] = field(default_factory=dict)
+    #: how long to wait for lost nodes to come back before a trial (seconds)
+    node_wait_s: float = 1800.0
+    #: told what is missing while waiting (``None`` once they are back); returning True stops
+    #: the wait and the trial ends ``pruned`` ("cancelled"), as a cancelled trial does
+    on_wait: Callable[[list[str] | None], bool | None] | None = None
+    #: how often the wait asks Ray for its nodes (seconds)
+    node_poll_s: float = 2.0
+    #: after a trial lost a node, its Ray node counts as dead this long even while Ray still
+    #: lists it alive (Ray notices a killed node only after a while: in a shaped-cluster run a
+    #: trial started after the loss still found it listed); a blip that outlives this is over
+    suspect_s: float = 90.0
+    _suspects: dict[str, float] = field(default_factory=dict, repr=False)
+
+    def trial(self, config: ParallelConfig) -> TrialSpec:
+        cap = self.cluster.min_usable_memory if self.device_kind == "cpu" else None
+        peak = self.cluster.device_spec.peak_flops.get(self.training.dtype)
+        return TrialSpec(
+            self.model, self.training, config, warmup_steps=self.warmup_steps, min_steps=self.min_steps,
+            max_steps=self.max_steps, rel_ci=self.rel_ci, memory_cap_bytes=cap, device_kind=self.device_kind,
+            peak_flops=peak, seed=self.seed, data=self.data, checkpoint=self.checkpoint,
+        )
+
+    def refusals(self, config: ParallelConfig) -> list[str]:
+        """Why the backends cannot run ``config`` (empty when they can); starts nothing."""
+        return refusals(self.trial(config))
+
+    def __call__(self, config: ParallelConfig, on_step: OnStep) -> Measurement:
+        from workers.executor import StepReport, run_trial
+
+        spec = self.trial(config)
+        if not self.wait_for_nodes():
+            return Measurement("pruned", tokens_per_step=spec.tokens_per_step,
+                               error="cancelled while waiting for lost nodes")
+
+        def relay(report: StepReport) -> bool:
+            return bool(on_step(StepProgress(report.step, report.time, report.warmup, report.loss)))
+
+        m = run_trial(spec, self.cluster, timeout_s=self.timeout_s, on_step=relay, env=self.env)
+        lost = set(m.extra.get("lost_nodes") or ())
+        if m.status == "failed" and lost:
+            from workers.ray_cluster import alive_nodes
+
+            now = time.monotonic()
+            self._suspects |= {n["NodeID"]: now for n in alive_nodes() if n["NodeManagerAddress"] in lost}
+        return m
+
+    def wait_for_nodes(self) -> bool:
+        """Return once every node of the cluster has a live Ray node (True), or when ``on_wait``
+        says stop (False); raise after ``node_wait_s``."""
+        from workers.ray_cluster import ensure_ray, missing_nodes
+
+        ensure_ray()
+        started = time.monotonic()
+
+        def missing_now() -> list[str]:
+            now = time.monotonic()
+            self._suspects = {k: t for k, t in self._suspects.items() if now - t < self.suspect_s}
+            return missing_nodes(self.cluster, frozenset(self._suspects))
+
+        missing = missing_now()
+        if not missing:
+            return True
+        while missing:
+            waited = time.monotonic() - started
+            if self.on_wait is not None and self.on_wait(missing):
+                return False
+            if waited > self.node_wait_s:
+                raise PipetteError(
+                    f"Ray has had no live node for {', '.join(missing)} for {waited:.0f} s",
+                    field="cluster.nodes",
+                    fix="restart Ray on the lost hosts (ray start --address=HEAD:PORT), then run the job again: "
+                        "the trials measured so far are kept and inform it",
+                )
+            time.sleep(self.node_poll_s)
+            missing = missing_now()
+        if self.on_wait is not None:
+            self.on_wait(None)
+        return True
+
+    def describe(self) -> dict[str, Any]:
+        return {"device_kind": self.device_kind, "timeout_s": self.timeout_s, "warmup_steps": self.warmup_steps,
+                "min_steps": self.min_steps, "max_steps": self.max_steps, "rel_ci": self.rel_ci}

@@ -1,0 +1,316 @@
+"""A fork server for CPU ranks: import torch, DeepSpeed and transformers once per node, then
+fork every rank of every trial from that warm process.
+
+Why: on the 2-core development machine a rank spends ~8 CPU-seconds importing its stack
+before it runs one step (measured: ``python -c "import torch, deepspeed, transformers,
+peft"``, 7.7 s user), so a 4-rank trial paid ~15-30 s of wall time in imports alone. A
+forked child is still a fresh process per rank and per trial (its own memory, its own
+crash), which is what the executor promises; it just starts warm.
+
+Only CPU ranks use it: a GPU rank must not inherit a process that touched CUDA, and GPU
+machines have the cores to import in parallel anyway.
+
+Protocol (one Unix stream socket per node and per code version, under the temp folder):
+the client sends one JSON line ``{"module", "argv", "env", "cwd", "log", "owner"}``; the
+server forks, answers ``{"pid": N}``, and later ``{"exit": code}`` (negative: killed by that
+signal) when the child ends. The child runs ``python -m module argv...`` semantics with the
+given environment, in its own session (so a kill of its process group ends it and its
+children), output to ``log``, and ends itself if ``owner`` (the rank's actor) dies. The
+server exits after ``IDLE_S`` without requests or children.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+#: What the warm process imports (the rank's whole stack; CUDA is never touched).
+PRELOAD = ("torch", "torch.distributed", "deepspeed", "transformers", "peft", "scipy.stats", "workers.trial")
+#: The environment the preloaded modules read at import time, fixed for every CPU rank.
+IMPORT_ENV = {"DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "MALLOC_ARENA_MAX": "2"}
+IDLE_S = 900.0
+
+
+def socket_path(extra_env: dict[str, str]) -> str:
+    """One server per interpreter, code version and import environment."""
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256(sys.executable.encode())
+    for package in ("workers", "pipette"):
+        for f in sorted((root / package).rglob("*.py")):
+            h.update(f"{f}:{f.stat().st_mtime_ns}".encode())
+    h.update(json.dumps(sorted({**IMPORT_ENV, **extra_env}.items())).encode())
+    return str(Path(tempfile.gettempdir()) / f"pipette-zygote-{os.getuid()}-{h.hexdigest()[:12]}.sock")
+
+
+# ---- client (the rank's actor) ------------------------------------------------------------
+
+class ZygoteChild:
+    """A rank forked by the node's zygote: its pid, output lines and exit status."""
+
+    def __init__(self, module: str, argv: list[str], env: dict[str, str], cwd: str, extra_env: dict[str, str]):
+        path = socket_path(extra_env)
+        self.log = str(Path(cwd) / "rank.log")
+        Path(self.log).touch()
+        self.sock = _connect(path, extra_env)
+        self.sock.settimeout(60.0)
+        request = {"module": module, "argv": argv, "env": env, "cwd": cwd, "log": self.log, "owner": os.getpid()}
+        self.sock.sendall((json.dumps(request) + "\n").encode())
+        self._file = self.sock.makefile("r")
+        answer = json.loads(self._file.readline() or "{}")
+        if "pid" not in answer:
+            raise RuntimeError(f"the zygote at {path} did not start the rank: {answer}")
+        self.pid = int(answer["pid"])
+        self.sock.settimeout(None)  # the exit status comes when the rank ends, however long
+        self.returncode: int | None = None
+        threading.Thread(target=self._wait, daemon=True).start()
+
+    def _wait(self) -> None:
+        line = self._file.readline()
+        try:
+            self.returncode = int(json.loads(line)["exit"]) if line else -int(signal.SIGKILL)
+        except (ValueError, KeyError):
+            self.returncode = -int(signal.SIGKILL)
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def lines(self) -> Iterator[str]:
+        """Yield the child's output lines as they are written, until it has ended."""
+        with open(self.log) as f:
+            buf = ""
+            while True:
+                chunk = f.readline()
+                if chunk:
+                    buf += chunk
+                    if buf.endswith("\n"):
+                        yield buf
+                        buf = ""
+                    continue
+                if self.returncode is not None:
+                    rest = f.read()
+                    yield from (buf + rest).splitlines(keepends=True)
+                    return
+                time.sleep(0.05)
+
+    def kill(self) -> None:
+        if self.returncode is None:
+            try:
+                os.killpg(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + 10
+        while self.returncode is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+
+def ensure_zygote(extra_env: dict[str, str]) -> None:
+    """Start this node's zygote for ``extra_env`` unless it is up."""
+    path = socket_path(extra_env)
+    if not _alive(path):
+        _ensure_server(path, extra_env)
+
+
+def _connect(path: str, extra_env: dict[str, str]) -> socket.socket:
+    try:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(path)
+        return s
+    except (FileNotFoundError, ConnectionRefusedError):
+        s.close()
+    _ensure_server(path, extra_env)
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(path)
+    return s
+
+
+def _ensure_server(path: str, extra_env: dict[str, str]) -> None:
+    """Have the node's long-lived host actor start the zygote. Not this process: Ray kills
+    every descendant of a worker when it exits, and a rank's actor lives for one trial."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    node = ray.get_runtime_context().get_node_id()
+    host = ZygoteHost.options(  # type: ignore[attr-defined]
+        name=f"pipette-zygote-{node}", namespace="pipette", lifetime="detached", get_if_exists=True,
+        num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+    ).remote()
+    ray.get(host.ensure.remote(path, extra_env), timeout=330)
+
+
+def _ray_actor(cls: Any) -> Any:
+    import ray
+
+    return ray.remote(num_cpus=0, max_restarts=-1)(cls)
+
+
+@_ray_actor
+class ZygoteHost:
+    """One per node, detached: the parent of the node's zygote servers."""
+
+    def ensure(self, path: str, extra_env: dict[str, str]) -> None:
+        _start_server(path, extra_env)
+
+
+def _start_server(path: str, extra_env: dict[str, str]) -> None:
+    """Start the node's zygote (once: a lock file serialises racing ranks) and wait for it."""
+    import fcntl
+
+    with open(path + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if _alive(path):
+            return
+        _kill_stale(path)
+        env = {**os.environ, **IMPORT_ENV, **extra_env, "PYTHONUNBUFFERED": "1"}
+        subprocess.Popen([sys.executable, "-m", "workers.zygote", path], env=env, start_new_session=True,
+                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=open(path + ".err", "a"),
+                         cwd=str(Path(__file__).resolve().parents[1]))
+        deadline = time.monotonic() + 300
+        while not _alive(path):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the zygote did not start in 300 s: {Path(path + '.err').read_text()[-2000:]}")
+            time.sleep(0.1)
+
+
+def _kill_stale(path: str) -> None:
+    """Remove a server that does not answer (its pid is in ``path.pid``)."""
+    try:
+        os.kill(int(Path(path + ".pid").read_text()), signal.SIGKILL)
+    except (OSError, ValueError):
+        pass
+    for leftover in (path, path + ".pid"):
+        if os.path.exists(leftover):
+            os.unlink(leftover)
+
+
+def _alive(path: str) -> bool:
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(5.0)  # a stopped or wedged server must not hang the rank
+            s.connect(path)
+            s.sendall(b'{"ping": true}\n')
+            return s.makefile("r").readline().strip() == '{"pong": true}'
+    except OSError:
+        return False
+
+
+# ---- server ---------------------------------------------------------------------------
+
+def serve(path: str) -> None:
+    for name in PRELOAD:
+        importlib.import_module(name)
+    tmp = f"{path}.{os.getpid()}"
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(tmp)
+    server.listen(64)
+    Path(path + ".pid").write_text(str(os.getpid()))
+    os.rename(tmp, path)  # atomic: a client sees a bound, listening socket or none
+    children: dict[int, socket.socket] = {}
+    last = time.monotonic()
+    while True:
+        ready, _, _ = select.select([server], [], [], 0.05)
+        if ready:
+            conn, _ = server.accept()
+            last = time.monotonic()
+            try:
+                request = json.loads(conn.makefile("r").readline() or "{}")
+                if request.get("ping"):
+                    conn.sendall(b'{"pong": true}\n')
+                    conn.close()
+                    continue
+            except (OSError, ValueError) as e:
+                print(f"zygote: bad request: {e!r}", file=sys.stderr, flush=True)
+                conn.close()
+                continue
+            pid = os.fork()
+            if pid == 0:
+                server.close()
+                for c in children.values():
+                    c.close()
+                _child(request, conn)
+            children[pid] = conn
+            try:
+                conn.sendall((json.dumps({"pid": pid}) + "\n").encode())
+            except OSError:
+                os.kill(pid, signal.SIGKILL)  # its actor is gone already
+        for pid in list(children):
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                conn = children.pop(pid)
+                try:
+                    conn.sendall((json.dumps({"exit": os.waitstatus_to_exitcode(status)}) + "\n").encode())
+                except OSError:
+                    pass  # the actor is gone
+                conn.close()
+        if not children and time.monotonic() - last > IDLE_S:
+            os.unlink(path)
+            return
+
+
+def _child(request: dict[str, Any], conn: socket.socket) -> None:
+    """In the forked child: become ``python -m module argv`` and never return."""
+    code = 1
+    try:
+        conn.close()
+        os.setsid()
+        fd = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+        sys.stdout = os.fdopen(1, "w", buffering=1)
+        sys.stderr = os.fdopen(2, "w", buffering=1)
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        owner = int(request["owner"])
+        threading.Thread(target=_end_with, args=(owner,), daemon=True).start()
+        import runpy
+
+        import torch
+
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+        sys.argv = [request["module"], *request["argv"]]
+        try:
+            runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+def _end_with(owner: int) -> None:
+    """End this rank when the actor that asked for it is gone (like PR_SET_PDEATHSIG)."""
+    while True:
+        try:
+            os.kill(owner, 0)
+        except ProcessLookupError:
+            os._exit(137)
+        except PermissionError:
+            pass
+        time.sleep(1.0)
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1])
