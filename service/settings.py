@@ -56,7 +56,7 @@ class Settings:
         return cls(
             database_url=normalize_url(url),
             home=home,
-            ray_address=env.get("RAY_ADDRESS") or None,
+            ray_address=_ray_address(env),
             scheduler=_flag(env, "PIPETTE_SCHEDULER", True),
             max_body_bytes=int(_number(env, "PIPETTE_MAX_BODY_BYTES", 1 * MiB, minimum=1024)),
             lease_ttl_s=_number(env, "PIPETTE_LEASE_TTL_S", 30.0, minimum=1.0),
@@ -80,17 +80,26 @@ def resource_key(kind: str, address: str) -> str:
 def ray_head_host(address: str) -> str:
     """``ray://head:10001``, ``head:6380``, ``head`` -> the head's IP address (or its name when
     it does not resolve here)."""
-    from urllib.parse import urlsplit
-
-    try:
-        host = urlsplit(address if "://" in address else f"ray://{address}").hostname or address
-    except ValueError as e:  # e.g. "0[": an unclosed IPv6 bracket
-        raise SpecError(f"{address!r} is not a Ray address ({e})", field="address",
-                        fix="give HOST:PORT or ray://HOST:PORT, e.g. 10.0.0.1:6380") from None
+    host = split_ray_address(address)[0] or address
     try:
         return socket.gethostbyname(host)
     except (OSError, UnicodeError):
         return host
+
+
+def split_ray_address(address: str) -> tuple[str | None, int | None]:
+    """``ray://head:10001``, ``head:6380`` or ``head`` -> (host, port or None).
+
+    Raises SpecError (field ``address``) for what is not an address, e.g. ``0[`` (an unclosed
+    IPv6 bracket) or ``head:abc`` (a port that is not a number)."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(address if "://" in address else f"ray://{address}")
+        return parts.hostname, parts.port
+    except ValueError as e:
+        raise SpecError(f"{address!r} is not a Ray address ({e})", field="address",
+                        fix="give HOST:PORT or ray://HOST:PORT, e.g. 10.0.0.1:6380") from None
 
 
 def normalize_url(url: str) -> str:
@@ -105,6 +114,16 @@ def normalize_url(url: str) -> str:
             fix="use sqlite:///path/to/pipette.db or postgresql+psycopg://user@host/db",
         )
     return url
+
+
+def _ray_address(env: Mapping[str, str]) -> str | None:
+    raw = env.get("RAY_ADDRESS") or None
+    if raw is not None:
+        try:
+            split_ray_address(raw)
+        except SpecError as e:
+            raise SpecError(e.message, field="RAY_ADDRESS", fix=e.fix) from None
+    return raw
 
 
 def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:

@@ -5,17 +5,17 @@ from __future__ import annotations
 
 import socket
 from typing import Any
-from urllib.parse import urlsplit
 
 from fastapi import APIRouter, Response
 from fastapi.responses import JSONResponse
 from sqlalchemy.exc import SQLAlchemyError
 
+from pipette.errors import SpecError
 from service.deps import Caller, State
 from service.migrations import current_revision, head_revision
 from service.routes import json_errors
 from service.schemas import Health, Readiness
-from service.settings import Settings
+from service.settings import Settings, split_ray_address
 
 router = APIRouter(tags=["operations"])
 
@@ -65,8 +65,10 @@ def _ray(settings: Settings) -> dict[str, Any]:
 
 
 def _reachable(address: str) -> dict[str, Any]:
-    parts = urlsplit(address if "://" in address else f"ray://{address}")
-    host, port = parts.hostname, parts.port
+    try:
+        host, port = split_ray_address(address)
+    except SpecError:
+        host = port = None
     if not host or not port:
         return {"ok": False, "connected": False, "address": address,
                 "error": "cannot check an address without host:port", "fix": "set RAY_ADDRESS to host:port"}

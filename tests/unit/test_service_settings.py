@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pipette.errors import SpecError
-from service.settings import Settings, resource_key
+from service.settings import Settings, resource_key, split_ray_address
 
 
 def test_every_spelling_of_a_ray_head_is_one_lease() -> None:
@@ -28,7 +28,8 @@ def test_an_unresolvable_head_keeps_its_name() -> None:
 
 @pytest.mark.parametrize(("name", "value"), [("PIPETTE_NODE_WAIT_S", "soon"), ("PIPETTE_NODE_WAIT_S", "-1"),
                                              ("PIPETTE_TRIAL_TIMEOUT_S", "0"), ("PIPETTE_SCHEDULER", "maybe"),
-                                             ("PIPETTE_DATABASE_URL", "mysql://db/x")])
+                                             ("PIPETTE_DATABASE_URL", "mysql://db/x"), ("RAY_ADDRESS", "head:abc"),
+                                             ("RAY_ADDRESS", "0[")])
 def test_a_bad_value_names_the_variable(name: str, value: str) -> None:
     with pytest.raises(SpecError) as e:
         Settings.from_env({name: value, "PIPETTE_HOME": "/tmp/x"})
@@ -44,3 +45,13 @@ def test_a_malformed_ray_address_is_a_spec_error_naming_it() -> None:
     with pytest.raises(SpecError) as e:
         resource_key("ray", "0[")
     assert e.value.field == "address"
+
+
+def test_ray_addresses_split_into_host_and_port() -> None:
+    assert split_ray_address("ray://10.0.0.1:10001") == ("10.0.0.1", 10001)
+    assert split_ray_address("head:6380") == ("head", 6380)
+    assert split_ray_address("head") == ("head", None)
+    for bad in ("head:abc", "0[", "head:99999"):
+        with pytest.raises(SpecError) as e:
+            split_ray_address(bad)
+        assert e.value.field == "address" and "HOST:PORT" in e.value.fix
