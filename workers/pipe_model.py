@@ -16,6 +16,7 @@ Megatron-LM's shared word embeddings (Narayanan et al. 2021, sec. 4).
 from __future__ import annotations
 
 import torch
+from deepspeed.runtime.activation_checkpointing import checkpointing
 from deepspeed.pipe import PipelineModule, TiedLayerSpec
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 from torch import nn
@@ -115,4 +116,9 @@ def pipeline_module(model: LlamaForCausalLM, pp: int, dp: int, tp: int, recomput
         partition_method="type:DecoderStage",
         activation_checkpoint_interval=1 if recompute_layers else 0,
         checkpointable_layers=["DecoderStage"],
+        # Non-reentrant: with LoRA the embedding is frozen, so stage 0's first decoder layer gets
+        # an input that does not require grad, and DeepSpeed's default (reentrant) checkpoint
+        # then returns an output with no grad_fn ("element 0 of tensors does not require grad";
+        # every pp>1 LoRA trial with full recomputation failed so in tests/benchmarks/real_tuning.py).
+        activation_checkpoint_func=checkpointing.non_reentrant_checkpoint,
     )

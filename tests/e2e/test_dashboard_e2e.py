@@ -16,7 +16,7 @@ import pytest
 
 from pipette.cli.client_cluster import slow_links
 from pipette.clusterfile import load_cluster
-from tests.e2e.conftest import ROOT, Browser, JobRun, Service, login
+from tests.e2e.conftest import ROOT, TINY_JOB, Browser, JobRun, Service, login
 
 pytestmark = [pytest.mark.timeout(1800), pytest.mark.slow]
 BAD = {"oom", "failed", "timeout"}
@@ -262,3 +262,28 @@ def test_nothing_loaded_from_elsewhere_and_no_script_errors(browser: Browser, se
     assert uncaught == []
     csp = page.evaluate("fetch('/').then(r => r.headers.get('content-security-policy'))")
     assert "default-src 'self'" in csp
+
+
+def test_a_job_no_scheduler_serves_says_why_and_cancels_from_the_page(
+        browser: Browser, logged_in: Service, tmp_path: Path) -> None:
+    """A job on a Ray cluster this service's scheduler does not drive stays queued: its page
+    says why and what to start, and its Cancel button (after the confirm dialog) ends it."""
+    added = logged_in.cli("cluster", "add", "unserved", "--ray", "10.255.255.2:6380", "--devices", "2")
+    assert added.returncode == 0, added.stderr
+    job_file = tmp_path / "unserved.yaml"
+    job_file.write_text(TINY_JOB.replace("cluster: local", "cluster: unserved"))
+    job_id = json.loads(logged_in.cli("submit", str(job_file), "--json").stdout)["id"]
+    login(browser, logged_in)
+    page = browser.page
+    page.click(f'tr[data-job-id="{job_id}"] a')
+    notice = page.wait_for_selector("#job-notice").inner_text()
+    assert "no scheduler serves" in notice and "ray:10.255.255.2" in notice, notice
+    assert "RAY_ADDRESS" in notice and "pipette-admin worker" in notice, notice
+    assert page.get_attribute("#main", "data-job-state") == "queued"
+    browser.screenshot("job-unserved.png")
+
+    page.once("dialog", lambda d: d.accept())
+    page.click("#cancel")
+    page.wait_for_selector('#main[data-job-state="cancelled"]')  # the page follows, no reload
+    assert page.locator("#job-notice").count() == 0
+    assert logged_in.api(f"/v1/jobs/{job_id}")["state"] == "cancelled"

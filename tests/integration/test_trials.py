@@ -41,6 +41,8 @@ CASES = {
                                  "deepspeed+engine+zero1+autotp+tp-lora"),
     "pp2-zero1-recompute-full": (trial(pp=2, zero=1, recompute="full"), "deepspeed+pipeline+zero1"),
     "tp2xpp2-lora": (trial(tp=2, pp=2, method="lora"), "deepspeed+pipeline+zero0+megatron-tp+tp-lora"),
+    # the frozen embedding feeds stage 0's first checkpointed layer an input without grad
+    "pp2-lora-recompute-full": (trial(pp=2, method="lora", recompute="full"), "deepspeed+pipeline+zero0+peft-lora"),
 }
 
 
