@@ -94,8 +94,10 @@ export function niceTicks(min, max, n = 5) {
 
 function logTicks(min, max) {
   const out = [];
+  // 1-2-5 per decade while they fit; over more than two decades their labels would overlap
+  const mantissas = Math.log10(max / min) > 2 ? [1] : [1, 2, 5];
   for (let e = Math.floor(Math.log10(min)); e <= Math.ceil(Math.log10(max)); e++) {
-    for (const m of [1, 2, 5]) {
+    for (const m of mantissas) {
       const v = m * 10 ** e;
       if (v >= min * 0.999 && v <= max * 1.001) out.push(v);
     }
