@@ -16,8 +16,8 @@ Megatron-LM's shared word embeddings (Narayanan et al. 2021, sec. 4).
 from __future__ import annotations
 
 import torch
-from deepspeed.runtime.activation_checkpointing import checkpointing
 from deepspeed.pipe import PipelineModule, TiedLayerSpec
+from deepspeed.runtime.activation_checkpointing import checkpointing
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 from torch import nn
 from transformers import LlamaForCausalLM
