@@ -161,6 +161,11 @@ class Browser:
     requests: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
 
+    def watch_errors(self, page: Any) -> None:
+        """Collect ``page``'s uncaught script errors and console errors into ``errors``."""
+        page.on("pageerror", lambda e: self.errors.append(str(e)))
+        page.on("console", lambda m: self.errors.append(m.text) if m.type == "error" else None)
+
     def screenshot(self, name: str) -> Path:
         ARTIFACTS.mkdir(parents=True, exist_ok=True)
         path = ARTIFACTS / name
@@ -187,8 +192,7 @@ def browser(service: Service, tmp_path_factory: pytest.TempPathFactory) -> Itera
     page = context.pages[0] if context.pages else context.new_page()
     b = Browser(context, page)
     context.on("request", lambda r: b.requests.append(r.url))
-    page.on("pageerror", lambda e: b.errors.append(str(e)))
-    page.on("console", lambda m: b.errors.append(m.text) if m.type == "error" else None)
+    b.watch_errors(page)
     try:
         yield b
     finally:
@@ -239,8 +243,7 @@ def job_run(logged_in: Service, cluster: dict[str, Any], browser: Browser, tmp_p
 
     # The job page's tab, logged in before the job starts (as a person would have it open).
     job_tab = browser.context.new_page()
-    job_tab.on("pageerror", lambda e: browser.errors.append(str(e)))
-    job_tab.on("console", lambda m: browser.errors.append(m.text) if m.type == "error" else None)
+    browser.watch_errors(job_tab)
     login(browser, svc, job_tab)
     job_tab.evaluate("window.__pipetteNoReload = true")
 
