@@ -13,18 +13,17 @@ number is in base units (bytes/s, seconds, bytes).
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import yaml
 
 from pipette.cluster import ClusterProfile, Device, Node
 from pipette.device import DeviceSpec
 from pipette.errors import ClusterFileError, SpecError
+from pipette.textfile import load_data_file
 
 _BANDWIDTH_UNITS = {
     "b/s": 1.0, "bps": 1.0, "bytes/s": 1.0,
@@ -90,21 +89,14 @@ def size(value: Any, field: str) -> int:
 def load_cluster(path: str | Path) -> ClusterProfile:
     """Read and validate a cluster file; every problem is a ``ClusterFileError``."""
     p = Path(path)
-    try:
-        text = p.read_text()
-    except FileNotFoundError:
+    if not p.exists():
         raise ClusterFileError(
             f"no such file {str(p)!r}", field="cluster", fix="give the path of a cluster file"
-        ) from None
-    except OSError as e:
-        raise ClusterFileError(f"cannot read {str(p)!r}: {e.strerror}", field="cluster", fix="check the path") from None
+        )
     try:
-        data = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
-    except (json.JSONDecodeError, yaml.YAMLError) as e:
-        raise ClusterFileError(
-            f"{p.name} is not valid {'JSON' if p.suffix == '.json' else 'YAML'}: {str(e).splitlines()[0]}",
-            field="cluster", fix="fix the syntax of the file",
-        ) from None
+        data = load_data_file(p, "cluster", "cluster file", "fix the syntax of the file")
+    except SpecError as e:
+        raise ClusterFileError(e.message, field=e.field, fix=e.fix) from None
     return cluster_from_dict(data, default_name=p.stem)
 
 

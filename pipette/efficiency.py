@@ -69,6 +69,15 @@ DEFAULT_MAX_FRACTION = A100_MAX_FRACTION
 DEFAULT_HALF_FLOPS = A100_HALF_FLOPS
 
 
+#: bf16 matmul throughput of one H100 80GB HBM3 as the probe measured it (workers.probe_rank,
+#: CUDA events, 2026-11-23; tests/benchmarks/results/h100-2026-11-23/probe.json): (FLOPs of one
+#: GEMM, fraction of the 989 TFLOP/s data-sheet peak), at 1024^3, 2048^3, 4096^3 (twice),
+#: 4096 x 4096 x 14336 and 8192^3. Small GEMMs are bound by the ~10 us a kernel takes at least.
+H100_MEASURED_BF16: tuple[tuple[float, float], ...] = (
+    (2.147e9, 0.148), (1.718e10, 0.708), (1.374e11, 0.694), (4.810e11, 0.725), (1.100e12, 0.710),
+)
+
+
 def family(device: DeviceSpec) -> str:
     """The calibrated device family: ``a100``, ``h100`` (H100 and H200: same SMs) or ``other``."""
     if device.kind != "gpu":
@@ -95,4 +104,4 @@ def default_curve(device: DeviceSpec) -> EfficiencyCurve:
     return curve
 
 
-__all__ = ["EfficiencyCurve", "default_curve", "family"]
+__all__ = ["H100_MEASURED_BF16", "EfficiencyCurve", "default_curve", "family"]

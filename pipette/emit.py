@@ -6,16 +6,17 @@
 * ``hostfile``: DeepSpeed/MPI hostfile, one line per node, ``slots`` = devices used there.
 * ``rank_map.json``: rank -> (node, host, local device) and its (pp, dp, tp) coordinates.
   Launchers hand out ranks node by node; the Pipette entry point re-numbers each process
-  from this map (``PIPETTE_RANK_MAP``), so any placement runs as planned.
+  from this map (``--rank_map``), so any placement runs as planned.
 * ``candidate.json``: the whole candidate (degrees, schedule, recomputation, placement)
   plus model and recipe, which the entry point reads to build the same job.
-* ``launch.sh``: the launch command.
+* ``launch.sh``: the launch command, with the Python to run it and the trial's rank environment.
 """
 
 from __future__ import annotations
 
 import json
 import shlex
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -108,11 +109,29 @@ def hostfile(config: ParallelConfig, cluster: ClusterProfile) -> str:
     return "\n".join(lines) + "\n"
 
 
+#: The environment every rank of a trial runs with (``workers.executor``), which the launch
+#: sets too, so a launch runs at the trial's speed: one intra-op thread per rank (the ranks of
+#: a node share its cores; unpinned, a CPU launch ran 0.5-2.3 s a step against its trial's
+#: 0.14 s) and few malloc arenas.
+RANK_ENV = {"PYTHONUNBUFFERED": "1", "MALLOC_ARENA_MAX": "2", "OMP_NUM_THREADS": "1"}
+
+#: How ``launch.sh`` finds its Python: ``$PIPETTE_PYTHON`` holds the interpreter.
+PYTHON_VAR = "PIPETTE_PYTHON"
+
+_HAS_STACK = ('import importlib.util as u, sys;'
+    ' sys.exit(not (u.find_spec("deepspeed") and u.find_spec("workers.train")))')
+
+
 def launch_command(config: ParallelConfig, cluster: ClusterProfile, out_dir: str = ".") -> str:
-    """The ``deepspeed`` launcher line, run from ``out_dir``'s parent or with absolute paths: over
+    """The DeepSpeed launcher line, run from ``out_dir``'s parent or with absolute paths: over
     ssh (pdsh) from the first node when the candidate spans nodes, locally when it uses one.
-    The rendezvous port is ``$MASTER_PORT`` when set, else DeepSpeed's default 29500, so two
-    launches on one host can be given different ports (``MASTER_PORT=29600 ./launch.sh``)."""
+
+    The launcher runs as a module of ``$PIPETTE_PYTHON`` (``python3`` when unset, as in an
+    activated environment), so no ``deepspeed`` script needs to be on PATH; ``launch.sh``
+    finds that Python first. The rank map is an argument of the entry point, so it reaches
+    every node (the launcher forwards only some variables over ssh). The rendezvous port is
+    ``$MASTER_PORT`` when set, else DeepSpeed's default 29500, so two launches on one host can
+    be given different ports (``MASTER_PORT=29600 ./launch.sh``)."""
     nodes = {cluster.devices[d].node for d in config.devices()}
     include = ",".join(
         f"{cluster.nodes[n].address or cluster.nodes[n].name}:"
@@ -121,8 +140,7 @@ def launch_command(config: ParallelConfig, cluster: ClusterProfile, out_dir: str
     )
     q = shlex.quote
     parts = [
-        f"PIPETTE_RANK_MAP={q(out_dir + '/rank_map.json')}",
-        "deepspeed",
+        f'"${{{PYTHON_VAR}:-python3}}" -m deepspeed.launcher.runner',
         f"--hostfile {q(out_dir + '/hostfile')}",
         '--master_port "${MASTER_PORT:-29500}"',
     ]
@@ -135,8 +153,49 @@ def launch_command(config: ParallelConfig, cluster: ClusterProfile, out_dir: str
         f"--module {ENTRY_MODULE}",
         f"--deepspeed_config {q(out_dir + '/ds_config.json')}",
         f"--candidate {q(out_dir + '/candidate.json')}",
+        f"--rank_map {q(out_dir + '/rank_map.json')}",
     ]
     return " ".join(parts)
+
+
+def launch_script(config: ParallelConfig, cluster: ClusterProfile, python: str | None = None) -> str:
+    """``launch.sh``: finds a Python that has DeepSpeed and Pipette's workers
+    (``$PIPETTE_PYTHON``, else ``python`` (by default the interpreter writing the file), else
+    ``python3`` on PATH), or says in one line how to give one; sets what the trial's ranks had
+    (``RANK_ENV``; ``DS_ACCELERATOR=cpu`` on CPU devices); then runs ``launch_command``."""
+    q = shlex.quote
+    tries = [p for p in (python or sys.executable, "python3") if p]
+    check = q(_HAS_STACK)
+    env = dict(RANK_ENV)
+    if cluster.device_spec.kind == "cpu":
+        env["DS_ACCELERATOR"] = "cpu"
+    exports = " ".join(f'{k}="${{{k}:-{v}}}"' for k, v in env.items())
+    return "\n".join([
+        "#!/usr/bin/env bash",
+        f"# Pipette: {config.label} on {cluster.world} x {cluster.device_spec.name} ({cluster.name}).",
+        "# Run as ./launch.sh from anywhere; MASTER_PORT=N ./launch.sh picks another rendezvous port.",
+        "set -euo pipefail",
+        'cd "$(dirname "$0")"',
+        f"# The Python with DeepSpeed and Pipette's workers: ${PYTHON_VAR}, else the one that wrote",
+        "# this file, else python3 on PATH.",
+        f'if [ -z "${{{PYTHON_VAR}:-}}" ]; then',
+        f"    for candidate in {' '.join(q(t) for t in tries)}; do",
+        f'        if command -v "$candidate" >/dev/null 2>&1 && "$candidate" -c {check} 2>/dev/null; then',
+        f'            {PYTHON_VAR}="$candidate"; break',
+        "        fi",
+        "    done",
+        "fi",
+        f'if [ -z "${{{PYTHON_VAR}:-}}" ] || ! "${PYTHON_VAR}" -c {check} 2>/dev/null; then',
+        f'    echo "launch.sh: no Python here has DeepSpeed and Pipette\'s workers (tried ${{{PYTHON_VAR}:-'
+        f'{" ".join(tries)}}}); set {PYTHON_VAR} to the python of the environment Pipette is installed in, '
+        f'e.g. {PYTHON_VAR}=/path/to/.venv/bin/python ./launch.sh" >&2',
+        "    exit 1",
+        "fi",
+        "# What each trial rank ran with, so the launch runs at the trial's speed.",
+        f"export {PYTHON_VAR} {exports}",
+        launch_command(config, cluster, out_dir="."),
+        "",
+    ])
 
 
 def write_launch_files(
@@ -159,8 +218,7 @@ def write_launch_files(
              **(extra or {})},
             indent=2,
         ) + "\n",
-        "launch.sh": "#!/usr/bin/env bash\nset -euo pipefail\ncd \"$(dirname \"$0\")\"\n"
-        + launch_command(config, cluster, out_dir=".") + "\n",
+        "launch.sh": launch_script(config, cluster),
     }
     written = {}
     for name, text in files.items():

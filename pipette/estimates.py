@@ -58,12 +58,17 @@ class PerfEstimate:
     step_time: float
     breakdown: dict[str, float]
     tokens_per_s: float
+    #: model FLOPs utilisation: the FLOPs the step needs (``pipette.flops``: the weight
+    #: gradients of what trains, no recomputation) over the devices' peak for the step time
     mfu: float
+    #: hardware FLOPs utilisation: the same with the recomputation the devices also run
+    hfu: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "step_time": self.step_time,
             "tokens_per_s": self.tokens_per_s,
             "mfu": self.mfu,
+            "hfu": self.hfu,
             "breakdown": dict(self.breakdown),
         }

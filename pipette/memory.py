@@ -54,10 +54,18 @@ DEEPSPEED_BUCKET_ELEMENTS = 500_000_000
 #: ``stage3_max_live_parameters``, which bound the gathered (live) parameters.
 ZERO3_PREFETCH_ELEMENTS = 50_000_000
 ZERO3_MAX_LIVE_PARAMETERS = 1_000_000_000
-#: fp32 copies of the logits the loss keeps: the vocab-parallel cross entropy stores the
-#: fp32 softmax (Megatron ``_VocabParallelCrossEntropy``) and the backward writes an fp32
-#: gradient of the same size before it is cast back to the training dtype.
-LOSS_FP32_COPIES = 2
+#: fp32 copies of the logits alive at the loss's peak (its backward), beside the logits in the
+#: training dtype. Pipette's runner (``workers.pipe_model.lm_loss``: cross-entropy over the
+#: logits cast to fp32): the saved fp32 log-softmax, the fp32 gradient arriving from the loss
+#: and the fp32 gradient log-softmax writes: 3 (h100_single_gpu.csv agrees: 13-14 bytes per
+#: logit at bf16 between runs that differ only in micro-batch). Megatron's and nanotron's
+#: vocab-parallel cross entropy store the fp32 softmax and write one fp32 gradient: 2.
+LOSS_FP32_COPIES = 3
+#: DeepSpeed's bf16 training without ZeRO partitioning (``BF16_Optimizer``) accumulates the
+#: gradients in fp32 and releases the bf16 ones: 4 bytes per trainable parameter at the peak
+#: (h100_single_gpu.csv: llama3.2-1b full fine-tuning holds 18 bytes per parameter besides the
+#: activations: bf16 weights 2, fp32 gradients 4, fp32 master and Adam moments 12).
+DEEPSPEED_BF16_FP32_GRADS = True
 
 # ---- calibration constants ------------------------------------------------------------
 #: Bytes on every GPU rank outside model state and activations that the caching allocator
@@ -87,7 +95,8 @@ class MemoryOptions:
     buckets at once (PyTorch DDP without ``gradient_as_bucket_view`` copies every gradient:
     give the parameter count or more); ``zero_bucket_elements`` the same for ZeRO-1/2/3.
     ``stage_layers`` overrides the layers per pipeline stage (DeepSpeed's uniform split by
-    default), for frameworks that balance stages another way.
+    default), for frameworks that balance stages another way. ``loss_fp32_copies`` and
+    ``deepspeed_bf16_fp32_grads``: see the constants of the same names.
     """
 
     flash_attention: bool = FLASH_ATTENTION
@@ -97,9 +106,14 @@ class MemoryOptions:
     dp_bucket_elements: int = DEEPSPEED_BUCKET_ELEMENTS
     zero_bucket_elements: int = DEEPSPEED_BUCKET_ELEMENTS
     stage_layers: tuple[int, ...] | None = None
+    loss_fp32_copies: int = LOSS_FP32_COPIES
+    deepspeed_bf16_fp32_grads: bool = DEEPSPEED_BF16_FP32_GRADS
 
 
 DEFAULT_OPTIONS = MemoryOptions()
+#: Megatron-LM's and nanotron's loss (vocab-parallel cross entropy) and no DeepSpeed
+#: BF16_Optimizer: how the calibration sets of those frameworks are planned.
+MEGATRON_OPTIONS = MemoryOptions(loss_fp32_copies=2, deepspeed_bf16_fp32_grads=False)
 
 
 def estimate_memory(
@@ -169,7 +183,8 @@ def stage_breakdowns(
 
     # ---- bytes per parameter (Rajbhandari et al. 2020, sec. 3: 2 + 2 + K with K = 12) ----
     mixed = training.dtype != "fp32"
-    grad_bytes = FP32_BYTES if (options.grad_accum_fp32 or not mixed) else d
+    bf16_optimizer = options.deepspeed_bf16_fp32_grads and training.dtype == "bf16" and config.zero_stage == 0
+    grad_bytes = FP32_BYTES if (options.grad_accum_fp32 or bf16_optimizer or not mixed) else d
     # Adam: m and v in fp32; SGD: one momentum buffer. Mixed precision adds the fp32 master.
     state_bytes = (2 if training.optimizer in ("adam", "adamw") else 1) * FP32_BYTES
     master_bytes = FP32_BYTES if mixed else 0
@@ -197,7 +212,7 @@ def stage_breakdowns(
 
     # ---- last stage: final norm, logits and loss (Korthikanti sec. 4.4) ----------------
     head_act = 2 * d * s * b * h / (t if options.sequence_parallel else 1)
-    logits = b * s * V / t * (d + LOSS_FP32_COPIES * FP32_BYTES)
+    logits = b * s * V / t * (d + options.loss_fp32_copies * FP32_BYTES)
 
     trainable_full = training.method == "full"
     master_shard = o_shard if options.shard_master_weights else 1
@@ -339,6 +354,12 @@ def _notes(training: TrainingSpec, config: ParallelConfig, options: MemoryOption
 
 
 __all__ = [
-    "DEFAULT_OPTIONS", "FRAGMENTATION", "GPU_OVERHEAD_BYTES", "SAFETY_MARGIN", "MemoryOptions",
-    "estimate_memory", "stage_breakdowns",
+    "DEFAULT_OPTIONS",
+    "FRAGMENTATION",
+    "GPU_OVERHEAD_BYTES",
+    "MEGATRON_OPTIONS",
+    "SAFETY_MARGIN",
+    "MemoryOptions",
+    "estimate_memory",
+    "stage_breakdowns",
 ]

@@ -200,12 +200,20 @@ class ModelSpec:
             cfg, where = source, "config"
         else:
             path = Path(source)
+            if path.is_dir():  # a downloaded model's folder holds its config.json
+                if not (path / "config.json").is_file():
+                    raise SpecError(f"the folder {str(path)!r} holds no config.json", field="model",
+                                    fix="give a preset name, a Hugging Face config.json, or the folder holding it")
+                path = path / "config.json"
             try:
                 cfg = json.loads(path.read_text())
             except FileNotFoundError:
                 raise SpecError(
                     f"no such file {str(path)!r}", field="model", fix="give a config.json path"
                 ) from None
+            except (OSError, UnicodeDecodeError) as e:
+                raise SpecError(f"cannot read {str(path)!r} ({e})", field="model",
+                                fix="give a readable Hugging Face config.json") from None
             except json.JSONDecodeError as e:
                 raise SpecError(
                     f"{path} is not valid JSON ({e.msg} at line {e.lineno})",

@@ -35,11 +35,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
-from pipette import comm
+from pipette import comm, flops
 from pipette.cluster import ClusterProfile
 from pipette.config import ParallelConfig
 from pipette.device import DeviceSpec
-from pipette.efficiency import EfficiencyCurve, default_curve
+from pipette.efficiency import H100_MEASURED_BF16, EfficiencyCurve, default_curve, family
 from pipette.errors import SpecError
 from pipette.estimates import TIME_PARTS, PerfEstimate
 from pipette.model import ModelSpec
@@ -97,7 +97,12 @@ class PerfConstants:
     """The fitted constants, bundled so the accuracy benchmark can refit them.
 
     ``curve=None`` uses the calibrated curve of the device's family
-    (``pipette.efficiency.default_curve``).
+    (``pipette.efficiency.default_curve``). ``flash_attention``: the attention runs as one
+    fused kernel (FlashAttention-2, PyTorch SDPA; Dao 2023) that never writes the scores: no
+    score passes, the causal half of the attention FLOPs at the GEMM curve's efficiency, and a
+    backward of 2.5x its forward (it recomputes the scores: 5 matmuls against 2; Dao 2023,
+    sec. 3.1). ``ffn_passes``: memory passes over the MLP's ``T x f`` activations per layer
+    forward (activation function and gating), beside ``elementwise_passes`` over ``T x h``.
     """
 
     link_fraction: float = LINK_FRACTION
@@ -108,6 +113,35 @@ class PerfConstants:
     elementwise_passes: float = ELEMENTWISE_PASSES
     score_passes: float = SCORE_PASSES
     curve: EfficiencyCurve | None = field(default=None)
+    flash_attention: bool = False
+    ffn_passes: float = 0.0
+    #: GEMM curves by device family for devices the probe has not measured (the profile's own
+    #: measured points come first): (family, curve) pairs
+    curves: tuple[tuple[str, EfficiencyCurve], ...] = ()
+
+
+#: The constants above: Megatron-LM (vTrain) and nanotron (Ultra-Scale) runs, fused kernels.
+MEGATRON_CONSTANTS = PerfConstants()
+
+# ---- Pipette's own stack: Hugging Face Llama under DeepSpeed (workers.train) -------------
+# What Pipette's trials and launch files run: HF's eager Llama (RMSNorm upcast to fp32,
+# rotary, SiLU and gating as separate kernels), PyTorch SDPA (FlashAttention-2), DeepSpeed's
+# engine. Fitted (least squares on log(predicted / measured)) on the 9 timed runs of
+# h100_single_gpu.csv (one H100, llama3.2-1b full and LoRA, llama3.2-3b LoRA, seq 2048-4096)
+# with the H100's measured GEMM curve: tests/benchmarks/accuracy.py --fit-hf.
+#: memory passes over T x h per layer forward (norms in fp32, residuals, rotary, casts)
+HF_ELEMENTWISE_PASSES = 71.4
+#: memory passes over T x f per layer forward (SiLU, the gate product)
+HF_FFN_PASSES = 13.4
+#: fixed time per layer per forward-equivalent pass (kernel launches of ~40 small ops, Python)
+HF_LAYER_OVERHEAD_S = 8.64e-4
+HF_DEEPSPEED_CONSTANTS = PerfConstants(
+    elementwise_passes=HF_ELEMENTWISE_PASSES, ffn_passes=HF_FFN_PASSES, layer_overhead_s=HF_LAYER_OVERHEAD_S,
+    flash_attention=True, curves=(("h100", EfficiencyCurve(1.0, 1.0, 1.0, H100_MEASURED_BF16)),),
+)
+#: What Pipette predicts by default: the stack its trials and launch files run. The calibration
+#: sets of other frameworks are evaluated with their own constants (MEGATRON_CONSTANTS).
+DEFAULT_CONSTANTS = HF_DEEPSPEED_CONSTANTS
 
 
 @dataclass(frozen=True)
@@ -132,10 +166,10 @@ class PerfModel:
     ) -> None:
         _check(model, training, config, cluster)
         self.model, self.training, self.config, self.cluster = model, training, config, cluster
-        self.k = constants or PerfConstants()
+        self.k = constants or DEFAULT_CONSTANTS
         self.device = _slowest_device(cluster, training.dtype)
         self.peak = self.device.peak(training.dtype)
-        self.curve = self.k.curve or default_curve(self.device)
+        self.curve = _curve(self.k, self.device)
         self.layers = np.asarray(config.layers_per_stage(model.layers), dtype=np.float64)
         self.m = config.grad_accum
         self.v = config.virtual_stages if config.schedule == "interleaved" else 1
@@ -145,8 +179,11 @@ class PerfModel:
         self.compute = self._compute_times()
         self.stage_params = _stage_params(model, training, config)  # (p,) per device
         self.grad_bytes = self.stage_params * b
+        # What ZeRO-3 gathers: every parameter it partitions, a LoRA run's frozen base too.
+        self.weight_bytes = _stage_params(model, training, config, trainable=False) * b
         self.opt_time = self._optimizer_time()
-        self.model_flops = _model_flops(model, training)
+        counted = flops.per_step(model, training, config.recompute)
+        self.model_flops, self.hardware_flops = counted.model, counted.hardware
 
     # ---- compute (Narayanan et al. 2021 sec. 5.1 FLOP counts) -------------------------
     def _gemm_time(self, flops_per_gemm: float, count: float) -> float:
@@ -177,12 +214,17 @@ class PerfModel:
         # by fused kernels (FlashAttention; Dao et al. 2022).
         attn_gemm = 2.0 * t * s * model.hidden / tp * 0.5
         attn_f = self._gemm_time(attn_gemm, 2)
-        attn_b = 2.0 * attn_f
+        # FlashAttention-2's backward recomputes the scores: 5 matmuls against the forward's 2
+        # (Dao 2023, sec. 3.1); an unfused backward runs 4 (the gradients of both inputs).
+        attn_b = (2.5 if self.k.flash_attention else 2.0) * attn_f
         # Memory-bound ops: activation passes and attention-score passes, at the device's
-        # memory bandwidth (roofline: bytes / bandwidth; Williams et al. 2009).
+        # memory bandwidth (roofline: bytes / bandwidth; Williams et al. 2009). A fused
+        # attention kernel never writes the scores.
         b, bw = tr.dtype_bytes, self.device.memory_bandwidth
-        elementwise = self.k.elementwise_passes * t * model.hidden * b / bw
-        scores = self.k.score_passes * t * s * model.heads / tp * b / bw
+        passes = self.k.elementwise_passes * model.hidden + self.k.ffn_passes * model.ffn_hidden / tp
+        elementwise = passes * t * b / bw
+        score_passes = 0.0 if self.k.flash_attention else self.k.score_passes
+        scores = score_passes * t * s * model.heads / tp * b / bw
         over = self.k.layer_overhead_s
         layer_f = lin_f + attn_f + elementwise + scores + over
         layer_b = lin_b + attn_b + 2.0 * (elementwise + scores + over)
@@ -282,10 +324,14 @@ class PerfModel:
             t_dp = ag if cfg.zero_stage == 2 else np.zeros(p)
             if cfg.zero_stage == 3:
                 # Parameter gathers before each forward and backward (and the recomputed
-                # forward), prefetched under compute (Rajbhandari et al. 2020, sec. 5.3).
+                # forward), prefetched under compute (Rajbhandari et al. 2020, sec. 5.3), of
+                # every partitioned parameter: under LoRA the frozen base is sharded too and
+                # gathered at every use, though only the adapters' gradients are reduced.
+                wb = self.weight_bytes[:, None]
+                gather = comm.allgather_time(wb, dp, bw_d, lat_d).max(axis=1)
                 n_g = 2.0 + (1.0 if cfg.recompute == "full" else 0.0)
                 comp = self.compute.forward + back
-                t_z3 = np.maximum(n_g * ag - k.dp_overlap * comp, 0.0)[:, None] * np.ones(dp)
+                t_z3 = np.maximum(n_g * gather - k.dp_overlap * comp, 0.0)[:, None] * np.ones(dp)
         t_dp_exposed = np.maximum(t_dp - k.dp_overlap * back, 0.0)
 
         # Critical path: per pipeline replica, then the slowest replica.
@@ -340,6 +386,7 @@ class PerfModel:
             breakdown=breakdown,
             tokens_per_s=tokens / step,
             mfu=self.model_flops / flops_peak,
+            hfu=self.hardware_flops / flops_peak,
         )
 
 
@@ -371,19 +418,36 @@ def _pipeline(stage: FloatArray, m: int, v: int) -> FloatArray:
     return np.asarray(m * top + (stage.sum(axis=0) - top) / v, dtype=np.float64)
 
 
+def _curve(k: PerfConstants, device: DeviceSpec) -> EfficiencyCurve:
+    """The GEMM efficiency curve: the constants' own, else the device's measured points (the
+    probe), else the constants' curve for the device's family, else the family default."""
+    if k.curve is not None:
+        return k.curve
+    by_family = dict(k.curves)
+    if not device.efficiency and family(device) in by_family:
+        return by_family[family(device)]
+    return default_curve(device)
+
+
 def _slowest_device(cluster: ClusterProfile, dtype: str) -> DeviceSpec:
     """The device with the lowest peak: synchronous training runs at its pace everywhere."""
     return min((d.spec for d in cluster.devices), key=lambda spec: spec.peak(dtype))
 
 
-def _stage_params(model: ModelSpec, training: TrainingSpec, config: ParallelConfig) -> FloatArray:
-    """Trainable parameters held by one device of each stage (Megatron split by tp)."""
+def _stage_params(model: ModelSpec, training: TrainingSpec, config: ParallelConfig,
+                  *, trainable: bool = True) -> FloatArray:
+    """Parameters held by one device of each stage (Megatron split by tp): the trainable ones
+    (what gradients and optimizer states cover), or all of them (``trainable=False``: what
+    ZeRO-3 partitions and gathers, the frozen base of a LoRA run included)."""
     layers = np.asarray(config.layers_per_stage(model.layers), dtype=np.float64)
+    adapters = np.zeros_like(layers)
     if training.is_lora and training.lora is not None:
         lora = training.lora
         shapes = model.linear_shapes()
-        per_layer = sum(lora.rank * (shapes[t][0] + shapes[t][1]) for t in lora.targets)
-        return layers * per_layer / config.tp
+        per_layer = sum(lora.rank * (shapes[t][0] + shapes[t][1]) for t in lora.targets if t in shapes)
+        adapters = layers * per_layer / config.tp
+        if trainable:
+            return np.asarray(adapters, dtype=np.float64)
     params = layers * model.layer_params()
     params[0] += model.embedding_params()
     # The last stage holds the head; tied embeddings keep a copy there only when pp > 1.
@@ -391,14 +455,9 @@ def _stage_params(model: ModelSpec, training: TrainingSpec, config: ParallelConf
     if model.tied_embeddings and config.pp > 1:
         head += model.vocab * model.hidden
     params[-1] += head
-    return np.asarray(params / config.tp, dtype=np.float64)
+    return np.asarray(params / config.tp + adapters, dtype=np.float64)
 
 
-def _model_flops(model: ModelSpec, training: TrainingSpec) -> float:
-    """Model FLOPs of one step without recomputation: forward + 2x backward
-    (Narayanan et al. 2021, appendix; the Megatron formula counts the full attention square).
-    """
-    return 3.0 * model.forward_flops_per_token(training.seq_len) * training.tokens_per_step
-
-
-__all__ = ["PerfConstants", "PerfModel", "estimate_perf"]
+__all__ = [
+    "DEFAULT_CONSTANTS", "HF_DEEPSPEED_CONSTANTS", "MEGATRON_CONSTANTS", "PerfConstants", "PerfModel", "estimate_perf",
+]

@@ -12,11 +12,11 @@ from typing import Any
 
 from pipette.cluster import ClusterProfile
 from pipette.config import ParallelConfig
-from pipette.errors import InfeasibleError
+from pipette.errors import InfeasibleError, SpecError
 from pipette.estimates import MemoryEstimate, PerfEstimate
-from pipette.memory import SAFETY_MARGIN, estimate_memory
+from pipette.memory import DEFAULT_OPTIONS, SAFETY_MARGIN, MemoryOptions, estimate_memory
 from pipette.model import ModelSpec
-from pipette.perf import PerfModel
+from pipette.perf import PerfConstants, PerfModel
 from pipette.placement import default_placement, optimize_placement
 from pipette.space import RULES, enumerate_space
 from pipette.training import TrainingSpec
@@ -94,6 +94,18 @@ class Plan:
         }
 
 
+def check_recipe(model: ModelSpec, training: TrainingSpec) -> None:
+    """Refuse a recipe the model cannot train, before anything is measured or planned."""
+    if training.seq_len > model.max_seq:
+        # Beyond its positions a model is not what it was trained as (and the trial runner
+        # refuses it): planning a 1M-token step for a 4096-position model helps nobody.
+        raise SpecError(
+            f"is {training.seq_len}, more than the {model.max_seq} positions {model.name} has "
+            "(max_position_embeddings)",
+            field="training.seq_len", fix=f"use a sequence length of at most {model.max_seq}",
+        )
+
+
 def make_plan(
     model: ModelSpec,
     training: TrainingSpec,
@@ -102,12 +114,15 @@ def make_plan(
     margin: float = SAFETY_MARGIN,
     optimize_top: int = 20,
     seed: int = 0,
+    constants: PerfConstants | None = None,
+    memory_options: MemoryOptions = DEFAULT_OPTIONS,
 ) -> Plan:
     """Every memory-feasible candidate, ranked by predicted step time.
 
     Raises ``InfeasibleError`` when no candidate is valid (with the rejection counts) or
     none fits (with the shortfall of the closest one and what would help).
     """
+    check_recipe(model, training)
     space = enumerate_space(model, training, cluster.world)
     if not space.candidates:
         raise _no_valid_candidate(model, training, cluster, space.rejected)
@@ -117,7 +132,7 @@ def make_plan(
     fitting: list[tuple[ParallelConfig, MemoryEstimate]] = []
     oom: list[Dropped] = []
     for config in space.candidates:
-        mem = estimate_memory(model, training, config, capacity, device_kind=kind)
+        mem = estimate_memory(model, training, config, capacity, device_kind=kind, options=memory_options)
         if mem.fits(margin):
             fitting.append((config, mem))
         else:
@@ -133,7 +148,7 @@ def make_plan(
         if key not in placements:
             placements[key] = default_placement(config, cluster)
         placed = config.with_placement(placements[key])
-        perf_model = PerfModel(model, training, placed, cluster)
+        perf_model = PerfModel(model, training, placed, cluster, constants=constants)
         perf = perf_model.estimate()
         planned.append((Planned(placed, mem, perf, perf.step_time), perf_model))
     planned.sort(key=lambda p: _rank_key(p[0]))

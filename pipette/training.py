@@ -140,10 +140,10 @@ class TrainingSpec:
                 field="training",
                 fix=f"use only {', '.join(sorted(known))}",
             )
-        for required in ("global_batch", "seq_len"):
-            if required not in data:
-                raise SpecError("is required", field=f"training.{required}", fix="give it")
-        kwargs = dict(data)
+        # The values given are checked first (with stand-ins for the missing required ones), so
+        # a wrong one is reported before a missing one.
+        missing = [r for r in ("global_batch", "seq_len") if r not in data]
+        kwargs = {**dict.fromkeys(missing, 1), **data}
         lora = kwargs.pop("lora", None)
         if lora is not None:
             if not isinstance(lora, dict):
@@ -163,7 +163,11 @@ class TrainingSpec:
             if key in kwargs:
                 value = kwargs[key]
                 kwargs[key] = tuple(value) if isinstance(value, list | tuple) else (value,)
-        return cls(**kwargs)
+        spec = cls(**kwargs)
+        if missing:
+            raise SpecError("is required", field=f"training.{missing[0]}",
+                            fix=f"give training.{missing[0]} (a positive integer)")
+        return spec
 
 
 def _one_of(name: str, value: object, allowed: tuple[str, ...]) -> None:

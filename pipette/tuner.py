@@ -132,8 +132,10 @@ class TrialRecord:
             "analytic_step_time": self.analytic_step_time,
             "predicted_step_time": self.predicted_step_time, "predicted_sd": self.predicted_sd,
             "predicted_peak_bytes": self.memory.peak_bytes,
+            # one convention with the API's prediction_error: (measured - predicted) / predicted,
+            # positive when the trial ran slower than predicted
             "error_pct": None if m.step_time is None or m.status != "ok"
-            else 100.0 * (self.predicted_step_time - m.step_time) / m.step_time,
+            else 100.0 * (m.step_time - self.predicted_step_time) / self.predicted_step_time,
         }
 
     @classmethod
@@ -145,7 +147,7 @@ class TrialRecord:
                 config=ParallelConfig.from_dict(d["config"]),
                 measurement=Measurement.from_dict(d["measurement"]),
                 perf=PerfEstimate(float(p["step_time"]), {k: float(v) for k, v in p["breakdown"].items()},
-                                  float(p["tokens_per_s"]), float(p["mfu"])),
+                                  float(p["tokens_per_s"]), float(p["mfu"]), float(p.get("hfu", 0.0))),
                 memory=MemoryEstimate(int(mem["peak_bytes"]), int(mem["capacity_bytes"]),
                                       {k: int(v) for k, v in mem["breakdown"].items()}, int(mem.get("stage", 0)),
                                       tuple(mem.get("notes", ()))),

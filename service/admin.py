@@ -159,6 +159,10 @@ def _serve(args: argparse.Namespace, settings: Settings) -> int:
     if args.workers > 1 and settings.scheduler:
         raise PipetteError("several API processes would each run a scheduler and a local Ray",
                            field="--workers", fix="set PIPETTE_SCHEDULER=0 and run `pipette-admin worker` beside them")
+    if settings.scheduler:
+        # The scheduler needs the database from its first poll: a missing or unmigrated one
+        # killed the process with a traceback. Without a scheduler, /readyz says 503 instead.
+        check_database(settings)
     # Open event streams must not hold a shutdown forever: they get 10 s, then the scheduler
     # stops (interrupting the running trial, which a restart reruns) and the lease is freed.
     options = {"host": args.host, "port": args.port, "log_level": "info", "timeout_graceful_shutdown": 10,
@@ -174,8 +178,33 @@ def _worker(_args: argparse.Namespace, settings: Settings) -> int:
     from service.worker import run_worker
 
     _ensure_home(settings)
+    check_database(settings)
     run_worker(settings)
     return 0
+
+
+def check_database(settings: Settings) -> None:
+    """One line, before anything starts, when the database cannot be reached or is not at the
+    schema this code needs."""
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from service.db import Database
+    from service.migrations import current_revision, head_revision
+
+    where = _redacted(settings.database_url)
+    db = Database(settings.database_url)
+    try:
+        current = current_revision(db.engine)
+    except SQLAlchemyError as e:
+        first = str(getattr(e, "orig", None) or e).splitlines()[0]
+        raise PipetteError(f"cannot reach the database {where}: {first}", field="PIPETTE_DATABASE_URL",
+                           fix="start the database (or create it), or point PIPETTE_DATABASE_URL at one") from None
+    finally:
+        db.dispose()
+    head = head_revision()
+    if current != head:
+        raise PipetteError(f"the database {where} is at schema {current or 'none (empty)'}, this code needs {head}",
+                           field="PIPETTE_DATABASE_URL", fix="run `pipette-admin migrate`")
 
 
 def _ensure_home(settings: Settings) -> None:

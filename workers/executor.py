@@ -3,8 +3,11 @@ placement says, streamed back step by step, and always ended: ``ok``, ``oom``, `
 ``timeout`` or ``pruned``, with nothing left running.
 
 Placement: one placement-group bundle per rank, pinned to the Ray node of the rank's node
-(``node:<address>`` resource); the rank's device is its ``local_index`` on that node
-(``CUDA_VISIBLE_DEVICES`` on GPUs). Ranks find each other through a store on rank 0's node.
+(``node:<address>`` resource), with one ``GPU`` on GPU nodes, so Ray owns the trial's GPUs;
+the rank's device is its ``local_index`` on that node (``CUDA_VISIBLE_DEVICES`` on GPUs, among
+the GPUs Ray gave the trial: ``ray_cluster.assign_gpus``). Ranks find each other through a
+store on rank 0's node. A cluster whose devices are not the Ray nodes' (GPUs in the file, none
+in Ray, or the reverse) is refused before anything starts.
 """
 
 from __future__ import annotations
@@ -22,12 +25,22 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from pipette.cluster import ClusterProfile
+from pipette.emit import RANK_ENV
 from pipette.errors import PipetteError, SpecError
-from pipette.measurement import Measurement, Status
+from pipette.measurement import Measurement
+from workers.outcome import Outcome, measurement
 from workers.rank_process import RankProcess
-from workers.ray_cluster import ensure_ray, missing_nodes, ray_node_ips
+from workers.ray_cluster import (
+    assign_gpus,
+    check_devices,
+    ensure_ray,
+    missing_nodes,
+    node_gpus,
+    rank_bundle,
+    ray_node_ips,
+)
 from workers.spec import TrialSpec
-from workers.support import check_runnable
+from workers.support import check_inputs, check_runnable
 
 OOM_EXIT = 3  # workers.trial.OOM_EXIT
 POLL_S = 0.1
@@ -55,15 +68,6 @@ class StepReport:
 OnStep = Callable[[StepReport], bool | None]
 
 
-@dataclass
-class _Outcome:
-    status: Status
-    error: str = ""
-    #: the addresses of the Ray nodes lost during the trial (the failure is the cluster's, not
-    #: the candidate's: the runner waits for them before the next attempt)
-    lost: tuple[str, ...] = ()
-
-
 def run_trial(
     trial: TrialSpec,
     cluster: ClusterProfile | None = None,
@@ -75,10 +79,17 @@ def run_trial(
     """Run ``trial`` and return what it measured. Refuses (raises) before starting anything
     when the backends cannot run the candidate or the placement does not fit the cluster."""
     check_runnable(trial)
+    check_inputs(trial)
     slots = _slots(trial, cluster)
     ensure_ray()
     ips = ray_node_ips(cluster) if cluster is not None else [ray.util.get_node_ip_address()]
-    pg = placement_group([{"CPU": 1, f"node:{ips[node]}": 0.001} for node, _ in slots], strategy="PACK")
+    gpu = trial.device_kind == "gpu"
+    if cluster is not None:
+        check_devices(cluster, ips)
+    elif gpu and node_gpus(ips[0]) < len(slots):
+        raise PipetteError(f"a GPU trial of {len(slots)} ranks, but Ray has {node_gpus(ips[0])} GPU(s) here",
+                           field="cluster", fix="run it where Ray has the GPUs (RAY_ADDRESS)")
+    pg = placement_group([rank_bundle(ips[node], gpu) for node, _ in slots], strategy="PACK")
     if not pg.wait(timeout_seconds=PLACE_TIMEOUT_S):
         remove_placement_group(pg)
         lost = _missing(cluster)
@@ -91,7 +102,8 @@ def run_trial(
         )
     actors = [
         RankProcess.options(  # type: ignore[attr-defined]
-            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank)
+            num_gpus=1 if gpu else 0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank),
         ).remote()
         for rank in range(len(slots))
     ]
@@ -151,30 +163,37 @@ def _run(
             "--deepspeed_config", "ds_config.json", "--candidate", "candidate.json"]
     cpu_env = {"DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""} if trial.device_kind == "cpu" else {}
     ray.get([a.prepare.remote(argv, cpu_env | extra_env) for a in actors], timeout=400)
+    gpus: list[str] = []
+    if trial.device_kind == "gpu":
+        held = ray.get([a.gpu_ids.remote() for a in actors], timeout=60)
+        gpus, _ = assign_gpus([n for n, _ in slots], [d for _, d in slots], held)
     start = time.monotonic()
     pids = []
     for rank, (_, local) in enumerate(slots):
-        env = {
-            "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(local),
-            "MASTER_ADDR": host, "MASTER_PORT": str(port), "PYTHONUNBUFFERED": "1",
-            "MALLOC_ARENA_MAX": "2", "OMP_NUM_THREADS": "1",
-        }
+        env = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(local),
+               "MASTER_ADDR": host, "MASTER_PORT": str(port)} | RANK_ENV
         if trial.device_kind == "cpu":
             env |= {"DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""}
-        else:
-            env |= {"CUDA_VISIBLE_DEVICES": str(local), "LOCAL_RANK": "0"}
+        else:  # the rank sees only its GPU, which Ray holds for this trial
+            env |= {"CUDA_VISIBLE_DEVICES": gpus[rank], "LOCAL_RANK": "0"}
+        env["PIPETTE_SPAWNED_AT"] = repr(time.time())
         pids.append(ray.get(actors[rank].start.remote(files, argv, env | extra_env), timeout=60))
+
+    def where(rank: int) -> str:
+        gpu = f", GPU {gpus[rank]}" if gpus else ""
+        return f"rank {rank} (node {slots[rank][0]}, {hosts[rank]}{gpu})"
+
     steps: list[dict[str, Any]] = []
     done: dict[int, dict[str, Any]] = {}
     ooms: list[dict[str, Any]] = []
     codes: dict[int, int] = {}
-    outcome: _Outcome | None = None
+    outcome: Outcome | None = None
     unavailable: dict[int, float] = {}
     while outcome is None:
         polled, lost = _poll(actors, unavailable)
         if lost:
             rank, why = min(lost.items())
-            outcome = _Outcome("failed", f"rank {rank} (node {slots[rank][0]}, {hosts[rank]}) was lost: {why}",
+            outcome = Outcome("failed", f"{where(rank)} was lost: {why}",
                                lost=tuple(sorted({hosts[r] for r in lost})))
             break
         for rank, (lines, code) in enumerate(polled):
@@ -188,7 +207,7 @@ def _run(
                         time.monotonic() - start, tuple(pids),
                     )
                     if on_step is not None and on_step(report) and outcome is None:
-                        outcome = _Outcome("pruned", f"pruned by the caller after step {report.step}")
+                        outcome = Outcome("pruned", f"pruned by the caller after step {report.step}")
                 elif kind == "done":
                     done[rank] = event
                 elif kind == "oom":
@@ -198,7 +217,7 @@ def _run(
         if outcome is not None:
             break
         if ooms:
-            outcome = _Outcome("oom")
+            outcome = Outcome("oom")
         elif any(c != 0 for c in codes.values()):
             time.sleep(0.5)  # let the other ranks' last lines (an oom report) and exits arrive
             for rank, (lines, code) in enumerate(_poll(actors, unavailable)[0]):
@@ -206,25 +225,28 @@ def _run(
                 if code is not None:
                     codes[rank] = code
             if ooms:
-                outcome = _Outcome("oom")
+                outcome = Outcome("oom")
             else:
                 rank, code = _root_cause(codes)
                 tail = ray.get(actors[rank].output_tail.remote(), timeout=30)
-                head = f"rank {rank} {_exit_text(code)}"
+                head = f"{where(rank)} {_exit_text(code)}"
                 if unavailable:  # the cause: a lost node; the exit is its consequence
-                    gone = ", ".join(f"rank {r} (node {slots[r][0]}, {hosts[r]})" for r in sorted(unavailable))
+                    gone = ", ".join(where(r) for r in sorted(unavailable))
                     head = f"{gone} became unreachable (node down?); then {head}"
-                outcome = _Outcome("failed", f"{head}\n{tail[-4000:]}",
+                outcome = Outcome("failed", f"{head}\n{tail[-4000:]}",
                                    lost=tuple(sorted({hosts[r] for r in unavailable})))
         elif len(codes) == world and len(done) == world:
-            outcome = _Outcome("ok")
+            outcome = Outcome("ok")
         elif time.monotonic() - start > timeout_s:
             last = steps[-1]["step"] if steps else None
-            outcome = _Outcome("timeout", f"trial ran past its {timeout_s:g} s timeout (last step of rank 0: {last})")
+            outcome = Outcome("timeout", f"trial ran past its {timeout_s:g} s timeout (last step of rank 0: {last})")
         else:
             time.sleep(POLL_S)
     wall = time.monotonic() - start
-    return _measurement(trial, outcome, steps, done, ooms, wall)
+    m = measurement(trial, outcome, steps, done, ooms, wall)
+    if gpus:
+        m.extra["gpus"] = gpus
+    return m
 
 
 Polled = list[tuple[list[str], int | None]]
@@ -267,58 +289,3 @@ def _exit_text(code: int) -> str:
     if code < 0:
         return f"was killed by {signal.Signals(-code).name}"
     return f"exited with status {code}"
-
-
-def _measurement(
-    trial: TrialSpec,
-    outcome: _Outcome,
-    steps: list[dict[str, Any]],
-    done: dict[int, dict[str, Any]],
-    ooms: list[dict[str, Any]],
-    wall: float,
-) -> Measurement:
-    extra: dict[str, Any] = {"wall_s": wall, "backend": None}
-    if outcome.status == "ok":
-        ranks = [done[r] for r in sorted(done)]
-        # A step ends when its slowest rank does.
-        step_times = tuple(max(ts) for ts in zip(*(d["step_times"] for d in ranks), strict=True))
-        losses = tuple(float(x) for x in ranks[0]["losses"])
-        extra |= {
-            "backend": ranks[0]["backend"],
-            "peak_rss_bytes": [int(d["peak_rss_bytes"]) for d in ranks],
-            "trainable_params": int(ranks[0]["trainable_params"]),
-            "warmup_steps": trial.warmup_steps,
-        }
-        flops = _model_flops_per_step(trial)
-        extra["model_flops_per_step"] = flops
-        if step_times:
-            import statistics
-
-            achieved = flops / statistics.median(step_times) / trial.config.world
-            extra["achieved_flops_per_device"] = achieved
-            if trial.peak_flops:
-                extra["mfu"] = achieved / trial.peak_flops
-        return Measurement(
-            "ok", step_times=step_times, tokens_per_step=trial.tokens_per_step,
-            peak_memory=tuple(int(d["peak_tensor_bytes"]) for d in ranks), losses=losses, extra=extra,
-        )
-    if outcome.lost:
-        extra["lost_nodes"] = list(outcome.lost)
-    timed = tuple(float(s["time"]) for s in steps if not s["warmup"])
-    losses = tuple(float(s["loss"]) for s in steps)
-    error = outcome.error
-    if outcome.status == "oom":
-        first = min(ooms, key=lambda e: int(e["rank"]))
-        extra |= {"oom_rank": int(first["rank"]), "oom_bytes": int(first["bytes"])}
-        error = f"rank {first['rank']} ran out of memory asking for {first['bytes']} bytes: {first['error']}"
-    return Measurement(
-        outcome.status, step_times=timed, tokens_per_step=trial.tokens_per_step, losses=losses, error=error,
-        extra=extra,
-    )
-
-
-def _model_flops_per_step(trial: TrialSpec) -> float:
-    """Model FLOPs of one step: forward + backward = 3 x forward (Narayanan et al. 2021,
-    sec. 5.1), without recomputation, as MFU counts them (Chowdhery et al. 2022, app. B)."""
-    per_token = trial.model.forward_flops_per_token(trial.training.seq_len, causal=True)
-    return 3.0 * per_token * trial.tokens_per_step

@@ -3,6 +3,13 @@
 Random weights by default (seeded, so every rank of a trial builds the same model);
 a local checkpoint directory is loaded when given. Nothing is downloaded.
 
+The model is built where the rank computes and in the dtype it trains in (``device``,
+``dtype``): a GPU rank initialises on its GPU, where the host took most of a trial's wall
+time before (an H100 trial of llama3.2-3b spent 40-80 s building fp32 weights on the host for
+12 s of steps; ``../shared/data/calibration/h100_single_gpu.csv``, ``trial_wall_s``).
+DeepSpeed then casts nothing and moves nothing, and keeps fp32 master copies of the
+trainable parameters itself, as it did when it cast an fp32 build.
+
 Random weights use a standard deviation of ``max(0.02, 1 / sqrt(hidden))``: Hugging Face's
 0.02 (GPT-2's) bounds the largest logit a unit-RMS hidden state can reach on a random LM
 head at ``0.02 * hidden``, 2.6 nats at hidden 128, so a tiny model whose head is frozen
@@ -14,6 +21,8 @@ plateaued at 3.75 nats on ``workers.data``'s task, and reaches 0.03 with this sc
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -47,14 +56,34 @@ def llama_config(model: ModelSpec, attn_implementation: str = "sdpa") -> LlamaCo
     return config
 
 
-def build_llama(model: ModelSpec, seed: int = 0, checkpoint: str | None = None) -> LlamaForCausalLM:
-    """The model in fp32 (DeepSpeed casts to the training dtype)."""
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def build_llama(
+    model: ModelSpec,
+    seed: int = 0,
+    checkpoint: str | None = None,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> LlamaForCausalLM:
+    """The model on ``device`` in ``dtype`` (fp32 on the host by default)."""
     if checkpoint is not None:
         path = Path(checkpoint)
         if not path.is_dir():
             raise SpecError(f"no checkpoint directory {checkpoint!r}", field="checkpoint", fix="give a local path")
-        loaded = LlamaForCausalLM.from_pretrained(str(path), local_files_only=True, torch_dtype=torch.float32)
-        assert isinstance(loaded, LlamaForCausalLM)
-        return loaded
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(llama_config(model))
+        loaded = LlamaForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=dtype)
+        if not isinstance(loaded, LlamaForCausalLM):
+            raise SpecError(f"{checkpoint} holds a {type(loaded).__name__}, not a Llama model", field="checkpoint",
+                            fix="give a Llama checkpoint (config.json with model_type llama)")
+        moved: LlamaForCausalLM = loaded.to(torch.device(device))  # type: ignore[arg-type]  # HF wraps .to
+        return moved
+    torch.manual_seed(seed)  # seeds every device's generator: each rank builds the same weights
+    with torch.device(device), _default_dtype(dtype):
+        return LlamaForCausalLM(llama_config(model))

@@ -96,12 +96,16 @@ def add_peft_lora(model: nn.Module, lora: LoraSpec) -> nn.Module:
     return get_peft_model(model, config)
 
 
-def add_tp_lora(model: nn.Module, lora: LoraSpec, tp: int) -> list[tuple[nn.Module, str]]:
-    """Freeze the base, add sharded adapters beside each target; returns (parent, name) pairs."""
+def add_tp_lora(model: nn.Module, lora: LoraSpec, tp: int, tp_index: int = 0) -> list[tuple[nn.Module, str]]:
+    """Freeze the base, add sharded adapters beside each target; returns (parent, name) pairs.
+
+    The adapters are created where the layer's weight is (the meta device while the model is
+    being built) and tagged with the PEFT name and the part of it this rank holds, so their
+    initial values equal an unsharded PEFT build's (``workers.init``)."""
     for p in model.parameters():
         p.requires_grad_(False)
     added = []
-    for _, parent in list(model.named_modules()):
+    for parent_name, parent in list(model.named_modules()):
         for name in lora.targets:
             linear = getattr(parent, name, None)
             if not isinstance(linear, nn.Linear):
@@ -111,7 +115,17 @@ def add_tp_lora(model: nn.Module, lora: LoraSpec, tp: int) -> list[tuple[nn.Modu
             if (fan_out if kind == "column" else fan_in) % tp:
                 raise PipetteError(f"{name} width is not divisible by tp={tp}", field="config.tp", fix="lower tp")
             shape = (fan_in, fan_out // tp) if kind == "column" else (fan_in // tp, fan_out)
-            parent.add_module(f"{name}_lora", TPLoraAdapter(*shape, lora.rank, lora.alpha, kind))
+            with torch.device(linear.weight.device):
+                adapter = TPLoraAdapter(*shape, lora.rank, lora.alpha, kind)
+            prefix = f"{parent_name}.{name}" if parent_name else name
+            a, b = adapter.lora_A, adapter.lora_B
+            a.pipette_name, a.pipette_full_shape = f"{prefix}.lora_A.default.weight", (lora.rank, fan_in)  # type: ignore[attr-defined]
+            b.pipette_name, b.pipette_full_shape = f"{prefix}.lora_B.default.weight", (fan_out, lora.rank)  # type: ignore[attr-defined]
+            if kind == "column":
+                b.pipette_rows = (tp_index * shape[1], (tp_index + 1) * shape[1])  # type: ignore[attr-defined]
+            else:
+                a.pipette_cols = (tp_index * shape[0], (tp_index + 1) * shape[0])  # type: ignore[attr-defined]
+            parent.add_module(f"{name}_lora", adapter)
             added.append((parent, name))
     return added
 

@@ -1,11 +1,13 @@
 """Peak memory per rank and the memory cap that turns an over-size trial into ``oom``.
 
-* GPU: ``torch.cuda.max_memory_allocated`` (live tensor bytes, by the caching allocator).
+* GPU: ``torch.cuda.max_memory_allocated`` (live tensor bytes, by the caching allocator), and
+  ``max_memory_reserved`` beside it (what the allocator held, which is what runs out).
 * CPU: there is no allocator counter, so a dispatch mode counts the bytes of every tensor
   an operator allocates until that tensor dies, on top of the tensors alive when the
   step starts; plus the peak resident set size (``ru_maxrss``) of the process.
-* The cap (CPU): an address-space limit (``RLIMIT_AS``) of the process's size when the
-  trial starts plus the cap, so an allocation past it fails as a real out-of-memory.
+* The cap: on CPU an address-space limit (``RLIMIT_AS``) of the process's size when the
+  trial starts plus the cap, so an allocation past it fails as a real out-of-memory; on a GPU
+  the caching allocator's per-process fraction of the device.
 """
 
 from __future__ import annotations
@@ -77,8 +79,18 @@ def address_space_bytes() -> int:
         return int(f.read().split()[0]) * resource.getpagesize()
 
 
-def apply_memory_cap(cap_bytes: int) -> int:
-    """Limit the process to its current size plus ``cap_bytes``; returns the limit set."""
+def apply_memory_cap(cap_bytes: int, device: torch.device | None = None) -> int:
+    """Limit what the rank may allocate on ``device``; returns the limit set, in bytes.
+
+    Host (CPU devices): the process's current size plus ``cap_bytes``. GPU: the caching
+    allocator refuses to hold more than ``cap_bytes`` of the device
+    (``torch.cuda.set_per_process_memory_fraction``), and raises its own out-of-memory error,
+    as a smaller GPU would."""
+    if device is not None and device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        fraction = min(1.0, cap_bytes / total)
+        torch.cuda.set_per_process_memory_fraction(fraction, device)
+        return int(fraction * total)
     limit = address_space_bytes() + cap_bytes
     resource.setrlimit(resource.RLIMIT_AS, (limit, resource.RLIM_INFINITY))
     return limit
@@ -93,3 +105,12 @@ def oom_bytes(error: BaseException) -> int | None:
             return 0
         return int(float(m.group(1)) * _UNITS[(m.group(2) or "bytes").lower()])
     return None
+
+
+def oom_where(error: BaseException) -> str:
+    """``device`` for a GPU allocator's out-of-memory error, ``host`` for the host's (a
+    ``MemoryError``, or an allocation past the address-space cap)."""
+    text = str(error)
+    if isinstance(error, torch.OutOfMemoryError) or "CUDA out of memory" in text:
+        return "device"
+    return "host"

@@ -15,6 +15,9 @@ Megatron-LM's shared word embeddings (Narayanan et al. 2021, sec. 4).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TypeAlias
+
 import torch
 from deepspeed.pipe import PipelineModule, TiedLayerSpec
 from deepspeed.runtime.activation_checkpointing import checkpointing
@@ -22,6 +25,8 @@ from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 from torch import nn
 from transformers import LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+from workers.lora import copy_to_tp
 
 
 class EmbedStage(nn.Module):
@@ -81,7 +86,11 @@ def tied_embed(module: TiedEmbedding, input_ids: torch.Tensor) -> torch.Tensor:
 
 
 def tied_head(module: TiedEmbedding, hidden: torch.Tensor) -> torch.Tensor:
-    out: torch.Tensor = nn.functional.linear(hidden, module.embed.weight)
+    # A vocabulary-sharded embedding (tensor parallelism) makes this a column-parallel head:
+    # its input's gradient is all-reduced over the group (workers.tp_shard).
+    group = getattr(module.embed, "group", None)
+    x = copy_to_tp(hidden, group) if group is not None else hidden
+    out: torch.Tensor = nn.functional.linear(x, module.embed.weight)
     return out
 
 
@@ -89,14 +98,17 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
 
-def pipeline_module(model: LlamaForCausalLM, pp: int, dp: int, tp: int, recompute_layers: bool) -> PipelineModule:
-    """Split ``model`` into ``pp`` stages, decoder layers spread evenly (DeepSpeed's type-based
-    partition), on the rank layout of ``pipette.config`` (axes pipe, data, model)."""
+Layer: TypeAlias = nn.Module | TiedLayerSpec
+
+
+def pipeline_layers(model: LlamaForCausalLM) -> list[Layer]:
+    """The model as the pipeline's sequence of layers: embedding, decoder layers, head."""
     inner = model.model
     tied = bool(model.config.tie_word_embeddings)
-    if tied and model.lm_head.weight is not inner.embed_tokens.weight:
+    head_weight = getattr(model.lm_head, "weight", None)
+    if tied and head_weight is not inner.embed_tokens.weight:
         raise ValueError("the model says its embeddings are tied, but its LM head has its own weight")
-    layers: list[nn.Module | TiedLayerSpec] = []
+    layers: list[Layer] = []
     if tied:
         layers.append(TiedLayerSpec("embed", TiedEmbedding, inner.embed_tokens, forward_fn=tied_embed,
                                     tied_weight_attr=["embed.weight"]))
@@ -108,11 +120,40 @@ def pipeline_module(model: LlamaForCausalLM, pp: int, dp: int, tp: int, recomput
                                                         forward_fn=tied_head, tied_weight_attr=["embed.weight"])]
     else:
         layers.append(HeadStage(inner.norm, model.lm_head))
+    return layers
+
+
+def stage_bounds(layers: list[Layer], pp: int) -> list[int]:
+    """Where each stage's layers begin (and the last ends): DeepSpeed's own ``type:DecoderStage``
+    partition (decoder layers spread evenly), so a rank knows what it holds before it builds."""
+    from deepspeed.runtime import utils as ds_utils
+
+    weights = [1 if isinstance(layer, DecoderStage) else 0 for layer in layers]
+    return list(ds_utils.partition_balanced(weights=weights, num_parts=pp))
+
+
+def stage_modules(layers: list[Layer], pp: int, stage: int) -> list[nn.Module]:
+    """The modules stage ``stage`` holds (a tied embedding as its embedding module)."""
+    bounds = stage_bounds(layers, pp)
+    out: list[nn.Module] = []
+    for layer in layers[bounds[stage] : bounds[stage + 1]]:
+        if isinstance(layer, TiedLayerSpec):
+            out.append(layer.module_args[0])
+        else:
+            out.append(layer)
+    return out
+
+
+def pipeline_module(layers: list[Layer], pp: int, dp: int, tp: int, recompute_layers: bool,
+                    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lm_loss) -> PipelineModule:
+    """Split ``layers`` into ``pp`` stages, decoder layers spread evenly (DeepSpeed's type-based
+    partition, as ``stage_bounds``), on the rank layout of ``pipette.config`` (axes pipe, data,
+    model). A stage keeps only its own layers."""
     topology = PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=dp)
     return PipelineModule(
         layers=layers,
         topology=topology,
-        loss_fn=lm_loss,
+        loss_fn=loss_fn,
         partition_method="type:DecoderStage",
         activation_checkpoint_interval=1 if recompute_layers else 0,
         checkpointable_layers=["DecoderStage"],

@@ -2,8 +2,12 @@
 matrix between every pair of devices, and each device's matmul throughput. The result is a
 ``ClusterProfile`` with ``method="measured"`` and when it was measured.
 
-Inventory runs as one Ray task per node; the link and compute probe as one fresh process
-per device (``workers.probe_rank``), placed like trial ranks.
+Inventory runs as one Ray task per node (NVML: name, memory, free memory, PCIe topology and
+NVLink peers of every GPU); the link and compute probe as one fresh process per device
+(``workers.probe_rank``), placed like trial ranks: on GPU nodes each holds one Ray ``GPU``
+and measures with NCCL on it, on CPU nodes with gloo on the host. The profile records which
+backend and device measured each figure (``extra["measured_by"]``) and what joins each pair
+of devices (``extra["link_kind"]``: ``nvlink``, a PCIe path, ``network`` across nodes).
 """
 
 from __future__ import annotations
@@ -24,9 +28,9 @@ from pipette.cluster import ClusterProfile, Device, Node
 from pipette.device import DeviceSpec
 from pipette.errors import PipetteError
 from pipette.model import ModelSpec
-from workers.probe_rank import SIZES
+from workers.probe_rank import SIZES, probe_shapes
 from workers.rank_process import RankProcess
-from workers.ray_cluster import alive_nodes, ensure_ray
+from workers.ray_cluster import alive_nodes, assign_gpus, ensure_ray, node_gpus, rank_bundle
 
 
 def inventory(cpu_devices: int) -> dict[str, Any]:
@@ -62,10 +66,38 @@ def inventory(cpu_devices: int) -> dict[str, Any]:
             topo = [int(pynvml.nvmlDeviceGetTopologyCommonAncestor(h, o)) if o is not h else 0 for o in handles]
             name = pynvml.nvmlDeviceGetName(h)
             devices.append({"local_index": i, "name": name if isinstance(name, str) else name.decode(),
-                            "memory": int(mem.total), "free": int(mem.free), "topology": topo})
+                            "memory": int(mem.total), "free": int(mem.free), "topology": topo,
+                            "bus_id": _bus_id(pynvml.nvmlDeviceGetPciInfo(h)), **_nvlinks(pynvml, h)})
         return host | {"kind": "gpu", "devices": devices}
     finally:
         pynvml.nvmlShutdown()
+
+
+def _bus_id(pci: Any) -> str:
+    bus = pci.busId
+    return (bus if isinstance(bus, str) else bus.decode()).lower()
+
+
+def _nvlinks(pynvml: Any, handle: Any) -> dict[str, Any]:
+    """The GPU's active NVLinks: the bus ids of the GPUs they reach, and whether they go to an
+    NVSwitch (then every GPU on the fabric is one NVLink hop away). A GPU without NVLink, or
+    a driver that cannot say, has none."""
+    peers: set[str] = set()
+    switch = False
+    for link in range(int(getattr(pynvml, "NVML_NVLINK_MAX_LINKS", 18))):
+        try:
+            if pynvml.nvmlDeviceGetNvLinkState(handle, link) != pynvml.NVML_FEATURE_ENABLED:
+                continue
+            remote = pynvml.nvmlDeviceGetNvLinkRemotePciInfo(handle, link)
+        except pynvml.NVMLError:
+            continue
+        try:
+            kind = pynvml.nvmlDeviceGetNvLinkRemoteDeviceType(handle, link)
+            switch = switch or kind == getattr(pynvml, "NVML_NVLINK_DEVICE_TYPE_SWITCH", 2)
+        except (pynvml.NVMLError, AttributeError):
+            pass
+        peers.add(_bus_id(remote))
+    return {"nvlink_peers": sorted(peers), "nvswitch": switch}
 
 
 def _cpu_devices(n: int) -> list[dict[str, Any]]:
@@ -94,11 +126,9 @@ def probe_cluster(
     ], timeout=timeout_s)
     found, without_gpus = training_nodes(found)
     slots = [(i, d) for i, node in enumerate(found) for d in node["devices"]]
-    shapes = [[256, 256, 256], [512, 512, 512], [1024, 1024, 1024]]
-    if model is not None:
-        tokens = seq_len
-        shapes += [[tokens, model.hidden, model.hidden], [tokens, model.hidden, model.ffn_hidden]]
-    ranks = _run_probe(found, slots, {"shapes": shapes}, timeout_s)
+    device_kind = "gpu" if found and found[0]["kind"] == "gpu" else "cpu"
+    options = {"shapes": probe_shapes(device_kind, model, seq_len), "device_kind": device_kind}
+    ranks = _run_probe(found, slots, options, timeout_s)
     profile = _profile(name, found, slots, ranks, time.monotonic() - started)
     if without_gpus:
         profile.extra["nodes_without_gpus"] = [f"{f['name']} ({f['address']})" for f in without_gpus]
@@ -118,23 +148,36 @@ def _run_probe(
     found: list[dict[str, Any]], slots: list[tuple[int, dict[str, Any]]], options: dict[str, Any], timeout_s: float
 ) -> list[dict[str, Any]]:
     world = len(slots)
-    pg = placement_group([{"CPU": 1, f"node:{found[n]['address']}": 0.001} for n, _ in slots], strategy="PACK")
+    gpu = options.get("device_kind") == "gpu"
+    for node in found:
+        have = node_gpus(node["address"])
+        if gpu and have < len(node["devices"]):
+            raise PipetteError(
+                f"NVML shows {len(node['devices'])} GPU(s) on {node['name']} ({node['address']}), Ray has {have}",
+                field="cluster", fix="start Ray on that node with its GPUs (ray start --num-gpus N)",
+            )
+    pg = placement_group([rank_bundle(found[n]["address"], gpu) for n, _ in slots], strategy="PACK")
     if not pg.wait(timeout_seconds=60):
         remove_placement_group(pg)
-        raise PipetteError(f"Ray could not place {world} probe processes", field="cluster", fix="add Ray CPUs")
+        raise PipetteError(f"Ray could not place {world} probe processes", field="cluster",
+                           fix="free the devices (another job holds them?) or add Ray CPUs")
     actors = [
         RankProcess.options(  # type: ignore[attr-defined]
-            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r)
+            num_gpus=1 if gpu else 0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r),
         ).remote()
         for r in range(world)
     ]
     try:
         host, port = ray.get(actors[0].address.remote(), timeout=60)
-        for rank, (node, dev) in enumerate(slots):
-            gpu = found[node]["kind"] == "gpu"
+        visible = [""] * world
+        if gpu:
+            held = ray.get([a.gpu_ids.remote() for a in actors], timeout=60)
+            visible, _ = assign_gpus([n for n, _ in slots], [int(d["local_index"]) for _, d in slots], held)
+        for rank in range(world):
             env = {"RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": host, "MASTER_PORT": str(port),
                    "OMP_NUM_THREADS": "1", "PIPETTE_PROBE": json.dumps(options), "PYTHONUNBUFFERED": "1",
-                   "CUDA_VISIBLE_DEVICES": str(dev["local_index"]) if gpu else ""}
+                   "CUDA_VISIBLE_DEVICES": visible[rank], "LOCAL_RANK": "0"}
             ray.get(actors[rank].start.remote({}, [sys.executable, "-m", "workers.probe_rank"], env), timeout=60)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -166,7 +209,7 @@ def _profile(
 ) -> ClusterProfile:
     n = len(slots)
     bandwidth, latency = np.zeros((n, n)), np.zeros((n, n))
-    (s1, s2) = SIZES
+    (s1, s2) = ranks[0].get("message_sizes", SIZES)
     for r in ranks:
         for peer, (t1, t2) in r["links"].items():
             j = int(peer)
@@ -180,10 +223,13 @@ def _profile(
     devices = []
     for index, ((node, dev), r) in enumerate(zip(slots, sorted(ranks, key=lambda x: x["rank"]), strict=True)):
         peaks = {dtype: max(p[3] for p in points) for dtype, points in r["matmul"].items()}
-        efficiency = tuple((2.0 * m * k * nn, f / peaks["fp32"]) for m, k, nn, f in r["matmul"]["fp32"])
+        gpu = found[node]["kind"] == "gpu"
+        # The curve of the dtype the device trains in: bf16 tensor cores on a GPU, fp32 on a CPU.
+        curve = "bf16" if gpu and "bf16" in peaks else "fp32"
+        efficiency = tuple((2.0 * m * k * nn, f / peaks[curve]) for m, k, nn, f in r["matmul"][curve])
         spec = DeviceSpec(
             name=dev["name"], memory_bytes=int(dev["memory"]), peak_flops=peaks,
-            memory_bandwidth=float(r["copy_bandwidth"]), kind="gpu" if found[node]["kind"] == "gpu" else "cpu",
+            memory_bandwidth=float(r["copy_bandwidth"]), kind="gpu" if gpu else "cpu",
             efficiency=efficiency,
         )
         devices.append(Device(index=index, node=node, local_index=int(dev["local_index"]), spec=spec,
@@ -196,6 +242,47 @@ def _profile(
         latency=latency,
         measured_at=datetime.now(UTC).isoformat(timespec="seconds"),
         method="measured",
-        extra={"probe_s": elapsed, "matmul": [r["matmul"] for r in ranks], "message_sizes": list(SIZES),
-               "nvml": [f.get("nvml") for f in found]},
+        extra={"probe_s": elapsed, "matmul": [r["matmul"] for r in ranks], "message_sizes": [s1, s2],
+               "nvml": [f.get("nvml") for f in found],
+               # which backend and which device measured the figures, rank by rank
+               "measured_by": [{"rank": r["rank"], "backend": r.get("backend"), "device": r.get("device"),
+                                "device_name": r.get("device_name", dev["name"])}
+                               for r, (_, dev) in zip(sorted(ranks, key=lambda x: x["rank"]), slots, strict=True)],
+               "link_kind": link_kinds(found, slots)},
     )
+
+
+def link_kinds(found: list[dict[str, Any]], slots: list[tuple[int, dict[str, Any]]]) -> list[list[str]]:
+    """What joins each pair of devices: ``network`` across nodes; inside a GPU node ``nvlink``
+    (NVML saw an NVLink between the two, or both on one NVSwitch fabric) or the PCIe path NVML
+    reports (``pcie-switch``, ``pcie-host-bridge``, ``pcie-numa``, ``pcie-system``); ``host``
+    between CPU devices of one node; ``self`` on the diagonal."""
+    n = len(slots)
+    out = [["self"] * n for _ in range(n)]
+    for a in range(n):
+        for b in range(n):
+            if a == b:
+                continue
+            (na, da), (nb, db) = slots[a], slots[b]
+            if na != nb:
+                out[a][b] = "network"
+            elif found[na]["kind"] != "gpu":
+                out[a][b] = "host"
+            else:
+                out[a][b] = gpu_link(da, db)
+    return out
+
+
+#: NVML topology levels (nvmlGpuTopologyLevel_t) -> the PCIe path they name
+_PCIE_LEVELS = {0: "same-board", 10: "pcie-switch", 20: "pcie-switch", 30: "pcie-host-bridge", 40: "pcie-numa",
+                50: "pcie-system"}
+
+
+def gpu_link(a: dict[str, Any], b: dict[str, Any]) -> str:
+    if a.get("nvswitch") and b.get("nvswitch"):
+        return "nvlink"
+    if b.get("bus_id") and b["bus_id"] in (a.get("nvlink_peers") or ()):
+        return "nvlink"
+    topology = a.get("topology") or []
+    level = topology[int(b["local_index"])] if int(b["local_index"]) < len(topology) else None
+    return _PCIE_LEVELS.get(int(level), "pcie") if level is not None else "pcie"

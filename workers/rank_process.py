@@ -48,6 +48,10 @@ class RankProcess:
             port = int(s.getsockname()[1])
         return ray.util.get_node_ip_address(), port
 
+    def gpu_ids(self) -> list[str]:
+        """The GPUs Ray gave this actor (its bundle's ``GPU``); empty on a CPU rank."""
+        return [str(g) for g in ray.get_gpu_ids()]
+
     def prepare(self, argv: list[str], env: dict[str, str]) -> None:
         """Have the node's zygote up before the trial's clock starts (its first start
         imports the whole stack: tens of seconds on a loaded 2-core machine)."""

@@ -99,3 +99,91 @@ def missing_nodes(cluster: ClusterProfile, suspects: frozenset[str] = frozenset(
     the Ray nodes whose ids are in ``suspects`` as dead (Ray takes a while to notice a lost node)."""
     out = _match(cluster, [n for n in alive_nodes() if n["NodeID"] not in suspects])
     return [n.address or n.name for n, ip in zip(cluster.nodes, out, strict=True) if not ip]
+
+
+def node_gpus(ip: str) -> int:
+    """How many GPUs Ray has on the live node at ``ip`` (its ``GPU`` resource)."""
+    for n in alive_nodes():
+        if n["NodeManagerAddress"] == ip:
+            return int(n.get("Resources", {}).get("GPU", 0))
+    return 0
+
+
+def check_devices(cluster: ClusterProfile, ips: list[str] | None = None) -> None:
+    """Refuse, in one line, a cluster whose devices are not the Ray nodes' devices: GPUs in
+    the cluster file where Ray has none (trials would wait for GPUs that never come), or CPU
+    devices on Ray nodes with GPUs (trials would time the host while the GPUs idle)."""
+    where = os.environ.get("RAY_ADDRESS") or "a local Ray started by this process"
+    kind = cluster.device_spec.kind
+    nodes = alive_nodes()
+    gpus = sum(int(n.get("Resources", {}).get("GPU", 0)) for n in nodes)
+    if kind == "gpu" and gpus < cluster.world:
+        raise PipetteError(
+            f"the cluster {cluster.name!r} has {cluster.world} GPU(s) ({cluster.device_spec.name}) on "
+            f"{len(cluster.nodes)} node(s), but Ray ({where}) has {gpus} GPU(s) on {len(nodes)} node(s)",
+            field="cluster",
+            fix="point RAY_ADDRESS at the Ray cluster that holds those GPUs (ray start --head on a GPU node), "
+                "or leave out --cluster to measure and use this machine's own devices",
+        )
+    ips = ips if ips is not None else ray_node_ips(cluster)
+    for index, (node, ip) in enumerate(zip(cluster.nodes, ips, strict=True)):
+        want = len(cluster.devices_on(index))
+        have = node_gpus(ip)
+        if kind == "gpu" and have < want:
+            raise PipetteError(
+                f"the cluster {cluster.name!r} says node {node.name} has {want} GPU(s) "
+                f"({cluster.device_spec.name}), but Ray ({where}) has {have} GPU(s) on {ip}",
+                field="cluster",
+                fix="point RAY_ADDRESS at the Ray cluster that holds those GPUs (ray start --head on a GPU node), "
+                    "or leave out --cluster to measure and use this machine's own devices",
+            )
+        if kind == "cpu" and have > 0:
+            raise PipetteError(
+                f"the cluster {cluster.name!r} says node {node.name} has CPU devices, but Ray has {have} GPU(s) "
+                f"on {ip}: trials would time the host while the GPUs idle",
+                field="cluster",
+                fix="profile the GPU cluster (pipette cluster profile NAME, or pipette tune without --cluster) "
+                    "and use that profile",
+            )
+
+
+def assign_gpus(nodes: list[int], planned: list[int], held: list[list[str]]) -> tuple[list[str], bool]:
+    """The GPU each rank uses (a ``CUDA_VISIBLE_DEVICES`` entry), and whether that is the
+    placement's own device for every rank.
+
+    ``nodes[r]`` and ``planned[r]`` are rank r's node and planned local GPU index; ``held[r]``
+    the GPU ids Ray gave rank r's actor (one each). Ray decides which GPUs of a node a
+    placement group gets; when the trial holds every GPU the placement names on a node (the
+    usual case: a trial using the whole node), each rank gets its planned GPU, swapped among
+    the trial's own actors, so Ray's accounting stays true. When Ray gave other GPUs, the
+    ranks of that node take Ray's, in the placement's order."""
+    out = [""] * len(planned)
+    honoured = True
+    for node in sorted(set(nodes)):
+        ranks = [r for r, n in enumerate(nodes) if n == node]
+        pool = sorted({g for r in ranks for g in held[r]}, key=_gpu_order)
+        if len(pool) < len(ranks):
+            raise PipetteError(f"Ray gave the {len(ranks)} ranks on node {node} only {len(pool)} GPU(s): {pool}",
+                               field="cluster", fix="check the nodes' GPU resources (ray status)")
+        if all(str(planned[r]) in pool for r in ranks):
+            for r in ranks:
+                out[r] = str(planned[r])
+            continue
+        honoured = False
+        for r, gpu in zip(sorted(ranks, key=lambda r: planned[r]), pool, strict=False):
+            out[r] = gpu
+    return out, honoured
+
+
+def _gpu_order(gpu: str) -> tuple[bool, int, str]:
+    """Numeric ids in numeric order (10 after 9), then any others (UUIDs) by name."""
+    return (not gpu.isdigit(), int(gpu) if gpu.isdigit() else 0, gpu)
+
+
+def rank_bundle(ip: str, gpu: bool) -> dict[str, float]:
+    """One rank's placement-group bundle: a CPU, its GPU on a GPU node (so Ray never gives
+    that GPU to another rank or job), pinned to its node."""
+    bundle = {"CPU": 1.0, f"node:{ip}": 0.001}
+    if gpu:
+        bundle["GPU"] = 1.0
+    return bundle

@@ -65,9 +65,10 @@ class RayTrialRunner:
         cap = self.cluster.min_usable_memory if self.device_kind == "cpu" else None
         peak = self.cluster.device_spec.peak_flops.get(self.training.dtype)
         return TrialSpec(
-            self.model, self.training, config, warmup_steps=self.warmup_steps, min_steps=self.min_steps,
-            max_steps=self.max_steps, rel_ci=self.rel_ci, memory_cap_bytes=cap, device_kind=self.device_kind,
-            peak_flops=peak, seed=self.seed, data=self.data, checkpoint=self.checkpoint,
+            self.model, self.training, config, warmup_steps=self.warmup_steps,
+            min_steps=min(self.min_steps, self.max_steps), max_steps=self.max_steps, rel_ci=self.rel_ci,
+            memory_cap_bytes=cap, device_kind=self.device_kind, peak_flops=peak, seed=self.seed, data=self.data,
+            checkpoint=self.checkpoint,
         )
 
     def refusals(self, config: ParallelConfig) -> list[str]:

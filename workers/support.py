@@ -1,11 +1,11 @@
 """What the backends can run: every candidate is checked here before any process starts.
 
 The backend for a candidate is DeepSpeed in every case (``backend_name``):
-pp == 1 runs the Hugging Face model under the DeepSpeed engine (ZeRO 0-3, AutoTP when
-tp > 1); pp > 1 runs it as a ``PipelineModule`` under DeepSpeed's pipeline engine,
-with tp > 1 sharded by ``workers.tp_shard`` over the pipeline grid's model-parallel group
-(AutoTP cannot parse a ``PipelineModule``; the ``tensor_parallel`` block is then unused),
-and a tied embedding shared by the first and last stage through ``TiedLayerSpec``.
+pp == 1 runs the Hugging Face model under the DeepSpeed engine (ZeRO 0-3); pp > 1 runs it
+as a ``PipelineModule`` under DeepSpeed's pipeline engine, with a tied embedding shared by the
+first and last stage through ``TiedLayerSpec``. tp > 1 is Megatron-style sharding by
+``workers.tp_shard`` in both (linear layers and the vocabulary, built shard by shard:
+``workers.build``); the emitted config's AutoTP block is for users' own scripts.
 
 ``refusals_for`` needs only the job and the candidate, so a tuner can drop the candidates no
 backend runs before it measures anything; ``refusals``/``check_runnable`` take a ``TrialSpec``.
@@ -45,7 +45,8 @@ def refusals_for(model: ModelSpec, training: TrainingSpec, config: ParallelConfi
     if c.pp > m.layers:
         out.append(f"pp={c.pp} exceeds the {m.layers} layers")
     if c.tp > 1:
-        for name, width in (("heads", m.heads), ("kv_heads", m.kv_heads), ("ffn_hidden", m.ffn_hidden)):
+        for name, width in (("heads", m.heads), ("kv_heads", m.kv_heads), ("ffn_hidden", m.ffn_hidden),
+                            ("vocab", m.vocab)):
             if width % c.tp:
                 out.append(f"tp={c.tp} does not divide {name}={width}")
     if device_kind == "cpu" and t.dtype == "fp16":
@@ -72,9 +73,30 @@ def backend_name(trial: TrialSpec) -> str:
     c = trial.config
     parts = ["deepspeed", "pipeline" if c.pp > 1 else "engine", f"zero{c.zero_stage}"]
     if c.tp > 1:
-        parts.append("megatron-tp" if c.pp > 1 else "autotp")
+        parts.append("megatron-tp")
     if c.pp > 1 and trial.model.tied_embeddings:
         parts.append("tied-embedding")
     if trial.training.is_lora:
         parts.append("tp-lora" if c.tp > 1 else "peft-lora")
     return "+".join(parts)
+
+
+_CHECKED: set[tuple[str, str]] = set()
+
+
+def check_inputs(trial: TrialSpec) -> None:
+    """Refuse, before any rank starts, a trial whose inputs are not usable: a data file that is
+    missing, unreadable, not JSONL or shorter than one sequence; a checkpoint that is missing,
+    unreadable or not this model's (the first mismatching tensor and both shapes). Each is
+    read once per process."""
+    if trial.data is not None and (trial.data, str(trial.training.seq_len)) not in _CHECKED:
+        from workers.data import jsonl_token_ids
+
+        jsonl_token_ids(trial.data, trial.model.vocab, trial.training.seq_len)
+        _CHECKED.add((trial.data, str(trial.training.seq_len)))
+    if trial.checkpoint is None or (trial.checkpoint, trial.model.name) in _CHECKED:
+        return
+    from workers.checkpoint import check_checkpoint
+
+    check_checkpoint(trial.model, trial.checkpoint)
+    _CHECKED.add((trial.checkpoint, trial.model.name))

@@ -1,13 +1,14 @@
 """The entry point every rank runs, for a trial and for a launch Pipette emitted.
 
-    PIPETTE_RANK_MAP=rank_map.json deepspeed --hostfile hostfile --include ... \\
-        --module workers.train --deepspeed_config ds_config.json --candidate candidate.json
+    python -m deepspeed.launcher.runner --hostfile hostfile --include ... \\
+        --module workers.train --deepspeed_config ds_config.json --candidate candidate.json \\
+        --rank_map rank_map.json
 
-Launchers number processes node by node; ``PIPETTE_RANK_MAP`` (``pipette.emit.rank_map``)
-renumbers each one to the rank its (node, local device) has in the candidate's placement,
-so any placement runs as planned. The rendezvous store stays with the launcher's rank 0,
-at ``MASTER_ADDR``. The Ray executor runs this same command with ``RANK`` already the
-candidate's rank.
+Launchers number processes node by node; the rank map (``--rank_map``, or
+``PIPETTE_RANK_MAP``; ``pipette.emit.rank_map``) renumbers each one to the rank its (node,
+local device) has in the candidate's placement, so any placement runs as planned. The
+rendezvous store stays with the launcher's rank 0, at ``MASTER_ADDR``. The Ray executor
+runs this same command with ``RANK`` already the candidate's rank.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from pipette.emit import RANK_ENV
 from pipette.errors import PipetteError, SpecError
 
 
@@ -39,7 +41,7 @@ def pipette_rank(launcher_rank: int, rank_map: list[dict[str, Any]]) -> int:
     if len(match) != 1:
         raise SpecError(
             f"process {launcher_rank} (node {node}, local rank {local_rank}) is not in the rank map",
-            field="PIPETTE_RANK_MAP", fix="launch with the hostfile and --include Pipette wrote",
+            field="--rank_map", fix="launch with the hostfile and --include Pipette wrote",
         )
     return int(match[0]["rank"])
 
@@ -68,16 +70,31 @@ def build_environment() -> dict[str, str]:
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.update(build_environment())
+    # What a trial's rank runs with (pipette.emit.RANK_ENV), on a node the launcher reached
+    # over ssh too, where launch.sh's exports do not arrive; before torch is imported.
+    for key, value in RANK_ENV.items():
+        os.environ.setdefault(key, value)
     parser = argparse.ArgumentParser(prog="workers.train")
     parser.add_argument("--deepspeed_config", required=True)
     parser.add_argument("--candidate", required=True)
+    parser.add_argument("--rank_map", default=os.environ.get("PIPETTE_RANK_MAP"),
+                        help="rank_map.json: renumber this process to its rank in the candidate's placement")
     parser.add_argument("--local_rank", type=int, default=None)  # the deepspeed launcher passes it
     args = parser.parse_args(argv)
 
+    from workers.phases import PHASES
+
+    PHASES.begin()
+    PHASES.mark("start")
+    import deepspeed  # noqa: F401  # what a rank imports, timed as one phase
+    import peft  # noqa: F401
     import torch.distributed as dist
+    import transformers  # noqa: F401
 
     from workers.spec import TrialSpec
     from workers.trial import emit, run_rank
+
+    PHASES.mark("imports")
 
     candidate = json.loads(Path(args.candidate).read_text())
     options = candidate["trial"] = dict(candidate.get("trial") or {})
@@ -90,8 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     launcher_rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = launcher_rank
-    if os.environ.get("PIPETTE_RANK_MAP"):
-        rank = pipette_rank(launcher_rank, json.loads(Path(os.environ["PIPETTE_RANK_MAP"]).read_text()))
+    if args.rank_map:
+        rank = pipette_rank(launcher_rank, json.loads(Path(args.rank_map).read_text()))
         os.environ["RANK"] = str(rank)
     emit({"event": "rank", "rank": rank, "launcher_rank": launcher_rank, "local_rank": os.environ.get("LOCAL_RANK"),
           "visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "device_kind": trial.device_kind,

@@ -21,7 +21,9 @@ import torch.distributed as dist
 from scipy import stats
 
 from pipette.config import ParallelConfig
-from workers.memory import PeakTensorBytes, apply_memory_cap, oom_bytes, peak_rss_bytes
+from workers.devices import backend_for, collective_device, rank_device, to_device
+from workers.memory import PeakTensorBytes, apply_memory_cap, oom_bytes, oom_where, peak_rss_bytes
+from workers.phases import PHASES, Phases
 from workers.spec import TrialSpec
 from workers.support import backend_name, check_runnable
 
@@ -52,82 +54,81 @@ def _selective_attention() -> str:
 class Engine:
     """The DeepSpeed engine of one rank and how to run one training step on it."""
 
-    def __init__(self, trial: TrialSpec, ds_config: dict[str, Any], rank: int):
+    def __init__(self, trial: TrialSpec, ds_config: dict[str, Any], rank: int, phases: Phases | None = None):
         import deepspeed
 
+        from workers.build import build_rank_model, held_bytes
         from workers.data import Batches
-        from workers.hf_model import build_llama
-        from workers.lora import add_peft_lora, add_tp_lora, attach_tp_lora
-        from workers.pipe_model import lm_loss, pipeline_module
+        from workers.hf_model import TORCH_DTYPES
+        from workers.lora import attach_tp_lora
+        from workers.tp_shard import set_groups
 
         c, t = trial.config, trial.training
         _, dp_index, _ = c.coords(rank)
         self.trial, self.config = trial, c
+        self.device = rank_device(trial.device_kind)
         self.batches = Batches(trial.model.vocab, t.seq_len, c.mbs, dp_index, trial.seed, trial.data)
-        self.loss_fn = lm_loss
-        model = build_llama(trial.model, seed=trial.seed, checkpoint=trial.checkpoint)
+        # The runner shards tensor-parallel layers itself (workers.tp_shard, as pipette.memory
+        # counts them), inside a pipeline or not; AutoTP's block is for the user's own scripts.
+        ds_config = {k: v for k, v in ds_config.items() if k != "tensor_parallel"}
+        built = build_rank_model(trial, rank, self.device, TORCH_DTYPES[t.dtype], ds_config)
+        module, hf, self.pipeline, self.loss_fn = built.module, built.hf, built.pipeline, built.loss_fn
         if c.recompute == "selective":
-            model.config._attn_implementation = _selective_attention()
-        hf: Any = model
-        added: list[Any] = []
-        tp_group: Any = None
-        module: Any = model
-        if t.is_lora and t.lora is not None:
-            if c.tp > 1:
-                added = add_tp_lora(model, t.lora, c.tp)
-            else:
-                module = add_peft_lora(model, t.lora)
-                hf = module.base_model.model
-        self.pipeline = c.pp > 1
-        if self.pipeline:
-            module = pipeline_module(hf, c.pp, c.dp, c.tp, recompute_layers=c.recompute == "full")
-            if c.tp > 1:
-                from workers.tp_shard import shard_layers
-
-                grid = module.mpu()
-                tp_group = grid.get_slice_parallel_group()
-                shard_layers(module, c.tp, grid.get_slice_parallel_rank(), tp_group)
-                ds_config = {k: v for k, v in ds_config.items() if k != "tensor_parallel"}
-        elif c.recompute == "full":
+            hf.config._attn_implementation = _selective_attention()
+        elif c.recompute == "full" and not self.pipeline:
             hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        params = [p for p in module.parameters() if p.requires_grad]
+        tp_group: Any = None
         mpu = None
-        if c.tp > 1 and not self.pipeline:
-            from deepspeed.utils import groups
+        if c.tp > 1:
+            if self.pipeline:
+                tp_group = module.mpu().get_slice_parallel_group()  # type: ignore[operator]
+            else:
+                from deepspeed.utils import groups
 
-            # DeepSpeed sizes the batch by the data-parallel world only when it is given the
-            # TP mesh (dp, tp): tp varies fastest, so TP groups are consecutive ranks, as in
-            # pipette.config's rank layout.
-            groups._init_tp_mesh_device(tensor_model_parallel_size=c.tp)
-            mpu = groups
-        self.engine, *_ = deepspeed.initialize(model=module, model_parameters=params, config=ds_config, mpu=mpu)
-        if added:
-            from deepspeed.utils import groups
-
+                # DeepSpeed sizes the batch by the data-parallel world only when it is given the
+                # TP mesh (dp, tp): tp varies fastest, so TP groups are consecutive ranks, as in
+                # pipette.config's rank layout.
+                groups._init_tp_mesh_device(tensor_model_parallel_size=c.tp)
+                mpu = groups
+                tp_group = groups.get_tensor_model_parallel_group()
+                set_groups(module, tp_group, built.vocab_loss)
+        if built.tp_lora:
             mine = {id(m) for m in module.modules()}  # a pipeline stage holds only its own layers
-            added = [(parent, name) for parent, name in added if id(parent) in mine]
-
-            attach_tp_lora(added, tp_group if self.pipeline else groups.get_tensor_model_parallel_group())
-        self.trainable = sum(p.numel() for p in params)
+            attach_tp_lora([(parent, name) for parent, name in built.tp_lora if id(parent) in mine], tp_group)
+        params = [p for p in module.parameters() if p.requires_grad]
+        self.held_bytes = held_bytes(module)
+        if phases is not None:
+            phases.mark("build")
+        self.engine, *_ = deepspeed.initialize(model=module, model_parameters=params, config=ds_config, mpu=mpu)
+        self.trainable = sum(int(getattr(p, "ds_numel", p.numel())) for p in params)
+        if torch.device(self.engine.device) != self.device:
+            raise RuntimeError(f"DeepSpeed put the engine on {self.engine.device}, this rank computes on {self.device}")
+        if phases is not None:
+            phases.mark("engine")
 
     def step(self) -> float:
-        """One optimizer step (all micro-batches); returns the mean loss of this replica."""
+        """One optimizer step (all micro-batches); returns the mean loss of this replica.
+
+        The batch goes to the engine's device first (DeepSpeed's pipeline engine moves its
+        micro-batches itself); the losses stay there until the step's one read."""
         if self.pipeline:
             return float(self.engine.train_batch(data_iter=iter(self.batches)))
-        losses = []
+        total: torch.Tensor | None = None
         for _ in range(self.config.grad_accum):
-            ids, labels = self.batches.next()
+            ids, labels = to_device(self.batches.next(), self.device)
             logits = self.engine(input_ids=ids).logits
             loss = self.loss_fn(logits, labels)
             self.engine.backward(loss)
             self.engine.step()
-            losses.append(float(loss.detach()))
-        return sum(losses) / len(losses)
+            total = loss.detach() if total is None else total + loss.detach()
+        if total is None:
+            raise RuntimeError("a step of no micro-batches")
+        return float(total) / self.config.grad_accum
 
 
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _tight(times: list[float], rel_ci: float) -> bool:
@@ -138,24 +139,27 @@ def _tight(times: list[float], rel_ci: float) -> bool:
     return bool(half <= rel_ci * mean)
 
 
-def _agree(flag: bool) -> bool:
-    """Rank 0's decision, so every rank runs the same number of steps."""
-    t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+def _agree(flag: bool, compute: torch.device) -> bool:
+    """Rank 0's decision, so every rank runs the same number of steps (broadcast on the
+    backend's device: a CUDA tensor under NCCL)."""
+    device = collective_device(dist.get_backend(), compute)
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
     dist.broadcast(t, src=0)
     return bool(t.item())
 
 
 def train(trial: TrialSpec, ds_config: dict[str, Any], rank: int, report: Callable[[dict[str, Any]], None]) -> None:
     """Run the trial's steps on this rank (distributed is initialized); reports every step."""
-    engine = Engine(trial, ds_config, rank)
+    engine = Engine(trial, ds_config, rank, PHASES)
+    gpu = engine.device.type == "cuda"
     times: list[float] = []
     losses: list[float] = []
     peak_tensor = 0
     step = 0
     while True:
         warm = step < trial.warmup_steps
-        tracker = PeakTensorBytes() if step == trial.warmup_steps - 1 and trial.device_kind == "cpu" else None
-        _sync()
+        tracker = PeakTensorBytes() if step == trial.warmup_steps - 1 and not gpu else None
+        _sync(engine.device)
         start = time.perf_counter()
         if tracker is not None:
             with tracker:
@@ -163,8 +167,9 @@ def train(trial: TrialSpec, ds_config: dict[str, Any], rank: int, report: Callab
             peak_tensor = tracker.peak_bytes
         else:
             loss = engine.step()
-        _sync()
+        _sync(engine.device)
         elapsed = time.perf_counter() - start
+        PHASES.mark("warmup" if warm else "steps")
         losses.append(loss)
         if not warm:
             times.append(elapsed)
@@ -172,14 +177,25 @@ def train(trial: TrialSpec, ds_config: dict[str, Any], rank: int, report: Callab
         step += 1
         if not warm:
             done = len(times) >= trial.max_steps or (len(times) >= trial.min_steps and _tight(times, trial.rel_ci))
-            if _agree(done):
+            agreed = _agree(done, engine.device)
+            PHASES.mark("steps")
+            if agreed:
                 break
-    if torch.cuda.is_available():
-        peak_tensor = int(torch.cuda.max_memory_allocated())
+    device: dict[str, Any] = {"device": str(engine.device)}
+    if gpu:
+        # Live tensors (what the estimator predicts) and what the caching allocator held:
+        # an allocation fails on the second, so both are reported.
+        peak_tensor = int(torch.cuda.max_memory_allocated(engine.device))
+        props = torch.cuda.get_device_properties(engine.device)
+        device |= {"peak_reserved_bytes": int(torch.cuda.max_memory_reserved(engine.device)),
+                   "device_name": props.name, "device_memory_bytes": int(props.total_memory),
+                   "visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+    PHASES.mark("end")
     report({
-        "event": "done", "rank": rank, "step_times": times, "losses": losses,
+        "event": "done", "rank": rank, "step_times": times, "losses": losses, "phases": PHASES.seconds,
         "peak_tensor_bytes": peak_tensor, "peak_rss_bytes": peak_rss_bytes(),
-        "trainable_params": engine.trainable, "backend": backend_name(trial),
+        "trainable_params": engine.trainable, "held_param_bytes": engine.held_bytes,
+        "backend": backend_name(trial), **device,
     })
 
 
@@ -188,23 +204,34 @@ def run_rank(trial: TrialSpec, ds_config: dict[str, Any], rank: int, world: int,
     check_runnable(trial)
     if world != trial.config.world:
         raise ValueError(f"{world} processes for a candidate of world {trial.config.world}")
-    backend = "nccl" if trial.device_kind == "gpu" else "gloo"
-    if trial.device_kind == "gpu":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world)
+    backend = backend_for(trial.device_kind)
+    device = rank_device(trial.device_kind)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"a GPU trial, but this process sees no GPU (CUDA_VISIBLE_DEVICES="
+                               f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
+        torch.cuda.set_device(device)
+    options: dict[str, Any] = {"device_id": device} if device.type == "cuda" else {}
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, **options)
+    PHASES.mark("rendezvous")
+    from workers.ops import ensure_ops
+
+    ensure_ops(trial.device_kind, emit)  # before DeepSpeed's comm needs its op (workers.ops)
     import deepspeed
 
     deepspeed.init_distributed(dist_backend=backend)  # adopts the process group above
+    PHASES.mark("ops")
     try:
-        if trial.memory_cap_bytes is not None and trial.device_kind == "cpu":
-            apply_memory_cap(trial.memory_cap_bytes)
+        if trial.memory_cap_bytes is not None:
+            apply_memory_cap(trial.memory_cap_bytes, device)
         try:
             train(trial, ds_config, rank, emit)
         except (RuntimeError, MemoryError) as e:
             asked = oom_bytes(e)
             if asked is None:
                 raise
-            emit({"event": "oom", "rank": rank, "bytes": asked, "error": str(e)[:2000]})
+            emit({"event": "oom", "rank": rank, "bytes": asked, "where": oom_where(e), "phase": PHASES.current(),
+                  "error": str(e)[:2000]})
             return OOM_EXIT
         dist.barrier()
         return 0

@@ -174,14 +174,22 @@ def _start_server(path: str, extra_env: dict[str, str]) -> None:
             return
         _kill_stale(path)
         env = {**os.environ, **IMPORT_ENV, **extra_env, "PYTHONUNBUFFERED": "1"}
+        # The zygote ends with its host actor (PR_SET_PDEATHSIG): when the Ray that a job
+        # started for itself stops, nothing of it stays behind (it outlived `pipette tune`).
         subprocess.Popen([sys.executable, "-m", "workers.zygote", path], env=env, start_new_session=True,
                          stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=open(path + ".err", "a"),
-                         cwd=str(Path(__file__).resolve().parents[1]))
+                         cwd=str(Path(__file__).resolve().parents[1]), preexec_fn=_die_with_parent)
         deadline = time.monotonic() + 300
         while not _alive(path):
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the zygote did not start in 300 s: {Path(path + '.err').read_text()[-2000:]}")
             time.sleep(0.1)
+
+
+def _die_with_parent() -> None:
+    import ctypes
+
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def _kill_stale(path: str) -> None:
@@ -219,7 +227,19 @@ def serve(path: str) -> None:
     os.rename(tmp, path)  # atomic: a client sees a bound, listening socket or none
     children: dict[int, socket.socket] = {}
     last = time.monotonic()
+    parent = os.getppid()
+
+    def stop(signum: int, frame: Any) -> None:  # its host died (PDEATHSIG), or someone asked
+        if os.path.exists(path):
+            os.unlink(path)
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, stop)
     while True:
+        if os.getppid() != parent:  # the host actor is gone (a PDEATHSIG set too late to fire)
+            if os.path.exists(path):
+                os.unlink(path)
+            return
         ready, _, _ = select.select([server], [], [], 0.05)
         if ready:
             conn, _ = server.accept()
@@ -263,6 +283,7 @@ def _child(request: dict[str, Any], conn: socket.socket) -> None:
     """In the forked child: become ``python -m module argv`` and never return."""
     code = 1
     try:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the server's handler is not the rank's
         conn.close()
         os.setsid()
         fd = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND)

@@ -14,8 +14,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from pipette.cli import client, tune
 from pipette.errors import PipetteError, SpecError
 
@@ -46,11 +44,41 @@ def main(argv: Sequence[str] | None = None) -> int:
         code: int = args.func(args)
         return code
     except PipetteError as e:
-        print(f"pipette: error: {e}", file=sys.stderr)
+        print(f"pipette: error: {as_flags(e) if getattr(args, 'recipe_flags', False) else e}", file=sys.stderr)
         return EXIT_ERROR
     except KeyboardInterrupt:
         print("pipette: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `pipette plan | head`: the reader left, nothing to say
+        sys.stderr.close()
+        return EXIT_OK
+
+
+#: the recipe flag that sets each training field (plan and tune)
+RECIPE_FLAGS = {
+    "training.global_batch": ("--global-batch", "N"), "training.seq_len": ("--seq-len", "N"),
+    "training.dtype": ("--dtype", "bf16"), "training.optimizer": ("--optimizer", "adamw"),
+    "training.method": ("--method", "lora"), "training.lora.rank": ("--lora-rank", "16"),
+    "training.lora.alpha": ("--lora-alpha", "32"), "training.lora.targets": ("--lora-targets", "q_proj,v_proj"),
+    "training.recompute": ("--recompute", "none,full"), "training.zero_stages": ("--zero", "0,1"),
+    "training.schedules": ("--schedules", "1f1b"), "training.micro_batches": ("--micro-batches", "1,2,4"),
+    "cluster": ("--cluster", "FILE"), "model": ("--model", "NAME"), "recipe": ("--recipe", "FILE"),
+    "data": ("--data", "FILE"), "checkpoint": ("--checkpoint", "DIR"),
+}
+
+
+def as_flags(e: PipetteError) -> PipetteError:
+    """A recipe error named by the flag that sets the field (``--global-batch``, not
+    ``training.global_batch``); a missing one says which flag gives it."""
+    flag = RECIPE_FLAGS.get(e.field or "")
+    if flag is None:
+        return e
+    name, example = flag
+    fix = e.fix
+    if e.message == "is required":
+        fix = f"give {name} {example}, or {(e.field or '').split('.', 1)[1]} in a --recipe file"
+    return type(e)(e.message, field=name, fix=fix) if type(e) in (PipetteError, SpecError) else \
+        PipetteError(e.message, field=name, fix=fix)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -82,10 +110,13 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def add_recipe_flags(p: argparse.ArgumentParser) -> None:
-    """The training recipe's flags (``plan`` and ``tune``); they override ``--recipe``."""
+    """The training recipe's flags (``plan`` and ``tune``); they override ``--recipe``. Errors of
+    these commands name the flag (``as_flags``)."""
+    p.set_defaults(recipe_flags=True)
     p.add_argument("--recipe", help="a training recipe file (YAML or JSON); flags override it")
-    p.add_argument("--global-batch", type=int, help="sequences per optimizer step")
-    p.add_argument("--seq-len", type=int, help="tokens per sequence")
+    p.add_argument("--global-batch", type=int, help="sequences per optimizer step (required, here or in --recipe)")
+    p.add_argument("--seq-len", type=int, help="tokens per sequence (required, here or in --recipe; at most the "
+                   "model's positions)")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"])
     p.add_argument("--optimizer", choices=["adamw", "adam", "sgd"])
     p.add_argument("--method", choices=["full", "lora"])
@@ -106,7 +137,7 @@ def load_model(value: str) -> Any:
     if value.lower() in MODEL_PRESETS:
         return ModelSpec.preset(value)
     if value.endswith(".json") or Path(value).exists():
-        return ModelSpec.from_hf_config(value)
+        return ModelSpec.from_hf_config(value)  # a config.json, or the model folder holding it
     return ModelSpec.preset(value)  # raises UnknownPresetError with the list of presets
 
 
@@ -115,18 +146,9 @@ def load_recipe(path: str | None, args: argparse.Namespace) -> Any:
 
     data: dict[str, Any] = {}
     if path:
-        try:
-            text = Path(path).read_text()
-        except OSError as e:
-            raise SpecError(
-                f"cannot read {path!r} ({e.strerror})", field="recipe", fix="give a recipe file path"
-            ) from None
-        try:
-            loaded = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
-        except (json.JSONDecodeError, yaml.YAMLError) as e:
-            raise SpecError(
-                f"{path} is not valid: {str(e).splitlines()[0]}", field="recipe", fix="fix its syntax"
-            ) from None
+        from pipette.textfile import load_data_file
+
+        loaded = load_data_file(path, "recipe", "recipe file", "fix its syntax")
         if not isinstance(loaded, dict):
             raise SpecError(f"{path} does not hold a mapping", field="recipe", fix="write key: value pairs")
         data.update(loaded)
@@ -167,14 +189,15 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from pipette.memory import SAFETY_MARGIN
     from pipette.plan import make_plan
 
-    model = load_model(args.model)
-    training = load_recipe(args.recipe, args)
-    cluster = load_cluster(args.cluster)
+    # Every input is checked, cheapest first, and the first real error is the one reported.
     if args.top < 1:
         raise SpecError(f"is {args.top}", field="--top", fix="show at least 1 candidate")
     margin = SAFETY_MARGIN if args.margin is None else args.margin
     if not 0 <= margin < 1:
         raise SpecError(f"is {margin}", field="--margin", fix="give a fraction between 0 and 1, e.g. 0.05")
+    cluster = load_cluster(args.cluster)
+    model = load_model(args.model)
+    training = load_recipe(args.recipe, args)
     start = time.perf_counter()
     plan = make_plan(model, training, cluster, margin=margin)
     elapsed = time.perf_counter() - start
@@ -222,7 +245,7 @@ def _print_plan(plan: Any, top: int, elapsed: float) -> None:
         f"(planned in {elapsed:.2f} s, memory margin {plan.margin:.0%})\n"
     )
     header = f"{'#':>3} {'tp':>3} {'pp':>3} {'dp':>4} {'mbs':>3} {'zero':>4} {'recompute':>9} {'schedule':>8} " \
-             f"{'step s':>9} {'tokens/s':>11} {'MFU':>6} {'peak GiB':>15}"
+             f"{'step s':>9} {'tokens/s':>11} {'MFU':>6} {'HFU':>6} {'peak GiB':>15}"
     print(header)
     for i, p in enumerate(plan.ranked[:top], 1):
         cfg = p.config
@@ -231,7 +254,7 @@ def _print_plan(plan: Any, top: int, elapsed: float) -> None:
         print(
             f"{i:>3} {cfg.tp:>3} {cfg.pp:>3} {cfg.dp:>4} {cfg.mbs:>3} {cfg.zero_stage:>4} "
             f"{cfg.recompute:>9} {sched:>8} {p.perf.step_time:>9.3f} {p.perf.tokens_per_s:>11,.0f} "
-            f"{p.perf.mfu:>6.1%} {mem:>15}"
+            f"{p.perf.mfu:>6.1%} {p.perf.hfu:>6.1%} {mem:>15}"
         )
     print("\ndropped:" if dropped else "\ndropped: none")
     for code, count in plan.dropped.most_common():

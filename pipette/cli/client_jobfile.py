@@ -21,25 +21,15 @@ from typing import Any
 import yaml
 
 from pipette.errors import SpecError
+from pipette.textfile import parse_yaml, read_text
 
 TOP_LEVEL = ("cluster", "model", "training", "budget", "name")
 
 
 def load_job_file(path: str, overrides: Sequence[str] = ()) -> dict[str, Any]:
     file = Path(path)
-    try:
-        text = file.read_text()
-    except OSError as e:
-        raise SpecError(f"cannot read {path!r} ({e.strerror})", field="job file",
-                        fix="give the path of a job YAML file (see examples/jobs/)") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise SpecError(f"{path} is not valid YAML{where}: {problem}", field="job file",
-                        fix="fix the syntax (indent with spaces; quote values that contain ': ')") from None
+    text = read_text(file, "job file", "job file", "give the path of a job YAML file (see examples/jobs/)")
+    data = parse_yaml(text, path, "job file", "fix the syntax (indent with spaces; quote values that contain ': ')")
     if not isinstance(data, dict):
         raise SpecError(f"{path} does not hold a mapping", field="job file",
                         fix="write key: value pairs: cluster, model, training, budget, name (see examples/jobs/)")

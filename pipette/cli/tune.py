@@ -63,7 +63,8 @@ def add_parser(sub: Any, add_recipe_flags: Any) -> None:
     p.add_argument("--steps", type=int, default=8, help="timed steps per trial at most (default 8)")
     p.add_argument("--trial-timeout", type=float, default=180.0, help="seconds before a trial is a timeout")
     p.add_argument("--data", help="a local JSONL of prompt/response pairs (default: synthetic tokens)")
-    p.add_argument("--checkpoint", help="a local checkpoint to load (default: random weights)")
+    p.add_argument("--checkpoint", help="a local Hugging Face checkpoint folder (safetensors) to start from; "
+                   "each rank reads only its slices (default: seeded random weights)")
     p.add_argument("--home", default=None, help="where profiles and trial records live (default ~/.pipette)")
     p.add_argument("--no-memory", action="store_true", help="neither read nor keep past trials of this cluster")
     p.add_argument("--out", default="pipette-best", help="where to write the best configuration's files")
@@ -74,7 +75,7 @@ def add_parser(sub: Any, add_recipe_flags: Any) -> None:
 
 def cmd_tune(args: argparse.Namespace) -> int:
     from pipette.cli import load_model, load_recipe
-    from pipette.plan import make_plan
+    from pipette.plan import check_recipe, make_plan
     from pipette.tuner import TuneOptions, Tuner, cluster_key
 
     for name in ("max_trials", "steps", "devices"):
@@ -85,6 +86,17 @@ def cmd_tune(args: argparse.Namespace) -> int:
     model = load_model(args.model)
     training = load_recipe(args.recipe, _with_defaults(args))
     home = Path(args.home or os.environ.get("PIPETTE_HOME") or Path.home() / ".pipette")
+    # The job's own inputs before measuring anything: a bad one would fail every trial (and
+    # charge the candidates for it).
+    check_recipe(model, training)
+    if args.data:
+        from workers.data import jsonl_token_ids
+
+        jsonl_token_ids(args.data, model.vocab, training.seq_len)
+    if args.checkpoint:
+        from workers.checkpoint import check_checkpoint
+
+        check_checkpoint(model, args.checkpoint)
     ui = Progress(args.max_trials, stream=sys.stderr)
 
     from workers.runner import RayTrialRunner
@@ -94,9 +106,10 @@ def cmd_tune(args: argparse.Namespace) -> int:
     ui.say(f"planning {model.name} ({training.method}, global batch {training.global_batch} x {training.seq_len}) "
            f"on {cluster.world} x {cluster.device_spec.name} ...")
     plan = make_plan(model, training, cluster, seed=args.seed)
-    from workers.ray_cluster import ensure_ray
+    from workers.ray_cluster import check_devices, ensure_ray
 
     ensure_ray()
+    check_devices(cluster)  # GPUs in the file where Ray has none (or the reverse): refused before any trial
     # Every rank of this job carries a tag, so an operator (or a test) can find them: `ps e`.
     tag = os.environ.get("PIPETTE_RANK_TAG") or f"tune-{uuid.uuid4().hex[:12]}"
     runner = RayTrialRunner(model, training, cluster, device_kind=device_kind, timeout_s=args.trial_timeout,
@@ -249,8 +262,10 @@ class Progress:
         print(text, file=self.stream, flush=True)
 
     def header(self) -> None:
+        # "vs pred": (measured - predicted) / predicted, + when slower than predicted (the API's
+        # prediction_error); "peak MiB": the tensors' peak (the allocator's on a GPU)
         self.say(f"{'trial':>5}  {'candidate':<38} {'status':<8} {'predicted':>10} {'measured':>10} "
-                 f"{'error':>7} {'peak MiB':>9}")
+                 f"{'vs pred':>7} {'peak MiB':>9}")
 
     def start(self, number: int, data: dict[str, Any]) -> None:
         self.current = f"#{number} {data['label']}" + (f" (attempt {data['attempt']})" if data["attempt"] > 1 else "")
@@ -311,7 +326,13 @@ def _print_result(result: Any, out: str, files: dict[str, str]) -> None:
     print(f"  {'tokens/s':<18}{b.perf.tokens_per_s * b.perf.step_time / b.predicted_step_time:>12,.0f}"
           f"{m.tokens_per_s:>12,.0f}")
     if m.peak_memory:
-        print(f"  {'peak memory (MiB)':<18}{b.memory.peak_bytes / 2**20:>12,.0f}{max(m.peak_memory) / 2**20:>12,.0f}")
+        # Like with like: the tensors the estimator counts against the tensors the trial held;
+        # the process's resident size (interpreter, libraries) beside them.
+        tensors = b.memory.peak_bytes - b.memory.breakdown.get("overhead", 0)
+        print(f"  {'peak tensors (MiB)':<18}{tensors / 2**20:>12,.0f}{max(m.peak_memory) / 2**20:>12,.0f}")
+        rss = m.extra.get("peak_rss_bytes")
+        if rss:
+            print(f"  {'peak RSS (MiB)':<18}{'':>12}{max(rss) / 2**20:>12,.0f}")
     ran = len({t.number for t in result.trials})
     print(f"  found in {ran} trials of {len(result.plan.ranked)} candidates that fit")
     if files:

@@ -130,3 +130,47 @@ def load_ultrascale(directory: Path) -> list[Row]:
                 )
             )
     return rows
+
+
+@dataclass(frozen=True)
+class GpuRun:
+    """One row of ``h100_single_gpu.csv``: a real single-GPU trial and what it measured."""
+
+    runner: str
+    model: ModelSpec
+    training: TrainingSpec
+    config: ParallelConfig
+    status: str
+    step_time: float | None
+    peak_allocated_gib: float | None
+    trial_wall_s: float | None
+
+    @property
+    def label(self) -> str:
+        return f"{self.model.name} {self.training.method} seq{self.training.seq_len} {self.config.label}"
+
+
+def load_h100_single_gpu(directory: Path) -> list[GpuRun]:
+    """The rows of ``h100_single_gpu.csv`` (one H100 80GB, bf16, AdamW, ZeRO-0, tp = pp = dp = 1)."""
+    from pipette.training import LoraSpec
+
+    out = []
+    with open(directory / "h100_single_gpu.csv", newline="") as f:
+        for r in csv.DictReader(f):
+            lora = None
+            if r["method"] == "lora":
+                lora = LoraSpec(rank=int(r["lora_rank"]), alpha=2.0 * int(r["lora_rank"]),
+                                targets=tuple(r["lora_targets"].split(",")))
+            training = TrainingSpec(global_batch=int(r["global_batch"]), seq_len=int(r["seq_len"]),
+                                    dtype=r["dtype"], optimizer=r["optimizer"],  # type: ignore[arg-type]
+                                    method=r["method"], lora=lora)  # type: ignore[arg-type]
+            config = ParallelConfig(tp=int(r["tp"]), pp=int(r["pp"]), dp=int(r["dp"]), mbs=int(r["mbs"]),
+                                    global_batch=int(r["global_batch"]), zero_stage=int(r["zero_stage"]),
+                                    recompute=r["recompute"])  # type: ignore[arg-type]
+            out.append(GpuRun(
+                runner=r["runner"], model=ModelSpec.preset(r["model"]), training=training, config=config,
+                status=r["status"], step_time=float(r["step_time_s"]) if r["step_time_s"] else None,
+                peak_allocated_gib=float(r["peak_allocated_gib"]) if r["peak_allocated_gib"] else None,
+                trial_wall_s=float(r["trial_wall_s"]) if r["trial_wall_s"] else None,
+            ))
+    return out

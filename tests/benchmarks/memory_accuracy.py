@@ -74,6 +74,7 @@ def nanotron_options(row: Row) -> MemoryOptions:
         dp_bucket_elements=ALL_GRADIENTS,
         zero_bucket_elements=0,
         stage_layers=nanotron_stage_layers(row.model, row.config.pp),
+        loss_fp32_copies=2,  # its vocab-parallel cross entropy (Megatron's)
     )
 
 
@@ -237,6 +238,40 @@ def failure_analysis(rows: list[Row]) -> None:
         print(f"failures by {label}: " + "; ".join(parts))
 
 
+def h100_report(directory: Path) -> dict[str, float]:
+    """Pipette's own runner on one H100 (h100_single_gpu.csv): predicted live tensor bytes
+    (model state, activations, logits: no fragmentation) against ``max_memory_allocated``, and
+    the fits classification of every run with the estimator's peak and ``SAFETY_MARGIN``."""
+    from tests.benchmarks.calibration import load_h100_single_gpu
+
+    if not (directory / "h100_single_gpu.csv").exists():
+        return {}
+    runs = [r for r in load_h100_single_gpu(directory) if r.runner == "deepspeed-trial"]
+    capacity = 81559 * 2**20  # the H100 80GB HBM3's memory (NVML)
+    print("H100 single GPU (Pipette's runner, DeepSpeed + HF Llama, bf16), Pipette's default options:")
+    ape, false_fits, dropped = [], 0, 0
+    for r in runs:
+        est = estimate_memory(r.model, r.training, r.config, capacity)
+        part = est.breakdown
+        live = sum(part[k] for k in ("weights", "gradients", "optimizer", "buffers", "activations", "logits"))
+        fits = est.fits(SAFETY_MARGIN)
+        line = (f"  {r.label:60s} {r.status:3s}  predicted live {live / 2**30:6.1f} GiB, "
+                f"peak {est.peak_bytes / 2**30:6.1f}")
+        if r.peak_allocated_gib:
+            err = live / (r.peak_allocated_gib * 2**30) - 1
+            ape.append(abs(err))
+            line += f"  measured {r.peak_allocated_gib:5.1f} GiB ({err:+.1%})"
+        line += f"  predicted to fit: {'yes' if fits else 'no'}"
+        false_fits += int(fits and r.status == "oom")
+        dropped += int(not fits and r.status == "ok")
+        print(line)
+    out = {"mape": statistics.fmean(ape), "worst": max(ape), "false_fits": float(false_fits),
+           "dropped_ok": float(dropped)}
+    print(f"  live-bytes MAPE {out['mape']:.1%} (worst {out['worst']:.1%}; target 5%); predicted to fit but ran out "
+          f"of memory: {false_fits} (target 0); ran but predicted not to fit: {dropped} (target 0)")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="exit 1 when a target is missed")
@@ -251,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         held_out(rows)
     out = report(rows)
     failure_analysis(rows)
+    h100_report(directory)
     missed = (
         out["mape"] > TARGET_MAPE
         or out["ok_predicted_fit_pct"] < TARGET_OK_FIT

@@ -87,7 +87,8 @@ from optuna.distributions import BaseDistribution, CategoricalDistribution  # no
 from pipette.config import ParallelConfig  # noqa: E402
 from pipette.errors import PipetteError, SpecError  # noqa: E402
 from pipette.measurement import Measurement  # noqa: E402
-from pipette.memory import estimate_memory  # noqa: E402
+from pipette.memory import MEGATRON_OPTIONS, estimate_memory  # noqa: E402
+from pipette.perf import MEGATRON_CONSTANTS  # noqa: E402
 from pipette.plan import Plan, make_plan  # noqa: E402
 from pipette.search import PARAMS, candidate_params, params_key  # noqa: E402
 from pipette.tuner import OnStep, StepProgress, TuneOptions, Tuner  # noqa: E402
@@ -158,7 +159,8 @@ def build_group(source: str, rows: Sequence[Row]) -> Group:
         micro_batches=tuple(sorted({r.config.mbs for r in rows})),
         schedules=("1f1b",),
     )
-    plan = make_plan(r0.model, training, r0.cluster)
+    # the set's own framework (Megatron-LM, nanotron): its constants, not Pipette's stack's
+    plan = make_plan(r0.model, training, r0.cluster, constants=MEGATRON_CONSTANTS, memory_options=MEGATRON_OPTIONS)
     by_key: dict[Key, list[Row]] = {}
     for r in rows:
         by_key.setdefault(key_of(r.config), []).append(r)
@@ -172,7 +174,8 @@ def build_group(source: str, rows: Sequence[Row]) -> Group:
             truths[key] = Truth("ok", float(np.median([r.step_time for r in ok])), max(peaks) if peaks else None,
                                 len(rs))
         else:
-            mem = estimate_memory(r0.model, training, rs[0].config, capacity, device_kind=kind)
+            mem = estimate_memory(r0.model, training, rs[0].config, capacity, device_kind=kind,
+                                  options=MEGATRON_OPTIONS)
             status = "oom" if mem.peak_bytes >= OOM_FRACTION * capacity else "failed"
             truths[key] = Truth(status, None, None, len(rs))
     return Group(source, "/".join(r0.group), plan, configs, truths)

@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -35,6 +36,7 @@ def test_emitted_launch_runs_the_trials_job(tmp_path: Path) -> None:
                      warmup_steps=2, min_steps=3, max_steps=3)
     options = {k: v for k, v in spec.runner_options().items() if k != "device_kind"}  # found at launch
     files = write_launch_files(tmp_path, spec.model, spec.training, config, cluster, extra={"trial": options})
+    assert str(files["launch.sh"].parent) == str(tmp_path)
     assert json.loads(files["ds_config.json"].read_text()) == spec.ds_config()
     script = files["launch.sh"].read_text()
     assert "--no_ssh" in script and "--include node0:3,2" in script
@@ -43,11 +45,15 @@ def test_emitted_launch_runs_the_trials_job(tmp_path: Path) -> None:
     with socket.socket() as sock:  # a free rendezvous port: not 29500, which another launch may hold
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": str(ROOT), "MASTER_PORT": str(port)}
-    env.pop("RANK", None)
-    launcher = subprocess.Popen([str(files["launch.sh"])], cwd="/", env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+    # As a user runs it, as printed by `pipette tune`: from a shell whose PATH has no .venv (no
+    # `deepspeed` command), without the trial's OMP_NUM_THREADS; launch.sh finds both itself.
+    venv = str(Path(sys.executable).parent)
+    path = ":".join(p for p in os.environ["PATH"].split(":") if p != venv)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "OMP_NUM_THREADS", "VIRTUAL_ENV", "PYTHONPATH")}
+    env |= {"PATH": path, "MASTER_PORT": str(port)}
+    assert subprocess.run(["bash", "-c", "command -v deepspeed"], env=env, capture_output=True).returncode != 0
+    launcher = subprocess.Popen(["bash", "-c", f"(cd {tmp_path} && ./launch.sh)"], cwd="/", env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         out, err = launcher.communicate(timeout=240)
     except subprocess.TimeoutExpired:
@@ -67,7 +73,7 @@ def test_emitted_launch_runs_the_trials_job(tmp_path: Path) -> None:
     assert {v["master_port"] for v in ranks.values()} == {str(port)}  # MASTER_PORT reached the launcher
     finished = {int(e["rank"]): e for e in events if e["event"] == "done"}
     assert set(finished) == {0, 1}
-    assert finished[0]["backend"] == "deepspeed+engine+zero0+autotp"
+    assert finished[0]["backend"] == "deepspeed+engine+zero0+megatron-tp"
     assert len(finished[0]["step_times"]) == 3 and len(finished[0]["losses"]) == 5
 
     # The trial runner on Ray, with the same candidate, computes the same losses.
@@ -75,3 +81,10 @@ def test_emitted_launch_runs_the_trials_job(tmp_path: Path) -> None:
     assert trial.status == "ok", trial.error
     assert finished[0]["losses"] == pytest.approx(list(trial.losses), rel=1e-5)
     assert finished[1]["losses"] == pytest.approx(list(trial.losses), rel=1e-5)
+    # ... at the trial's speed: the launch sets what the trial's ranks had (one intra-op thread
+    # per rank). Unpinned it ran 4-16x slower; repeats of one candidate spread up to 1.44x here.
+    launched = statistics.median(max(a, b) for a, b in zip(finished[0]["step_times"], finished[1]["step_times"],
+                                                           strict=True))
+    ratio = launched / statistics.median(trial.step_times)
+    print(f"launch / trial step time: {ratio:.2f}")
+    assert 1 / 2 <= ratio <= 2, ratio

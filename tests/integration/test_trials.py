@@ -36,11 +36,13 @@ CASES = {
     "dp2-zero1-full": (trial(dp=2, zero=1), "deepspeed+engine+zero1"),
     "dp2-zero2-lora": (trial(dp=2, zero=2, method="lora"), "deepspeed+engine+zero2+peft-lora"),
     "dp2-zero3-recompute-full": (trial(dp=2, zero=3, recompute="full"), "deepspeed+engine+zero3"),
-    "tp2-full": (trial(tp=2), "deepspeed+engine+zero0+autotp"),
+    "tp2-full": (trial(tp=2), "deepspeed+engine+zero0+megatron-tp"),
     "tp2-lora-zero1-selective": (trial(tp=2, zero=1, method="lora", recompute="selective"),
-                                 "deepspeed+engine+zero1+autotp+tp-lora"),
+                                 "deepspeed+engine+zero1+megatron-tp+tp-lora"),
     "pp2-zero1-recompute-full": (trial(pp=2, zero=1, recompute="full"), "deepspeed+pipeline+zero1"),
     "tp2xpp2-lora": (trial(tp=2, pp=2, method="lora"), "deepspeed+pipeline+zero0+megatron-tp+tp-lora"),
+    # crashed in every job (IndexError attaching AutoTP's adapters to ZeRO-3 partitions): issue 17
+    "tp2-zero3-lora": (trial(tp=2, zero=3, method="lora", mbs=4), "deepspeed+engine+zero3+megatron-tp+tp-lora"),
     # the frozen embedding feeds stage 0's first checkpointed layer an input without grad
     "pp2-lora-recompute-full": (trial(pp=2, method="lora", recompute="full"), "deepspeed+pipeline+zero0+peft-lora"),
 }
@@ -143,7 +145,7 @@ def test_killed_rank_fails_the_trial() -> None:
 
     m = run_trial(trial(dp=2, min_steps=200, max_steps=200), timeout_s=120, on_step=kill_rank_1)
     assert m.status == "failed", (m.status, m.error)
-    assert "rank 1 was killed by SIGKILL" in m.error
+    assert m.error.startswith("rank 1 (node 0, ") and ") was killed by SIGKILL" in m.error.splitlines()[0]
     assert all(_gone(p) for p in pids)
 
 

@@ -56,3 +56,20 @@ def test_errors_are_one_line(tmp_path: Path) -> None:
     bad_url = admin("migrate", url="mysql://x/y", home=tmp_path)
     assert bad_url.returncode == 1 and "PIPETTE_DATABASE_URL" in bad_url.stderr
     assert admin("frobnicate", url=url, home=tmp_path).returncode == 2
+
+
+def test_serve_and_worker_refuse_a_missing_or_unmigrated_database_in_one_line(tmp_path: Path) -> None:
+    """With the scheduler on (the default), `serve` died with a 148-line traceback on a missing
+    database and on an unmigrated one (issue 17, item 20); `worker` too."""
+    from tests.service.conftest import pg_url, throwaway_pg_database
+
+    missing = admin("serve", "--port", "0", url=pg_url("pipette_no_such_db"), home=tmp_path)
+    lines = missing.stderr.strip().splitlines()
+    assert missing.returncode == 1 and len(lines) == 1, missing.stderr
+    assert "cannot reach the database" in lines[0] and "pipette_no_such_db" in lines[0]
+    with throwaway_pg_database() as url:  # created, never migrated
+        for command in (["serve", "--port", "0"], ["worker"]):
+            done = admin(*command, url=url, home=tmp_path)
+            lines = done.stderr.strip().splitlines()
+            assert done.returncode == 1 and len(lines) == 1, done.stderr
+            assert "is at schema none (empty)" in lines[0] and "pipette-admin migrate" in lines[0]

@@ -36,13 +36,16 @@ def test_sigkill_mid_trial_then_restart_resumes_the_job(tmp_path: Path, deepspee
             c = httpx.Client(base_url=first.base, headers=headers, timeout=30)
             cluster = c.post("/v1/clusters", json={"name": "local", "devices": 2}).json()
             seed_profile(db, cluster["id"])
-            # Two trials whatever the models say (no convergence stop, no pruning).
-            body = {**JOB_BODY, "budget": {"max_trials": 2, "steps": 4, "stop_probability": 0, "prune": False,
-                                           "retries": 0, "trial_timeout_s": 480}}
+            # Two trials whatever the models say (no convergence stop, no pruning), with steps long
+            # enough (256-token sequences) that trial 1 is seen mid-run: with JOB_BODY's 32-token
+            # steps a fast candidate's whole trial can fall between two polls.
+            body = {**JOB_BODY, "training": {**JOB_BODY["training"], "global_batch": 8, "seq_len": 256},
+                    "budget": {"max_trials": 2, "steps": 6, "stop_probability": 0, "prune": False,
+                               "retries": 0, "trial_timeout_s": 480}}
             job = c.post("/v1/jobs", json=body).json()
             url_ = job["url"]
 
-            wait_for(lambda: _stepping(c, url_, 1), 900, "trial 1 to be mid-run", first)
+            wait_for(lambda: _stepping(c, url_, 1), 900, "trial 1 to be mid-run", first, every_s=0.1)
             before = _snapshot(c, url_)
             assert before["job"]["state"] == "running" and before["trials"][1]["state"] == "running"
             first.kill()  # SIGKILL, mid-trial: nothing gets to clean up

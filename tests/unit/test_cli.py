@@ -42,7 +42,7 @@ def test_plan_prints_ranked_candidates_and_writes_launch_files(tmp_path: Path) -
     ranks = json.loads((out / "rank_map.json").read_text())
     assert sorted(r["device"] for r in ranks) == list(range(16))
     assert (out / "hostfile").read_text().splitlines() == ["node0 slots=8", "node1 slots=8"]
-    assert "deepspeed --hostfile" in (out / "launch.sh").read_text()
+    assert "-m deepspeed.launcher.runner --hostfile ./hostfile" in (out / "launch.sh").read_text()
 
 
 def test_plan_json_is_machine_readable(tmp_path: Path) -> None:
@@ -55,7 +55,8 @@ def test_plan_json_is_machine_readable(tmp_path: Path) -> None:
     assert ranked and ranked == sorted(ranked, key=lambda p: p["perf"]["step_time"])
     assert data["feasible"] >= len(ranked) and data["enumerated"] > 0
     assert all(p["memory"]["peak_bytes"] <= p["memory"]["capacity_bytes"] for p in ranked)
-    assert data["launch_command"].startswith("PIPETTE_RANK_MAP=")
+    assert data["launch_command"].startswith('"${PIPETTE_PYTHON:-python3}" -m deepspeed.launcher.runner')
+    assert data["launch_command"].endswith("/rank_map.json")
 
 
 def _assert_one_line_error(r: subprocess.CompletedProcess[str], *words: str) -> None:
@@ -118,3 +119,52 @@ def test_bad_flags(flag: list[str]) -> None:
 def test_help_has_examples() -> None:
     r = pipette("plan", "--help")
     assert r.returncode == 0 and "examples:" in r.stdout
+
+
+# ---- every input checked, the first real error named by its flag (issue 17, items 2, 3, 5) ----
+CPU4 = str(CLUSTERS / "cpu-4.yaml")
+
+
+def test_a_missing_global_batch_names_the_flag_that_gives_it() -> None:
+    r = pipette("plan", "--model", "tiny-llama", "--cluster", CPU4, "--seq-len", "32")
+    _assert_one_line_error(r, "--global-batch: is required", "give --global-batch N", "--recipe")
+
+
+@pytest.mark.parametrize(("args", "words"), [
+    (["--cluster", "/nonexistent.yaml"], ["--cluster: no such file '/nonexistent.yaml'"]),
+    (["--cluster", CPU4, "--zero", "5"], ["--zero: unknown value(s) 5"]),
+    (["--cluster", CPU4, "--top", "0"], ["--top: is 0"]),
+    (["--cluster", CPU4, "--model", "/"], ["--model: the folder '/' holds no config.json"]),
+])
+def test_the_first_real_error_is_reported_not_the_missing_batch(args: list[str], words: list[str]) -> None:
+    """Was: 'training.global_batch: is required (fix: give it)' for every one of these."""
+    base = ["plan", "--model", "tiny-llama"] if "--model" not in args else ["plan"]
+    _assert_one_line_error(pipette(*base, *args), *words)
+
+
+def test_a_sequence_longer_than_the_model_is_refused_naming_its_maximum() -> None:
+    r = pipette("plan", "--model", "llama2-7b", "--cluster", str(CLUSTERS / "a100-2x8.yaml"),
+                "--global-batch", "16", "--seq-len", "1000000")
+    _assert_one_line_error(r, "--seq-len: is 1000000, more than the 4096 positions llama2-7b has",
+                           "at most 4096")
+
+
+def test_a_model_folder_holding_config_json_is_read(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "llama", "hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 4, "intermediate_size": 344, "vocab_size": 512, "max_position_embeddings": 256}))
+    r = pipette("plan", "--model", str(tmp_path), "--cluster", CPU4, "--global-batch", "4", "--seq-len", "32",
+                "--no-files", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["ranked"]
+
+
+def test_a_reader_that_leaves_early_gets_no_traceback() -> None:
+    proc = subprocess.Popen([sys.executable, "-m", "pipette.cli", "plan", "--model", "llama2-7b", "--cluster",
+                             str(CLUSTERS / "a100-2x8.yaml"), "--global-batch", "16", "--seq-len", "4096",
+                             "--no-files", "--top", "50"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    proc.stdout.readline()
+    proc.stdout.close()  # as `| head -1` does
+    _, err = proc.communicate(timeout=60)
+    assert "Traceback" not in err and "BrokenPipe" not in err
