@@ -16,10 +16,16 @@ With no observations the posterior mean is 0: the prediction *is* the analytic m
 (DESIGN.md: the learned part corrects, never replaces). A trial that was pruned still ran
 some steps: its partial median enters with a larger noise.
 
-Memory. A trial that ran out of memory at a predicted peak ``P`` excludes every candidate
-predicted at ``0.95 P`` or more, so the same mistake is not proposed again; an ``ok``
-trial that peaked close to capacity at ``M`` against a predicted ``P`` scales every
-prediction by ``M / P`` (when above 1) before the safety margin is applied.
+Noise. A trial's observation noise is the spread of its own steps plus the trial-to-trial
+spread of one candidate (load on the machine, clocks, placement of the processes) that its
+own steps cannot show. That spread is measured: candidates timed more than once (the
+re-timing before the verdict) give a pooled variance of their trials' log medians, shrunk
+towards ``NOISE_FLOOR_SD`` with ``NOISE_PRIOR_DOF`` degrees of freedom (a scaled
+inverse-chi-squared prior; Gelman et al., *Bayesian Data Analysis*, 3rd ed., sec. 3.3).
+
+Memory and crashes: ``pipette.feasibility`` (learned per neighbourhood, never as one global
+ceiling): a candidate is proposed only when its chance to fit and to run are above
+``P_FIT_MIN`` and ``P_RUNS_MIN``, and its acquisition is weighted by both.
 """
 
 from __future__ import annotations
@@ -33,8 +39,8 @@ import numpy.typing as npt
 
 from pipette.config import ParallelConfig
 from pipette.estimates import TIME_PARTS, MemoryEstimate, PerfEstimate
+from pipette.feasibility import P_FIT_MIN, P_RUNS_MIN, MemoryModel, MemoryPoint, RunsModel, layout_features
 from pipette.measurement import Measurement
-from pipette.memory import SAFETY_MARGIN
 
 FloatArray = npt.NDArray[np.float64]
 
@@ -45,9 +51,11 @@ PRIOR_OFFSET_SD = 1.0
 PRIOR_RESIDUAL_SD = 0.3
 #: RBF length scale over the features below (each is O(1) per doubling or per mode).
 LENGTH_SCALE = 1.5
-#: Floor of a trial's measurement noise in log space: run-to-run spread of one candidate
-#: (load on the machine, clocks) that its own step times cannot show.
+#: Prior of the trial-to-trial spread of one candidate in log space (load on the machine,
+#: clocks) that its own step times cannot show; measured from repeats (module docstring).
 NOISE_FLOOR_SD = 0.03
+#: Weight of that prior in degrees of freedom (two repeats' worth).
+NOISE_PRIOR_DOF = 2.0
 #: A pruned trial's partial median is noisier: fewer steps, maybe still warming up.
 PRUNED_NOISE_SD = 0.15
 #: With this many timed trials, the residual sd and length scale are fitted (ML-II).
@@ -57,16 +65,9 @@ LENGTH_SCALE_GRID = (0.75, 1.5, 3.0)
 #: Correlation of the candidate-specific correction between two different jobs.
 CROSS_JOB_CORRELATION = 0.5
 
-#: A candidate predicted at this fraction of an out-of-memory trial's peak or more is excluded.
-OOM_CEILING = 0.95
-#: An ok trial that peaked at this fraction of capacity or more corrects the memory scale.
-NEAR_CAPACITY = 0.85
 #: A residual this far (log) above the median residual is an outlier run (a 3x slow run of a
 #: candidate whose neighbours ran at 1.1x, in the Ultra-Scale set): it is trusted less.
 OUTLIER_LOG = 0.4
-
-_RECOMPUTE = {"none": 0.0, "selective": 0.5, "full": 1.0}
-
 
 @dataclass(frozen=True)
 class Observation:
@@ -101,14 +102,7 @@ def features(config: ParallelConfig, perf: PerfEstimate) -> FloatArray:
     analytic model says their time goes."""
     total = perf.step_time if perf.step_time > 0 else 1.0
     shares = [perf.breakdown.get(k, 0.0) / total for k in TIME_PARTS]
-    return np.array(
-        [
-            math.log2(config.tp), math.log2(config.pp), math.log2(config.dp), math.log2(config.mbs),
-            config.zero_stage / 1.5, 2.0 * _RECOMPUTE.get(config.recompute, 0.0),
-            math.log2(config.virtual_stages), *(2.0 * s for s in shares),
-        ],
-        dtype=np.float64,
-    )
+    return np.array([*layout_features(config), *(2.0 * s for s in shares)], dtype=np.float64)
 
 
 class LearnedModel:
@@ -120,7 +114,8 @@ class LearnedModel:
         timed = [o for o in self.observations if _observed_time(o) is not None]
         self._keys = [o.job_key == job_key for o in timed]
         self._x = np.array([features(o.config, o.perf) for o in timed]) if timed else np.zeros((0, 0))
-        self._noise = np.array([_noise_sd(o.measurement) for o in timed])
+        self.trial_noise_sd, self.noise_dof = trial_noise(timed)
+        self._noise = np.array([math.hypot(_step_noise_sd(o.measurement), self.trial_noise_sd) for o in timed])
         self._y = np.array([math.log(_observed_time(o) or 1.0) - math.log(o.perf.step_time) for o in timed])
         if len(self._y) >= 3:
             # Robustness: a run far slower than the others' median residual gets a noise as
@@ -139,7 +134,9 @@ class LearnedModel:
                     key=lambda h: self._log_marginal_likelihood(*h),
                 )
             self._chol, self._alpha = self._factor(self.residual_sd, self.length_scale)
-        self.memory_scale, self.memory_ceiling = _memory_correction(self.observations, job_key)
+        own = [o for o in self.observations if o.job_key == job_key]  # another job's memory teaches nothing here
+        self.memory = MemoryModel([MemoryPoint(o.config, o.memory, o.measurement) for o in own])
+        self.runs = RunsModel([(o.config, o.measurement) for o in own])
 
     def _factor(self, s: float, ell: float) -> tuple[FloatArray, FloatArray]:
         k = self._kernel(self._x, self._keys, self._x, self._keys, s, ell) + np.diag(self._noise**2)
@@ -182,11 +179,23 @@ class LearnedModel:
     def predict(self, config: ParallelConfig, perf: PerfEstimate) -> Prediction:
         return self.predict_many([config], [perf])[0]
 
-    def fits(self, memory: MemoryEstimate, margin: float = SAFETY_MARGIN) -> bool:
-        """Whether a candidate fits once the learned memory scale is applied."""
-        if self.memory_ceiling is not None and memory.peak_bytes >= self.memory_ceiling:
-            return False
-        return memory.peak_bytes * self.memory_scale * (1.0 + margin) <= memory.capacity_bytes
+    def feasibility(
+        self, configs: Sequence[ParallelConfig], memories: Sequence[MemoryEstimate]
+    ) -> list[tuple[float, float]]:
+        """``(p_fit, p_runs)`` per candidate: its chance to fit in memory and to run at all."""
+        return list(zip(self.memory.p_fit(configs, memories), self.runs.p_runs(configs), strict=True))
+
+    def fits(self, config: ParallelConfig, memory: MemoryEstimate) -> bool:
+        """Whether a candidate is still worth a trial: likely enough to fit and to run."""
+        p_fit, p_runs = self.feasibility([config], [memory])[0]
+        return p_fit >= P_FIT_MIN and p_runs >= P_RUNS_MIN
+
+    def summary(self) -> dict[str, float | int]:
+        """How much the model trusts the analytic prior, and the noise it measured."""
+        return {"timed_trials": self.n_timed, "residual_sd": self.residual_sd, "length_scale": self.length_scale,
+                "trial_noise_sd": self.trial_noise_sd, "noise_dof": self.noise_dof,
+                "memory_offset_sd": self.memory.offset_sd, "memory_residual_sd": self.memory.residual_sd,
+                "memory_points": self.memory.n, "crashes": self.runs.n_failed}
 
 
 def _observed_time(o: Observation) -> float | None:
@@ -196,37 +205,29 @@ def _observed_time(o: Observation) -> float | None:
     return None
 
 
-def _noise_sd(m: Measurement) -> float:
-    """The log-space standard error of a trial's step time: its steps' spread over sqrt(n)."""
+def _step_noise_sd(m: Measurement) -> float:
+    """The log-space standard error of a trial's step time from its own steps' spread."""
     if m.status == "pruned":
         return PRUNED_NOISE_SD
     logs = np.log(np.asarray(m.step_times, dtype=np.float64))
-    spread = float(logs.std(ddof=1) / math.sqrt(len(logs))) if len(logs) > 1 else 0.0
-    return max(NOISE_FLOOR_SD, spread)
+    return float(logs.std(ddof=1) / math.sqrt(len(logs))) if len(logs) > 1 else 0.0
 
 
-def _memory_correction(observations: Sequence[Observation], job_key: str) -> tuple[float, int | None]:
-    """What this job's trials taught about memory (another job's model teaches nothing here).
-
-    - ``ceiling``: a trial that ran out of memory at a predicted peak ``P`` rules out every
-      candidate predicted at ``OOM_CEILING * P`` or more: nothing as large is proposed again.
-    - ``scale``: a trial that ran and peaked close to capacity (``NEAR_CAPACITY``) at ``M``
-      against a predicted ``P`` scales every prediction by ``M / P`` when that is above 1.
-      Trials far from capacity do not: the estimator's ratio varies between candidates
-      (0.5-2.1x on the Ultra-Scale set), and one large ratio far from the limit would shut
-      out candidates that fit (seen in the replay benchmark, group 8B / 1 node).
-    """
-    scale, ceiling = 1.0, None
+def trial_noise(observations: Sequence[Observation]) -> tuple[float, float]:
+    """The trial-to-trial sd of one candidate's log step time, pooled over candidates timed
+    more than once (ok trials of this job), shrunk to the prior: ``(sd, degrees of freedom)``."""
+    by_config: dict[str, list[float]] = {}
     for o in observations:
-        if o.job_key != job_key or o.memory.peak_bytes <= 0:
-            continue
-        m = o.measurement
-        if m.status == "oom":
-            bound = int(OOM_CEILING * o.memory.peak_bytes)
-            ceiling = bound if ceiling is None else min(ceiling, bound)
-        elif m.status == "ok" and m.peak_memory_max and m.peak_memory_max >= NEAR_CAPACITY * o.memory.capacity_bytes:
-            scale = max(scale, m.peak_memory_max / o.memory.peak_bytes)
-    return scale, ceiling
+        t = _observed_time(o)
+        if o.measurement.status == "ok" and t is not None:
+            by_config.setdefault(f"{o.job_key}/{o.config.label}", []).append(math.log(t))
+    ss, dof = 0.0, 0
+    for logs in by_config.values():
+        if len(logs) > 1:
+            ss += float(((np.array(logs) - np.mean(logs)) ** 2).sum())
+            dof += len(logs) - 1
+    var = (NOISE_PRIOR_DOF * NOISE_FLOOR_SD**2 + ss) / (NOISE_PRIOR_DOF + dof)
+    return math.sqrt(var), float(dof)
 
 
 def _solve_chol(chol: FloatArray, b: FloatArray) -> FloatArray:

@@ -11,7 +11,12 @@ measured throughput in tokens/s (maximised); a trial that ran out of memory or f
 
 Expected improvement on the log step time ``y`` with incumbent ``y*`` and a Gaussian
 prediction ``N(mu, sd^2)`` (Jones, Schonlau & Welch 1998, eq. 15):
-``EI = (y* - mu) Phi(z) + sd phi(z)``, ``z = (y* - mu) / sd``.
+``EI = (y* - mu) Phi(z) + sd phi(z)``, ``z = (y* - mu) / sd``, weighted by the chance that
+the candidate fits and runs (constrained EI: Gardner et al. 2014, "Bayesian optimization
+with inequality constraints", eq. 5) relative to that chance before any trial
+(``pipette.feasibility``). The incumbent is the
+candidate with the best mean log step time over its ok trials (a candidate re-timed several
+times counts once, with its mean, not its luckiest trial).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from optuna.trial import FrozenTrial, TrialState
 from scipy.stats import norm
 
 from pipette.config import ParallelConfig
+from pipette.feasibility import P_FIT_MIN, P_RUNS_MIN, RUNS_PRIOR, p_fit_prior
 from pipette.learned import LearnedModel, Observation, Prediction
 from pipette.measurement import Measurement
 from pipette.plan import Planned
@@ -69,8 +75,11 @@ class Scored:
     planned: Planned
     prediction: Prediction
     expected_improvement: float
-    #: probability of beating the incumbent's step time by more than the tolerance
+    #: probability of beating the incumbent's step time by more than the tolerance, and of
+    #: fitting and running (all three are needed to beat it)
     p_beat: float
+    p_fit: float = 1.0
+    p_runs: float = 1.0
 
 
 def observations(
@@ -97,46 +106,70 @@ def tried_keys(study: Study) -> set[tuple[Any, ...]]:
 
 
 def _ok_measurements(study: Study) -> list[dict[str, Any]]:
-    """The measurement dicts of the study's trials that ran to the end."""
+    """The records of the study's trials that ran to the end."""
     return [
-        t.user_attrs[RECORD_ATTR]["measurement"]
+        t.user_attrs[RECORD_ATTR]
         for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
         if RECORD_ATTR in t.user_attrs and t.user_attrs[RECORD_ATTR]["measurement"]["status"] == "ok"
     ]
 
 
+def measured_means(study: Study) -> dict[str, tuple[float, int]]:
+    """Per tried candidate (by label): the mean log step time of its ok trials and their number."""
+    logs: dict[str, list[float]] = {}
+    for r in _ok_measurements(study):
+        t = r["measurement"].get("step_time")
+        if t:
+            logs.setdefault(r["label"], []).append(math.log(t))
+    return {label: (sum(v) / len(v), len(v)) for label, v in logs.items()}
+
+
+def incumbent(study: Study) -> tuple[float, int] | None:
+    """The best candidate's (mean log step time, ok trials), or None before any ok trial."""
+    means = measured_means(study)
+    return min(means.values()) if means else None
+
+
 def incumbent_step_time(study: Study) -> float | None:
-    times = [m["step_time"] for m in _ok_measurements(study)]
-    return min(times) if times else None
+    best = incumbent(study)
+    return math.exp(best[0]) if best else None
 
 
 def incumbent_throughput(study: Study) -> float | None:
     """The best measured tokens/s (what trials report as intermediate values)."""
-    values = [m["tokens_per_s"] for m in _ok_measurements(study)]
+    values = [r["measurement"]["tokens_per_s"] for r in _ok_measurements(study)]
     return max(values) if values else None
 
 
 def score(
     candidates: Sequence[Planned],
     learned: LearnedModel,
-    incumbent: float | None,
+    best: tuple[float, int] | None,
     tolerance: float,
 ) -> list[Scored]:
-    """Every candidate the learned model says fits, with its EI and its chance to beat the
-    incumbent by more than ``tolerance``; best acquisition first."""
-    fitting = [c for c in candidates if learned.fits(c.memory)]
-    preds = learned.predict_many([c.config for c in fitting], [c.perf for c in fitting])
+    """Every candidate still worth a trial (``LearnedModel.fits``), with its constrained EI
+    and its chance to beat the incumbent ``best`` (mean log step time, trials) by more than
+    ``tolerance``; best acquisition first."""
+    feasible = learned.feasibility([c.config for c in candidates], [c.memory for c in candidates])
+    kept = [(c, f) for c, f in zip(candidates, feasible, strict=True) if f[0] >= P_FIT_MIN and f[1] >= P_RUNS_MIN]
+    preds = learned.predict_many([c.config for c, _ in kept], [c.perf for c, _ in kept])
+    priors = p_fit_prior([c.memory for c, _ in kept])
     out = []
-    for c, p in zip(fitting, preds, strict=True):
-        if incumbent is None:
-            # Nothing measured yet: the prediction alone ranks (the analytic top-1 first).
-            out.append(Scored(c, p, -p.log_step_time, 1.0))
+    for (c, (p_fit, p_runs)), p, prior in zip(kept, preds, priors, strict=True):
+        # what the trials taught about fitting and running (1 before any trial: feasibility)
+        taught = min(1.0, p_fit / prior) * min(1.0, p_runs / RUNS_PRIOR)
+        if best is None:
+            # Nothing measured yet: the prediction ranks (the analytic top-1 first), a
+            # candidate the trials say may not fit or run later.
+            out.append(Scored(c, p, -p.log_step_time + math.log(taught), taught, p_fit, p_runs))
             continue
-        y_star = math.log(incumbent)
-        z = (y_star - p.log_step_time) / p.sd
-        ei = (y_star - p.log_step_time) * float(norm.cdf(z)) + p.sd * float(norm.pdf(z))
-        p_beat = float(norm.cdf((y_star + math.log(1.0 - tolerance) - p.log_step_time) / p.sd))
-        out.append(Scored(c, p, ei, p_beat))
+        y_star, n = best
+        # the incumbent's mean is itself measured with noise: compare the two
+        sd = math.hypot(p.sd, learned.trial_noise_sd / math.sqrt(n))
+        z = (y_star - p.log_step_time) / sd
+        ei = ((y_star - p.log_step_time) * float(norm.cdf(z)) + sd * float(norm.pdf(z))) * taught
+        p_beat = float(norm.cdf((y_star + math.log(1.0 - tolerance) - p.log_step_time) / sd)) * taught
+        out.append(Scored(c, p, ei, p_beat, p_fit, p_runs))
     out.sort(key=lambda s: (-s.expected_improvement, s.prediction.step_time, s.planned.config.label))
     return out
 
@@ -170,7 +203,7 @@ class PerfModelSampler(BaseSampler):
         """Untried candidates, best first, with the learned model of the study so far."""
         tried = tried_keys(study)
         untried = [c for k, c in self.by_key.items() if k not in tried]
-        return score(untried, self.learned(study), incumbent_step_time(study), self.tolerance)
+        return score(untried, self.learned(study), incumbent(study), self.tolerance)
 
     def infer_relative_search_space(self, study: Study, trial: FrozenTrial) -> dict[str, BaseDistribution]:
         return dict(self.space)

@@ -7,9 +7,19 @@ finished attempt becomes a ``TrialRecord``; the records are the one source of tr
 ``Tuner`` built with ``history=`` rebuilds the same study (``optuna.trial.create_trial``)
 and goes on, so a restarted service resumes a job without a second store.
 
-Stop rule: stop when no untried candidate has more than ``stop_probability`` chance of
-beating the incumbent's measured step time by more than ``tolerance`` under the learned
-model, or when every candidate predicted to fit was tried, or at the trial or time budget.
+Stop rule: stop searching when no untried candidate has more than ``stop_probability``
+chance of beating the incumbent's measured step time by more than ``tolerance`` (and of
+fitting and running) under the learned model, or when every candidate still worth a trial
+was tried, or at the trial or time budget.
+
+Re-time before the verdict: before the tuner hands back its pick, the best ``retime``
+candidates tried so far are run again, interleaved (each round runs every contender once,
+in alternating order, so that drift on the machine hits them alike), until the pick is
+within ``tolerance`` of every contender with probability ``confidence`` or the rounds or the
+budget run out (``max_trials // 4`` trials, at most ``retime``, are kept from the search for
+this). The pick is the candidate with the best mean log step time over its ok trials, and
+the result says how sure it is (``Tuner.confidence``): the probability, under the measured
+trial-to-trial noise, that the pick is within ``tolerance`` of the best candidate tried.
 A trial that fails for another reason than memory (``failed``, ``timeout``) is retried
 ``retries`` times, then recorded as failed; the search goes on. A trial that failed because
 the cluster lost a node (``Measurement.extra["lost_nodes"]``) is rerun without using a retry,
@@ -30,6 +40,7 @@ from typing import Any, Protocol
 
 import optuna
 from optuna.trial import TrialState
+from scipy.stats import norm
 
 from pipette.config import ParallelConfig
 from pipette.errors import InfeasibleError, SpecError
@@ -65,6 +76,11 @@ class TuneOptions:
     prune_slower: float = 0.25
     retries: int = 1
     seed: int = 0
+    #: contenders re-timed before the verdict (0 or 1: no re-timing), and at most this many rounds
+    retime: int = 3
+    retime_rounds: int = 3
+    #: stop re-timing once the pick is this sure to be within ``tolerance`` of the best tried
+    confidence: float = 0.9
 
     def __post_init__(self) -> None:
         if self.max_trials < 1:
@@ -77,6 +93,18 @@ class TuneOptions:
                 raise SpecError(f"is {value}", field=f"budget.{name}", fix="give a fraction in [0, 1), e.g. 0.02")
         if self.retries < 0:
             raise SpecError(f"is {self.retries}", field="budget.retries", fix="give 0 or more")
+        if self.retime < 0 or self.retime_rounds < 0:
+            raise SpecError(f"is {min(self.retime, self.retime_rounds)}", field="budget.retime",
+                            fix="give 0 or more contenders and rounds (0: no re-timing)")
+        if not 0.0 < self.confidence < 1.0:
+            raise SpecError(f"is {self.confidence}", field="budget.confidence",
+                            fix="give a fraction in (0, 1), e.g. 0.9")
+
+    @property
+    def retime_reserve(self) -> int:
+        """Trials kept from the search for re-timing."""
+        reserve = min(self.retime, self.max_trials // 4)
+        return reserve if reserve >= 2 else 0
 
 
 @dataclass(frozen=True)
@@ -111,6 +139,8 @@ class TrialRecord:
     predicted_sd: float = 0.0
     attempt: int = 1
     job_key: str = ""
+    #: "search" (proposed by the sampler) or "retime" (a contender re-run before the verdict)
+    purpose: str = "search"
 
     @property
     def label(self) -> str:
@@ -127,7 +157,7 @@ class TrialRecord:
         m = self.measurement
         return {
             "number": self.number, "attempt": self.attempt, "label": self.label, "job_key": self.job_key,
-            "config": self.config.to_dict(), "measurement": m.to_dict(),
+            "purpose": self.purpose, "config": self.config.to_dict(), "measurement": m.to_dict(),
             "perf": self.perf.to_dict(), "memory": self.memory.to_dict(),
             "analytic_step_time": self.analytic_step_time,
             "predicted_step_time": self.predicted_step_time, "predicted_sd": self.predicted_sd,
@@ -152,6 +182,7 @@ class TrialRecord:
                                       {k: int(v) for k, v in mem["breakdown"].items()}, int(mem.get("stage", 0)),
                                       tuple(mem.get("notes", ()))),
                 predicted_step_time=float(d["predicted_step_time"]), predicted_sd=float(d.get("predicted_sd", 0.0)),
+                purpose=str(d.get("purpose", "search")),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise SpecError(f"is not a trial record ({type(e).__name__}: {e})", field="trial",
@@ -173,6 +204,10 @@ class TuneResult:
     best: TrialRecord | None
     interrupted: bool = False
     unrunnable: Counter[str] = field(default_factory=Counter)
+    #: probability that ``best`` is within the tolerance of the best candidate tried
+    confidence: float | None = None
+    #: how much the learned model trusted the analytic prior, and the noise it measured
+    learned: dict[str, float | int] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         best = None
@@ -191,7 +226,8 @@ class TuneResult:
             "stop_reason": self.stop_reason, "interrupted": self.interrupted,
             "trials_run": len({t.number for t in self.trials}), "attempts": len(self.trials),
             "candidates": len(self.plan.ranked), "enumerated": self.plan.enumerated,
-            "unrunnable": dict(self.unrunnable),
+            "unrunnable": dict(self.unrunnable), "confidence": self.confidence, "learned": dict(self.learned),
+            "retimed": sum(1 for t in self.trials if t.purpose == "retime"),
             "best": best, "trials": [t.to_dict() for t in self.trials],
         }
 
@@ -288,8 +324,65 @@ class Tuner:
     # ---- state ----------------------------------------------------------------------
     @property
     def best(self) -> TrialRecord | None:
-        ok = [r for r in self.records if r.measurement.status == "ok" and r.measurement.step_time]
-        return min(ok, key=lambda r: (r.measurement.step_time or math.inf, r.number)) if ok else None
+        """The pick: the candidate with the best mean log step time over its ok trials (its
+        trial with the median step time stands for it)."""
+        means = self._means()
+        if not means:
+            return None
+        label = min(means, key=lambda k: (means[k][0], k))
+        ok = sorted((r for r in self._ok_records() if r.label == label),
+                    key=lambda r: (r.measurement.step_time or math.inf, r.number))
+        return ok[(len(ok) - 1) // 2]
+
+    def _ok_records(self) -> list[TrialRecord]:
+        return [r for r in self.records if r.measurement.status == "ok" and r.measurement.step_time]
+
+    def _means(self) -> dict[str, tuple[float, int]]:
+        logs: dict[str, list[float]] = {}
+        for r in self._ok_records():
+            logs.setdefault(r.label, []).append(math.log(r.measurement.step_time or 1.0))
+        return {k: (sum(v) / len(v), len(v)) for k, v in logs.items()}
+
+    def _pairwise(self) -> dict[str, float]:
+        """Per other tried candidate: the probability that the pick is within the tolerance
+        of it (its mean log step time less than ``log(1 + tolerance)`` above the other's),
+        under the measured trial-to-trial noise."""
+        means = self._means()
+        pick = self.best
+        if pick is None:
+            return {}
+        noise = self.sampler.learned(self.study).trial_noise_sd
+        mp, n_p = means[pick.label]
+        out = {}
+        for label, (m, n) in means.items():
+            if label != pick.label:
+                se = noise * math.sqrt(1.0 / n_p + 1.0 / n)
+                out[label] = float(norm.cdf((m + math.log(1.0 + self.options.tolerance) - mp) / se))
+        return out
+
+    def confidence(self) -> float | None:
+        """Probability that the pick is within the tolerance of the best candidate tried."""
+        if self.best is None:
+            return None
+        return math.prod(self._pairwise().values())
+
+    def contenders(self) -> list[str]:
+        """The pick and the candidates to re-time it against, best mean first, ``retime`` at
+        most. Until the pick was timed twice, every candidate within ``prune_slower`` of it
+        (the trial-to-trial noise is not measured yet: the prior may be over-confident);
+        then those it is not yet ``confidence`` sure to be within the tolerance of."""
+        pick = self.best
+        if pick is None or self.options.retime < 2:
+            return []
+        means = self._means()
+        mp, n_p = means[pick.label]
+        if n_p == 1:
+            near = -math.log(1.0 - self.options.prune_slower) if self.options.prune_slower > 0 else math.inf
+            others = [k for k, (m, _) in means.items() if k != pick.label and m - mp < near]
+        else:
+            others = [k for k, p in self._pairwise().items() if p < self.options.confidence]
+        others.sort(key=lambda k: (means[k][0], k))
+        return [pick.label, *others[: self.options.retime - 1]] if others else []
 
     def ranking(self) -> list[Scored]:
         return self.sampler.ranking(self.study)
@@ -300,6 +393,8 @@ class Tuner:
         n = len(self.study.trials)
         if n >= o.max_trials:
             return f"trial budget spent ({n} trials)"
+        if o.retime_reserve and n >= o.max_trials - o.retime_reserve and self.best is not None:
+            return f"search budget spent ({n} trials; {o.max_trials - n} kept to re-time the best)"
         if o.time_budget_s is not None and elapsed_s >= o.time_budget_s:
             return f"time budget spent ({elapsed_s:.0f} s of {o.time_budget_s:.0f} s)"
         ranked = self.ranking()
@@ -317,7 +412,8 @@ class Tuner:
         return None
 
     def result(self, stop_reason: str, interrupted: bool = False) -> TuneResult:
-        return TuneResult(self.plan, tuple(self.records), stop_reason, self.best, interrupted, self.unrunnable)
+        return TuneResult(self.plan, tuple(self.records), stop_reason, self.best, interrupted, self.unrunnable,
+                          self.confidence(), self.sampler.learned(self.study).summary())
 
     # ---- the loop -------------------------------------------------------------------
     def run(
@@ -343,11 +439,77 @@ class Tuner:
                 if self.step(runner, emit, should_stop) == "cancelled":
                     reason = "cancelled"
                     break
+            if reason not in (None, "cancelled") and not reason.startswith("time budget"):
+                reason = self.retime(runner, reason, emit, should_stop)
         except KeyboardInterrupt:
             interrupted = True
             reason = "interrupted (Ctrl-C); the running trial was stopped and not recorded"
         emit(TuneEvent("stopped", None, {"reason": reason, "best": None if self.best is None else self.best.label}))
         return self.result(reason or "stopped", interrupted)
+
+    def retime(
+        self,
+        runner: TrialRunner,
+        reason: str,
+        emit: Callable[[TuneEvent], None] = lambda event: None,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> str:
+        """Re-time the contenders (module docstring) and return the stop reason with the
+        verdict; "cancelled" when ``should_stop`` said so."""
+        rounds, retimed = 0, set()
+        while rounds < self.options.retime_rounds:
+            contenders = self.contenders()
+            if not contenders or len(self.study.trials) + len(contenders) > self.options.max_trials:
+                break
+            retimed.update(contenders)
+            order = contenders if rounds % 2 == 0 else contenders[::-1]
+            for label in order:
+                if self._retime_trial(label, runner, emit, should_stop) == "cancelled":
+                    return "cancelled"
+            rounds += 1
+        best, confidence = self.best, self.confidence()
+        if best is None or confidence is None:
+            return reason
+        verdict = (f"pick {best.label}, {confidence:.0%} sure to be within {self.options.tolerance:.0%} "
+                   "of the best tried")
+        if rounds:
+            verdict = f"re-timed {len(retimed)} contenders in {rounds} round(s): " + verdict
+        return f"{reason}; {verdict}"
+
+    def _retime_trial(
+        self, label: str, runner: TrialRunner, emit: Callable[[TuneEvent], None],
+        should_stop: Callable[[], bool] | None,
+    ) -> str:
+        """One re-timing trial of a candidate already tried: no retries, no pruning."""
+        planned = next(p for p in self.candidates if p.config.label == label)
+        prediction = self.sampler.learned(self.study).predict(planned.config, planned.perf)
+        number = len(self.study.trials)
+        cancelled = False
+        emit(TuneEvent("trial_started", number, {
+            "label": label, "config": planned.config.to_dict(), "attempt": 1, "purpose": "retime",
+            "predicted_step_time": prediction.step_time, "analytic_step_time": planned.perf.step_time,
+        }))
+
+        def on_step(p: StepProgress) -> bool:
+            nonlocal cancelled
+            emit(TuneEvent("trial_step", number, {"step": p.step, "time": p.time, "warmup": p.warmup, "loss": p.loss}))
+            cancelled = should_stop is not None and should_stop()
+            return cancelled
+
+        m = runner(planned.config, on_step)
+        if cancelled:
+            return "cancelled"  # not recorded: a cut-short re-timing says nothing
+        record = TrialRecord(number, planned.config, m, planned.perf, planned.memory, prediction.step_time,
+                             prediction.sd, 1, self.job_key, "retime")
+        state, value, constraints = _outcome(m)
+        params = candidate_params(planned.config)
+        self.study.add_trial(optuna.trial.create_trial(
+            state=state, value=value, params=params, distributions={k: self.space[k] for k in params},
+            user_attrs={RECORD_ATTR: record.to_dict()}, constraints=constraints, intermediate_values=_intermediate(m),
+        ))
+        self.records.append(record)
+        emit(TuneEvent("trial_ended", number, record.to_dict()))
+        return m.status
 
     def step(
         self,

@@ -1,0 +1,214 @@
+"""Will a candidate run? Memory and crashes learned per neighbourhood from the trials.
+
+Memory. A Gaussian process (Rasmussen & Williams 2006, eq. 2.25-2.26) on the estimator's
+log error ``r = log(measured peak / predicted peak)`` over the candidate's memory features
+(its degrees, micro-batch, ZeRO stage, recomputation and the shares of its predicted
+memory breakdown), with a kernel of a small constant term (the estimator is off by a
+common factor on this cluster) plus an RBF term (it is off differently for different
+families of candidates). A trial that ran gives ``r`` from its measured peak. A trial that
+ran out of memory says only ``peak >= capacity``: a censored observation, entered as the
+point ``log(capacity / predicted) + OOM_EXCESS_LOG`` with a small noise (a point just past
+the bound; an exact treatment of censoring would need expectation propagation,
+Rasmussen & Williams ch. 3.6). The chance that a candidate fits is then
+``p_fit = Phi((log(capacity / predicted) - mu) / sd)`` under the posterior ``N(mu, sd^2)``.
+
+So an OOM moves the candidates like it (same layout, larger micro-batch or less
+recomputation) and leaves unlike ones (another tp, pp, ZeRO stage or recompute mode) almost
+where the estimator put them: it is not a global memory ceiling. With no trials, ``mu = 0``
+and every candidate the plan kept (``peak * (1 + margin) <= capacity``) has ``p_fit`` above
+``P_FIT_MIN``: the learned part only ever excludes what a trial taught it to.
+
+The search weights a candidate by what the trials taught: ``p_fit`` over its value before any
+trial (``p_fit_prior``, capped at 1), so that with no trials the analytic order stands (the
+plan's safety margin already priced the estimator's prior error in), and the same for
+``p_runs``.
+
+Crashes that are not memory (``failed``, ``timeout`` after retries) are learned as a
+probability of running per neighbourhood: a kernel-weighted Beta-Bernoulli estimate
+(Nadaraya-Watson weights, a Beta(``RUNS_PRIOR_A``, ``RUNS_PRIOR_B``) prior) over the
+candidate's layout features.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+from scipy.stats import norm
+
+from pipette.config import ParallelConfig
+from pipette.estimates import MEMORY_PARTS, MemoryEstimate
+from pipette.measurement import Measurement
+
+FloatArray = npt.NDArray[np.float64]
+
+#: Prior sd of the estimator's common log error on a cluster (its MAPE is 4.6% on the H100
+#: set, 11.5% on Ultra-Scale; README, "Peak memory and fits").
+MEMORY_OFFSET_SD = 0.1
+#: Prior sd of a family's own log error (Ultra-Scale: measured / predicted 0.5-2.1x).
+MEMORY_RESIDUAL_SD = 0.2
+#: RBF length scale over the memory features (each O(1) per doubling or per mode).
+MEMORY_LENGTH_SCALE = 1.5
+#: Noise of one measured peak in log space (allocator rounding, fragmentation).
+PEAK_NOISE_SD = 0.03
+#: An out-of-memory trial enters as a peak this far (log) past the capacity, with this noise.
+OOM_EXCESS_LOG = 0.05
+OOM_NOISE_SD = 0.03
+#: With this many memory observations the offset and residual sds are fitted (ML-II).
+MEMORY_MIN_FOR_FIT = 3
+MEMORY_OFFSET_GRID = (0.05, 0.1, 0.3, 0.6)
+MEMORY_RESIDUAL_GRID = (0.1, 0.2, 0.4)
+#: A candidate is excluded when its chance to fit (or to run at all) falls below this.
+P_FIT_MIN = 0.25
+P_RUNS_MIN = 0.25
+#: Beta prior of the chance that a candidate runs (mean 0.9, weight of 2 trials).
+RUNS_PRIOR_A = 1.8
+RUNS_PRIOR_B = 0.2
+RUNS_PRIOR = RUNS_PRIOR_A / (RUNS_PRIOR_A + RUNS_PRIOR_B)
+#: Length scale of the crash neighbourhood (layout features only).
+RUNS_LENGTH_SCALE = 1.0
+
+_RECOMPUTE = {"none": 0.0, "selective": 0.5, "full": 1.0}
+
+
+def layout_features(config: ParallelConfig) -> list[float]:
+    """The candidate's shape: degrees, micro-batch, ZeRO stage and recomputation."""
+    return [
+        math.log2(config.tp), math.log2(config.pp), math.log2(config.dp), math.log2(config.mbs),
+        config.zero_stage / 1.5, 2.0 * _RECOMPUTE.get(config.recompute, 0.0), math.log2(config.virtual_stages),
+    ]
+
+
+def memory_features(config: ParallelConfig, memory: MemoryEstimate) -> FloatArray:
+    """Shape plus where the estimator says the bytes go (two candidates whose peaks are both
+    mostly activations err alike)."""
+    total = memory.peak_bytes if memory.peak_bytes > 0 else 1
+    shares = [2.0 * memory.breakdown.get(k, 0) / total for k in MEMORY_PARTS]
+    return np.array([*layout_features(config), *shares], dtype=np.float64)
+
+
+@dataclass(frozen=True)
+class MemoryPoint:
+    """One trial as the memory model sees it."""
+
+    config: ParallelConfig
+    memory: MemoryEstimate
+    measurement: Measurement
+
+
+def _rbf(xa: FloatArray, xb: FloatArray, ell: float) -> FloatArray:
+    d2 = ((xa[:, None, :] - xb[None, :, :]) ** 2).sum(-1)
+    return np.asarray(np.exp(-d2 / (2 * ell**2)), dtype=np.float64)
+
+
+class MemoryModel:
+    """The estimator's error learned from measured peaks and OOMs (module docstring)."""
+
+    def __init__(self, points: Sequence[MemoryPoint] = ()) -> None:
+        xs, ys, noise = [], [], []
+        for p in points:
+            if p.memory.peak_bytes <= 0:
+                continue
+            m = p.measurement
+            if m.status == "oom":
+                xs.append(memory_features(p.config, p.memory))
+                ys.append(math.log(p.memory.capacity_bytes / p.memory.peak_bytes) + OOM_EXCESS_LOG)
+                noise.append(OOM_NOISE_SD)
+            elif m.status in ("ok", "pruned") and m.peak_memory_max:
+                xs.append(memory_features(p.config, p.memory))
+                ys.append(math.log(m.peak_memory_max / p.memory.peak_bytes))
+                noise.append(PEAK_NOISE_SD)
+        self.n = len(ys)
+        self._x = np.array(xs) if xs else np.zeros((0, 0))
+        self._y = np.array(ys, dtype=np.float64)
+        self._noise2 = np.array(noise, dtype=np.float64) ** 2
+        self.offset_sd, self.residual_sd = MEMORY_OFFSET_SD, MEMORY_RESIDUAL_SD
+        if self.n >= MEMORY_MIN_FOR_FIT:
+            self.offset_sd, self.residual_sd = max(
+                ((b, s) for b in MEMORY_OFFSET_GRID for s in MEMORY_RESIDUAL_GRID),
+                key=lambda h: self._log_marginal_likelihood(*h),
+            )
+        self._chol: FloatArray | None = None
+        self._alpha: FloatArray | None = None
+        if self.n:
+            self._chol, self._alpha = self._factor(self.offset_sd, self.residual_sd)
+
+    def _k(self, xa: FloatArray, xb: FloatArray, b: float, s: float) -> FloatArray:
+        return np.asarray(b**2 + s**2 * _rbf(xa, xb, MEMORY_LENGTH_SCALE), dtype=np.float64)
+
+    def _factor(self, b: float, s: float) -> tuple[FloatArray, FloatArray]:
+        k = self._k(self._x, self._x, b, s) + np.diag(self._noise2)
+        chol = np.asarray(np.linalg.cholesky(k), dtype=np.float64)
+        alpha = np.asarray(np.linalg.solve(chol.T, np.linalg.solve(chol, self._y)), dtype=np.float64)
+        return chol, alpha
+
+    def _log_marginal_likelihood(self, b: float, s: float) -> float:
+        """Rasmussen & Williams eq. 2.30."""
+        chol, alpha = self._factor(b, s)
+        return float(-0.5 * self._y @ alpha - np.log(np.diag(chol)).sum() - 0.5 * self.n * math.log(2 * math.pi))
+
+    def error(
+        self, configs: Sequence[ParallelConfig], memories: Sequence[MemoryEstimate]
+    ) -> tuple[FloatArray, FloatArray]:
+        """Posterior mean and sd of ``log(true peak / predicted peak)`` per candidate."""
+        prior = self.offset_sd**2 + self.residual_sd**2
+        if not configs:
+            return np.zeros(0), np.zeros(0)
+        if self.n == 0 or self._chol is None or self._alpha is None:
+            return np.zeros(len(configs)), np.full(len(configs), math.sqrt(prior))
+        x = np.array([memory_features(c, m) for c, m in zip(configs, memories, strict=True)])
+        ks = self._k(x, self._x, self.offset_sd, self.residual_sd)
+        mean = ks @ self._alpha
+        v = np.linalg.solve(self._chol, ks.T)
+        var = np.maximum(prior - (v * v).sum(0), 1e-8)
+        return np.asarray(mean, dtype=np.float64), np.sqrt(var + PEAK_NOISE_SD**2)
+
+    def p_fit(self, configs: Sequence[ParallelConfig], memories: Sequence[MemoryEstimate]) -> list[float]:
+        """The chance that each candidate's true peak is within its capacity."""
+        mean, sd = self.error(configs, memories)
+        return [float(norm.cdf((h - mu) / s)) for h, mu, s in zip(_headroom(memories), mean, sd, strict=True)]
+
+
+def _headroom(memories: Sequence[MemoryEstimate]) -> list[float]:
+    return [math.log(m.capacity_bytes / m.peak_bytes) if m.peak_bytes > 0 else math.inf for m in memories]
+
+
+def p_fit_prior(memories: Sequence[MemoryEstimate]) -> list[float]:
+    """``p_fit`` before any trial (the default prior): what the plan's margin already priced in."""
+    sd = math.sqrt(MEMORY_OFFSET_SD**2 + MEMORY_RESIDUAL_SD**2 + PEAK_NOISE_SD**2)
+    return [float(norm.cdf(h / sd)) for h in _headroom(memories)]
+
+
+class RunsModel:
+    """The chance that a candidate runs at all (does not crash for a reason other than memory)."""
+
+    def __init__(self, outcomes: Sequence[tuple[ParallelConfig, Measurement]] = ()) -> None:
+        xs, ran = [], []
+        for config, m in outcomes:
+            if m.status in ("failed", "timeout"):
+                if m.extra.get("lost_nodes"):
+                    continue  # the cluster's failure, not the candidate's
+                xs.append(layout_features(config))
+                ran.append(0.0)
+            elif m.status in ("ok", "pruned", "oom"):  # it started and stepped (or ran out of memory)
+                xs.append(layout_features(config))
+                ran.append(1.0)
+        self.n_failed = int(sum(1 for r in ran if r == 0.0))
+        self._x = np.array(xs, dtype=np.float64) if xs else np.zeros((0, 0))
+        self._ran = np.array(ran, dtype=np.float64)
+
+    def p_runs(self, configs: Sequence[ParallelConfig]) -> list[float]:
+        if self.n_failed == 0 or not configs:
+            return [RUNS_PRIOR] * len(configs)
+        w = _rbf(np.array([layout_features(c) for c in configs], dtype=np.float64), self._x, RUNS_LENGTH_SCALE)
+        ran = w @ self._ran
+        total = w.sum(1)
+        return [float(v) for v in (RUNS_PRIOR_A + ran) / (RUNS_PRIOR_A + RUNS_PRIOR_B + total)]
+
+
+__all__ = [
+    "P_FIT_MIN", "P_RUNS_MIN", "RUNS_PRIOR", "MemoryModel", "MemoryPoint", "RunsModel", "layout_features", "memory_features", "p_fit_prior",
+]
