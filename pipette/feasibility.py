@@ -210,5 +210,6 @@ class RunsModel:
 
 
 __all__ = [
-    "P_FIT_MIN", "P_RUNS_MIN", "RUNS_PRIOR", "MemoryModel", "MemoryPoint", "RunsModel", "layout_features", "memory_features", "p_fit_prior",
+    "P_FIT_MIN", "P_RUNS_MIN", "RUNS_PRIOR", "MemoryModel", "MemoryPoint", "RunsModel", "layout_features",
+    "memory_features", "p_fit_prior",
 ]

@@ -248,7 +248,8 @@ def test_the_best_few_are_retimed_interleaved_before_the_verdict(plan: Plan) -> 
 
 def test_no_retiming_when_disabled(plan: Plan) -> None:
     close = {p.config.label for p in plan.ranked[:2]}
-    world = World(plan, tp_penalty=0.0, trial_noise=0.05, slow_factor=1.5, slow={p.config.label for p in plan.ranked} - close)
+    world = World(plan, tp_penalty=0.0, trial_noise=0.05, slow_factor=1.5,
+                  slow={p.config.label for p in plan.ranked} - close)
     result = Tuner(plan, TuneOptions(max_trials=12, retime=0)).run(world)
     assert all(t.purpose == "search" for t in result.trials)
 
