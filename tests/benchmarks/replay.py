@@ -23,8 +23,10 @@ memory estimator says do not fit are outside the plan: the tuner and the analyti
 cannot reach them, the model-free baselines can.
 
 A trial of a measured configuration replays it: ``ok`` rows give one warm-up step and
-``STEPS`` timed steps of the measured step time times ``1 + NOISE_SD * N(0, 1)``
-(deterministic per seed and configuration), with the measured peak memory (Ultra-Scale's
+``STEPS`` timed steps of the measured step time times ``exp(TRIAL_NOISE_SD * N(0, 1))`` (one
+draw per trial: the run-to-run spread of one configuration that its own steps cannot show)
+times ``1 + NOISE_SD * N(0, 1)`` per step (deterministic per seed, configuration and the
+how-many-th trial of it), with the measured peak memory (Ultra-Scale's
 ``gpu_mem_gb``; ``--no-peak-memory`` leaves it out). The data do not say whether a failed
 row (``nan``) crashed or ran out of memory: it replays as ``oom`` when the plan's memory
 estimator puts it at ``OOM_FRACTION`` of the capacity or more, else as ``failed`` (see the
@@ -34,10 +36,12 @@ Methods, each with a budget of ``--budget`` trials (attempts; the tuner's retry 
 failed trial counts as a trial) on every group and seed:
 
 * ``tuner``: ``pipette.tuner.Tuner`` with default ``TuneOptions`` but ``max_trials=budget``;
-  it is driven with ``Tuner.step`` until the budget or until no candidate is left, and the
-  first point where its own stop rule (``Tuner.stop_reason``, ``stop_probability`` 0.05)
-  says "converged" is recorded, so the figures are the full curve and the rule's stop point
-  is reported next to them;
+  it is driven with ``Tuner.step`` until the budget or until no candidate is left (the
+  curve), and at the first point where it would stop on its own (its stop rule says
+  "converged", or its search budget, ``budget`` less the trials it keeps for re-timing, is
+  spent, or nothing is left) a copy rebuilt from its records re-times its contenders
+  (``Tuner.retime``) and names its pick: the stop point, the regret of the pick and the
+  confidence the tuner states are reported next to the curve;
 * ``random``: the measured space in a random order (seeded);
 * ``tpe``: Optuna's ``TPESampler`` (multivariate, seeded) over one categorical per
   ``PARAMS`` entry (the values the plan and the rows take), maximising tokens/s; a failed
@@ -54,6 +58,13 @@ failed trial counts as a trial) on every group and seed:
   the largest micro-batch that fits). Deterministic: its seeds agree;
 * ``analytic``: the model's rank order without learning (the plan's order over plan ∩
   measured): its first trial is "the model's top-1 alone".
+
+Distorted prior (``--distort SEED``): a stress test of a wrong analytic model. Every
+candidate's predicted step time is multiplied by a factor per regime: one per tp degree,
+pp degree, ZeRO stage and node count, each log-uniform in ``[1/sqrt(5), sqrt(5)]`` (seeded),
+their product clipped to ``[0.2, 5]``; the plan is re-ranked by the distorted prediction.
+The measured truth is untouched. The tuner, the analytic order and the baselines all see
+the distorted plan (the model-free baselines do not use it).
 
 Figures per method, per source and overall, over every (group, seed) run: trials until a
 successful trial within 2% of the group's measured best (median and 90th percentile,
@@ -101,9 +112,16 @@ SOURCES: tuple[str, ...] = ("ultrascale", "vtrain")
 #: Within this fraction of the group's measured best counts as found (the issue's 2%).
 WITHIN = 0.02
 REGRET_AT: tuple[int, ...] = (3, 5, 10)
-#: Timed steps per replayed trial and their run-to-run spread (log-normal-ish, 1%).
+#: Timed steps per replayed trial and their spread within a trial (1%).
 STEPS = 5
 NOISE_SD = 0.01
+#: Spread of one configuration from trial to trial (log sd): 2%, a quiet GPU cluster (on
+#: this 2-core machine's CPU trials it is 10-44% max/min; README).
+TRIAL_NOISE_SD = 0.02
+#: Distorted prior: each regime's factor is log-uniform in [1/DISTORT_EACH, DISTORT_EACH],
+#: their product clipped to [1/DISTORT_MAX, DISTORT_MAX].
+DISTORT_EACH = math.sqrt(5.0)
+DISTORT_MAX = 5.0
 #: A failed Ultra-Scale row replays as "oom" when the plan's estimator puts it at this
 #: fraction of the capacity or more. The estimator (DeepSpeed defaults) under-counts the
 #: nanotron runs that succeeded by up to 2.13x (measured / predicted peak, 1121 rows in
@@ -150,7 +168,28 @@ def key_of(config: ParallelConfig) -> Key:
     return params_key(candidate_params(config))
 
 
-def build_group(source: str, rows: Sequence[Row]) -> Group:
+def distort_plan(plan: Plan, seed: int) -> Plan:
+    """The plan with every prediction multiplied by its regimes' factors (module docstring)."""
+    nodes = len(plan.cluster.nodes)
+
+    def factor(kind: str, value: object) -> float:
+        rng = np.random.default_rng([seed, zlib.crc32(f"{kind}={value}".encode())])
+        return math.exp(float(rng.uniform(-math.log(DISTORT_EACH), math.log(DISTORT_EACH))))
+
+    ranked = []
+    for p in plan.ranked:
+        c = p.config
+        f = factor("tp", c.tp) * factor("pp", c.pp) * factor("zero", c.zero_stage) * factor("nodes", nodes)
+        f = min(DISTORT_MAX, max(1.0 / DISTORT_MAX, f))
+        perf = replace(p.perf, step_time=p.perf.step_time * f,
+                       breakdown={k: v * f for k, v in p.perf.breakdown.items()},
+                       tokens_per_s=p.perf.tokens_per_s / f, mfu=p.perf.mfu / f, hfu=p.perf.hfu / f)
+        ranked.append(replace(p, perf=perf, default_step_time=p.default_step_time * f))
+    ranked.sort(key=lambda p: (p.perf.step_time, p.config.label))
+    return replace(plan, ranked=ranked)
+
+
+def build_group(source: str, rows: Sequence[Row], distort: int | None = None) -> Group:
     """The group's plan (the set's recipe) and what each measured configuration replays as."""
     r0 = rows[0]
     training = replace(
@@ -161,6 +200,8 @@ def build_group(source: str, rows: Sequence[Row]) -> Group:
     )
     # the set's own framework (Megatron-LM, nanotron): its constants, not Pipette's stack's
     plan = make_plan(r0.model, training, r0.cluster, constants=MEGATRON_CONSTANTS, memory_options=MEGATRON_OPTIONS)
+    if distort is not None:
+        plan = distort_plan(plan, distort)
     by_key: dict[Key, list[Row]] = {}
     for r in rows:
         by_key.setdefault(key_of(r.config), []).append(r)
@@ -181,7 +222,8 @@ def build_group(source: str, rows: Sequence[Row]) -> Group:
     return Group(source, "/".join(r0.group), plan, configs, truths)
 
 
-def load_groups(directory: Path, sources: Sequence[str], only: str | None = None) -> list[Group]:
+def load_groups(directory: Path, sources: Sequence[str], only: str | None = None,
+                distort: int | None = None) -> list[Group]:
     loaders: dict[str, Callable[[Path], list[Row]]] = {"ultrascale": load_ultrascale, "vtrain": load_vtrain}
     out = []
     for source in sources:
@@ -194,7 +236,7 @@ def load_groups(directory: Path, sources: Sequence[str], only: str | None = None
             rows = grouped[name]
             if not any(r.ok for r in rows):
                 continue
-            out.append(build_group(source, rows))
+            out.append(build_group(source, rows, distort))
     if only is not None and not out:
         raise SpecError(f"no group {only!r} in {', '.join(sources)}", field="--group",
                         fix="name a group as model/nodes (ultrascale, e.g. 8B/1) or "
@@ -210,8 +252,12 @@ class Trace:
     method: str
     keys: list[Key] = field(default_factory=list)
     statuses: list[str] = field(default_factory=list)
-    #: the tuner only: attempts made when its own stop rule first said "converged"
+    #: the tuner only: attempts made when it would first stop on its own (re-timing included),
+    #: the regret of its pick then, the confidence it stated, and its learned model's summary
     would_stop: int | None = None
+    stop_regret: float | None = None
+    confidence: float | None = None
+    learned: dict[str, Any] = field(default_factory=dict)
     end: str = ""
     invalid_proposals: int = 0
 
@@ -219,14 +265,18 @@ class Trace:
 class ReplayRunner:
     """A ``TrialRunner`` whose trials are the group's measured runs (module docstring)."""
 
-    def __init__(self, group: Group, seed: int, trace: Trace, peak_memory: bool = True) -> None:
+    def __init__(self, group: Group, seed: int, trace: Trace, peak_memory: bool = True,
+                 calls: dict[Key, int] | None = None) -> None:
         self.group, self.seed, self.trace, self.peak_memory = group, seed, trace, peak_memory
         self.tokens = group.plan.training.tokens_per_step
+        #: trials so far per configuration (each trial of it draws its own noise)
+        self.calls: dict[Key, int] = dict(calls or {})
 
     def __call__(self, config: ParallelConfig, on_step: OnStep) -> Measurement:
         key = key_of(config)
         truth = self.group.truths[key]
         self.trace.keys.append(key)
+        self.calls[key] = self.calls.get(key, 0) + 1
         m = self._measure(config, truth, on_step)
         self.trace.statuses.append(m.status)
         return m
@@ -235,11 +285,12 @@ class ReplayRunner:
         if truth.step_time is None:
             error = "rank 0 ran out of memory" if truth.status == "oom" else "rank 0 exited with status 1"
             return Measurement(truth.status, tokens_per_step=self.tokens, error=error)  # type: ignore[arg-type]
-        rng = np.random.default_rng([self.seed, zlib.crc32(config.label.encode())])
-        on_step(StepProgress(0, truth.step_time * 1.3, True))
+        rng = np.random.default_rng([self.seed, zlib.crc32(config.label.encode()), self.calls[key_of(config)]])
+        trial = truth.step_time * math.exp(TRIAL_NOISE_SD * float(rng.standard_normal()))
+        on_step(StepProgress(0, trial * 1.3, True))
         times: list[float] = []
         for i in range(STEPS):
-            times.append(truth.step_time * (1.0 + NOISE_SD * float(rng.standard_normal())))
+            times.append(trial * (1.0 + NOISE_SD * float(rng.standard_normal())))
             if on_step(StepProgress(i + 1, times[-1], False)):
                 return Measurement("pruned", tuple(times), self.tokens)
         peak = (truth.peak_bytes,) if self.peak_memory and truth.peak_bytes else ()
@@ -253,22 +304,43 @@ class ReplayRunner:
 def run_tuner(group: Group, seed: int, budget: int, peak_memory: bool = True) -> Trace:
     trace = Trace("tuner")
     runner = ReplayRunner(group, seed, trace, peak_memory)
-    tuner = Tuner(group.plan, TuneOptions(max_trials=budget, seed=seed),
-                  runnable=lambda c: [] if key_of(c) in group.truths else ["no measured row"])
+
+    def runnable(c: ParallelConfig) -> list[str]:
+        return [] if key_of(c) in group.truths else ["no measured row"]
+
+    # the curve: the search alone, to the whole budget
+    tuner = Tuner(group.plan, TuneOptions(max_trials=budget, seed=seed, retime=0), runnable=runnable)
+    reserve = TuneOptions(max_trials=budget).retime_reserve
     while len(trace.keys) < budget:
         reason = tuner.stop_reason()
-        if reason is not None and reason.startswith("converged"):
-            if trace.would_stop is None:
-                trace.would_stop = len(trace.keys)
-        elif reason is not None:
+        if trace.would_stop is None:
+            if reason is None and tuner.best is not None and len(tuner.study.trials) >= budget - reserve:
+                reason = "search budget spent"
+            if reason is not None:
+                _stop_here(group, seed, budget, tuner, runner, trace, reason, peak_memory, runnable)
+        if reason is not None and not reason.startswith("converged") and reason != "search budget spent":
             trace.end = reason
             break
         tuner.step(runner)
     else:
         trace.end = "budget"
-    if trace.would_stop is None and trace.end != "budget":
-        trace.would_stop = len(trace.keys)  # its rule stopped it for want of candidates
+    if trace.would_stop is None:
+        _stop_here(group, seed, budget, tuner, runner, trace, trace.end, peak_memory, runnable)
     return trace
+
+
+def _stop_here(group: Group, seed: int, budget: int, tuner: Tuner, runner: ReplayRunner, trace: Trace,
+               reason: str, peak_memory: bool, runnable: Callable[[ParallelConfig], list[str]]) -> None:
+    """Where the tuner would stop on its own: a copy rebuilt from its records re-times its
+    contenders (their trials draw fresh noise) and names its pick."""
+    fork = Tuner(group.plan, TuneOptions(max_trials=budget, seed=seed), history=tuner.records, runnable=runnable)
+    extra = Trace("tuner")
+    fork.retime(ReplayRunner(group, seed, extra, peak_memory, calls=runner.calls), reason)
+    trace.would_stop = len(trace.keys) + len(extra.keys)
+    pick = fork.best
+    trace.stop_regret = None if pick is None else group.regret(group.truths[key_of(pick.config)].step_time)
+    trace.confidence = fork.confidence()
+    trace.learned = fork.sampler.learned(fork.study).summary()
 
 
 def run_random(group: Group, seed: int, budget: int) -> Trace:
@@ -378,6 +450,8 @@ class RunFigures:
     end: str
     #: (label, status) of every attempt, in order
     trials: tuple[tuple[str, str], ...] = ()
+    confidence: float | None = None
+    learned: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -387,6 +461,7 @@ class RunFigures:
             "failed_before_found": self.failed_before_found, "attempts": self.attempts,
             "would_stop": self.would_stop, "regret_at_stop": self.regret_at_stop,
             "invalid_proposals": self.invalid_proposals, "end": self.end,
+            "confidence": self.confidence, "learned": self.learned,
             "trials": [list(t) for t in self.trials],
         }
 
@@ -412,9 +487,11 @@ def figures(group: Group, seed: int, trace: Trace) -> RunFigures:
         {k: group.regret(at(k)) for k in REGRET_AT}, sum(bad), trace.statuses.count("oom"), sum(bad[:upto]),
         len(trace.keys),
         trace.would_stop,
-        None if trace.would_stop is None else group.regret(at(trace.would_stop) if trace.would_stop else None),
+        trace.stop_regret if trace.stop_regret is not None
+        else None if trace.would_stop is None else group.regret(at(trace.would_stop) if trace.would_stop else None),
         trace.invalid_proposals, trace.end,
         tuple((group.configs[k].label, s) for k, s in zip(trace.keys, trace.statuses, strict=True)),
+        trace.confidence, trace.learned,
     )
 
 
@@ -446,6 +523,14 @@ def summarize(runs: Sequence[RunFigures], budget: int) -> dict[str, Any]:
         out["regret_at_stop_mean"] = float(np.mean([r.regret_at_stop or 0.0 for r in stops]))
         out["regret_at_stop_p90"] = nearest_rank([r.regret_at_stop or 0.0 for r in stops], 0.9)
         out["within_2pct_at_stop_pct"] = 100.0 * sum((r.regret_at_stop or 0.0) <= WITHIN for r in stops) / len(stops)
+    sure = [r for r in runs if r.confidence is not None and r.confidence >= 0.9]
+    if sure:
+        out["sure_runs"] = len(sure)
+        out["sure_within_2pct_pct"] = 100.0 * sum((r.regret_at_stop or 0.0) <= WITHIN for r in sure) / len(sure)
+    learned = [r.learned for r in runs if r.learned]
+    if learned:
+        for name in ("residual_sd", "length_scale", "trial_noise_sd"):
+            out[f"{name}_median"] = float(np.median([x[name] for x in learned]))
     out["invalid_proposals_mean"] = float(np.mean([r.invalid_proposals for r in runs]))
     out["budget"] = budget
     return out
@@ -468,7 +553,17 @@ def verdict(table: dict[str, dict[str, Any]], budget: int) -> list[str]:
     lines = [
         f"{'MET' if med is not None and med <= 3 else 'MISSED'}: median trials to 2% <= 3 (is {_show(med, budget)})",
         f"{'MET' if p90 is not None and p90 <= 8 else 'MISSED'}: p90 trials to 2% <= 8 (is {_show(p90, budget)})",
+        f"{'MET' if t['not_reached_pct'] == 0 else 'MISSED'}: never within 2% in 0% of runs "
+        f"(is {t['not_reached_pct']:.1f}%)",
     ]
+    if "regret_at_stop_mean" in t:
+        r = t["regret_at_stop_mean"]
+        lines.append(f"{'MET' if r <= WITHIN else 'MISSED'}: mean regret of the pick at its own stop <= 2% "
+                     f"(is {r:.2%}, stopping at a median of {t['would_stop_median']:.0f} trials)")
+    if "sure_runs" in t:
+        c = t["sure_within_2pct_pct"]
+        lines.append(f"{'MET' if c >= 90 else 'MISSED'}: of runs >= 90% sure, >= 90% within 2% "
+                     f"(is {c:.1f}% of {t['sure_runs']})")
     for name in FIGURES:
         worse = []
         for m, s in table.items():
@@ -505,6 +600,10 @@ def print_table(title: str, table: dict[str, dict[str, Any]], budget: int) -> No
         if "would_stop_median" in s and method == "tuner":
             line += f"{s['would_stop_median']:>10.0f}{s['regret_at_stop_mean']:>9.2%}"
         print(line)
+        if method == "tuner" and "sure_runs" in s:
+            print(f"    tuner: {s['sure_runs']} runs >= 90% sure at stop, {s['sure_within_2pct_pct']:.1f}% of them "
+                  f"within 2%; learned residual sd {s['residual_sd_median']:.2f}, length scale "
+                  f"{s['length_scale_median']:.2f}, trial noise sd {s['trial_noise_sd_median']:.3f} (medians)")
 
 
 # ---- driver -------------------------------------------------------------------------
@@ -551,6 +650,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--group", help="one group only: model/nodes (ultrascale) or model/gpus/global_batch (vtrain)")
     ap.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {','.join(METHODS)}")
     ap.add_argument("--no-peak-memory", action="store_true", help="replay ok trials without their measured peak")
+    ap.add_argument("--distort", type=int, metavar="SEED",
+                    help="stress test: distort the analytic predictions per regime (module docstring), seeded")
     ap.add_argument("--out", help="write every run's figures and the tables as JSON here")
     ap.add_argument("--check", action="store_true", help="exit 1 when a target is missed")
     ap.add_argument("--quiet", action="store_true", help="no per-group progress on stderr")
@@ -574,14 +675,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             print("replay: no calibration data (set PIPETTE_CALIBRATION_DIR); skipped")
             return 0
         start = time.perf_counter()
-        groups = load_groups(directory, args.source or SOURCES, args.group)
+        groups = load_groups(directory, args.source or SOURCES, args.group, args.distort)
         runs = run_all(groups, args.seeds, args.budget, methods, not args.no_peak_memory, progress=not args.quiet)
     except PipetteError as e:
         print(f"replay: {e}", file=sys.stderr)
         return 2
     result = tables(runs, args.budget)
-    print(f"Replay on real measurements: {len(groups)} groups, {args.seeds} seeds, budget {args.budget} trials "
-          f"({time.perf_counter() - start:.0f} s)")
+    print(f"Replay on real measurements: {len(groups)} groups, {args.seeds} seeds, budget {args.budget} trials"
+          + (f", analytic prior distorted (seed {args.distort})" if args.distort is not None else "")
+          + f" ({time.perf_counter() - start:.0f} s)")
     for scope, table in result.items():
         n = len({r.group for r in runs if scope == "overall" or r.source == scope})
         print_table(f"{scope} ({n} groups)", table, args.budget)
@@ -597,6 +699,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"targets ({scope}): " + ("all met" if not missed else f"{len(missed)} missed"))
     if out_path is not None:
         payload = {"budget": args.budget, "seeds": args.seeds, "within": WITHIN, "noise_sd": NOISE_SD,
+                   "trial_noise_sd": TRIAL_NOISE_SD, "distort": args.distort,
                    "steps": STEPS, "oom_fraction": OOM_FRACTION, "peak_memory": not args.no_peak_memory,
                    "tables": result, "targets": lines, "runs": [r.to_dict() for r in runs]}
         out_path.write_text(json.dumps(payload, indent=1))

@@ -110,11 +110,36 @@ def test_the_replayed_trial_is_the_measured_one(group: replay.Group) -> None:
     truth = group.truths[ok]
     assert m.status == "ok" and len(m.step_times) == replay.STEPS
     assert m.step_time is not None and truth.step_time is not None
-    assert math.isclose(m.step_time, truth.step_time, rel_tol=4 * replay.NOISE_SD)
+    assert math.isclose(m.step_time, truth.step_time, rel_tol=4 * (replay.NOISE_SD + replay.TRIAL_NOISE_SD))
     again = replay.ReplayRunner(group, 0, replay.Trace("again")).replay(ok)
     assert again.step_times == m.step_times  # deterministic per seed
+    runner = replay.ReplayRunner(group, 0, replay.Trace("twice"))
+    first, second = runner.replay(ok), runner.replay(ok)
+    assert first.step_times == m.step_times and second.step_times != first.step_times  # a fresh trial, fresh noise
     bad = next(k for k, t in group.truths.items() if t.status != "ok")
     assert replay.ReplayRunner(group, 0, trace).replay(bad).status == group.truths[bad].status
+
+
+def test_the_tuner_stops_with_a_pick_and_a_confidence(result: dict[str, Any]) -> None:
+    tuner = next(r for r in result["runs"] if r["method"] == "tuner")
+    assert tuner["would_stop"] is not None and tuner["regret_at_stop"] is not None
+    assert tuner["confidence"] is not None and 0.0 <= tuner["confidence"] <= 1.0
+    assert {"residual_sd", "length_scale", "trial_noise_sd"} <= set(tuner["learned"])
+
+
+def test_the_distorted_prior_moves_predictions_not_truths(group: replay.Group) -> None:
+    directory = calibration_dir()
+    assert directory is not None
+    bent = replay.load_groups(directory, ["ultrascale"], GROUP, distort=1)[0]
+    assert bent.truths == group.truths
+    before = {p.config.label: p.perf.step_time for p in group.plan.ranked}
+    ratios = [p.perf.step_time / before[p.config.label] for p in bent.plan.ranked]
+    assert all(1 / replay.DISTORT_MAX - 1e-9 <= r <= replay.DISTORT_MAX + 1e-9 for r in ratios)
+    assert max(ratios) / min(ratios) > 1.5  # regimes move apart, not just a common factor
+    steps = [p.perf.step_time for p in bent.plan.ranked]
+    assert steps == sorted(steps)  # re-ranked by the distorted prediction
+    again = replay.load_groups(directory, ["ultrascale"], GROUP, distort=1)[0]
+    assert [p.config.label for p in again.plan.ranked] == [p.config.label for p in bent.plan.ranked]
 
 
 @pytest.mark.parametrize(
