@@ -5,11 +5,12 @@ log error ``r = log(measured peak / predicted peak)`` over the candidate's memor
 (its degrees, micro-batch, ZeRO stage, recomputation and the shares of its predicted
 memory breakdown), with a kernel of a small constant term (the estimator is off by a
 common factor on this cluster) plus an RBF term (it is off differently for different
-families of candidates). A trial that ran gives ``r`` from its measured peak. A trial that
-ran out of memory says only ``peak >= capacity``: a censored observation, entered as the
-point ``log(capacity / predicted) + OOM_EXCESS_LOG`` with a small noise (a point just past
-the bound; an exact treatment of censoring would need expectation propagation,
-Rasmussen & Williams ch. 3.6). The chance that a candidate fits is then
+families of candidates). A trial that ran gives ``r`` from its measured peak (its tensors,
+plus the estimate's ``overhead``, which no tensor counter sees). A trial that ran out of
+memory says only ``peak >= capacity``: a censored observation, entered as the point
+``log(capacity / predicted) + OOM_EXCESS_LOG`` with a small noise (a point just past the
+bound; an exact treatment of censoring would need expectation propagation, Rasmussen &
+Williams ch. 3.6). The chance that a candidate fits is then
 ``p_fit = Phi((log(capacity / predicted) - mu) / sd)`` under the posterior ``N(mu, sd^2)``.
 
 So an OOM moves the candidates like it (same layout, larger micro-batch or less
@@ -118,8 +119,11 @@ class MemoryModel:
                 ys.append(math.log(p.memory.capacity_bytes / p.memory.peak_bytes) + OOM_EXCESS_LOG)
                 noise.append(OOM_NOISE_SD)
             elif m.status in ("ok", "pruned") and m.peak_memory_max:
+                # like with like: a trial measures its tensors (the allocator's bytes on a GPU);
+                # the estimate adds the process's own ("overhead": CUDA context, fragmentation)
+                peak = m.peak_memory_max + p.memory.breakdown.get("overhead", 0)
                 xs.append(memory_features(p.config, p.memory))
-                ys.append(math.log(m.peak_memory_max / p.memory.peak_bytes))
+                ys.append(math.log(peak / p.memory.peak_bytes))
                 noise.append(PEAK_NOISE_SD)
         self.n = len(ys)
         self._x = np.array(xs) if xs else np.zeros((0, 0))

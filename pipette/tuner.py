@@ -208,6 +208,7 @@ class TuneResult:
     confidence: float | None = None
     #: how much the learned model trusted the analytic prior, and the noise it measured
     learned: dict[str, float | int] = field(default_factory=dict)
+    tolerance: float = 0.02
 
     def to_dict(self) -> dict[str, Any]:
         best = None
@@ -226,7 +227,8 @@ class TuneResult:
             "stop_reason": self.stop_reason, "interrupted": self.interrupted,
             "trials_run": len({t.number for t in self.trials}), "attempts": len(self.trials),
             "candidates": len(self.plan.ranked), "enumerated": self.plan.enumerated,
-            "unrunnable": dict(self.unrunnable), "confidence": self.confidence, "learned": dict(self.learned),
+            "unrunnable": dict(self.unrunnable), "confidence": self.confidence, "tolerance": self.tolerance,
+            "learned": dict(self.learned),
             "retimed": sum(1 for t in self.trials if t.purpose == "retime"),
             "best": best, "trials": [t.to_dict() for t in self.trials],
         }
@@ -413,7 +415,7 @@ class Tuner:
 
     def result(self, stop_reason: str, interrupted: bool = False) -> TuneResult:
         return TuneResult(self.plan, tuple(self.records), stop_reason, self.best, interrupted, self.unrunnable,
-                          self.confidence(), self.sampler.learned(self.study).summary())
+                          self.confidence(), self.sampler.learned(self.study).summary(), self.options.tolerance)
 
     # ---- the loop -------------------------------------------------------------------
     def run(

@@ -268,7 +268,8 @@ class Progress:
                  f"{'vs pred':>7} {'peak MiB':>9}")
 
     def start(self, number: int, data: dict[str, Any]) -> None:
-        self.current = f"#{number} {data['label']}" + (f" (attempt {data['attempt']})" if data["attempt"] > 1 else "")
+        self.current = (f"#{number} {data['label']}" + (f" (attempt {data['attempt']})" if data["attempt"] > 1 else "")
+                        + (" (re-time)" if data.get("purpose") == "retime" else ""))
         self.steps = 0
         self._bar()
 
@@ -286,7 +287,8 @@ class Progress:
         if status == "ok" and (self.best is None or m["step_time"] < self.best):
             self.best, self.best_label = m["step_time"], r["label"]
         self.done_trials = r["number"] + 1
-        self.say(f"{'#' + str(r['number']):>5}  {r['label']:<38} {self._c(f'{status:<8}', colour)} "
+        label = r["label"] + (" (re-time)" if r.get("purpose") == "retime" else "")
+        self.say(f"{'#' + str(r['number']):>5}  {label:<38} {self._c(f'{status:<8}', colour)} "
                  f"{r['predicted_step_time']:>8.3f} s {measured:>10} {error:>7} {peak:>9}")
         if status not in ("ok", "pruned") and m["error"]:
             self.say(f"       {m['error'].splitlines()[0][:160]}")
@@ -333,8 +335,13 @@ def _print_result(result: Any, out: str, files: dict[str, str]) -> None:
         rss = m.extra.get("peak_rss_bytes")
         if rss:
             print(f"  {'peak RSS (MiB)':<18}{'':>12}{max(rss) / 2**20:>12,.0f}")
-    ran = len({t.number for t in result.trials})
-    print(f"  found in {ran} trials of {len(result.plan.ranked)} candidates that fit")
+    ran = len({t.number for t in result.trials if t.purpose == "search"})
+    retimed = len({t.number for t in result.trials if t.purpose == "retime"})
+    print(f"  found in {ran} trials of {len(result.plan.ranked)} candidates that fit"
+          + (f", then {retimed} re-timing trials of the best" if retimed else ""))
+    if result.confidence is not None:
+        print(f"  {result.confidence:.0%} sure to be within {result.tolerance:.0%} of the best candidate tried "
+              f"(trial-to-trial noise {result.learned.get('trial_noise_sd', 0.0):.1%})")
     if files:
         print(f"\nfiles in {out}/: {', '.join(sorted(Path(f).name for f in files.values()))}")
         print(f"launch: (cd {out} && ./launch.sh)")
