@@ -144,6 +144,9 @@ class JobDriver:
             tolerance=float(options["tolerance"]), stop_probability=float(options["stop_probability"]),
             prune=bool(options["prune"]), prune_slower=float(options.get("prune_slower", 0.25)),
             retries=int(options["retries"]), seed=int(options["seed"]),
+            # jobs stored before re-timing existed keep their defaults
+            retime=int(options.get("retime", 3)), retime_rounds=int(options.get("retime_rounds", 3)),
+            confidence=float(options.get("confidence", 0.9)),
         )
         tuner = Tuner(plan, tune, history=history, prior=prior, runnable=runner.refusals)
         began = time.monotonic()

@@ -142,6 +142,11 @@ class BudgetIn(Strict):
     prune_slower: float = Field(0.25, ge=0, lt=1, description="how much slower counts as clearly")
     retries: int = Field(1, ge=0, le=5, description="reruns of a trial that failed or timed out")
     seed: int = Field(0, ge=0, le=2**31 - 1)
+    retime: int = Field(3, ge=0, le=10, description="before the verdict, re-time the best this many candidates, "
+                        "interleaved (0: do not); a quarter of max_trials is kept for it")
+    retime_rounds: int = Field(3, ge=0, le=10, description="re-timing rounds at most")
+    confidence: float = Field(0.9, gt=0, lt=1, description="stop re-timing once the pick is this sure to be "
+                              "within the tolerance of the best tried")
     steps: int = Field(8, ge=1, le=1000, description="timed steps per trial at most")
     trial_timeout_s: float | None = Field(None, gt=0, le=86400, description="default: the service's")
     margin: float | None = Field(None, ge=0, lt=1, description="memory safety margin (default: the estimator's)")

@@ -60,6 +60,8 @@ def add_parser(sub: Any, add_recipe_flags: Any) -> None:
     p.add_argument("--tolerance", type=float, default=0.02, help="stop when nothing is likely to beat the best "
                    "by more than this fraction (default 0.02)")
     p.add_argument("--stop-probability", type=float, default=0.05, help="...with more than this chance (0.05)")
+    p.add_argument("--retime", type=int, default=3, help="before the verdict, re-time the best this many "
+                   "candidates, interleaved (default 3; 0: do not; a quarter of --max-trials is kept for it)")
     p.add_argument("--steps", type=int, default=8, help="timed steps per trial at most (default 8)")
     p.add_argument("--trial-timeout", type=float, default=180.0, help="seconds before a trial is a timeout")
     p.add_argument("--data", help="a local JSONL of prompt/response pairs (default: synthetic tokens)")
@@ -82,7 +84,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         if getattr(args, name) < 1:
             raise SpecError(f"is {getattr(args, name)}", field="--" + name.replace("_", "-"), fix="give 1 or more")
     options = TuneOptions(max_trials=args.max_trials, time_budget_s=args.time_budget, tolerance=args.tolerance,
-                          stop_probability=args.stop_probability, seed=args.seed)
+                          stop_probability=args.stop_probability, seed=args.seed, retime=args.retime)
     model = load_model(args.model)
     training = load_recipe(args.recipe, _with_defaults(args))
     home = Path(args.home or os.environ.get("PIPETTE_HOME") or Path.home() / ".pipette")

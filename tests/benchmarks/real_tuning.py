@@ -21,8 +21,11 @@ tokens, fp32, rank 8, alpha 16) on 4 CPU devices, local Ray, real DeepSpeed tria
    failed or timed out for another reason than memory is retried once, as the tuner does
    (the first trial after Ray starts can time out on a loaded machine).
 3. The tuner, in the same run, with a budget of ``floor(25%)`` of the candidates (the
-   target's limit), default ``TuneOptions`` otherwise (its own stop rule may end it sooner),
-   no prior trials (it never sees the exhaustive pass).
+   target's limit: the candidates it tries; its re-timing trials of candidates already tried
+   come on top and are counted separately), default ``TuneOptions`` otherwise (its own stop
+   rule may end it sooner), no prior trials (it never sees the exhaustive pass or its own
+   earlier runs). ``--runs N`` runs it N times after the one exhaustive pass (seeds 0..N-1;
+   the trials' noise differs between runs); the target holds when every run's pick does.
 4. Noise: one trial's step time is the median of its timed steps (the runner stops when the
    95% interval is within 5% or at ``--steps``); between trials the machine's load moves
    (other processes share the 2 cores). So the exhaustive top ``--top`` candidates and the
@@ -186,21 +189,32 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             log(f"  {'tuner #' + str(e.trial):<12} {e.data['label']:<40} {m['status']:<7} "
                 f"{shown} (predicted {e.data['predicted_step_time']:.3f} s)")
 
-    t0 = time.monotonic()
-    tuner = Tuner(plan, TuneOptions(max_trials=budget, seed=args.seed), runnable=refuse)
-    result = tuner.run(runner, on_event=on_event)
-    tuner_s = time.monotonic() - t0
-    trials_run = len({r.number for r in result.trials})
-    pick = result.best.config.label if result.best is not None else None
-    for record in result.trials:  # the tuner's full trials are real timings of the same run too
-        if record.measurement.status == "ok" and record.label in timed:
-            timed[record.label].trials.append(record.measurement)
+    runs = []
+    for n in range(args.runs):
+        t0 = time.monotonic()
+        # the budget counts candidates tried; re-timing them comes on top (TuneOptions.retime_reserve)
+        options = TuneOptions(max_trials=budget, seed=args.seed + n)
+        options = TuneOptions(max_trials=budget + options.retime_reserve, seed=args.seed + n)
+        result = Tuner(plan, options, runnable=refuse).run(runner, on_event=on_event)
+        tried = {r.label for r in result.trials}
+        pick = result.best.config.label if result.best is not None else None
+        runs.append({"seed": args.seed + n, "candidates_tried": len(tried), "attempts": len(result.trials),
+                     "retimed": sum(1 for r in result.trials if r.purpose == "retime"), "pick": pick,
+                     "confidence": result.confidence, "learned": result.learned,
+                     "stop_reason": result.stop_reason, "seconds": time.monotonic() - t0,
+                     "trials_detail": [t.to_dict() for t in result.trials]})
+        log(f"  run {n + 1}: pick {pick} after {len(tried)} candidates ({len(result.trials)} trials), "
+            f"{result.stop_reason}")
+        for record in result.trials:  # the tuner's full trials are real timings of the same run too
+            if record.measurement.status == "ok" and record.label in timed:
+                timed[record.label].trials.append(record.measurement)
 
     # 4. noise: interleaved repeats of the exhaustive top few and the tuner's pick
     ranked = sorted(timed.values(), key=lambda t: (t.time, t.label))
     repeat = [t.label for t in ranked[: args.top] if math.isfinite(t.time)]
-    if pick is not None and pick not in repeat:
-        repeat.append(pick)
+    for r in runs:
+        if r["pick"] is not None and r["pick"] not in repeat:
+            repeat.append(r["pick"])
     if args.repeats > 0 and repeat:
         log(f"repeats ({args.repeats} rounds of {len(repeat)} candidates, interleaved):")
     for r in range(args.repeats):
@@ -210,28 +224,29 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     ranked = sorted(timed.values(), key=lambda t: (t.time, t.label))
     best = ranked[0]
-    pick_time = timed[pick].time if pick is not None else math.inf
-    gap = pick_time / best.time - 1.0 if math.isfinite(best.time) else math.inf
-    share = trials_run / len(runnable)
+    for r in runs:
+        pick_time = timed[r["pick"]].time if r["pick"] is not None else math.inf
+        r["pick_step_time"] = _finite(pick_time)
+        r["gap"] = _finite(pick_time / best.time - 1.0 if math.isfinite(best.time) else math.inf)
+        r["trial_share"] = r["candidates_tried"] / len(runnable)
+        r["target_met"] = bool(r["gap"] is not None and r["gap"] <= WITHIN and r["trial_share"] <= TRIAL_SHARE)
     ok_count = sum(1 for t in timed.values() if t.medians)
     return {
         "model": model.name, "training": training.to_dict(), "cluster": {"name": cluster.name,
                                                                          "devices": cluster.world},
         "restricted": not args.wide, "limit": args.limit, "candidates": len(runnable), "feasible": ok_count,
-        "budget": budget, "tuner": {"trials": trials_run, "attempts": len(result.trials), "pick": pick,
-                                    "stop_reason": result.stop_reason, "seconds": tuner_s,
-                                    "trials_detail": [t.to_dict() for t in result.trials]},
+        "budget": budget, "runs": runs,
         "exhaustive": {"best": best.label, "best_step_time": _finite(best.time), "seconds": exhaustive_s,
                        "ranking": [t.to_dict() for t in ranked]},
         "repeated": repeat, "repeats": args.repeats,
-        "pick_step_time": _finite(pick_time), "gap": _finite(gap), "trial_share": share,
-        "target_met": bool(gap <= WITHIN and share <= TRIAL_SHARE),
+        "target_met": all(r["target_met"] for r in runs), "runs_met": sum(r["target_met"] for r in runs),
         "seconds": time.monotonic() - started,
     }
 
 
 def report(out: dict[str, Any]) -> None:
-    ex, tu = out["exhaustive"], out["tuner"]
+    ex = out["exhaustive"]
+    picks = {r["pick"] for r in out["runs"]}
     print(f"Real tuning: {out['model']} LoRA on {out['cluster']['devices']} CPU devices "
           f"({'restricted' if out['restricted'] else 'full'} space"
           + (f", --limit {out['limit']}" if out["limit"] is not None else "") + ")")
@@ -241,15 +256,18 @@ def report(out: dict[str, Any]) -> None:
     for i, t in enumerate(ex["ranking"][:10]):
         n = sum(1 for m in t["trials"] if m["status"] == "ok")
         st = f"{t['step_time']:.3f}" if t["step_time"] else "-"
-        mark = " <- tuner" if t["label"] == tu["pick"] else ""
+        mark = " <- a tuner pick" if t["label"] in picks else ""
         print(f"  {i + 1:>4}  {t['label']:<40} {st:>9} {n:>6} {t['spread']:>6.1%} "
               f"{t['predicted_step_time']:>9.3f}{mark}")
-    print(f"  tuner: {tu['trials']} trials ({out['trial_share']:.0%} of the candidates, budget {out['budget']}), "
-          f"{tu['seconds']:.0f} s, stopped: {tu['stop_reason']}")
-    gap = "-" if out["gap"] is None else f"{out['gap']:+.1%}"
-    print(f"  pick {tu['pick']}: {gap} against the exhaustive best {ex['best']}")
-    print(f"  target (within {WITHIN:.0%} trying <= {TRIAL_SHARE:.0%}): "
-          f"{'MET' if out['target_met'] else 'MISSED'}   ({out['seconds']:.0f} s in all)")
+    for n, r in enumerate(out["runs"]):
+        gap = "-" if r["gap"] is None else f"{r['gap']:+.1%}"
+        sure = "-" if r["confidence"] is None else f"{r['confidence']:.0%}"
+        print(f"  run {n + 1}: {r['candidates_tried']} candidates tried ({r['trial_share']:.0%}, budget "
+              f"{out['budget']}) + {r['retimed']} re-timing trials, {r['seconds']:.0f} s; pick {r['pick']} "
+              f"{gap} against the exhaustive best {ex['best']} (said {sure} sure); "
+              f"{'met' if r['target_met'] else 'MISSED'}")
+    print(f"  target (within {WITHIN:.0%} trying <= {TRIAL_SHARE:.0%}): {out['runs_met']} of {len(out['runs'])} "
+          f"runs: {'MET' if out['target_met'] else 'MISSED'}   ({out['seconds']:.0f} s in all)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -268,10 +286,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=8, help="timed steps per trial at most (default 8)")
     ap.add_argument("--trial-timeout", type=float, default=300.0, help="seconds (default 300)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--runs", type=int, default=1, help="tuner runs after the one exhaustive pass (default 1)")
     ap.add_argument("--out", help="write the figures as JSON here")
     args = ap.parse_args(argv)
     try:
-        for name in ("devices", "steps", "top"):
+        for name in ("devices", "steps", "top", "runs"):
             if getattr(args, name) < 1:
                 raise SpecError(f"is {getattr(args, name)}", field="--" + name, fix="give 1 or more")
         if args.repeats < 0:

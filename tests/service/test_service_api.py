@@ -173,6 +173,8 @@ BAD_JOBS: list[tuple[dict[str, Any], int, str]] = [
     ({"budget": {"max_trials": 0}}, 422, "budget.max_trials"),
     ({"budget": {"tolerance": 1.5}}, 422, "budget.tolerance"),
     ({"budget": {"max_trials": "many"}}, 422, "budget.max_trials"),
+    ({"budget": {"retime": -1}}, 422, "budget.retime"),
+    ({"budget": {"confidence": 1.0}}, 422, "budget.confidence"),
     ({"cluster": "nope"}, 404, "cluster"),
     ({"cluster": "bad name;rm -rf /"}, 422, "cluster"),
     ({"name": "x\u0000y"}, 422, "name"),
