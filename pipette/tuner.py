@@ -16,8 +16,10 @@ Re-time before the verdict: before the tuner hands back its pick, the best ``ret
 candidates tried so far are run again, interleaved (each round runs every contender once,
 in alternating order, so that drift on the machine hits them alike), until the pick is
 within ``tolerance`` of every contender with probability ``confidence`` or the rounds or the
-budget run out (``max_trials // 4`` trials, at most ``retime``, are kept from the search for
-this). The pick is the candidate with the best mean log step time over its ok trials, and
+budget run out (``max_trials // 4`` trials, at least 2 and at most ``retime``, are kept from
+the search for this). When the repeats show more trial-to-trial noise than the stop rule
+assumed, an untried candidate may have a chance again: the search goes on, and re-times again
+before it stops. The pick is the candidate with the best mean log step time over its ok trials, and
 the result says how sure it is (``Tuner.confidence``): the probability, under the measured
 trial-to-trial noise, that the pick is within ``tolerance`` of the best candidate tried.
 A trial that fails for another reason than memory (``failed``, ``timeout``) is retried
@@ -103,8 +105,9 @@ class TuneOptions:
     @property
     def retime_reserve(self) -> int:
         """Trials kept from the search for re-timing."""
-        reserve = min(self.retime, self.max_trials // 4)
-        return reserve if reserve >= 2 else 0
+        if self.retime < 2 or self.max_trials < 4:
+            return 0
+        return min(self.retime, max(2, self.max_trials // 4))
 
 
 @dataclass(frozen=True)
@@ -370,9 +373,10 @@ class Tuner:
 
     def contenders(self) -> list[str]:
         """The pick and the candidates to re-time it against, best mean first, ``retime`` at
-        most. Until the pick was timed twice, every candidate within ``prune_slower`` of it
-        (the trial-to-trial noise is not measured yet: the prior may be over-confident);
-        then those it is not yet ``confidence`` sure to be within the tolerance of."""
+        most. Until the pick was timed twice: the pick, and every candidate within
+        ``prune_slower`` of it (the trial-to-trial noise is not measured yet: the prior may be
+        over-confident); then those it is not yet ``confidence`` sure to be within the
+        tolerance of."""
         pick = self.best
         if pick is None or self.options.retime < 2:
             return []
@@ -384,6 +388,8 @@ class Tuner:
         else:
             others = [k for k, p in self._pairwise().items() if p < self.options.confidence]
         others.sort(key=lambda k: (means[k][0], k))
+        if n_p == 1:  # the pick is timed twice before any verdict: its repeat measures the noise
+            return [pick.label, *others[: self.options.retime - 1]]
         return [pick.label, *others[: self.options.retime - 1]] if others else []
 
     def ranking(self) -> list[Scored]:
@@ -432,17 +438,25 @@ class Tuner:
         interrupted = False
         try:
             while True:
-                if should_stop is not None and should_stop():
-                    reason = "cancelled"
+                while True:
+                    if should_stop is not None and should_stop():
+                        reason = "cancelled"
+                        break
+                    reason = self.stop_reason(time.monotonic() - start)
+                    if reason is not None:
+                        break
+                    if self.step(runner, emit, should_stop) == "cancelled":
+                        reason = "cancelled"
+                        break
+                if reason is None or reason == "cancelled" or reason.startswith("time budget"):
                     break
-                reason = self.stop_reason(time.monotonic() - start)
-                if reason is not None:
-                    break
-                if self.step(runner, emit, should_stop) == "cancelled":
-                    reason = "cancelled"
-                    break
-            if reason not in (None, "cancelled") and not reason.startswith("time budget"):
+                before = len(self.study.trials)
                 reason = self.retime(runner, reason, emit, should_stop)
+                # The repeats measured the trial-to-trial noise: when it is larger than the
+                # stop rule assumed, an untried candidate may again have a chance: search on.
+                if reason == "cancelled" or len(self.study.trials) == before \
+                        or self.stop_reason(time.monotonic() - start) is not None:
+                    break
         except KeyboardInterrupt:
             interrupted = True
             reason = "interrupted (Ctrl-C); the running trial was stopped and not recorded"

@@ -293,7 +293,7 @@ def test_resume_from_records_rebuilds_the_study_and_never_repeats(plan: Plan) ->
     part = first.run(world)
     records = [TrialRecord.from_dict(r.to_dict()) for r in part.trials]
     assert [r.to_dict() for r in records] == [r.to_dict() for r in part.trials]
-    resumed = Tuner(plan, TuneOptions(max_trials=6, stop_probability=0.0), history=records)
+    resumed = Tuner(plan, TuneOptions(max_trials=6, stop_probability=0.0, retime=0), history=records)
     assert len(resumed.study.trials) == 3
     assert resumed.best is not None and part.best is not None and resumed.best.label == part.best.label
     result = resumed.run(world)
@@ -403,3 +403,16 @@ def test_the_prediction_error_is_positive_when_a_trial_runs_slower_than_predicte
     assert measured > predicted
     assert ended.data["error_pct"] == pytest.approx(100.0 * (measured - predicted) / predicted)
     assert ended.data["error_pct"] > 0
+
+
+def test_noisy_repeats_reopen_the_search_and_lower_the_confidence(plan: Plan) -> None:
+    """The stop rule's prior noise (3%) is over-confident on a noisy machine: the pick's repeat
+    measures the noise, the search goes on, and the verdict says it is unsure."""
+    result = Tuner(plan, TuneOptions(max_trials=20)).run(World(plan, trial_noise=0.3))
+    purposes = "".join("s" if t.purpose == "search" else "R" for t in result.trials)
+    assert "Rs" in purposes, purposes  # searched again after re-timing
+    assert result.learned["trial_noise_sd"] > 0.1
+    assert result.confidence is not None and result.confidence < 0.9
+    quiet = Tuner(plan, TuneOptions(max_trials=20)).run(World(plan, trial_noise=0.01))
+    assert quiet.learned["trial_noise_sd"] < 0.05
+    assert quiet.confidence is not None and quiet.confidence > result.confidence, quiet.stop_reason
