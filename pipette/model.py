@@ -271,10 +271,25 @@ class ModelSpec:
             return MODEL_PRESETS[name.lower()]
         except KeyError:
             raise UnknownPresetError(
-                f"unknown model preset {name!r}",
-                field="model",
-                fix=f"use one of {', '.join(sorted(MODEL_PRESETS))}, or a config.json path",
+                f"unknown model preset {name!r}", field="model",
+                fix=preset_fix(name, "or a config.json path or a model folder"),
             ) from None
+
+
+def closest_presets(name: str, n: int = 3) -> list[str]:
+    """The presets whose names are closest to ``name`` (difflib's ratio), best first."""
+    import difflib
+
+    names = sorted(MODEL_PRESETS)
+    close = difflib.get_close_matches(name.lower(), names, n=n, cutoff=0.5)
+    return close or [x for x in names if x.split("-")[0] == name.lower().split("-")[0]][:n]
+
+
+def preset_fix(name: str, otherwise: str) -> str:
+    """A fix for an unknown preset: the closest names, and where every name is listed."""
+    close = closest_presets(name)
+    head = f"did you mean {', '.join(close)}? " if close else ""
+    return f"{head}Give a preset ({len(MODEL_PRESETS)} of them: README, Input formats, Model), {otherwise}"
 
 
 _DEFAULTED = {"tied_embeddings", "arch"}

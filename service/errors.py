@@ -134,6 +134,12 @@ def validation_error(errors: Any) -> RequestError:
     message = str(first.get("msg", "invalid value"))
     kind = str(first.get("type", ""))
     fix = _fix(kind, first.get("ctx") or {})
+    if field == "model" and isinstance(first.get("input"), str):
+        # not the ~30 presets in one line: the closest few, and where they all are
+        from pipette.model import preset_fix
+
+        message, fix = f"unknown model preset {first['input']!r}", preset_fix(first["input"], "or a config.json object")
+        items = items[:1]  # the other error is the union's dict branch refusing a string: noise
     more = f" (and {len(items) - 1} more)" if len(items) > 1 else ""
     return RequestError(message + more, field=field, fix=fix)
 

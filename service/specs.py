@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 from pipette.cluster import ClusterProfile
 from pipette.clusterfile import cluster_from_dict
 from pipette.errors import PipetteError, SpecError
-from pipette.model import MODEL_PRESETS, ModelSpec
+from pipette.model import MODEL_PRESETS, ModelSpec, preset_fix
 from pipette.training import TrainingSpec
 from service.schemas import ModelIn, TrainingIn
 
@@ -29,7 +29,7 @@ def model_spec(value: ModelIn) -> ModelSpec:
     if isinstance(value, str):
         if value.lower() not in MODEL_PRESETS:
             raise SpecError(f"unknown model preset {value!r}", field="model",
-                            fix=f"use one of {', '.join(sorted(MODEL_PRESETS))}, or the content of a config.json")
+                            fix=preset_fix(value, "or the content of a config.json"))
         return ModelSpec.preset(value)
     model = _guard(lambda: ModelSpec.from_hf_config(value), "model", "give a Hugging Face config.json object")
     # The name is the one free text of a model that is stored (PostgreSQL refuses NUL in text).

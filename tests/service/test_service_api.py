@@ -182,6 +182,17 @@ BAD_JOBS: list[tuple[dict[str, Any], int, str]] = [
 ]
 
 
+def test_an_unknown_preset_names_the_closest_not_all(api: Api) -> None:
+    """Issue 17, item 11: the 422 listed every preset in one line."""
+    h = api.token()
+    api.local_cluster(h)
+    r = api.client.post("/v1/jobs", json=_job(model="llama2-7"), headers=h)
+    assert r.status_code == 422, r.text
+    error = r.json()["error"]
+    assert error["field"] == "model" and error["message"] == "unknown model preset 'llama2-7'", error
+    assert error["fix"].startswith("did you mean llama2-7b") and len(error["fix"]) < 200, error
+
+
 @pytest.mark.parametrize(("change", "status", "field"), BAD_JOBS, ids=[f for _, _, f in BAD_JOBS])
 def test_bad_job_input_names_the_field(api: Api, change: dict[str, Any], status: int, field: str) -> None:
     h = api.token()

@@ -40,10 +40,16 @@ def test_every_preset_is_valid_and_named_by_its_key() -> None:
         assert spec.name == key
 
 
-def test_unknown_preset_lists_the_known_ones() -> None:
+def test_unknown_preset_names_the_closest_ones_not_all() -> None:
+    """Issue 17, item 11: the fix listed all ~30 presets in one line."""
     with pytest.raises(UnknownPresetError) as e:
-        ModelSpec.preset("llama9-1t")
-    assert e.value.field == "model" and "llama2-7b" in (e.value.fix or "")
+        ModelSpec.preset("llama2-7")
+    fix = e.value.fix or ""
+    assert e.value.field == "model" and fix.startswith("did you mean llama2-7b") and len(fix) < 200, fix
+    assert "README, Input formats, Model" in fix
+    with pytest.raises(UnknownPresetError) as e:
+        ModelSpec.preset("zzz")
+    assert "did you mean" not in (e.value.fix or "") and "README" in (e.value.fix or "")
 
 
 def test_from_hf_config_reads_llama_and_gpt2(tmp_path: Path) -> None:
