@@ -17,6 +17,16 @@ Arch = Literal["llama", "gpt"]
 ARCHS: tuple[str, ...] = ("llama", "gpt")
 
 
+#: Sanity bounds of a model's shape: well above every model published (hidden 25,600 and
+#: ffn 102,400 for Megatron's 1T GPT; vocabularies of 256k; 10M positions), well below what
+#: overflows the planner's arithmetic (an HF config with ``hidden_size: 1e30`` asked for
+#: 5.96e52 GiB; issue 17, item 14).
+MODEL_LIMITS: dict[str, int] = {
+    "layers": 4096, "hidden": 1 << 18, "heads": 1 << 12, "kv_heads": 1 << 12, "ffn_hidden": 1 << 20,
+    "vocab": 1 << 23, "max_seq": 1 << 24,
+}
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """A decoder-only transformer.
@@ -45,6 +55,11 @@ class ModelSpec:
                     f"must be a positive integer, got {value!r}",
                     field=f"model.{f}",
                     fix="give a whole number of at least 1",
+                )
+            if value > MODEL_LIMITS[f]:
+                raise SpecError(
+                    f"is {value:.3g}, beyond any model this tuner plans (at most {MODEL_LIMITS[f]:,})",
+                    field=f"model.{f}", fix="check config.json: a value this large is a typo or a unit mix-up",
                 )
         if self.arch not in ARCHS:
             raise SpecError(

@@ -102,13 +102,19 @@ class ClusterList(BaseModel):
 
 # ---- jobs -----------------------------------------------------------------------------
 
-class LoraIn(Strict):
+class StrictTypes(Strict):
+    """No coercion: ``true`` is not 1 and ``"8"`` is not 8 (issue 17, item 14)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class LoraIn(StrictTypes):
     rank: int = Field(16, ge=1, le=65536)
     alpha: float = Field(32.0, gt=0, le=1e6)
     targets: list[Annotated[str, Field(max_length=40)]] | None = Field(None, min_length=1, max_length=16)
 
 
-class TrainingIn(Strict):
+class TrainingIn(StrictTypes):
     """The recipe (pipette.training.TrainingSpec); omitted lists allow every option."""
 
     global_batch: int = Field(ge=1, le=1 << 24)
@@ -130,7 +136,7 @@ class TrainingIn(Strict):
         return data
 
 
-class BudgetIn(Strict):
+class BudgetIn(StrictTypes):
     """The search budget and the stop rule (pipette.tuner.TuneOptions), and the trials' length."""
 
     max_trials: int = Field(10, ge=1, le=500)

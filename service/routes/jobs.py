@@ -15,6 +15,7 @@ from pipette.clusterfile import cluster_from_dict
 from pipette.config import ParallelConfig
 from pipette.emit import deepspeed_config, hostfile, launch_command, rank_map, write_launch_files
 from pipette.model import ModelSpec
+from pipette.plan import check_recipe
 from pipette.training import TrainingSpec
 from service.deps import Caller, State
 from service.errors import NotFoundError
@@ -52,6 +53,7 @@ def submit_job(body: JobIn, state: State, caller: Caller, response: Response) ->
     """Queue a tuning job; it runs when its cluster's devices are free (see the job's state)."""
     model = model_spec(body.model)
     training = training_spec(body.training)
+    check_recipe(model, training)  # at submit, not when planning starts (issue 17, item 14)
     with state.db.write() as session:
         cluster = cluster_repo.get_cluster(session, caller.tenant, body.cluster)
         job = repo.create_job(

@@ -10,7 +10,7 @@ from fastapi import APIRouter
 from pipette.cluster import ClusterProfile
 from pipette.clusterfile import cluster_from_dict
 from pipette.memory import SAFETY_MARGIN
-from pipette.plan import make_plan
+from pipette.plan import check_recipe, make_plan
 from service.deps import Caller, State
 from service.errors import NotFoundError
 from service.planning import plan_dict
@@ -27,6 +27,7 @@ def what_if(body: PlanIn, state: State, caller: Caller) -> PlanOut:
     """Rank every memory-feasible candidate by predicted step time; say why the others drop."""
     model = model_spec(body.model)
     training = training_spec(body.training)
+    check_recipe(model, training)
     cluster = _cluster(body, state, caller.tenant)
     margin = SAFETY_MARGIN if body.margin is None else body.margin
     start = time.perf_counter()

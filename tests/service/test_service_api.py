@@ -174,6 +174,12 @@ BAD_JOBS: list[tuple[dict[str, Any], int, str]] = [
     ({"budget": {"tolerance": 1.5}}, 422, "budget.tolerance"),
     ({"budget": {"max_trials": "many"}}, 422, "budget.max_trials"),
     ({"budget": {"retime": -1}}, 422, "budget.retime"),
+    # issue 17, item 14: refused at submit, naming the field, not coerced nor failed at planning
+    ({"training": {"global_batch": True, "seq_len": 32}}, 422, "training.global_batch"),
+    ({"training": {"global_batch": 4, "seq_len": "32"}}, 422, "training.seq_len"),
+    ({"training": {"global_batch": 4, "seq_len": 100000}}, 422, "training.seq_len"),
+    ({"model": {"model_type": "llama", "hidden_size": 1e30, "num_hidden_layers": 2, "num_attention_heads": 4,
+                "intermediate_size": 64, "vocab_size": 128}}, 422, "model.hidden"),
     ({"budget": {"confidence": 1.0}}, 422, "budget.confidence"),
     ({"cluster": "nope"}, 404, "cluster"),
     ({"cluster": "bad name;rm -rf /"}, 422, "cluster"),
