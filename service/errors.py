@@ -134,6 +134,10 @@ def validation_error(errors: Any) -> RequestError:
     message = str(first.get("msg", "invalid value"))
     kind = str(first.get("type", ""))
     fix = _fix(kind, first.get("ctx") or {})
+    if kind == "json_invalid":
+        field = "body"  # not the character offset pydantic puts in the location
+    elif kind == "missing" and field == "body":
+        message, fix = "the request has no body", "send a JSON object (see /docs for its fields)"
     if field == "model" and isinstance(first.get("input"), str):
         # not the ~30 presets in one line: the closest few, and where they all are
         from pipette.model import preset_fix

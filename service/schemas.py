@@ -103,9 +103,10 @@ class ClusterList(BaseModel):
 # ---- jobs -----------------------------------------------------------------------------
 
 class StrictTypes(Strict):
-    """No coercion: ``true`` is not 1 and ``"8"`` is not 8 (issue 17, item 14)."""
+    """No coercion: ``true`` is not 1 and ``"8"`` is not 8 (issue 17, item 14); NaN and
+    infinities are refused as such, not as out of bounds (item 19)."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class LoraIn(StrictTypes):

@@ -38,7 +38,7 @@ def create_cluster(
 def get_cluster(session: Session, tenant: str, ref: str) -> Cluster:
     """By id or by name, within the tenant."""
     cluster = session.execute(
-        select(Cluster).where(Cluster.tenant == tenant, or_(Cluster.id == ref, Cluster.name == ref))
+        select(Cluster).where(Cluster.tenant == tenant, or_(Cluster.id == ref.lower(), Cluster.name == ref))
     ).scalars().first()
     if cluster is None:
         raise NotFoundError(f"no cluster {ref!r}", field="cluster",
@@ -67,7 +67,7 @@ def request_profile(session: Session, cluster: Cluster) -> Profile:
 
 
 def get_profile(session: Session, cluster_id: str, profile_id: str) -> Profile:
-    profile = session.get(Profile, profile_id)
+    profile = session.get(Profile, profile_id.lower())
     if profile is None or profile.cluster_id != cluster_id:
         raise NotFoundError(f"no profile {profile_id!r} of this cluster", field="profile_id",
                             fix="use an id from POST /v1/clusters/{id}/profile")

@@ -31,7 +31,7 @@ def create_job(
 
 
 def get_job(session: Session, tenant: str, job_id: str) -> Job:
-    job = session.get(Job, job_id)
+    job = session.get(Job, job_id.lower())  # ids are lower-case UUIDs; the path accepts either case
     if job is None or job.tenant != tenant:
         # Another tenant's job answers exactly like a missing one.
         raise NotFoundError(f"no job {job_id!r}", field="job_id", fix="use an id from GET /v1/jobs")
@@ -50,7 +50,7 @@ def list_jobs(
     if cluster_id:
         query = query.where(Job.cluster_id == cluster_id)
     if cursor:
-        last = session.get(Job, cursor)
+        last = session.get(Job, cursor.lower())
         if last is None or last.tenant != tenant:
             raise NotFoundError(f"no job {cursor!r} to continue after", field="cursor",
                                 fix="pass next_cursor from the previous page, or no cursor")

@@ -214,7 +214,8 @@ def test_malformed_bodies_and_parameters(api: Api) -> None:
     c = api.client
     cases: list[tuple[Callable[[], Any], int, str | None]] = [
         (lambda: c.post("/v1/jobs", content=b"{not json", headers={**h, "content-type": "application/json"}),
-         422, None),
+         422, "body"),
+        (lambda: c.post("/v1/jobs", headers=h), 422, "body"),
         (lambda: c.post("/v1/jobs", json=[1, 2], headers=h), 422, None),
         (lambda: c.get("/v1/jobs", params={"limit": 0}, headers=h), 422, "limit"),
         (lambda: c.get("/v1/jobs", params={"stat": "running"}, headers=h), 422, "stat"),
@@ -245,6 +246,24 @@ def test_malformed_bodies_and_parameters(api: Api) -> None:
         assert error["message"] and error["fix"], error
         if field is not None:
             assert error["field"] == field, error
+
+
+def test_small_input_faults(api: Api) -> None:
+    """Issue 17, item 19: an upper-cased id, a non-JSON or empty body, a NaN tolerance."""
+    h = api.token()
+    api.local_cluster(h)
+    c = api.client
+    job = c.post("/v1/jobs", json=_job(), headers=h).json()
+    assert c.get(f"/v1/jobs/{job['id'].upper()}", headers=h).json()["id"] == job["id"]
+    bad = c.post("/v1/jobs", content=b"{not json", headers={**h, "content-type": "application/json"}).json()["error"]
+    assert bad["field"] == "body" and bad["fix"] == "send a valid JSON body", bad
+    empty = c.post("/v1/jobs", headers=h).json()["error"]
+    assert empty["field"] == "body" and empty["fix"] != "give it" and "JSON object" in empty["fix"], empty
+    nan = c.post("/v1/jobs", content=json.dumps(_job(budget={"tolerance": float("nan")})).encode(),
+                 headers={**h, "content-type": "application/json"})
+    assert nan.status_code == 422, nan.text
+    error = nan.json()["error"]
+    assert error["field"] == "budget.tolerance" and error["fix"] == "give a finite number", error
 
 
 def test_body_size_limit(tmp_path: Any) -> None:
