@@ -72,6 +72,9 @@ class JobDriver:
         self._trial_started: dict[int, float] = {}
         self._waiting: list[str] | None = None
         self._waiting_since = 0.0
+        #: tuning time is charged to the job as it goes (at every trial's end), not only at the
+        #: end: a SIGKILL skips any ``finally`` (issue 17, item 16)
+        self._charged_until: float | None = None
 
     # ---- the job ------------------------------------------------------------------
     def run(self) -> None:
@@ -149,11 +152,11 @@ class JobDriver:
             confidence=float(options.get("confidence", 0.9)),
         )
         tuner = Tuner(plan, tune, history=history, prior=prior, runnable=runner.refusals)
-        began = time.monotonic()
+        self._charged_until = time.monotonic()
         try:
             result = tuner.run(runner, on_event=self.on_event, should_stop=self.should_stop)
         finally:
-            self._add_tuning_time(time.monotonic() - began)
+            self._add_tuning_time(self._uncharged())
         self._check_interrupt()
 
         outcome = result.to_dict()
@@ -192,6 +195,7 @@ class JobDriver:
                                      trial=number)
                     return
                 trials.end_trial(session, job.id, number, data)
+                job.tuning_s = job.tuning_s + self._uncharged()
                 self._update_progress(session, job)
             events.add_event(session, job.id, kind, data, trial=number)
 
@@ -282,6 +286,14 @@ class JobDriver:
         if ok:
             best = min(ok, key=lambda t: float(t.measured_step_time or 0.0))
             job.best = _best_summary(best.record or {})
+
+    def _uncharged(self) -> float:
+        """Seconds of tuning since they were last added to the job (and mark them added)."""
+        if self._charged_until is None:
+            return 0.0
+        now = time.monotonic()
+        seconds, self._charged_until = now - self._charged_until, now
+        return seconds
 
     def _add_tuning_time(self, seconds: float) -> None:
         try:

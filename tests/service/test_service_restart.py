@@ -57,6 +57,10 @@ def test_sigkill_mid_trial_then_restart_resumes_the_job(tmp_path: Path, deepspee
                 assert session.get(Job, job["id"]).state == "running"  # type: ignore[union-attr]
                 states = [t.state for t in session.query(Trial).filter_by(job_id=job["id"]).order_by(Trial.number)]
                 assert states == [before["trials"][0]["state"], "running"] and states[0] in ENDED
+                # trial 0's tuning time was charged when it ended: the budget counts it after a
+                # SIGKILL (issue 17, item 16; it was added only in a `finally` the kill skipped)
+                charged = session.get(Job, job["id"]).tuning_s  # type: ignore[union-attr]
+                assert charged > 0
 
             second.start()
             c = httpx.Client(base_url=second.base, headers=headers, timeout=30)
@@ -71,6 +75,7 @@ def test_sigkill_mid_trial_then_restart_resumes_the_job(tmp_path: Path, deepspee
     ok = any(t["state"] == "ok" for t in after["trials"])
     assert done["state"] == ("succeeded" if ok else "failed"), (done, second.tail())
     assert done["attempts"] == 2
+    assert done["progress"]["tuning_s"] > charged  # before the kill and after the resume
     trials = after["trials"]
     assert [t["number"] for t in trials] == [0, 1]  # nothing duplicated, nothing missing
     # The completed trial is kept exactly as it was.
