@@ -38,6 +38,12 @@ class AuthError(PipetteError):
     http_status = 401
 
 
+class ForbiddenError(PipetteError):
+    """Authenticated, but not allowed here (a tenant's token on the operator's /metrics)."""
+
+    http_status = 403
+
+
 class TooLargeError(PipetteError):
     http_status = 413
 

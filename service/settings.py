@@ -41,6 +41,9 @@ class Settings:
     token_cache_s: float = 5.0
     #: this host's name, used for the lease of the embedded ("local") cluster
     hostname: str = socket.gethostname()
+    #: the operator's credential for /metrics (every tenant's counts): a Bearer token that is
+    #: not a tenant's; None: /metrics is off
+    metrics_token: str | None = None
 
     @property
     def resource_key(self) -> str:
@@ -64,6 +67,7 @@ class Settings:
             trial_timeout_s=_number(env, "PIPETTE_TRIAL_TIMEOUT_S", 300.0, minimum=1.0),
             node_wait_s=_number(env, "PIPETTE_NODE_WAIT_S", 1800.0, minimum=0.0),
             token_cache_s=_number(env, "PIPETTE_TOKEN_CACHE_S", 5.0, minimum=0.0),
+            metrics_token=env.get("PIPETTE_METRICS_TOKEN") or None,
         )
 
 

@@ -9,6 +9,7 @@ from service.schemas import ErrorOut
 _DESCRIPTIONS = {
     400: "Malformed request",
     401: "Missing or invalid Bearer token",
+    403: "A valid token that may not do this (a tenant's token on the operator's /metrics)",
     404: "Not found (or another tenant's)",
     409: "Not possible in the current state",
     413: "Request body too large",

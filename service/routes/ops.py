@@ -1,17 +1,20 @@
 """Operations: ``/healthz`` (the process answers), ``/readyz`` (the database is reachable and
-migrated, Ray is reachable), ``/metrics`` (Prometheus text)."""
+migrated, Ray is reachable), ``/metrics`` (Prometheus text, for the operator's token ``PIPETTE_METRICS_TOKEN`` only)."""
 
 from __future__ import annotations
 
+import hmac
 import socket
 from typing import Any
 
-from fastapi import APIRouter, Response
+from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from sqlalchemy.exc import SQLAlchemyError
 
 from pipette.errors import SpecError
-from service.deps import Caller, State
+from service.auth import bearer_secret
+from service.deps import State
+from service.errors import ForbiddenError
 from service.migrations import current_revision, head_revision
 from service.routes import json_errors
 from service.schemas import Health, Readiness
@@ -35,9 +38,19 @@ def readyz(state: State) -> JSONResponse:
 
 @router.get("/metrics", response_class=Response, responses={
     200: {"content": {"text/plain": {"schema": {"type": "string"}}}, "description": "Prometheus text format"},
-    **json_errors(401, 413),
+    **json_errors(401, 403, 413),
 })
-def metrics(state: State, _caller: Caller) -> Response:
+def metrics(request: Request, state: State) -> Response:
+    """Every tenant's counts: for the operator (``PIPETTE_METRICS_TOKEN``), never a tenant's token."""
+    secret = bearer_secret(request)
+    expected = state.settings.metrics_token
+    if expected is None or not hmac.compare_digest(secret.encode(), expected.encode()):
+        raise ForbiddenError(
+            "/metrics shows every tenant's counts and takes the operator's token, not a tenant's"
+            + ("" if expected is not None else " (none is set: metrics are off)"),
+            field="Authorization",
+            fix="set PIPETTE_METRICS_TOKEN on the service and scrape with 'Authorization: Bearer <that token>'",
+        )
     return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 

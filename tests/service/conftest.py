@@ -27,6 +27,8 @@ from service.settings import Settings
 
 PG_ADMIN_URL = os.environ.get("PIPETTE_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 BACKENDS = ("sqlite", "postgresql")
+#: The operator's /metrics credential in the service tests (PIPETTE_METRICS_TOKEN).
+METRICS_TOKEN = "test-operator-metrics"
 
 
 def pg_url(name: str) -> str:
@@ -95,6 +97,7 @@ class Api:
 def make_api(url: str, backend: str, home: Path, **settings: Any) -> Iterator[Api]:
     db = Database(url)
     settings.setdefault("token_cache_s", 0.5)
+    settings.setdefault("metrics_token", METRICS_TOKEN)
     app = create_app(Settings(database_url=url, home=home, scheduler=False, **settings), database=db)
     with TestClient(app) as client:
         yield Api(client, db, backend)

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from service.migrations import head_revision
-from tests.service.conftest import Api
+from tests.service.conftest import METRICS_TOKEN, Api
 
 CPU4 = {"name": "cpu4", "device": {"preset": "cpu", "memory": "5 GiB"}, "nodes": 1, "devices_per_node": 4,
         "intra_node": {"bandwidth": "2 GB/s", "latency": "50 us"}}
@@ -36,7 +36,12 @@ def test_health_ready_and_metrics(api: Api) -> None:
     h = api.token()
     api.local_cluster(h)
     assert c.post("/v1/jobs", json=_job(), headers=h).status_code == 202
-    text = c.get("/metrics", headers=h).text
+    # every tenant's counts: never for a tenant's token (issue 17, item 13)
+    tenant = c.get("/metrics", headers=h)
+    assert tenant.status_code == 403 and tenant.json()["error"]["field"] == "Authorization", tenant.text
+    assert "PIPETTE_METRICS_TOKEN" in tenant.json()["error"]["fix"]
+    assert c.get("/metrics", headers={"Authorization": "Bearer wrong"}).status_code == 403
+    text = c.get("/metrics", headers={"Authorization": f"Bearer {METRICS_TOKEN}"}).text
     assert 'pipette_jobs{state="queued"}' in text
     assert "pipette_trials_total" in text and "pipette_trial_duration_seconds_bucket" in text
     assert 'pipette_api_request_duration_seconds_count{method="POST",route="/v1/jobs",status="202"}' in text

@@ -21,7 +21,7 @@ import pytest
 
 from service.db import Database
 from service.migrations import upgrade
-from tests.service.conftest import JOB_BODY, remember_profile, seed_profile
+from tests.service.conftest import JOB_BODY, METRICS_TOKEN, remember_profile, seed_profile
 from tests.service.processes import ServiceProcess, admin_token, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
@@ -33,7 +33,7 @@ def test_two_jobs_on_one_cluster_run_one_after_the_other(tmp_path: Path, deepspe
     url = f"sqlite:///{tmp_path / 'jobs.db'}"
     upgrade(url)
     headers = admin_token(url, tmp_path, "lease-test")
-    api = ServiceProcess(url, tmp_path, log_name="api", PIPETTE_SCHEDULER="0")
+    api = ServiceProcess(url, tmp_path, log_name="api", PIPETTE_SCHEDULER="0", PIPETTE_METRICS_TOKEN=METRICS_TOKEN)
     workers = [ServiceProcess(url, tmp_path, command="worker", log_name=f"worker{i}", PIPETTE_LEASE_TTL_S="10")
                for i in range(2)]
     db = Database(url)
@@ -71,7 +71,7 @@ def test_two_jobs_on_one_cluster_run_one_after_the_other(tmp_path: Path, deepspe
 
         _check_results(c, a["url"], job_a)
         _check_live_events(live, c, a["url"])
-        metrics = c.get("/metrics").text
+        metrics = c.get("/metrics", headers={"Authorization": f"Bearer {METRICS_TOKEN}"}).text
         assert 'pipette_jobs{state="succeeded"} 2.0' in metrics
         assert 'pipette_trial_duration_seconds_count 2.0' in metrics
     finally:
