@@ -9,8 +9,13 @@ mean and variance) with a kernel made of
 - an RBF term ``s^2 exp(-|x - x'|^2 / 2 l^2)`` over the candidate's features (its degrees,
   micro-batch, ZeRO stage, recomputation, and the shares of its predicted breakdown), so a
   trial corrects its neighbours more than distant candidates;
+- a regime term ``a^2 (1/D) sum_d [x_d = x'_d]`` over the candidate's tp, pp, ZeRO stage and
+  recompute mode (an additive kernel over categorical dimensions, after Duvenaud, Nickisch &
+  Rasmussen 2011, "Additive Gaussian Processes"): the analytic model is often wrong by a
+  factor per regime (the 80B runs were 2-7x slow at tp 8-32 and pp 2-8), so one trial at tp 8
+  moves every tp-8 candidate, however far its other features are;
 - observations from another job on the same cluster (``job_key`` differs) enter the RBF
-  term scaled by ``CROSS_JOB_CORRELATION``: they inform, but less than this job's own.
+  and regime terms scaled by ``CROSS_JOB_CORRELATION``: they inform, but less than this job's own.
 
 With no observations the posterior mean is 0: the prediction *is* the analytic model
 (DESIGN.md: the learned part corrects, never replaces). A trial that was pruned still ran
@@ -43,6 +48,7 @@ from pipette.feasibility import P_FIT_MIN, P_RUNS_MIN, MemoryModel, MemoryPoint,
 from pipette.measurement import Measurement
 
 FloatArray = npt.NDArray[np.float64]
+IntArray = npt.NDArray[np.int64]
 
 #: Prior standard deviation of the common log offset (a factor of e^1 either way).
 PRIOR_OFFSET_SD = 1.0
@@ -58,10 +64,13 @@ NOISE_FLOOR_SD = 0.03
 NOISE_PRIOR_DOF = 2.0
 #: A pruned trial's partial median is noisier: fewer steps, maybe still warming up.
 PRUNED_NOISE_SD = 0.15
-#: With this many timed trials, the residual sd and length scale are fitted (ML-II).
+#: Prior standard deviation of the per-regime log correction (the regime term above).
+PRIOR_REGIME_SD = 0.5
+#: With this many timed trials, the residual sd, length scale and regime sd are fitted (ML-II).
 MIN_FOR_FIT = 3
 RESIDUAL_SD_GRID = (0.02, 0.05, 0.1, 0.2, 0.3, 0.5)
 LENGTH_SCALE_GRID = (0.75, 1.5, 3.0)
+REGIME_SD_GRID = (0.0, 0.5, 1.0)
 #: Correlation of the candidate-specific correction between two different jobs.
 CROSS_JOB_CORRELATION = 0.5
 
@@ -114,38 +123,45 @@ class LearnedModel:
         timed = [o for o in self.observations if _observed_time(o) is not None]
         self._keys = [o.job_key == job_key for o in timed]
         self._x = np.array([features(o.config, o.perf) for o in timed]) if timed else np.zeros((0, 0))
+        self._r = np.array([regimes(o.config) for o in timed], dtype=np.int64) if timed else np.zeros((0, 0), np.int64)
         self.trial_noise_sd, self.noise_dof = trial_noise(timed)
         self._noise = np.array([math.hypot(_step_noise_sd(o.measurement), self.trial_noise_sd) for o in timed])
         self._y = np.array([math.log(_observed_time(o) or 1.0) - math.log(o.perf.step_time) for o in timed])
-        if len(self._y) >= 3:
-            # Robustness: a run far slower than the others' median residual gets a noise as
-            # large as its distance, so one odd run (a glitch: load, a straggler) does not drag
-            # its neighbours' predictions with it. Only slow ones: glitches do not make a run
-            # faster, so a fast surprise is a discovery and its neighbours should follow it.
-            dist = self._y - np.median(self._y)
-            self._noise = np.where(dist > OUTLIER_LOG, np.maximum(self._noise, dist), self._noise)
-        self.residual_sd, self.length_scale = PRIOR_RESIDUAL_SD, LENGTH_SCALE
+        # Robustness: a run far slower than its peers' (same tp and pp, two at least) median
+        # residual gets a noise as large as its distance, so one odd run (a glitch: load, a
+        # straggler) does not drag its neighbours' predictions with it. Peers, not every run:
+        # a whole regime slower than predicted is what the regime term must learn. Only slow
+        # ones: glitches do not make a run faster, so a fast surprise is a discovery.
+        for i, o in enumerate(timed):
+            peers = [self._y[j] for j, p in enumerate(timed)
+                     if j != i and (p.config.tp, p.config.pp) == (o.config.tp, o.config.pp)]
+            if len(peers) >= 2:
+                dist = float(self._y[i] - np.median(peers))
+                if dist > OUTLIER_LOG:
+                    self._noise[i] = max(self._noise[i], dist)
+        self.residual_sd, self.length_scale, self.regime_sd = PRIOR_RESIDUAL_SD, LENGTH_SCALE, PRIOR_REGIME_SD
         self._alpha: FloatArray = np.zeros(0)
         self._chol: FloatArray = np.zeros((0, 0))
         if timed:
             if len(timed) >= MIN_FOR_FIT:
-                self.residual_sd, self.length_scale = max(
-                    ((s, ell) for s in RESIDUAL_SD_GRID for ell in LENGTH_SCALE_GRID),
+                self.residual_sd, self.length_scale, self.regime_sd = max(
+                    ((s, ell, a) for s in RESIDUAL_SD_GRID for ell in LENGTH_SCALE_GRID for a in REGIME_SD_GRID),
                     key=lambda h: self._log_marginal_likelihood(*h),
                 )
-            self._chol, self._alpha = self._factor(self.residual_sd, self.length_scale)
+            self._chol, self._alpha = self._factor(self.residual_sd, self.length_scale, self.regime_sd)
         own = [o for o in self.observations if o.job_key == job_key]  # another job's memory teaches nothing here
         self.memory = MemoryModel([MemoryPoint(o.config, o.memory, o.measurement) for o in own])
         self.runs = RunsModel([(o.config, o.measurement) for o in own])
 
-    def _factor(self, s: float, ell: float) -> tuple[FloatArray, FloatArray]:
-        k = self._kernel(self._x, self._keys, self._x, self._keys, s, ell) + np.diag(self._noise**2)
+    def _factor(self, s: float, ell: float, a: float) -> tuple[FloatArray, FloatArray]:
+        k = self._kernel(self._x, self._r, self._keys, self._x, self._r, self._keys, s, ell, a)
+        k += np.diag(self._noise**2)
         chol = np.asarray(np.linalg.cholesky(k), dtype=np.float64)
         return chol, _solve_chol(chol, self._y)
 
-    def _log_marginal_likelihood(self, s: float, ell: float) -> float:
+    def _log_marginal_likelihood(self, s: float, ell: float, a: float) -> float:
         """Rasmussen & Williams eq. 2.30 (type-II maximum likelihood over a small grid)."""
-        chol, alpha = self._factor(s, ell)
+        chol, alpha = self._factor(s, ell, a)
         return float(-0.5 * self._y @ alpha - np.log(np.diag(chol)).sum() - 0.5 * len(self._y) * math.log(2 * math.pi))
 
     @property
@@ -153,12 +169,14 @@ class LearnedModel:
         return len(self._alpha)
 
     def _kernel(
-        self, xa: FloatArray, ka: list[bool], xb: FloatArray, kb: list[bool], s: float, ell: float
+        self, xa: FloatArray, ra: IntArray, ka: list[bool], xb: FloatArray, rb: IntArray, kb: list[bool],
+        s: float, ell: float, a: float,
     ) -> FloatArray:
         d2 = ((xa[:, None, :] - xb[None, :, :]) ** 2).sum(-1)
+        shared = (ra[:, None, :] == rb[None, :, :]).mean(-1)  # share of the regimes two candidates share
         same = np.equal.outer(np.array(ka), np.array(kb))
         rho = np.where(same, 1.0, CROSS_JOB_CORRELATION)
-        k = PRIOR_OFFSET_SD**2 + s**2 * np.exp(-d2 / (2 * ell**2)) * rho
+        k = PRIOR_OFFSET_SD**2 + (s**2 * np.exp(-d2 / (2 * ell**2)) + a**2 * shared) * rho
         return np.asarray(k, dtype=np.float64)
 
     def predict_many(self, configs: Sequence[ParallelConfig], perfs: Sequence[PerfEstimate]) -> list[Prediction]:
@@ -166,11 +184,13 @@ class LearnedModel:
         if not configs:
             return []
         analytic = [p.step_time for p in perfs]
-        prior_var = PRIOR_OFFSET_SD**2 + self.residual_sd**2
+        prior_var = PRIOR_OFFSET_SD**2 + self.residual_sd**2 + self.regime_sd**2
         if self.n_timed == 0:
             return [Prediction(a, 0.0, math.sqrt(prior_var)) for a in analytic]
         x = np.array([features(c, p) for c, p in zip(configs, perfs, strict=True)])
-        ks = self._kernel(x, [True] * len(configs), self._x, self._keys, self.residual_sd, self.length_scale)
+        r = np.array([regimes(c) for c in configs], dtype=np.int64)
+        ks = self._kernel(x, r, [True] * len(configs), self._x, self._r, self._keys, self.residual_sd,
+                          self.length_scale, self.regime_sd)
         mean = ks @ self._alpha
         v = np.linalg.solve(self._chol, ks.T)
         var = np.maximum(prior_var - (v * v).sum(0), 1e-8)
@@ -193,9 +213,18 @@ class LearnedModel:
     def summary(self) -> dict[str, float | int]:
         """How much the model trusts the analytic prior, and the noise it measured."""
         return {"timed_trials": self.n_timed, "residual_sd": self.residual_sd, "length_scale": self.length_scale,
+                "regime_sd": self.regime_sd,
                 "trial_noise_sd": self.trial_noise_sd, "noise_dof": self.noise_dof,
                 "memory_offset_sd": self.memory.offset_sd, "memory_residual_sd": self.memory.residual_sd,
                 "memory_points": self.memory.n, "crashes": self.runs.n_failed}
+
+
+def regimes(config: ParallelConfig) -> tuple[int, ...]:
+    """The categorical regimes of the regime term: tp, pp, ZeRO stage, recompute mode."""
+    return (config.tp, config.pp, config.zero_stage, _RECOMPUTE_CODE.get(config.recompute, len(_RECOMPUTE_CODE)))
+
+
+_RECOMPUTE_CODE = {"none": 0, "selective": 1, "full": 2}
 
 
 def _observed_time(o: Observation) -> float | None:

@@ -18,7 +18,7 @@ import pytest
 from pipette.clusterfile import homogeneous_cluster
 from pipette.config import ParallelConfig
 from pipette.errors import InfeasibleError, SpecError
-from pipette.learned import LearnedModel
+from pipette.learned import LearnedModel, Observation
 from pipette.measurement import Measurement
 from pipette.model import ModelSpec
 from pipette.plan import Plan, Planned, make_plan
@@ -51,6 +51,8 @@ class World:
     slow_factor: float = 4.0
     #: trial-to-trial spread (log sd) of one candidate: each call draws its own factor
     trial_noise: float = 0.0
+    #: a candidate's trials alternate between exp(-flip) and exp(+flip) times its truth
+    flip: float = 0.0
     #: these labels crash (not memory) every time
     crash: set[str] = field(default_factory=set)
 
@@ -78,6 +80,8 @@ class World:
         if self.trial_noise:
             rng = np.random.default_rng([len(self.calls), zlib.crc32(config.label.encode())])
             t *= math.exp(self.trial_noise * float(rng.standard_normal()))
+        if self.flip:
+            t *= math.exp(self.flip if self.calls.count(config.label) % 2 else -self.flip)
         times = []
         for i in range(5):
             times.append(t * (1 + 0.01 * (i % 2)))
@@ -408,11 +412,52 @@ def test_the_prediction_error_is_positive_when_a_trial_runs_slower_than_predicte
 def test_noisy_repeats_reopen_the_search_and_lower_the_confidence(plan: Plan) -> None:
     """The stop rule's prior noise (3%) is over-confident on a noisy machine: the pick's repeat
     measures the noise, the search goes on, and the verdict says it is unsure."""
-    result = Tuner(plan, TuneOptions(max_trials=20)).run(World(plan, trial_noise=0.3))
+    result = Tuner(plan, TuneOptions(max_trials=20)).run(World(plan, flip=0.2))
     purposes = "".join("s" if t.purpose == "search" else "R" for t in result.trials)
     assert "Rs" in purposes, purposes  # searched again after re-timing
     assert result.learned["trial_noise_sd"] > 0.1
     assert result.confidence is not None and result.confidence < 0.9
-    quiet = Tuner(plan, TuneOptions(max_trials=20)).run(World(plan, trial_noise=0.01))
+    quiet = Tuner(plan, TuneOptions(max_trials=20)).run(World(plan, flip=0.005))
     assert quiet.learned["trial_noise_sd"] < 0.05
     assert quiet.confidence is not None and quiet.confidence > result.confidence, quiet.stop_reason
+
+
+def test_a_regime_the_model_gets_wrong_is_learned_from_few_trials(plan: Plan) -> None:
+    """The analytic model wrong by a factor per regime (tp 2 here 3x slow): trials at tp 2 move
+    every tp-2 candidate, however far its other features are; tp-1 candidates stay."""
+    def observe(p: Planned, factor: float) -> Observation:
+        m = Measurement("ok", (p.perf.step_time * factor,) * 3, 1)
+        return TrialRecord(0, p.config, m, p.perf, p.memory, p.perf.step_time).observation()
+
+    def spread(tp: int) -> list[Planned]:  # four candidates of one tp, each another pp/ZeRO/recompute
+        seen: set[tuple[object, ...]] = set()
+        out = []
+        for p in plan.ranked:
+            key = (p.config.pp, p.config.zero_stage, p.config.recompute)
+            if p.config.tp == tp and key not in seen and len(out) < 4:
+                seen.add(key)
+                out.append(p)
+        return out
+
+    tp1, tp2 = spread(1), spread(2)
+    learned = LearnedModel([*(observe(p, 1.0) for p in tp1), *(observe(p, 3.0) for p in tp2)])
+    assert learned.regime_sd > 0  # ML-II chose the regime term
+    others2 = [p for p in plan.ranked if p.config.tp == 2 and p not in tp2]
+    others1 = [p for p in plan.ranked if p.config.tp == 1 and p not in tp1]
+    ratio = [pr.step_time / p.perf.step_time for pr, p in
+             zip(learned.predict_many([p.config for p in others2], [p.perf for p in others2]), others2, strict=True)]
+    base = [pr.step_time / p.perf.step_time for pr, p in
+            zip(learned.predict_many([p.config for p in others1], [p.perf for p in others1]), others1, strict=True)]
+    assert float(np.percentile(ratio, 10)) > 2.0 and float(np.median(base)) < 1.3, (np.median(ratio), np.median(base))
+
+
+def test_no_convergence_before_three_candidates_ran_ok(plan: Plan) -> None:
+    from pipette.tuner import MIN_OK_TO_CONVERGE
+
+    # every candidate but the analytic top-1 crashes: the rule may not call one ok trial converged
+    world = World(plan, crash={p.config.label for p in plan.ranked[1:]})
+    tuner = Tuner(plan, TuneOptions(max_trials=6, retries=0, retime=0))
+    tuner.step(world)
+    assert tuner.best is not None and MIN_OK_TO_CONVERGE == 3
+    reason = tuner.stop_reason()
+    assert reason is None or not reason.startswith("converged"), reason
