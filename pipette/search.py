@@ -105,7 +105,7 @@ def tried_keys(study: Study) -> set[tuple[Any, ...]]:
     }
 
 
-def _ok_measurements(study: Study) -> list[dict[str, Any]]:
+def _ok_records(study: Study) -> list[dict[str, Any]]:
     """The records of the study's trials that ran to the end."""
     return [
         t.user_attrs[RECORD_ATTR]
@@ -117,7 +117,7 @@ def _ok_measurements(study: Study) -> list[dict[str, Any]]:
 def measured_means(study: Study) -> dict[str, tuple[float, int]]:
     """Per tried candidate (by label): the mean log step time of its ok trials and their number."""
     logs: dict[str, list[float]] = {}
-    for r in _ok_measurements(study):
+    for r in _ok_records(study):
         t = r["measurement"].get("step_time")
         if t:
             logs.setdefault(r["label"], []).append(math.log(t))
@@ -137,7 +137,7 @@ def incumbent_step_time(study: Study) -> float | None:
 
 def incumbent_throughput(study: Study) -> float | None:
     """The best measured tokens/s (what trials report as intermediate values)."""
-    values = [r["measurement"]["tokens_per_s"] for r in _ok_measurements(study)]
+    values = [r["measurement"]["tokens_per_s"] for r in _ok_records(study)]
     return max(values) if values else None
 
 

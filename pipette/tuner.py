@@ -58,6 +58,7 @@ from pipette.search import (
     PerfModelSampler,
     Scored,
     candidate_params,
+    measured_means,
     new_study,
     params_key,
     search_space,
@@ -336,7 +337,7 @@ class Tuner:
     def best(self) -> TrialRecord | None:
         """The pick: the candidate with the best mean log step time over its ok trials (its
         trial with the median step time stands for it)."""
-        means = self._means()
+        means = measured_means(self.study)
         if not means:
             return None
         label = min(means, key=lambda k: (means[k][0], k))
@@ -347,17 +348,11 @@ class Tuner:
     def _ok_records(self) -> list[TrialRecord]:
         return [r for r in self.records if r.measurement.status == "ok" and r.measurement.step_time]
 
-    def _means(self) -> dict[str, tuple[float, int]]:
-        logs: dict[str, list[float]] = {}
-        for r in self._ok_records():
-            logs.setdefault(r.label, []).append(math.log(r.measurement.step_time or 1.0))
-        return {k: (sum(v) / len(v), len(v)) for k, v in logs.items()}
-
     def _pairwise(self) -> dict[str, float]:
         """Per other tried candidate: the probability that the pick is within the tolerance
         of it (its mean log step time less than ``log(1 + tolerance)`` above the other's),
         under the measured trial-to-trial noise."""
-        means = self._means()
+        means = measured_means(self.study)
         pick = self.best
         if pick is None:
             return {}
@@ -385,7 +380,7 @@ class Tuner:
         pick = self.best
         if pick is None or self.options.retime < 2:
             return []
-        means = self._means()
+        means = measured_means(self.study)
         mp, n_p = means[pick.label]
         if n_p == 1:
             near = -math.log(1.0 - self.options.prune_slower) if self.options.prune_slower > 0 else math.inf
@@ -414,7 +409,7 @@ class Tuner:
         if not ranked:
             return "every candidate predicted to fit was tried"
         best = self.best
-        if best is not None and len(self._means()) >= min(MIN_OK_TO_CONVERGE, len(self.candidates)):
+        if best is not None and len(measured_means(self.study)) >= min(MIN_OK_TO_CONVERGE, len(self.candidates)):
             top = max(ranked, key=lambda s: s.p_beat)
             if top.p_beat < o.stop_probability:
                 return (
