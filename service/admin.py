@@ -5,6 +5,8 @@
     pipette-admin token create --tenant NAME    print a new API token (shown once)
     pipette-admin token list [--tenant NAME]
     pipette-admin token revoke ID
+    pipette-admin cluster allow-scripts --tenant NAME --cluster NAME [--off]
+                                                let that tenant's jobs on that cluster run their own script
     pipette-admin serve [--host H] [--port P]   the API (and its scheduler thread)
     pipette-admin worker                        a scheduler process without the API
 
@@ -18,6 +20,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from types import FrameType
 
 from sqlalchemy import select
 from sqlalchemy.exc import OperationalError, ProgrammingError, SQLAlchemyError
@@ -71,6 +74,15 @@ def _parser() -> argparse.ArgumentParser:
     revoke = token.add_parser("revoke", help="revoke a token by id")
     revoke.add_argument("id", type=int)
     revoke.set_defaults(func=_token_revoke)
+
+    cluster = sub.add_parser("cluster", help="clusters' permissions").add_subparsers(
+        title="cluster commands", metavar="ACTION")
+    allow = cluster.add_parser("allow-scripts", help="let a tenant's jobs on a cluster run their own training "
+                               "script (its code runs on the cluster's nodes); --off takes it back")
+    allow.add_argument("--tenant", required=True)
+    allow.add_argument("--cluster", required=True, help="the cluster's name or id")
+    allow.add_argument("--off", action="store_true")
+    allow.set_defaults(func=_allow_scripts)
 
     serve = sub.add_parser("serve", help="run the API (with its scheduler unless PIPETTE_SCHEDULER=0)")
     serve.add_argument("--host", default="127.0.0.1")
@@ -148,6 +160,22 @@ def _token_revoke(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+def _allow_scripts(args: argparse.Namespace, settings: Settings) -> int:
+    from service.db import Database
+    from service.repositories.clusters import get_cluster
+
+    db = Database(settings.database_url)
+    try:
+        with db.write() as session:
+            cluster = get_cluster(session, args.tenant, args.cluster)
+            cluster.allow_scripts = not args.off
+            name = cluster.name
+    finally:
+        db.dispose()
+    print(f"scripts {'disabled' if args.off else 'enabled'} for tenant {args.tenant!r} on cluster {name!r}")
+    return 0
+
+
 def _serve(args: argparse.Namespace, settings: Settings) -> int:
     import uvicorn
 
@@ -169,8 +197,17 @@ def _serve(args: argparse.Namespace, settings: Settings) -> int:
                "access_log": not args.no_access_log}
     if args.workers > 1:
         uvicorn.run("service.app:app_from_env", factory=True, workers=args.workers, **options)
-    else:
-        uvicorn.run(create_app(settings), **options)
+        return 0
+    app = create_app(settings)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            # At the signal, not after the connections drained: the scheduler stops taking
+            # work and the event streams end, so a watcher does not keep a trial starting.
+            app.state.pipette.begin_shutdown()
+            super().handle_exit(sig, frame)
+
+    Server(uvicorn.Config(app, **options)).run()
     return 0
 
 

@@ -15,6 +15,7 @@ from contextlib import asynccontextmanager
 from fastapi import Depends, FastAPI
 
 from service import dashboard
+from service.apidocs import install_docs
 from service.auth import TokenCache
 from service.db import Database
 from service.deps import AppState, reject_unknown_query
@@ -59,11 +60,12 @@ def create_app(settings: Settings | None = None, *, database: Database | None = 
                 db.dispose()
 
     app = FastAPI(title="Pipette", version="1", description=DESCRIPTION, lifespan=lifespan,
-                  dependencies=[Depends(reject_unknown_query)])
+                  dependencies=[Depends(reject_unknown_query)], docs_url=None, redoc_url=None)
     app.state.pipette = state
     install_error_handlers(app)
     for module in (ops, clusters, jobs, events, plan):
         app.include_router(module.router)
+    install_docs(app)  # /docs and /redoc without a CDN
     app.include_router(dashboard.router)  # the web dashboard at / (static files)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(LatencyMiddleware, metrics=state.metrics)

@@ -3,6 +3,7 @@ health depends on ``principal``, which authenticates the Bearer token)."""
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -27,6 +28,16 @@ class AppState:
     metrics: Metrics
     scheduler: Scheduler | None = None
     tokens: TokenCache = field(default_factory=TokenCache)
+    #: set when the process was told to stop (SIGTERM): event streams end, the scheduler stops
+    stopping: threading.Event = field(default_factory=threading.Event)
+
+    def begin_shutdown(self) -> None:
+        """The process is stopping: take no more work (the running trial is interrupted) and
+        end the event streams, so open watchers do not hold the shutdown (issue 17 item 22:
+        with a watcher, the scheduler started the next trial after the SIGTERM)."""
+        self.stopping.set()
+        if self.scheduler is not None:
+            self.scheduler.request_stop()
 
     def kick(self) -> None:
         """Wake this process's scheduler (new work); other processes find it by polling."""

@@ -107,6 +107,11 @@ class JobDriver:
             job.worker = self.keeper.holder
             job.started_at = job.started_at or utcnow()
             if self.resumed:
+                # The dead holder's trial never got its end: say it was interrupted, so its step
+                # events in the stream are closed the way a graceful stop closes them.
+                for number in rerun:
+                    events.add_event(session, job.id, "trial_interrupted",
+                                     {"reason": "its service stopped mid-trial; rerun on resume"}, trial=number)
                 events.add_event(session, job.id, "resumed", {"attempt": job.attempts, "interrupted_trials": rerun})
             model = ModelSpec.from_dict(job.model)
             training = TrainingSpec.from_dict(job.training)
@@ -114,6 +119,11 @@ class JobDriver:
             profile_id = job.profile_id
             cluster_row = session.get(Cluster, job.cluster_id)
             assert cluster_row is not None  # a foreign key
+            script = None
+            if job.script is not None:
+                from service.scripts import unpack_for_job
+
+                script = unpack_for_job(job.script, job.script_files, self.settings.home, job.id)
         cluster, profile_id = self._cluster(cluster_row, profile_id)
         self._check_interrupt()
 
@@ -125,7 +135,8 @@ class JobDriver:
         steps = int(options.get("steps", 8))
         runner = RayTrialRunner(model, training, cluster, device_kind=cluster.device_spec.kind, timeout_s=timeout,
                                 max_steps=steps, min_steps=min(3, steps), seed=int(options.get("seed", 0)),
-                                node_wait_s=self.settings.node_wait_s, on_wait=self.on_wait)
+                                node_wait_s=self.settings.node_wait_s, on_wait=self.on_wait,
+                                script=script, ship_workdir=script is not None and script.workdir is not None)
         start = time.perf_counter()
         margin = SAFETY_MARGIN if options.get("margin") is None else float(options["margin"])
         plan = make_plan(model, training, cluster, margin=margin, seed=int(options.get("seed", 0)))
@@ -134,8 +145,11 @@ class JobDriver:
         with self.db.write() as session:
             job = self._job(session)
             history = [TrialRecord.from_dict(d) for d in trials.finished_records(session, job.id)]
-            prior = [TrialRecord.from_dict(d)
-                     for d in trials.prior_records(session, cluster_row.resource, exclude_job=job.id)]
+            # A script's trials measure the script: other jobs' trials (of Pipette's runner or of
+            # other scripts) do not tell about it.
+            prior = [] if script is not None else [
+                TrialRecord.from_dict(d)
+                for d in trials.prior_records(session, cluster_row.resource, exclude_job=job.id)]
             used = job.tuning_s
             set_state(session, job, "running", plan=planned)
         self._check_interrupt()

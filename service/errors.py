@@ -54,6 +54,14 @@ class RequestError(PipetteError):
     http_status = 422
 
 
+class TooManyRequestsError(PipetteError):
+    """Valid, but over a limit that passes with time (a tenant's queue is full): retry later."""
+
+    http_status = 429
+    #: the ``Retry-After`` header of the answer (seconds)
+    retry_after_s: int = 60
+
+
 class UnavailableError(PipetteError):
     http_status = 503
 
@@ -72,6 +80,8 @@ def error_body(message: str, field: str | None = None, fix: str | None = None) -
 
 def pipette_error_response(error: PipetteError) -> JSONResponse:
     headers = {"WWW-Authenticate": "Bearer"} if error.http_status == 401 else None
+    if isinstance(error, TooManyRequestsError):
+        headers = {"Retry-After": str(error.retry_after_s)}
     return JSONResponse(error_body(error.message, error.field, error.fix), status_code=error.http_status,
                         headers=headers)
 
@@ -81,8 +91,15 @@ def install_error_handlers(app: FastAPI) -> None:
         assert isinstance(exc, PipetteError)
         return pipette_error_response(exc)
 
-    async def on_validation_error(_request: Request, exc: Exception) -> JSONResponse:
+    async def on_validation_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)
+        media = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if media and media != "application/json" and not media.endswith("+json") \
+                and any(tuple(e.get("loc", ()))[:1] == ("body",) for e in exc.errors()):
+            # FastAPI does not read a body of another media type as JSON (it sees no object)
+            return pipette_error_response(RequestError(
+                f"the body is sent as {media}; this endpoint reads JSON", field="body",
+                fix="send the body with Content-Type: application/json"))
         return pipette_error_response(validation_error(exc.errors()))
 
     async def on_http_error(request: Request, exc: Exception) -> JSONResponse:

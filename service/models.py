@@ -23,11 +23,13 @@ from sqlalchemy import (
     ForeignKey,
     Index,
     Integer,
+    LargeBinary,
     MetaData,
     String,
     Text,
     TypeDecorator,
     UniqueConstraint,
+    false,
 )
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -36,7 +38,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 JOB_STATES: tuple[str, ...] = ("queued", "profiling", "planning", "running", "succeeded", "failed", "cancelled")
 FINAL_STATES: frozenset[str] = frozenset({"succeeded", "failed", "cancelled"})
 ACTIVE_STATES: frozenset[str] = frozenset({"profiling", "planning", "running"})
-PROFILE_STATES: tuple[str, ...] = ("queued", "running", "succeeded", "failed")
+PROFILE_STATES: tuple[str, ...] = ("queued", "running", "succeeded", "failed", "cancelled")
 #: Trial states: running, a measurement status, or interrupted (the service died mid-trial).
 TRIAL_STATES: tuple[str, ...] = ("running", "ok", "oom", "failed", "timeout", "pruned", "interrupted")
 CLUSTER_KINDS: tuple[str, ...] = ("local", "ray")
@@ -116,6 +118,9 @@ class Cluster(Base):
     #: devices per node (CPU worker processes where there is no GPU)
     devices_per_node: Mapped[int] = mapped_column(Integer)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    #: jobs of this cluster may run their own training script (an operator enabled it for the
+    #: tenant: ``pipette-admin cluster allow-scripts``)
+    allow_scripts: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
 
 
 class Profile(Base):
@@ -169,6 +174,11 @@ class Job(Base):
     result: Mapped[dict[str, Any] | None] = mapped_column(Json, nullable=True, deferred=True)
     stop_reason: Mapped[str | None] = mapped_column(String(200), nullable=True)
     error: Mapped[dict[str, Any] | None] = mapped_column(Json, nullable=True)
+    #: the user's own training script (``pipette.script.ScriptSpec.to_dict``, no workdir); None:
+    #: Pipette's runner
+    script: Mapped[dict[str, Any] | None] = mapped_column(Json, nullable=True)
+    #: the script's working directory, zipped (``workers.workdir.pack``)
+    script_files: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True, deferred=True)
 
 
 class Trial(Base):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import sys
 import threading
 import uuid
 
@@ -46,12 +47,21 @@ class Scheduler:
         self._thread.start()
         log.info("scheduler %s serves %s", self.holder, self.settings.resource_key)
 
-    def stop(self, timeout_s: float = 120.0) -> None:
-        """Stop taking work; interrupt the running job (its trial is rerun on resume)."""
+    def request_stop(self) -> None:
+        """Take no more work and interrupt the running job; returns at once (a signal handler
+        calls it). ``stop`` then waits for the thread."""
         self.shutdown.set()
         self._wake.set()
+
+    def stop(self, timeout_s: float = 120.0) -> None:
+        """Stop taking work; interrupt the running job (its trial is rerun on resume)."""
+        self.request_stop()
         if self._thread.is_alive():
             self._thread.join(timeout_s)
+        if "workers.ray_cluster" in sys.modules:  # this process drove trials: a local Ray it started goes too
+            from workers.ray_cluster import stop_local_ray
+
+            stop_local_ray()
 
     def kick(self) -> None:
         self._wake.set()

@@ -64,7 +64,7 @@ class ProfileOut(BaseModel):
     id: str
     cluster_id: str
     url: str
-    state: Literal["queued", "running", "succeeded", "failed"]
+    state: Literal["queued", "running", "succeeded", "failed", "cancelled"]
     created_at: datetime
     started_at: datetime | None
     finished_at: datetime | None
@@ -168,12 +168,32 @@ else:
 ModelIn = Preset | dict[str, Any]
 
 
+class ScriptIn(StrictTypes):
+    """The user's own training script (``pipette.script.ScriptSpec``): allowed only on clusters
+    whose operator enabled scripts for the tenant (``pipette-admin cluster allow-scripts``)."""
+
+    argv: list[Annotated[str, Field(min_length=1, max_length=4096)]] = Field(
+        min_length=1, max_length=256,
+        description='the command that trains, as an argument list: ["python", "train.py"]')
+    kind: Literal["hf-trainer", "deepspeed"] | None = Field(None, description="fills the knobs of a known stack")
+    knobs: dict[str, str] = Field(default_factory=dict, max_length=16,
+                                  description="knob -> the script's flag (pipette.script.KNOBS)")
+    autotp: bool = False
+    pipeline: bool = False
+    base_config: dict[str, Any] | None = Field(None, description="the user's DeepSpeed config, which Pipette's keys "
+                                               "overlay")
+    files: str = Field(default="", max_length=64 * 1024**2,
+                       description="the working directory the script runs in, zipped and base64-encoded "
+                       "(`pipette submit` sends it); empty: the script must be on every node already")
+
+
 class JobIn(Strict):
     cluster: str = Field(pattern=NAME_PATTERN, max_length=200, description="a cluster id or name of this tenant")
     model: ModelIn = Field(description="a preset name (tiny-llama, llama2-7b, ...) or a config.json object")
     training: TrainingIn
     budget: BudgetIn = Field(default_factory=lambda: BudgetIn.model_validate({}))
     name: str = Field("", max_length=200, pattern=TEXT_PATTERN)
+    script: ScriptIn | None = Field(None, description="train with the user's own script instead of Pipette's runner")
 
 
 class Progress(BaseModel):

@@ -44,6 +44,9 @@ class Settings:
     #: the operator's credential for /metrics (every tenant's counts): a Bearer token that is
     #: not a tenant's; None: /metrics is off
     metrics_token: str | None = None
+    #: queued jobs and profiles a tenant may have at once (429 above it), so one tenant's
+    #: requests cannot fill the queue of devices other tenants share
+    max_queued_per_tenant: int = 20
 
     @property
     def resource_key(self) -> str:
@@ -68,6 +71,7 @@ class Settings:
             node_wait_s=_number(env, "PIPETTE_NODE_WAIT_S", 1800.0, minimum=0.0),
             token_cache_s=_number(env, "PIPETTE_TOKEN_CACHE_S", 5.0, minimum=0.0),
             metrics_token=env.get("PIPETTE_METRICS_TOKEN") or None,
+            max_queued_per_tenant=int(_number(env, "PIPETTE_MAX_QUEUED_PER_TENANT", 20, minimum=1)),
         )
 
 

@@ -13,6 +13,7 @@ in Ray, or the reverse) is refused before anything starts.
 from __future__ import annotations
 
 import json
+import re
 import signal
 import sys
 import time
@@ -39,10 +40,14 @@ from workers.ray_cluster import (
     rank_bundle,
     ray_node_ips,
 )
+from workers.script_trial import ScriptEvents, last_error_line, script_launch, script_measurement
 from workers.spec import TrialSpec
 from workers.support import check_inputs, check_runnable
+from workers.workdir import pack
 
 OOM_EXIT = 3  # workers.trial.OOM_EXIT
+#: How a script's out-of-memory crash reads (torch's CUDA and CPU allocators, the kernel's kill)
+SCRIPT_OOM = re.compile(r"OutOfMemoryError|CUDA out of memory|DefaultCPUAllocator: can't allocate|MemoryError")
 POLL_S = 0.1
 #: a rank whose actor does not answer for this long is lost (its node is down or cut off)
 LOST_AFTER_S = 10.0
@@ -75,9 +80,14 @@ def run_trial(
     timeout_s: float = 300.0,
     on_step: OnStep | None = None,
     env: dict[str, str] | None = None,
+    ship_workdir: bool = False,
 ) -> Measurement:
     """Run ``trial`` and return what it measured. Refuses (raises) before starting anything
-    when the backends cannot run the candidate or the placement does not fit the cluster."""
+    when the backends cannot run the candidate or the placement does not fit the cluster.
+
+    A script trial (``trial.script``) runs the user's script in its ``workdir``: shipped to the
+    ranks' nodes with Ray's runtime environment when ``ship_workdir`` (the service, a remote
+    cluster), used in place otherwise (a local Ray)."""
     check_runnable(trial)
     check_inputs(trial)
     slots = _slots(trial, cluster)
@@ -100,6 +110,10 @@ def run_trial(
         raise PipetteError(
             f"Ray could not place {len(slots)} ranks", field="cluster", fix="free the devices or add Ray nodes"
         )
+    # A script's working directory travels to its ranks' nodes through Ray's object store (each
+    # rank runs in its unpacked copy: workers.workdir); a local one is used where it is.
+    shipped = trial.script is not None and trial.script.workdir is not None and ship_workdir
+    package = pack(trial.script.workdir) if shipped and trial.script and trial.script.workdir else None
     actors = [
         RankProcess.options(  # type: ignore[attr-defined]
             num_gpus=1 if gpu else 0,
@@ -109,7 +123,8 @@ def run_trial(
     ]
     started = time.monotonic()
     try:
-        return _run(trial, slots, [ips[node] for node, _ in slots], actors, timeout_s, on_step, env or {})
+        return _run(trial, slots, [ips[node] for node, _ in slots], actors, timeout_s, on_step, env or {},
+                    None if shipped else trial.script.workdir if trial.script else None, package)
     except ray.exceptions.RayError as e:
         # A node lost while the ranks start (``_poll`` names the rank of one lost later).
         return Measurement("failed", tokens_per_step=trial.tokens_per_step,
@@ -155,12 +170,26 @@ def _run(
     timeout_s: float,
     on_step: OnStep | None,
     extra_env: dict[str, str],
+    workdir: str | None,
+    package: bytes | None = None,
 ) -> Measurement:
     world = len(slots)
     host, port = ray.get(actors[0].address.remote(), timeout=60)
-    files = {"candidate.json": json.dumps(trial.candidate()), "ds_config.json": json.dumps(trial.ds_config())}
-    argv = [sys.executable, "-m", "workers.train",
-            "--deepspeed_config", "ds_config.json", "--candidate", "candidate.json"]
+    script = trial.script is not None
+    events = ScriptEvents(world, trial.training.global_batch)
+    if trial.script is not None:
+        files, argv, script_env = script_launch(trial)
+        extra_env = script_env | extra_env
+        if package is not None:
+            ref = ray.put(package)
+            cwds = ray.get([a.unpack.remote(ref) for a in actors], timeout=120)
+        else:
+            cwds = [workdir] * world
+    else:
+        files = {"candidate.json": json.dumps(trial.candidate()), "ds_config.json": json.dumps(trial.ds_config())}
+        argv = [sys.executable, "-m", "workers.train",
+                "--deepspeed_config", "ds_config.json", "--candidate", "candidate.json"]
+        cwds = [None] * world
     cpu_env = {"DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""} if trial.device_kind == "cpu" else {}
     ray.get([a.prepare.remote(argv, cpu_env | extra_env) for a in actors], timeout=400)
     gpus: list[str] = []
@@ -177,7 +206,7 @@ def _run(
         else:  # the rank sees only its GPU, which Ray holds for this trial
             env |= {"CUDA_VISIBLE_DEVICES": gpus[rank], "LOCAL_RANK": "0"}
         env["PIPETTE_SPAWNED_AT"] = repr(time.time())
-        pids.append(ray.get(actors[rank].start.remote(files, argv, env | extra_env), timeout=60))
+        pids.append(ray.get(actors[rank].start.remote(files, argv, env | extra_env, cwds[rank], script), timeout=60))
 
     def where(rank: int) -> str:
         gpu = f", GPU {gpus[rank]}" if gpus else ""
@@ -188,6 +217,7 @@ def _run(
     ooms: list[dict[str, Any]] = []
     codes: dict[int, int] = {}
     outcome: Outcome | None = None
+    exit_notes: dict[int, str] = {}
     unavailable: dict[int, float] = {}
     while outcome is None:
         polled, lost = _poll(actors, unavailable)
@@ -200,6 +230,18 @@ def _run(
             for line in lines:
                 event = json.loads(line)
                 kind = event.get("event")
+                if script:
+                    relay = events.add(rank, event)
+                    if relay is not None:
+                        steps.append(relay)
+                        loss = relay.get("loss")
+                        report = StepReport(
+                            int(relay["step"]), float(relay["time"]), float("nan") if loss is None else float(loss),
+                            bool(relay.get("warmup")), time.monotonic() - start, tuple(pids),
+                        )
+                        if on_step is not None and on_step(report) and outcome is None:
+                            outcome = Outcome("pruned", f"pruned by the caller after step {report.step}")
+                    continue
                 if kind == "step" and rank == 0:
                     steps.append(event)
                     report = StepReport(
@@ -216,8 +258,17 @@ def _run(
                 codes[rank] = code
         if outcome is not None:
             break
-        if ooms:
+        ignored = events.ignored_config() if script else None
+        if ignored:
+            outcome = Outcome("failed", ignored)
+        elif ooms:
             outcome = Outcome("oom")
+        elif script and len(codes) == world and events.all_done():
+            # Every rank reported its end, then one died at exit (gloo's and DeepSpeed's threads
+            # can abort the interpreter's teardown on CPU): the measurement is whole.
+            outcome = Outcome("ok")
+            if any(codes.values()):
+                exit_notes = {r: _exit_text(c) for r, c in codes.items() if c}
         elif any(c != 0 for c in codes.values()):
             time.sleep(0.5)  # let the other ranks' last lines (an oom report) and exits arrive
             for rank, (lines, code) in enumerate(_poll(actors, unavailable)[0]):
@@ -230,19 +281,35 @@ def _run(
                 rank, code = _root_cause(codes)
                 tail = ray.get(actors[rank].output_tail.remote(), timeout=30)
                 head = f"{where(rank)} {_exit_text(code)}"
+                if script and SCRIPT_OOM.search(tail):
+                    outcome = Outcome("oom", f"{head}: {last_error_line(tail)}")
+                    break
                 if unavailable:  # the cause: a lost node; the exit is its consequence
                     gone = ", ".join(where(r) for r in sorted(unavailable))
                     head = f"{gone} became unreachable (node down?); then {head}"
                 outcome = Outcome("failed", f"{head}\n{tail[-4000:]}",
                                    lost=tuple(sorted({hosts[r] for r in unavailable})))
-        elif len(codes) == world and len(done) == world:
+        elif len(codes) == world and (script or len(done) == world):
             outcome = Outcome("ok")
         elif time.monotonic() - start > timeout_s:
             last = steps[-1]["step"] if steps else None
-            outcome = Outcome("timeout", f"trial ran past its {timeout_s:g} s timeout (last step of rank 0: {last})")
+            if script and last is None:
+                outcome = Outcome("timeout", f"the script reported no step in {timeout_s:g} s: it hangs, or it neither "
+                                             "reports through pipette.report nor trains through a DeepSpeed engine")
+            else:
+                outcome = Outcome("timeout",
+                                  f"trial ran past its {timeout_s:g} s timeout (last step of rank 0: {last})")
         else:
             time.sleep(POLL_S)
     wall = time.monotonic() - start
+    if script:
+        tail = ""
+        if outcome.status == "failed" and not events.steps_seen():
+            tail = ray.get(actors[_root_cause(codes)[0] if any(codes.values()) else 0].output_tail.remote(), timeout=30)
+        m = script_measurement(trial, outcome, events, wall, tail)
+        if exit_notes:
+            m.extra["exit_after_done"] = {str(r): text for r, text in exit_notes.items()}
+        return m
     m = measurement(trial, outcome, steps, done, ooms, wall)
     if gpus:
         m.extra["gpus"] = gpus

@@ -21,6 +21,7 @@ from pathlib import Path
 import ray
 
 from workers.cpu_isa import cpu_isa_env
+from workers.script_env import script_environment, script_path, with_hook
 from workers.zygote import ZygoteChild, ensure_zygote
 
 EVENT_PREFIX = "@@pipette "  # the same as workers.trial.EVENT_PREFIX, without importing torch
@@ -59,10 +60,20 @@ class RankProcess:
         if _warm_start(argv, full_env):
             ensure_zygote(cpu_isa_env())
 
-    def start(self, files: dict[str, str], argv: list[str], env: dict[str, str]) -> int:
+    def start(self, files: dict[str, str], argv: list[str], env: dict[str, str], cwd: str | None = None,
+              clean_env: bool = False) -> int:
+        """Start the rank: ``files`` go to its own folder (``$PIPETTE_RANK_DIR`` in ``argv``); it
+        runs in ``cwd`` (default that folder). ``clean_env``: a user's script, which gets only
+        ``workers.script_env.script_environment`` of this process's environment (no service
+        credentials), never a shell."""
         for name, text in files.items():
             Path(self.workdir, name).write_text(text)
-        full_env = {**os.environ, **cpu_isa_env(), **env}
+        argv = [a.replace("$PIPETTE_RANK_DIR", self.workdir) for a in argv]
+        base = script_environment(os.environ) if clean_env else dict(os.environ)
+        full_env = {**base, **cpu_isa_env(), **env, "PIPETTE_RANK_DIR": self.workdir}
+        if clean_env:
+            full_env["PATH"] = script_path(full_env.get("PATH", ""))
+            full_env["PYTHONPATH"] = with_hook(base.get("PYTHONPATH"))
         if _warm_start(argv, full_env):
             # A CPU rank forks from the node's warm zygote (workers.zygote): same fresh
             # process per rank and trial, without ~8 CPU-seconds of imports.
@@ -70,7 +81,7 @@ class RankProcess:
             threading.Thread(target=self._read, args=(self.child.lines(),), daemon=True).start()
             return self.child.pid
         self.proc = subprocess.Popen(
-            argv, cwd=self.workdir, env=full_env, stdout=subprocess.PIPE,
+            argv, cwd=cwd or self.workdir, env=full_env, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True, preexec_fn=_die_with_parent,
         )
         if self.proc.stdout is None:
@@ -80,9 +91,14 @@ class RankProcess:
 
     def _read(self, lines: Iterable[str]) -> None:
         for line in lines:
+            # An event may follow a progress bar's carriage return on one line (stdout and
+            # stderr share the pipe): it starts at its prefix wherever that is.
+            at = line.find(EVENT_PREFIX)
             with self.lock:
-                if line.startswith(EVENT_PREFIX):
-                    self.events.append(line[len(EVENT_PREFIX):])
+                if at >= 0:
+                    self.events.append(line[at + len(EVENT_PREFIX):])
+                    if line[:at].strip():
+                        self.tail.append(line[:at].rstrip())
                 else:
                     self.tail.append(line.rstrip("\n"))
 
@@ -92,6 +108,12 @@ class RankProcess:
         with self.lock:
             events, self.events = self.events, []
         return events, code
+
+    def unpack(self, data: bytes) -> str:
+        """Unpack the job's working directory (``workers.workdir.pack``) here; returns where."""
+        from workers.workdir import unpack
+
+        return unpack(data, Path(self.workdir, "job"))
 
     def output_tail(self) -> str:
         with self.lock:

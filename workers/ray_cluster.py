@@ -3,9 +3,12 @@ each node of a ``ClusterProfile``."""
 
 from __future__ import annotations
 
+import contextlib
+import ipaddress
 import logging
 import os
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import ray
@@ -18,19 +21,93 @@ log = logging.getLogger("pipette.workers")
 
 def ensure_ray(num_cpus: int | None = None) -> None:
     """Connect once per process. Locally, Ray picks free ports (6379 may be another service's)
-    and gets a small object store, so it starts in seconds."""
+    and gets a small object store, so it starts in seconds; see ``start_local_ray``."""
     if ray.is_initialized():
         return
+    _no_failure_signal_handler()
     if os.environ.get("RAY_ADDRESS"):
         _connect(os.environ["RAY_ADDRESS"])
         return
-    ray.init(
-        address="local",
-        num_cpus=num_cpus or max(8, os.cpu_count() or 1),
-        object_store_memory=200 * 1024**2,
-        include_dashboard=False,
-        log_to_driver=False,
-    )
+    start_local_ray(num_cpus)
+
+
+def _no_failure_signal_handler() -> None:
+    """Keep Ray's C++ failure-signal handler out of this process (the driver: the CLI or the
+    service). Ray installs absl's handler for SIGTERM among others when a driver connects: it
+    printed a stack dump on every SIGTERM, as if the service had crashed, and the service's
+    ``ray.shutdown`` at a SIGTERM then aborted the process (status 134) instead of exiting 0
+    (issue 17 items 22 and 25; ``tests/service/test_service_shutdown.py``). Ray reads
+    ``RAY_DISABLE_FAILURE_SIGNAL_HANDLER`` when it is imported, so the constant is set too."""
+    from ray._private import ray_constants
+
+    os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
+    ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = os.environ["RAY_DISABLE_FAILURE_SIGNAL_HANDLER"] == "1"
+
+
+#: Set in this process once it started a local Ray (``stop_local_ray`` stops only that one).
+_STARTED_LOCAL = False
+
+
+def start_local_ray(num_cpus: int | None = None) -> None:
+    """Start the embedded single-host Ray: every port on loopback, token authentication on.
+
+    Ray (2.60) binds its servers to the node's address and refuses to use loopback as one
+    (``services.resolve_ip_for_localhost``), except in its single-host mode for macOS and
+    Windows (``ray_constants.ENABLE_RAY_CLUSTER`` false: ``get_node_ip_address`` answers
+    loopback). That mode is what an embedded Ray is, so it is switched on for the start: the
+    GCS, the raylet, the agents and the workers then listen on 127.0.0.1 only (checked by
+    ``tests/integration/test_ray_local.py``), where they listened on every interface.
+    Token authentication is Ray's default for a new local cluster (2.60: every connection needs
+    the token it keeps in ``~/.ray/auth_token``; the test checks a wrong token is refused). It
+    cannot be switched on from here: Ray reads ``RAY_AUTH_MODE`` when it is imported, and a
+    value set later makes the driver and its GCS disagree."""
+    global _STARTED_LOCAL
+    with _single_host_mode():
+        ray.init(
+            address="local",
+            num_cpus=num_cpus or max(8, os.cpu_count() or 1),
+            object_store_memory=200 * 1024**2,
+            include_dashboard=False,
+            log_to_driver=False,
+        )
+    _STARTED_LOCAL = True
+
+
+@contextlib.contextmanager
+def _single_host_mode() -> Iterator[None]:
+    """Ray's single-host mode (``ENABLE_RAY_CLUSTER`` false) for the ``ray.init`` inside: the
+    node's address is loopback, and a loopback address is not rewritten to the host's own."""
+    from ray._private import ray_constants
+
+    before = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = before
+
+
+def _is_loopback(address: str) -> bool:
+    """Whether ``address`` (``HOST:PORT``, not ``ray://``) names this host's loopback."""
+    if "://" in address:
+        return False
+    host = address.rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def stop_local_ray() -> None:
+    """Stop the local Ray this process started (its GCS, raylet, agents and workers); a Ray
+    cluster it only connected to is left running. For the service's shutdown: without it a
+    SIGTERM left Ray's dashboard and runtime-env agents running."""
+    global _STARTED_LOCAL
+    if _STARTED_LOCAL and ray.is_initialized():
+        ray.shutdown()
+    _STARTED_LOCAL = False
 
 
 #: seconds to wait before each further attempt to connect to a Ray cluster
@@ -44,7 +121,16 @@ def _connect(address: str) -> None:
     recur in the later runs, so no retry has been seen to succeed.)"""
     for attempt, wait in enumerate((*CONNECT_BACKOFF_S, None), start=1):
         try:
-            ray.init(address=address, log_to_driver=False)
+            if _is_loopback(address):
+                _use_local_token()
+                # A Ray on loopback (``start_local_ray``, e.g. another Pipette process's): Ray
+                # would rewrite 127.0.0.1 to this host's own address, where nothing listens,
+                # and wait for minutes (CI, 2026-11-24: every `pipette tune` under a
+                # RAY_ADDRESS of 127.0.0.1 failed so).
+                with _single_host_mode():
+                    ray.init(address=address, log_to_driver=False)
+            else:
+                ray.init(address=address, log_to_driver=False)
             return
         except ConnectionError as e:
             if ray.is_initialized():
@@ -53,12 +139,34 @@ def _connect(address: str) -> None:
             if wait is None or not isinstance(e, ConnectionAbortedError):
                 raise PipetteError(
                     f"cannot connect to the Ray cluster at {address} ({attempt} attempts): {type(e).__name__}: {e}",
-                    field="RAY_ADDRESS", fix="check that the Ray head runs and is reachable from here "
-                    "(ray://HEAD:10001 through Ray Client, HEAD:PORT from a Ray node)",
+                    field="RAY_ADDRESS", fix=_connect_fix(e),
                 ) from e
             log.warning("connecting to Ray at %s failed (attempt %d): %s; retrying in %.0f s", address, attempt,
                         str(e).splitlines()[0] if str(e) else type(e).__name__, wait)
             time.sleep(wait)
+
+
+def _use_local_token() -> None:
+    """Send this host's Ray token (``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH`` or
+    ``~/.ray/auth_token``) to a Ray on this host. Ray does so only for a cluster it finds
+    itself; given an address it connects without one unless ``RAY_AUTH_MODE=token``, and a
+    local Ray of 2.60 (token authentication on by default) then refuses it. A remote cluster is
+    not sent the token unasked: there ``RAY_AUTH_MODE`` says."""
+    from ray._private.authentication import authentication_token_setup as setup
+    from ray._raylet import AuthenticationTokenLoader
+
+    if os.environ.get(setup.AUTH_MODE_ENV_VAR) is None and \
+            AuthenticationTokenLoader.instance().has_token(ignore_auth_mode=True):
+        setup._enable_token_auth()
+
+
+def _connect_fix(error: Exception) -> str:
+    cause = f"{error} {error.__cause__ or ''}"
+    if "InvalidAuthToken" in cause or "AuthenticationError" in type(error.__cause__).__name__:
+        return ("the cluster wants Ray's token: set RAY_AUTH_MODE=token and the cluster's token in "
+                "RAY_AUTH_TOKEN (or RAY_AUTH_TOKEN_PATH; `ray get-auth-token` prints it on the head)")
+    return ("check that the Ray head runs and is reachable from here "
+            "(ray://HEAD:10001 through Ray Client, HEAD:PORT from a Ray node)")
 
 
 def alive_nodes() -> list[dict[str, Any]]:

@@ -26,10 +26,11 @@ from pipette.config import ParallelConfig
 from pipette.errors import PipetteError
 from pipette.measurement import Measurement
 from pipette.model import ModelSpec
+from pipette.script import ScriptSpec
 from pipette.training import TrainingSpec
 from pipette.tuner import OnStep, StepProgress
 from workers.spec import TrialSpec
-from workers.support import refusals
+from workers.support import refusals, refusals_for
 
 
 @dataclass
@@ -46,6 +47,11 @@ class RayTrialRunner:
     seed: int = 0
     data: str | None = None
     checkpoint: str | None = None
+    #: the user's own training script, run instead of Pipette's runner (``pipette.script``)
+    script: ScriptSpec | None = None
+    #: ship the script's working directory to the ranks' nodes with Ray's runtime environment
+    #: (the service; a remote cluster) instead of running it in place (a local Ray)
+    ship_workdir: bool = False
     #: extra environment for every rank (e.g. NCCL settings)
     env: dict[str, str] = field(default_factory=dict)
     #: how long to wait for lost nodes to come back before a trial (seconds)
@@ -68,11 +74,15 @@ class RayTrialRunner:
             self.model, self.training, config, warmup_steps=self.warmup_steps,
             min_steps=min(self.min_steps, self.max_steps), max_steps=self.max_steps, rel_ci=self.rel_ci,
             memory_cap_bytes=cap, device_kind=self.device_kind, peak_flops=peak, seed=self.seed, data=self.data,
-            checkpoint=self.checkpoint,
+            checkpoint=self.checkpoint, script=self.script,
         )
 
     def refusals(self, config: ParallelConfig) -> list[str]:
-        """Why the backends cannot run ``config`` (empty when they can); starts nothing."""
+        """Why the backends (or the user's script) cannot run ``config`` (empty when they can);
+        starts nothing."""
+        if self.script is not None:
+            nodes = [d.node for d in self.cluster.devices]
+            return refusals_for(self.model, self.training, config, self.device_kind, self.script, nodes)
         return refusals(self.trial(config))
 
     def __call__(self, config: ParallelConfig, on_step: OnStep) -> Measurement:
@@ -86,7 +96,8 @@ class RayTrialRunner:
         def relay(report: StepReport) -> bool:
             return bool(on_step(StepProgress(report.step, report.time, report.warmup, report.loss)))
 
-        m = run_trial(spec, self.cluster, timeout_s=self.timeout_s, on_step=relay, env=self.env)
+        m = run_trial(spec, self.cluster, timeout_s=self.timeout_s, on_step=relay, env=self.env,
+                      ship_workdir=self.ship_workdir)
         lost = set(m.extra.get("lost_nodes") or ())
         if m.status == "failed" and lost:
             from workers.ray_cluster import alive_nodes
@@ -129,5 +140,8 @@ class RayTrialRunner:
         return True
 
     def describe(self) -> dict[str, Any]:
-        return {"device_kind": self.device_kind, "timeout_s": self.timeout_s, "warmup_steps": self.warmup_steps,
-                "min_steps": self.min_steps, "max_steps": self.max_steps, "rel_ci": self.rel_ci}
+        out = {"device_kind": self.device_kind, "timeout_s": self.timeout_s, "warmup_steps": self.warmup_steps,
+               "min_steps": self.min_steps, "max_steps": self.max_steps, "rel_ci": self.rel_ci}
+        if self.script is not None:
+            out["script"] = self.script.to_dict()
+        return out

@@ -9,6 +9,7 @@ from pipette.config import ParallelConfig
 from pipette.emit import deepspeed_config
 from pipette.errors import SpecError
 from pipette.model import ModelSpec
+from pipette.script import ScriptSpec
 from pipette.training import TrainingSpec
 
 
@@ -32,6 +33,8 @@ class TrialSpec:
     seed: int = 0
     data: str | None = None
     checkpoint: str | None = None
+    #: the user's own training script, run instead of Pipette's runner (``workers.script_trial``)
+    script: ScriptSpec | None = None
 
     def __post_init__(self) -> None:
         for name in ("min_steps", "max_steps"):
@@ -51,7 +54,9 @@ class TrialSpec:
         return self.training.global_batch * self.training.seq_len
 
     def runner_options(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("model", "training", "config")}
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("model", "training", "config")}
+        out["script"] = None if self.script is None else self.script.to_dict()
+        return out
 
     def candidate(self) -> dict[str, Any]:
         """The ``candidate.json`` content (what ``pipette.emit`` writes), plus the runner options."""
@@ -70,6 +75,8 @@ class TrialSpec:
         bad = sorted(set(options) - known)
         if bad:
             raise SpecError(f"unknown key(s) {', '.join(bad)}", field="candidate.trial", fix="drop them")
+        if options.get("script") is not None:
+            options["script"] = ScriptSpec.from_dict(options["script"])
         return cls(
             model=ModelSpec.from_dict(data["model"]),
             training=TrainingSpec.from_dict(data["training"]),

@@ -16,19 +16,27 @@ from __future__ import annotations
 from pipette.config import ParallelConfig
 from pipette.errors import InfeasibleError
 from pipette.model import ModelSpec
+from pipette.script import ScriptSpec
 from pipette.training import TrainingSpec
 from workers.spec import TrialSpec
 
 DEVICE_KINDS = ("cpu", "gpu")
 
 
-def refusals_for(model: ModelSpec, training: TrainingSpec, config: ParallelConfig, device_kind: str) -> list[str]:
+def refusals_for(model: ModelSpec, training: TrainingSpec, config: ParallelConfig, device_kind: str,
+                 script: ScriptSpec | None = None, nodes: list[int] | None = None) -> list[str]:
     """Why the backends cannot run ``config`` for this job on ``device_kind`` devices; empty
-    when they can. Pure: builds no model and starts no process."""
+    when they can. With ``script``, why the user's script cannot (``ScriptSpec.refusals``;
+    ``nodes``: the node of each device). Pure: builds no model and starts no process."""
     m, t, c = model, training, config
     out = []
     if device_kind not in DEVICE_KINDS:
         out.append(f"device kind {device_kind!r} is not one of {', '.join(DEVICE_KINDS)}")
+    if script is not None:
+        out += script.refusals(t, c, nodes)
+        if device_kind == "cpu" and t.dtype == "fp16":
+            out.append("fp16 training needs a GPU; use bf16 or fp32 on CPU")
+        return out
     if m.arch != "llama":
         out.append(f"the runner builds Llama models; {m.name} is {m.arch}")
     if t.seq_len > m.max_seq:
@@ -56,7 +64,7 @@ def refusals_for(model: ModelSpec, training: TrainingSpec, config: ParallelConfi
 
 def refusals(trial: TrialSpec) -> list[str]:
     """Why the backends cannot run ``trial``; empty when they can."""
-    return refusals_for(trial.model, trial.training, trial.config, trial.device_kind)
+    return refusals_for(trial.model, trial.training, trial.config, trial.device_kind, trial.script)
 
 
 def check_runnable(trial: TrialSpec) -> None:
@@ -70,6 +78,8 @@ def check_runnable(trial: TrialSpec) -> None:
 
 
 def backend_name(trial: TrialSpec) -> str:
+    if trial.script is not None:
+        return "script"
     c = trial.config
     parts = ["deepspeed", "pipeline" if c.pp > 1 else "engine", f"zero{c.zero_stage}"]
     if c.tp > 1:

@@ -100,6 +100,9 @@ def cmd_profile(args: argparse.Namespace) -> int:
         out.print_json(profile)
     elif profile["state"] == "succeeded":
         print(cluster_text(api.get(f"/v1/clusters/{args.name}")))
+    if profile["state"] == "cancelled":
+        raise ApiError("the profile was cancelled before it ran", field="cluster",
+                       fix=f"request another: pipette cluster profile {args.name} --wait", exit_code=EXIT_ERROR)
     if profile["state"] != "succeeded":
         err = profile.get("error") or {}
         raise ApiError(f"the profile failed: {err.get('message', '?')}", field=err.get("field") or "cluster",

@@ -23,7 +23,7 @@ import yaml
 from pipette.errors import SpecError
 from pipette.textfile import parse_yaml, read_text
 
-TOP_LEVEL = ("cluster", "model", "training", "budget", "name")
+TOP_LEVEL = ("cluster", "model", "training", "budget", "name", "script")
 
 
 def load_job_file(path: str, overrides: Sequence[str] = ()) -> dict[str, Any]:
@@ -38,7 +38,32 @@ def load_job_file(path: str, overrides: Sequence[str] = ()) -> dict[str, Any]:
     model = data.get("model")
     if isinstance(model, str) and model.endswith(".json"):
         data["model"] = _read_hf_config(file.parent / model if not Path(model).is_absolute() else Path(model))
+    if isinstance(data.get("script"), dict):
+        data["script"] = _script_body(data["script"], file.parent)
     return data
+
+
+def _script_body(script: dict[str, Any], base: Path) -> dict[str, Any]:
+    """The job's ``script`` as the API takes it: ``workdir`` (relative to the job file) sent as
+    ``files`` (zipped, base64), a ``base_config`` path read as JSON."""
+    import base64
+
+    out = dict(script)
+    workdir = out.pop("workdir", None)
+    if workdir is not None:
+        from workers.workdir import pack
+
+        folder = base / str(workdir) if not Path(str(workdir)).is_absolute() else Path(str(workdir))
+        out["files"] = base64.b64encode(pack(folder)).decode()
+    config = out.get("base_config")
+    if isinstance(config, str):
+        path = base / config if not Path(config).is_absolute() else Path(config)
+        try:
+            out["base_config"] = json.loads(read_text(path, "script.base_config", "a DeepSpeed config"))
+        except json.JSONDecodeError as e:
+            raise SpecError(f"{path} is not JSON ({e.msg} at line {e.lineno})", field="script.base_config",
+                            fix="give a DeepSpeed config file (JSON)") from None
+    return out
 
 
 def apply_override(data: dict[str, Any], item: str) -> None:

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from pipette.errors import SpecError
+from pipette.script import KINDS, KNOBS, ScriptSpec
 
 GiB = 1024**3
 #: A profile younger than this is reused instead of measuring again.
@@ -35,6 +36,8 @@ TUNE_EXAMPLES = """\
 examples:
   pipette tune                                   # the embedded default: 4 CPU devices, tiny-llama, LoRA
   pipette tune --max-trials 4 --json > result.json
+  pipette tune --model examples/scripts/tiny-llama/config.json --script-kind hf-trainer \
+      --script python examples/scripts/hf_trainer_lora.py --output_dir /tmp/out --report_to none
   RAY_ADDRESS=head:6380 pipette tune --model llama2-7b --cluster my-a100s.yaml \\
       --recipe examples/recipes/llama2-7b-lora.yaml --out best-7b
 """
@@ -72,6 +75,19 @@ def add_parser(sub: Any, add_recipe_flags: Any) -> None:
     p.add_argument("--out", default="pipette-best", help="where to write the best configuration's files")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print the result as JSON on stdout (progress on stderr)")
+    s = p.add_argument_group("your own training script", "Tune the script you train with instead of Pipette's "
+                             "runner: its trials run it with each candidate's DeepSpeed config and knobs.")
+    s.add_argument("--script-kind", choices=sorted(KINDS), help="the stack the script uses: fills its knobs "
+                   "(hf-trainer: --deepspeed, --per_device_train_batch_size, ...; deepspeed: --deepspeed_config)")
+    s.add_argument("--script-knob", action="append", default=[], metavar="KNOB=FLAG",
+                   help=f"the script's flag for a knob ({', '.join(KNOBS)}); KNOB= clears one; repeatable")
+    s.add_argument("--script-autotp", action="store_true", help="the script runs DeepSpeed AutoTP (tp > 1)")
+    s.add_argument("--script-pipeline", action="store_true", help="the script builds a PipelineModule (pp > 1)")
+    s.add_argument("--script-config", help="your DeepSpeed config (JSON): Pipette's keys overlay it")
+    s.add_argument("--workdir", help="where the script runs (default: the current directory)")
+    s.add_argument("--script", nargs=argparse.REMAINDER, metavar="COMMAND",
+                   help="the command that trains, as words, after every other flag: "
+                   "--script python train.py --output_dir out")
     p.set_defaults(func=cmd_tune)
 
 
@@ -99,6 +115,11 @@ def cmd_tune(args: argparse.Namespace) -> int:
         from workers.checkpoint import check_checkpoint
 
         check_checkpoint(model, args.checkpoint)
+    script = _script(args)
+    if script is not None:
+        from workers.script_trial import check_script
+
+        check_script(script)
     ui = Progress(args.max_trials, stream=sys.stderr)
 
     from workers.runner import RayTrialRunner
@@ -116,11 +137,15 @@ def cmd_tune(args: argparse.Namespace) -> int:
     tag = os.environ.get("PIPETTE_RANK_TAG") or f"tune-{uuid.uuid4().hex[:12]}"
     runner = RayTrialRunner(model, training, cluster, device_kind=device_kind, timeout_s=args.trial_timeout,
                             max_steps=args.steps, seed=args.seed, data=args.data, checkpoint=args.checkpoint,
+                            script=script, ship_workdir=bool(os.environ.get("RAY_ADDRESS")),
                             env={"PIPETTE_RANK_TAG": tag})
-    store = None if args.no_memory else home / "trials" / f"{cluster_key(plan)}.jsonl"
+    # A script's trials measure the script: they are kept apart from the runner's.
+    suffix = f"-script-{_script_key(script)}" if script is not None else ""
+    store = None if args.no_memory else home / "trials" / f"{cluster_key(plan)}{suffix}.jsonl"
     prior = _read_records(store) if store is not None else []
     tuner = Tuner(plan, options, prior=prior, runnable=runner.refusals)
-    ui.say(f"{plan.enumerated} candidates, {len(plan.ranked)} fit, {len(tuner.candidates)} runnable by the backend"
+    runs = "your script" if script is not None else "the backend"
+    ui.say(f"{plan.enumerated} candidates, {len(plan.ranked)} fit, {len(tuner.candidates)} runnable by {runs}"
            + (f"; learning from {len(prior)} earlier trials on this cluster" if prior else ""))
     ui.header()
     # Ctrl-C asks the tuner to stop: the running trial is stopped at its next step and kept
@@ -146,7 +171,14 @@ def cmd_tune(args: argparse.Namespace) -> int:
     files: dict[str, str] = {}
     if result.best is not None:
         try:
-            files = {k: str(v) for k, v in result.launch_files(args.out).items()}
+            if script is not None:
+                from pipette.emit_script import write_script_launch_files
+
+                written = write_script_launch_files(args.out, model, training, result.best.config, cluster, script,
+                                                    extra={"tuning": {"stop_reason": result.stop_reason}})
+                files = {k: str(v) for k, v in written.items()}
+            else:
+                files = {k: str(v) for k, v in result.launch_files(args.out).items()}
         except OSError as e:
             raise SpecError(f"cannot write {args.out!r} ({e.strerror})", field="--out",
                             fix="give a writable folder") from None
@@ -161,6 +193,44 @@ def cmd_tune(args: argparse.Namespace) -> int:
     if result.interrupted:
         return 130
     return 0 if result.best is not None else 1
+
+
+def _script(args: argparse.Namespace) -> ScriptSpec | None:
+    """The user's script from the flags (None: Pipette's runner); bad flags are refused here."""
+    given = [n for n in ("script_kind", "script_config", "workdir") if getattr(args, n)] + \
+        (["script_knob"] if args.script_knob else []) + \
+        [n for n in ("script_autotp", "script_pipeline") if getattr(args, n)]
+    if args.script is None:
+        if given:
+            raise SpecError("needs --script", field="--" + given[0].replace("_", "-"),
+                            fix="give the command after --script, last: --script python train.py ...")
+        return None
+    if not args.script:
+        raise SpecError("is empty", field="--script", fix="give the command that trains: --script python train.py")
+    knobs: dict[str, str] = {}
+    for item in args.script_knob:
+        name, sep, flag = item.partition("=")
+        if not sep:
+            raise SpecError(f"is {item!r}", field="--script-knob", fix="give KNOB=FLAG, e.g. steps=--max_steps")
+        knobs[name.strip()] = flag.strip()
+    base = None
+    if args.script_config:
+        from pipette.textfile import read_text
+
+        try:
+            base = json.loads(read_text(args.script_config, field="--script-config", what="a DeepSpeed config"))
+        except json.JSONDecodeError as e:
+            raise SpecError(f"{args.script_config} is not JSON ({e.msg} at line {e.lineno})",
+                            field="--script-config", fix="give a DeepSpeed config file (JSON)") from None
+    workdir = str(Path(args.workdir or ".").resolve())
+    return ScriptSpec(argv=tuple(args.script), knobs=knobs, autotp=args.script_autotp, pipeline=args.script_pipeline,
+                      base_config=base, workdir=workdir, kind=args.script_kind)
+
+
+def _script_key(script: ScriptSpec) -> str:
+    import hashlib
+
+    return hashlib.sha256(json.dumps(script.to_dict(), sort_keys=True).encode()).hexdigest()[:12]
 
 
 def _with_defaults(args: argparse.Namespace) -> argparse.Namespace:
@@ -346,4 +416,8 @@ def _print_result(result: Any, out: str, files: dict[str, str]) -> None:
               f"(trial-to-trial noise {result.learned.get('trial_noise_sd', 0.0):.1%})")
     if files:
         print(f"\nfiles in {out}/: {', '.join(sorted(Path(f).name for f in files.values()))}")
-        print(f"launch: (cd {out} && ./launch.sh)")
+        if "launch.sh" in files:
+            print(f"launch: (cd {out} && ./launch.sh)")
+        else:
+            print(f"launch your script: {out}/launch-torchrun.sh, {out}/launch-deepspeed.sh or "
+                  f"{out}/launch-accelerate.sh (HF Trainer: --deepspeed {out}/ds_config.json)")

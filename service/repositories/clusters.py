@@ -13,6 +13,7 @@ from sqlalchemy.orm import Session
 from service.errors import ConflictError, NotFoundError
 from service.models import Cluster, Profile, utcnow
 from service.repositories.leases import ensure_lease
+from service.repositories.quotas import check_room, serialize_tenant
 
 
 def create_cluster(
@@ -59,10 +60,41 @@ def latest_profile(session: Session, cluster_id: str, *, succeeded: bool = True)
     return session.execute(query.order_by(Profile.created_at.desc(), Profile.id.desc()).limit(1)).scalars().first()
 
 
-def request_profile(session: Session, cluster: Cluster) -> Profile:
+def request_profile(session: Session, cluster: Cluster, *, max_queued: int | None = None) -> Profile:
+    """A queued profile of the cluster: the one already queued if there is one (requests while
+    it waits coalesce: it measures the devices for all of them), else a new one. With
+    ``max_queued``, a new one must fit the tenant's queue (else TooManyRequestsError, 429); a
+    coalesced request adds nothing to the queue, so it always passes."""
+    serialize_tenant(session, cluster.tenant)  # two requests at once: still one queued profile
+    queued = session.execute(
+        select(Profile).where(Profile.cluster_id == cluster.id, Profile.state == "queued")
+        .order_by(Profile.created_at, Profile.id).limit(1)
+    ).scalars().first()
+    if queued is not None:
+        return queued
+    if max_queued is not None:
+        check_room(session, cluster.tenant, max_queued)
     profile = Profile(id=str(uuid.uuid4()), cluster_id=cluster.id, state="queued", created_at=utcnow())
     session.add(profile)
     session.flush()
+    return profile
+
+
+def cancel_profile(session: Session, cluster_id: str, profile_id: str) -> Profile:
+    """A queued profile is cancelled at once; one being measured (or finished) cannot be: 409."""
+    get_profile(session, cluster_id, profile_id)  # 404 first
+    # Locked (PostgreSQL), and read again: a scheduler's claim may be starting it right now.
+    profile = session.execute(
+        select(Profile).where(Profile.id == profile_id.lower()).with_for_update()
+        .execution_options(populate_existing=True)
+    ).scalars().one()
+    if profile.state == "running":
+        raise ConflictError("the profile is being measured; it cannot be stopped and finishes by itself",
+                            field="profile_id", fix="wait for it (GET /v1/clusters/{id}/profiles/{profile_id})")
+    if profile.state != "queued":
+        raise ConflictError(f"the profile is {profile.state} already", field="profile_id", fix="nothing to cancel")
+    profile.state = "cancelled"
+    profile.finished_at = utcnow()
     return profile
 
 

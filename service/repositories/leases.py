@@ -3,7 +3,8 @@
 ``claim`` runs in one transaction: lock the lease row (PostgreSQL: ``FOR UPDATE SKIP LOCKED``,
 so a second scheduler skips it instead of waiting; SQLite: the whole transaction is the single
 writer, ``BEGIN IMMEDIATE``), check that nobody live holds it, pick the next piece of work for
-those devices and take the lease for it. A holder that stops renewing (killed, hung, cut off)
+those devices (a dead holder's job first, then the least recently served tenant's oldest queued
+job or profile) and take the lease for it. A holder that stops renewing (killed, hung, cut off)
 loses the lease at ``expires_at`` and its job is resumed by whoever claims next.
 """
 
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Literal
 
-from sqlalchemy import select, update
+from sqlalchemy import func, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
@@ -65,6 +66,7 @@ def claim(session: Session, resource: str, holder: str, ttl_s: float, now: datet
     lease.profile_id = work.id if work.kind == "profile" else None
     lease.acquired_at = lease.heartbeat_at = now
     lease.expires_at = now + timedelta(seconds=ttl_s)
+    _mark_started(session, work, now)
     return work
 
 
@@ -98,6 +100,20 @@ def _clear(lease: Lease) -> None:
     lease.expires_at = None
 
 
+def _mark_started(session: Session, work: Work, now: datetime) -> None:
+    """The claimed work starts now, in the claim's transaction (its row is locked): a profile
+    is ``running`` at once, so a cancel can no longer take it; a job's ``started_at`` is its
+    tenant's turn (``_tenants_in_turn``). Both rows are in the session already."""
+    if work.kind == "profile":
+        profile = session.get(Profile, work.id)
+        if profile is not None:
+            profile.state, profile.started_at = "running", now
+    else:
+        job = session.get(Job, work.id)
+        if job is not None and job.started_at is None:
+            job.started_at = now
+
+
 def _fail_orphan_profiles(session: Session, resource: str, now: datetime) -> None:
     """A profile left running under a free lease died with its holder: say so (measuring again
     is a new request, since the devices may have changed meanwhile)."""
@@ -122,14 +138,62 @@ def _next_work(session: Session, resource: str, holder: str) -> Work | None:
     ).scalars().first()
     if orphan is not None:
         return Work("job", orphan.id, resource, holder, resumed=True)
+    for tenant in _tenants_in_turn(session, resource):
+        work = _oldest_queued(session, resource, holder, tenant)
+        if work is not None:
+            return work
+    return None
+
+
+def _tenants_in_turn(session: Session, resource: str) -> list[str]:
+    """The tenants with queued work on the devices, in the order they are served: the one
+    served least recently first (the latest start of its jobs and profiles there; never served
+    before any served), ties to the one with the oldest queued work. So one tenant's long queue
+    delays another tenant's next piece of work by one piece of work, not by the whole queue
+    (issue 17 item 12). Only the lease row is locked here (by ``claim``): these are aggregates."""
+    oldest: dict[str, datetime] = {}
+    for tenant, created in [
+        *session.execute(
+            select(Job.tenant, func.min(Job.created_at)).join(Cluster, Job.cluster_id == Cluster.id)
+            .where(Cluster.resource == resource, Job.state == "queued").group_by(Job.tenant)
+        ).all(),
+        *session.execute(
+            select(Cluster.tenant, func.min(Profile.created_at)).join(Cluster, Profile.cluster_id == Cluster.id)
+            .where(Cluster.resource == resource, Profile.state == "queued").group_by(Cluster.tenant)
+        ).all(),
+    ]:
+        oldest[tenant] = min(created, oldest.get(tenant, created))
+    if len(oldest) < 2:
+        return list(oldest)
+    served: dict[str, datetime] = {}
+    for tenant, started in [
+        *session.execute(
+            select(Job.tenant, func.max(Job.started_at)).join(Cluster, Job.cluster_id == Cluster.id)
+            .where(Cluster.resource == resource, Job.tenant.in_(list(oldest)), Job.started_at.is_not(None))
+            .group_by(Job.tenant)
+        ).all(),
+        *session.execute(
+            select(Cluster.tenant, func.max(Profile.started_at)).join(Cluster, Profile.cluster_id == Cluster.id)
+            .where(Cluster.resource == resource, Cluster.tenant.in_(list(oldest)), Profile.started_at.is_not(None))
+            .group_by(Cluster.tenant)
+        ).all(),
+    ]:
+        if started is not None:
+            served[tenant] = max(started, served.get(tenant, started))
+    return sorted(oldest, key=lambda t: (t in served, served.get(t, oldest[t]), oldest[t], t))
+
+
+def _oldest_queued(session: Session, resource: str, holder: str, tenant: str) -> Work | None:
+    """The tenant's oldest queued job or profile on the devices (its row locked: PostgreSQL
+    skips one another claim holds)."""
     job = session.execute(
         select(Job).join(Cluster, Job.cluster_id == Cluster.id)
-        .where(Cluster.resource == resource, Job.state == "queued")
+        .where(Cluster.resource == resource, Job.tenant == tenant, Job.state == "queued")
         .order_by(Job.created_at, Job.id).limit(1).with_for_update(skip_locked=True, of=Job)
     ).scalars().first()
     profile = session.execute(
         select(Profile).join(Cluster, Profile.cluster_id == Cluster.id)
-        .where(Cluster.resource == resource, Profile.state == "queued")
+        .where(Cluster.resource == resource, Cluster.tenant == tenant, Profile.state == "queued")
         .order_by(Profile.created_at, Profile.id).limit(1).with_for_update(skip_locked=True, of=Profile)
     ).scalars().first()
     if profile is not None and (job is None or profile.created_at <= job.created_at):

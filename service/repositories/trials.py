@@ -130,11 +130,12 @@ def finished_records(session: Session, job_id: str) -> list[dict[str, Any]]:
 
 
 def prior_records(session: Session, resource: str, exclude_job: str, limit: int = 500) -> list[dict[str, Any]]:
-    """Recorded trials of other jobs on the same devices, newest first: what the tuner learns
-    from before this job's first trial."""
+    """Recorded trials of other jobs (of Pipette's runner) on the same devices, newest first:
+    what the tuner learns from before this job's first trial."""
     rows = session.execute(
         select(Trial.record).join(Job, Trial.job_id == Job.id).join(Cluster, Job.cluster_id == Cluster.id)
-        .where(Cluster.resource == resource, Trial.job_id != exclude_job, Trial.record.is_not(None))
+        .where(Cluster.resource == resource, Trial.job_id != exclude_job, Trial.record.is_not(None),
+               Job.script.is_(None))  # a user's script's trials measure that script, not Pipette's runner
         .order_by(Trial.ended_at.desc()).limit(limit)
     ).scalars().all()
     return [dict(r) for r in rows if r]

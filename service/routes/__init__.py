@@ -14,6 +14,8 @@ _DESCRIPTIONS = {
     409: "Not possible in the current state",
     413: "Request body too large",
     422: "Invalid input; `field` names it and `fix` says what would be right",
+    429: "Too much queued work for the tenant (`PIPETTE_MAX_QUEUED_PER_TENANT`); retry after `Retry-After` "
+         "seconds, or cancel queued work",
     503: "Not ready",
 }
 

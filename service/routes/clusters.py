@@ -1,5 +1,5 @@
 """Clusters: register (the embedded local one, or a Ray cluster's nodes), list, read with the
-latest profile (inventory, link matrix, memory, compute), and start a profile."""
+latest profile (inventory, link matrix, memory, compute), and start or cancel a profile."""
 
 from __future__ import annotations
 
@@ -59,12 +59,14 @@ def read_cluster(cluster_id: ClusterRef, state: State, caller: Caller) -> Cluste
         return _out(session, repo.get_cluster(session, caller.tenant, cluster_id), caller.tenant)
 
 
-@router.post("/{cluster_id}/profile", status_code=202, response_model=ProfileOut, responses=errors(*AUTHED, 404))
+@router.post("/{cluster_id}/profile", status_code=202, response_model=ProfileOut,
+             responses=errors(*AUTHED, 404, 429))
 def start_profile(cluster_id: ClusterRef, state: State, caller: Caller, response: Response) -> ProfileOut:
-    """Queue a measurement of the cluster; it runs when the cluster's devices are free."""
+    """Queue a measurement of the cluster; it runs when the cluster's devices are free. While
+    one is queued, this answers that one (same id): requests coalesce."""
     with state.db.write() as session:
         cluster = repo.get_cluster(session, caller.tenant, cluster_id)
-        out = profile_out(repo.request_profile(session, cluster))
+        out = profile_out(repo.request_profile(session, cluster, max_queued=state.settings.max_queued_per_tenant))
     state.kick()
     response.headers["Location"] = out.url
     return out
@@ -75,6 +77,15 @@ def read_profile(cluster_id: ClusterRef, profile_id: ProfileId, state: State, ca
     with state.db.read() as session:
         cluster = repo.get_cluster(session, caller.tenant, cluster_id)
         return profile_out(repo.get_profile(session, cluster.id, profile_id))
+
+
+@router.post("/{cluster_id}/profiles/{profile_id}/cancel", status_code=202, response_model=ProfileOut,
+             responses=errors(*AUTHED, 404, 409))
+def cancel_profile(cluster_id: ClusterRef, profile_id: ProfileId, state: State, caller: Caller) -> ProfileOut:
+    """A queued profile is cancelled at once; one being measured finishes by itself (409)."""
+    with state.db.write() as session:
+        cluster = repo.get_cluster(session, caller.tenant, cluster_id)
+        return profile_out(repo.cancel_profile(session, cluster.id, profile_id))
 
 
 def _out(session: Session, cluster: Cluster, tenant: str) -> ClusterOut:

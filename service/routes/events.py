@@ -75,7 +75,7 @@ async def stream_events(
             if rows:
                 quiet_since = time.monotonic()
                 continue
-            if final or not follow or await request.is_disconnected():
+            if final or not follow or state.stopping.is_set() or await request.is_disconnected():
                 return
             if time.monotonic() - quiet_since > KEEPALIVE_S:
                 yield ": keep-alive\n\n"

@@ -14,8 +14,10 @@ from sqlalchemy.orm import Session
 from pipette.clusterfile import cluster_from_dict
 from pipette.config import ParallelConfig
 from pipette.emit import deepspeed_config, hostfile, launch_command, rank_map, write_launch_files
+from pipette.emit_script import write_script_launch_files
 from pipette.model import ModelSpec
 from pipette.plan import check_recipe
+from pipette.script import ScriptSpec, script_ds_config
 from pipette.training import TrainingSpec
 from service.deps import Caller, State
 from service.errors import NotFoundError
@@ -24,6 +26,7 @@ from service.repositories import clusters as cluster_repo
 from service.repositories import jobs as repo
 from service.repositories import trials as trial_repo
 from service.repositories.leases import get_lease
+from service.repositories.quotas import check_room, serialize_tenant
 from service.routes import AUTHED, errors, json_errors
 from service.schemas import (
     ID_PATTERN,
@@ -36,30 +39,42 @@ from service.schemas import (
     TrialDetail,
     TrialList,
 )
+from service.scripts import check_allowed, script_parts, stored
 from service.specs import model_spec, training_spec
 from service.views import as_json, job_out, job_url, trial_detail, trial_out, unserved_notice
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
 JobState = Literal["queued", "profiling", "planning", "running", "succeeded", "failed", "cancelled"]
-FileName = Literal["ds_config.json", "hostfile", "launch.sh", "rank_map.json", "candidate.json"]
+FileName = Literal["ds_config.json", "hostfile", "launch.sh", "rank_map.json", "candidate.json",
+                   "accelerate_config.yaml", "launch-deepspeed.sh", "launch-torchrun.sh", "launch-accelerate.sh"]
 FILES: tuple[str, ...] = ("ds_config.json", "hostfile", "launch.sh", "rank_map.json", "candidate.json")
+#: A job of the user's own script: its launchers' files instead of launch.sh (pipette.emit_script)
+SCRIPT_FILES: tuple[str, ...] = ("ds_config.json", "accelerate_config.yaml", "hostfile", "rank_map.json",
+                                 "candidate.json", "launch-deepspeed.sh", "launch-torchrun.sh", "launch-accelerate.sh")
 JobId = Annotated[str, Path(max_length=36, pattern=ID_PATTERN, description="the job's id")]
 TrialNumber = Annotated[int, Path(ge=0, le=2**31 - 1)]
 
 
-@router.post("", status_code=202, response_model=JobAccepted, responses=errors(*AUTHED, 404))
+@router.post("", status_code=202, response_model=JobAccepted, responses=errors(*AUTHED, 404, 429))
 def submit_job(body: JobIn, state: State, caller: Caller, response: Response) -> JobAccepted:
     """Queue a tuning job; it runs when its cluster's devices are free (see the job's state)."""
     model = model_spec(body.model)
     training = training_spec(body.training)
     check_recipe(model, training)  # at submit, not when planning starts (issue 17, item 14)
+    script, files = script_parts(body.script) if body.script is not None else (None, None)
     with state.db.write() as session:
         cluster = cluster_repo.get_cluster(session, caller.tenant, body.cluster)
+        if script is not None:
+            check_allowed(cluster, caller.tenant)
+        serialize_tenant(session, caller.tenant)
+        check_room(session, caller.tenant, state.settings.max_queued_per_tenant)
         job = repo.create_job(
             session, tenant=caller.tenant, cluster=cluster, name=body.name, model=model.to_dict(),
             training=training.to_dict(), options=body.budget.model_dump(),
         )
+        if script is not None:
+            job.script, job.script_files = stored(script), files
         accepted = JobAccepted(id=job.id, url=job_url(job.id), state=job.state)
     state.kick()
     response.headers["Location"] = accepted.url
@@ -135,12 +150,17 @@ def read_best(job_id: JobId, state: State, caller: Caller) -> BestOut:
         job = repo.get_job(session, caller.tenant, job_id)
         best = _best_parts(session, job)
     url = job_url(job_id)
+    script: ScriptSpec | None = best["script"]
+    ds = deepspeed_config(best["training"], best["config"], model=best["model"])
+    command = launch_command(best["config"], best["cluster"], out_dir=".")
+    if script is not None:
+        ds = script_ds_config(ds, script)
+        command = "./launch-torchrun.sh (or ./launch-deepspeed.sh, ./launch-accelerate.sh)"
     return BestOut(
-        job_id=job_id, trial=trial_out(best["trial"]), config=best["config"].to_dict(),
-        ds_config=deepspeed_config(best["training"], best["config"], model=best["model"]),
-        launch_command=launch_command(best["config"], best["cluster"], out_dir="."),
+        job_id=job_id, trial=trial_out(best["trial"]), config=best["config"].to_dict(), ds_config=ds,
+        launch_command=command,
         hostfile=hostfile(best["config"], best["cluster"]), rank_map=rank_map(best["config"], best["cluster"]),
-        files={name: f"{url}/best/files/{name}" for name in FILES},
+        files={name: f"{url}/best/files/{name}" for name in (SCRIPT_FILES if script is not None else FILES)},
     )
 
 
@@ -154,9 +174,19 @@ def download_best_file(job_id: JobId, name: FileName, state: State, caller: Call
     with state.db.read() as session:
         job = repo.get_job(session, caller.tenant, job_id)
         best = _best_parts(session, job)
+    script: ScriptSpec | None = best["script"]
+    if name not in (SCRIPT_FILES if script is not None else FILES):
+        kind = "a job of its own script" if script is not None else "a job of Pipette's runner"
+        raise NotFoundError(f"{name} is not a file of {kind}", field="name",
+                            fix="use a name from the files of GET /v1/jobs/{id}/best")
+    extra = {"job_id": job_id, "trial": best["trial"].number}
     with tempfile.TemporaryDirectory(prefix="pipette-best-") as tmp:
-        written = write_launch_files(tmp, best["model"], best["training"], best["config"], best["cluster"],
-                                     extra={"job_id": job_id, "trial": best["trial"].number})
+        if script is not None:
+            written = write_script_launch_files(tmp, best["model"], best["training"], best["config"],
+                                                best["cluster"], script, extra=extra)
+        else:
+            written = write_launch_files(tmp, best["model"], best["training"], best["config"], best["cluster"],
+                                         extra=extra)
         text = pathlib.Path(written[name]).read_text()
     media = "application/json" if name.endswith(".json") else "text/plain"
     return PlainTextResponse(text, media_type=media,
@@ -175,4 +205,6 @@ def _best_parts(session: Session, job: Job) -> dict[str, Any]:
         "trial": trial, "config": ParallelConfig.from_dict(job.best["config"]),
         "model": ModelSpec.from_dict(job.model), "training": TrainingSpec.from_dict(job.training),
         "cluster": cluster_from_dict(profile.profile),
+        # the launches run the script where the user's copy is: its working directory's name
+        "script": ScriptSpec.from_dict({**job.script, "workdir": None}) if job.script is not None else None,
     }

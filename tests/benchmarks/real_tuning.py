@@ -45,7 +45,7 @@ import math
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -145,18 +145,25 @@ def get_cluster(args: argparse.Namespace, model: ModelSpec) -> ClusterProfile:
     return probe_cluster(name=f"local-cpu-{args.devices}", cpu_devices_per_node=args.devices, model=model)
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def run(args: argparse.Namespace, model: ModelSpec | None = None, training: TrainingSpec | None = None,
+        make_runner: Callable[[ModelSpec, TrainingSpec, ClusterProfile], Any] | None = None,
+        cluster: ClusterProfile | None = None) -> dict[str, Any]:
+    """The whole benchmark; ``model``, ``training``, ``make_runner`` and ``cluster`` replace the
+    defaults (``tests/benchmarks/script_tuning.py`` runs it on a user's script)."""
     from workers.ray_cluster import ensure_ray
     from workers.runner import RayTrialRunner
 
     started = time.monotonic()
-    model = ModelSpec.preset(args.model)
-    training = recipe(args)
+    model = model or ModelSpec.preset(args.model)
+    training = training or recipe(args)
     ensure_ray()
-    cluster = get_cluster(args, model)
+    cluster = cluster or get_cluster(args, model)
     plan = make_plan(model, training, cluster, seed=args.seed)
-    runner = RayTrialRunner(model, training, cluster, device_kind=cluster.device_spec.kind,
-                            timeout_s=args.trial_timeout, max_steps=args.steps, seed=args.seed)
+    if make_runner is not None:
+        runner = make_runner(model, training, cluster)
+    else:
+        runner = RayTrialRunner(model, training, cluster, device_kind=cluster.device_spec.kind,
+                                timeout_s=args.trial_timeout, max_steps=args.steps, seed=args.seed)
     runnable = [p for p in plan.ranked if not runner.refusals(p.config)]
     if args.limit is not None:
         runnable = runnable[: args.limit]
@@ -321,4 +328,4 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-__all__ = ["RESTRICTED", "main", "recipe"]
+__all__ = ["RESTRICTED", "main", "recipe", "report", "run"]

@@ -358,3 +358,30 @@ def _events(response: Any) -> list[dict[str, Any]]:
         if "id" in fields:
             out.append({"id": int(fields["id"]), "event": fields["event"], "data": json.loads(fields["data"])})
     return out
+
+
+def test_api_docs_load_nothing_from_another_site(api: Api) -> None:
+    """/docs and /redoc reference only this service's files, which it serves (they were blank
+    offline: Swagger UI and ReDoc came from a public CDN)."""
+    import re
+
+    for page in ("/docs", "/redoc"):
+        r = api.client.get(page)
+        assert r.status_code == 200 and "text/html" in r.headers["content-type"]
+        urls = re.findall(r'(?:src|href)=["\']([^"\']+)["\']', r.text) + re.findall(r"url: *'([^']+)'", r.text)
+        assert urls, r.text
+        assert all(u.startswith("/") for u in urls), urls
+        for u in urls:
+            got = api.client.get(u)
+            assert got.status_code == 200 and len(got.content) > 100, u
+    assert api.client.get("/docs-assets/../../etc/passwd").status_code == 404
+    assert api.client.get("/docs-assets/pyproject.toml").status_code == 404
+
+
+def test_a_text_plain_body_is_not_read_as_json(api: Api) -> None:
+    h = api.token()
+    r = api.client.post("/v1/plan", content=json.dumps({"model": "tiny-llama"}),
+                        headers={**h, "content-type": "text/plain"})
+    assert r.status_code == 422, r.text
+    error = r.json()["error"]
+    assert "application/json" in error["fix"], error

@@ -91,6 +91,9 @@ def test_sigkill_mid_trial_then_restart_resumes_the_job(tmp_path: Path, deepspee
     assert events[:len(before["events"])] == before["events"]
     resumed = [e for e in events if e["kind"] == "resumed"]
     assert len(resumed) == 1 and resumed[0]["data"]["interrupted_trials"] == [1]
+    # the killed attempt's steps are closed by a trial_interrupted event (issue 17 item 25)
+    interrupted = [e for e in events if e["kind"] == "trial_interrupted"]
+    assert [e["trial"] for e in interrupted] == [1] and events.index(interrupted[0]) < events.index(resumed[0])
     ended = [e["trial"] for e in events if e["kind"] == "trial_ended"]
     assert ended == [0, 1]
     assert after["job"]["progress"]["trials_done"] == 2

@@ -461,3 +461,18 @@ def test_no_convergence_before_three_candidates_ran_ok(plan: Plan) -> None:
     assert tuner.best is not None and MIN_OK_TO_CONVERGE == 3
     reason = tuner.stop_reason()
     assert reason is None or not reason.startswith("converged"), reason
+
+
+def test_a_small_reserve_still_retimes_the_pick(plan: Plan) -> None:
+    """Three contenders within noise and a reserve of two trials: the round is cut to the pick
+    and its closest rival (it used to be skipped, leaving the pick timed once)."""
+    close = plan.ranked[:3]
+    history = [TrialRecord(i, p.config, Measurement("ok", (t, t, t), 1), p.perf, p.memory, p.perf.step_time)
+               for i, (p, t) in enumerate(zip(close, (1.00, 1.01, 1.02), strict=True))]
+    world = World(plan, trial_noise=0.0, offset=1.0 / close[0].perf.step_time, tp_penalty=0.0)
+    options = TuneOptions(max_trials=5, stop_probability=0.0)
+    assert options.retime_reserve == 2
+    result = Tuner(plan, options, history=history).run(world)
+    retimed = [t.label for t in result.trials if t.purpose == "retime"]
+    assert retimed == [close[0].config.label, close[1].config.label], result.stop_reason
+    assert len(result.trials) == 5 and "re-timed 2 contenders" in result.stop_reason

@@ -5,7 +5,7 @@
 
 import {
   h, fmt, ticks, convergence, predictedVsMeasured, candidateMap, memoryChart, memoryLegend,
-  linkMatrix, linkLegend, deviceBars, slowLinks,
+  linkMatrix, linkLegend, deviceBars, slowLinks, ERROR_RULE, mape,
 } from './charts.js';
 
 const TOKEN = 'pipette.token';
@@ -237,7 +237,7 @@ function jobRow(j, cluster) {
 // ---- one job ------------------------------------------------------------------------------
 const TRIAL_COLUMNS = [
   ['number', '#', 'num'], ['label', 'Config'], ['state', 'Status'], ['predicted_step_time', 'Predicted', 'num'],
-  ['measured_step_time', 'Measured', 'num'], ['tokens_per_s', 'Tokens/s', 'num'], ['prediction_error', 'Error', 'num'],
+  ['measured_step_time', 'Measured', 'num'], ['tokens_per_s', 'Tokens/s', 'num'], ['prediction_error', 'Error %', 'num', ERROR_RULE],
   ['peak_memory_bytes', 'Peak memory', 'num'], ['duration_s', 'Duration', 'num'], ['error', 'Error text'],
 ];
 
@@ -252,8 +252,8 @@ async function jobPage(pg, id) {
   const filter = h('input', { type: 'text', id: 'trial-filter', placeholder: 'filter: config, status, error…', 'aria-label': 'filter trials' });
   const stateFilter = h('select', { id: 'trial-state', 'aria-label': 'status' }, h('option', { value: '', text: 'every status' }),
     ...['running', 'ok', 'oom', 'failed', 'timeout', 'pruned', 'interrupted'].map((x) => h('option', { value: x, text: x })));
-  const thead = h('tr', {}, TRIAL_COLUMNS.map(([key, label, cls]) => h('th', {
-    class: `sortable ${cls || ''}`, 'data-key': key, text: label, tabindex: 0,
+  const thead = h('tr', {}, TRIAL_COLUMNS.map(([key, label, cls, title]) => h('th', {
+    class: `sortable ${cls || ''}`, 'data-key': key, text: label, title, tabindex: 0,
     onclick: () => { st.sort = [key, st.sort[0] === key ? -st.sort[1] : (key === 'tokens_per_s' ? -1 : 1)]; renderTrials(); },
   })));
   const tbody = h('tbody');
@@ -286,14 +286,14 @@ async function jobPage(pg, id) {
 
   function renderCards() {
     const j = st.job, p = j.progress, b = j.best;
-    const ok = st.trials.filter((t) => t.state === 'ok' && t.prediction_error !== null);
-    const mape = ok.length ? ok.reduce((a, t) => a + Math.abs(t.measured_step_time - t.predicted_step_time) / t.measured_step_time, 0) / ok.length : null;
-    const card = (key, k, v) => h('div', { class: 'card', id: `card-${key}` }, h('div', { class: 'k', text: k }), h('div', { class: 'v', text: v }));
+    const error = mape(st.trials);
+    const card = (key, k, v, title) => h('div', { class: 'card', id: `card-${key}`, title }, h('div', { class: 'k', text: k }), h('div', { class: 'v', text: v }));
     fill(cards, 
       card('trials', 'Trials', `${p.trials_done} / ${p.max_trials}${p.running_trial !== null && p.running_trial !== undefined ? ` (trial ${p.running_trial} running)` : ''}`),
       card('best', 'Best throughput', b ? `${fmt.rate(b.tokens_per_s)} tokens/s` : '–'),
       card('step', 'Best step time', b ? `${fmt.seconds(b.measured_step_time)} (predicted ${fmt.seconds(b.predicted_step_time)})` : '–'),
-      card('error', 'Model error (MAPE, ok trials)', mape === null ? '–' : `${(mape * 100).toFixed(1)}%`),
+      card('error', 'Model error (MAPE, ok trials)', error === null ? '–' : `${(error * 100).toFixed(1)}%`,
+        `mean |error| over the ok trials; error = ${ERROR_RULE}`),
       card('time', 'Time in trials', fmt.seconds(p.tuning_s)));
   }
 
@@ -301,19 +301,24 @@ async function jobPage(pg, id) {
     const j = st.job;
     const tokensPerStep = j.training.global_batch * j.training.seq_len;
     fill(conv, conv.firstChild, st.trials.length
-      ? convergence(st.trials, { tokensPerStep, final: FINAL.has(j.state), stopReason: j.stop_reason, maxTrials: j.progress.max_trials })
+      ? convergence(st.trials, { tokensPerStep, final: FINAL.has(j.state), stopReason: j.stop_reason })
       : h('p', { class: 'muted', text: `No trial yet (the job is ${j.state}).` }),
     h('div', { class: 'legend' }, h('span', { text: '● measured (ok)' }), h('span', { text: '○ pruned (partial)' }),
       h('span', { text: '✕ out of memory / failed' }), h('span', { text: '■ predicted' }), h('span', { text: '— best so far' })));
     const sc = predictedVsMeasured(st.trials);
     fill(scatter, scatter.firstChild, h('p', { class: 'small', id: 'model-error' },
-      sc.mape === null ? 'No measured trial yet.' : `Model error: MAPE ${(sc.mape * 100).toFixed(1)}% over ${sc.n} ok trial${sc.n === 1 ? '' : 's'} (|measured − predicted| / measured); dashed: exact, band: ±25%.`),
+      sc.mape === null ? 'No measured trial yet.' : `Model error: MAPE ${(sc.mape * 100).toFixed(1)}% over ${sc.n} ok trial${sc.n === 1 ? '' : 's'} (|measured − predicted| / predicted); dashed: exact, band: ±25% of the prediction.`),
     sc.svg);
-    fill(heat, heat.firstChild, st.plan || st.trials.length ? candidateMap(st.plan, st.trials) : h('p', { class: 'muted', text: 'No plan yet.' }),
-      h('div', { class: 'legend' }, h('span', { text: 'blue: best measured tokens/s' }), h('span', { text: 'pale: best predicted (no ok trial)' }),
+    fill(heat, heat.firstChild, st.plan || st.trials.length ? candidateMap(st.plan, st.trials, tokensPerStep) : h('p', { class: 'muted', text: 'No plan yet.' }),
+      h('div', { class: 'legend' }, h('span', { text: 'blue: best measured tokens/s' }),
+        h('span', { text: 'pale: learned prediction of trials that did not end ok' }),
+        h('span', { text: 'grey: not tried (the analytic estimate, uncorrected, in the tooltip)' }),
         h('span', { text: 'hatched: every candidate predicted OOM' }), h('span', { text: 'red corner: a trial ran out of memory' })));
     if (st.detail && st.detail.record) {
-      fill(memory, memory.firstChild, h('p', { class: 'small muted', text: `${st.detail.label}: the estimator's breakdown for its heaviest rank and each device's measured peak.` }),
+      const overhead = ((st.detail.record.memory || {}).breakdown || {}).overhead || 0;
+      fill(memory, memory.firstChild, h('p', { class: 'small muted', text: `${st.detail.label}, tensors against tensors: ` +
+        `the estimator's breakdown for its heaviest rank, less its ${fmt.bytes(overhead)} of fixed process overhead, and ` +
+        "each device's measured tensor peak (hover a bar for the process's resident size)." }),
         memoryChart(st.detail.record, st.detail.config.placement), h('div', { class: 'legend' }, memoryLegend()));
     } else {
       fill(memory, memory.firstChild, h('p', { class: 'muted', text: 'No successful trial yet.' }));
@@ -339,7 +344,7 @@ async function jobPage(pg, id) {
         h('td', { class: 'num', 'data-col': 'predicted', text: fmt.seconds(t.predicted_step_time) }),
         h('td', { class: 'num', 'data-col': 'measured', text: step ? `step ${step.step}: ${fmt.seconds(step.time)}` : fmt.seconds(t.measured_step_time) }),
         h('td', { class: 'num', 'data-col': 'tokens', text: fmt.rate(t.tokens_per_s) }),
-        h('td', { class: 'num', 'data-col': 'error', text: fmt.pct(t.prediction_error) }),
+        h('td', { class: 'num', 'data-col': 'error', 'data-error': t.prediction_error ?? '', title: ERROR_RULE, text: fmt.pct(t.prediction_error) }),
         h('td', { class: 'num', 'data-col': 'peak', text: fmt.bytes(t.peak_memory_bytes) }),
         h('td', { class: 'num', 'data-col': 'duration', text: fmt.seconds(t.duration_s) }),
         h('td', { class: 'err', text: t.error ? t.error.split('\n')[0] : '' }));
@@ -455,9 +460,24 @@ async function clusterPage(pg, ref) {
   const { slow } = slowLinks(profile);
   const nodes = profile.nodes || [];
   const devices = profile.devices.map((d, i) => ({ i, d, node: nodes[d.node] ? nodes[d.node].name : String(d.node) }));
-  const memRows = devices.map(({ i, d }) => ({ device: i, label: `device ${i}`, values: [
-    { name: 'total', value: d.spec.memory_bytes, cls: 'memory-total', colour: '#c9d6ee' },
-    { name: 'free', value: d.free_memory ?? d.spec.memory_bytes, cls: 'memory-free', colour: '#2f6fde' }] }));
+  // CPU devices are worker processes sharing their host's RAM (each plans with an equal share):
+  // one pair of bars per host, not the same memory again for every device.
+  const pools = new Map();
+  for (const { i, d } of devices) {
+    const key = d.spec.kind === 'cpu' ? `host ${d.node}` : `device ${i}`;
+    if (!pools.has(key)) pools.set(key, { ids: [], shared: d.spec.kind === 'cpu', total: 0, free: 0 });
+    const pool = pools.get(key);
+    pool.ids.push(i);
+    pool.total += d.spec.memory_bytes;
+    pool.free += d.free_memory ?? d.spec.memory_bytes;
+  }
+  const span = (ids) => (ids.length > 1 && ids[ids.length - 1] - ids[0] === ids.length - 1 ? `${ids[0]}–${ids[ids.length - 1]}` : ids.join(', '));
+  const memRows = [...pools.values()].map((p) => ({ device: p.ids.join(','),
+    label: p.shared ? `devices ${span(p.ids)}` : `device ${p.ids[0]}`, values: [
+      { name: p.shared ? 'host total' : 'total', value: p.total, cls: 'memory-total', colour: '#c9d6ee' },
+      { name: p.shared ? 'host free' : 'free', value: p.free, cls: 'memory-free', colour: '#2f6fde' }] }));
+  const sharedNote = [...pools.values()].some((p) => p.shared)
+    ? h('p', { class: 'small muted', id: 'shared-memory', text: "CPU devices share their host's RAM: one pair of bars per host, for all its devices." }) : null;
   const dtypes = ['fp32', 'bf16', 'fp16'].filter((k) => profile.devices.some((d) => d.spec.peak_flops && d.spec.peak_flops[k]));
   const colours = { fp32: '#2f6fde', bf16: '#1f9d55', fp16: '#d6845b' };
   const flopRows = devices.map(({ i, d }) => ({ device: i, label: `device ${i}`, values: dtypes.map((k) => ({
@@ -473,7 +493,7 @@ async function clusterPage(pg, ref) {
       links.svg, h('div', { class: 'legend' }, linkLegend(links.lo, links.hi)),
       h('p', { class: 'small', id: 'slow-links', text: slowList.length ? `Slow links: ${slowList.slice(0, 12).map(([i, j]) => `${i}↔${j}`).join(', ')}${slowList.length > 12 ? ` and ${slowList.length - 12} more` : ''}` : 'No slow links.' })),
       h('div', {},
-        panel('device-memory', 'Memory per device', deviceBars(memRows, { format: fmt.bytes, tickFormat: ticks.bytes, label: 'memory', cls: 'device-memory' })),
+        panel('device-memory', 'Memory per device', sharedNote, deviceBars(memRows, { format: fmt.bytes, tickFormat: ticks.bytes, label: 'memory', cls: 'device-memory' })),
         panel('device-compute', 'Compute per device (measured matmul peak)', deviceBars(flopRows, { format: tflops, tickFormat: () => ticks.flops, label: 'TFLOPS', cls: 'device-compute' })))),
     panel('devices', 'Devices', h('table', {}, h('thead', {}, h('tr', {}, ['Device', 'Node', 'Local', 'Kind', 'Memory', 'Free', ...dtypes.map((k) => `${k} TFLOPS`)].map((x) => h('th', { text: x })))),
       h('tbody', {}, devices.map(({ i, d, node }) => h('tr', {}, h('td', { text: i }), h('td', { text: node }), h('td', { text: d.local_index }), h('td', { text: d.spec.name }),

@@ -144,24 +144,38 @@ const BAD = new Set(['oom', 'failed', 'timeout']);
 /** The measured throughput of a trial (tokens/s), or null. */
 function measured(t) { return t.tokens_per_s || null; }
 
+// ---- the model's error: one convention everywhere ---------------------------------------------
+/** The API's prediction_error and the CLI's ERROR %: the same rule for the table, the MAPE and the plot. */
+export const ERROR_RULE = '(measured − predicted) / predicted: + when the trial ran slower than predicted';
+export function predictionError(t) {
+  return t.predicted_step_time > 0 && t.measured_step_time > 0
+    ? (t.measured_step_time - t.predicted_step_time) / t.predicted_step_time : null;
+}
+/** Mean |prediction error| over the ok trials, or null. */
+export function mape(trials) {
+  const errs = trials.filter((t) => t.state === 'ok').map(predictionError).filter((e) => e !== null);
+  return errs.length ? errs.reduce((a, e) => a + Math.abs(e), 0) / errs.length : null;
+}
+
 // ---- convergence ----------------------------------------------------------------------
 /**
  * Measured throughput of each trial and the best so far, against trial number; the
  * predicted throughput of each trial in grey; the stop point marked when the job has ended.
  */
-export function convergence(trials, { tokensPerStep, final, stopReason, maxTrials }) {
+export function convergence(trials, { tokensPerStep, final, stopReason }) {
   const ended = trials.filter((t) => t.state !== 'running' || t.tokens_per_s);
   const numbers = trials.map((t) => t.number);
   const lastNumber = numbers.length ? Math.max(...numbers) : 0;
-  const xmax = Math.max(lastNumber, (maxTrials || 1) - 1, 1);
+  // the trials that ran, not the budget's every allowed trial
+  const xmax = Math.max(lastNumber, 1);
   const predicted = (t) => (t.predicted_step_time ? tokensPerStep / t.predicted_step_time : null);
   // The scale follows the measurements: a prediction far above them (the analytic model on
   // CPUs) is pinned to the top edge instead of flattening every measured point.
   const seen = ended.map(measured).filter((v) => v > 0);
   const values = seen.length ? seen : ended.map(predicted).filter((v) => v > 0);
   const ymax = values.length ? Math.max(...values) * 1.25 : 1;
-  const f = frame({ cls: 'convergence', label: 'throughput per trial',
-    x: { min: -0.5, max: xmax + 0.5, label: 'trial', tickValues: niceTicks(0, xmax, Math.min(xmax, 8)).filter(Number.isInteger) },
+  const f = frame({ cls: 'convergence', label: 'throughput per trial', margin: { t: 20 },
+    x: { min: -0.5, max: xmax + 1, label: 'trial', tickValues: niceTicks(0, xmax, Math.min(xmax, 8)).filter(Number.isInteger) },
     y: { min: 0, max: ymax, label: 'tokens/s', format: fmt.rate } });
   // best so far: a step line through the running maximum of ok trials
   let best = null;
@@ -183,7 +197,6 @@ export function convergence(trials, { tokensPerStep, final, stopReason, maxTrial
       const y = clipped ? f.m.t : f.sy(p);
       f.plot.append(s('rect', { class: `predicted${clipped ? ' clipped' : ''}`, x: f.sx(t.number) - 3, y: y - 3, width: 6, height: 6,
         'data-trial': t.number, 'data-value': p }, s('title', { text: `trial ${t.number} predicted ${fmt.rate(p)} tokens/s` })));
-      if (clipped) f.plot.append(s('text', { x: f.sx(t.number) + 6, y: y + 4, 'font-size': 9, text: `pred ${fmt.rate(p)} ↑` }));
     }
     const v = measured(t);
     const tip = `trial ${t.number} ${t.label}\n${t.state}${v ? `: ${fmt.rate(v)} tokens/s (${fmt.seconds(t.measured_step_time)}/step)` : ''}` +
@@ -196,6 +209,27 @@ export function convergence(trials, { tokensPerStep, final, stopReason, maxTrial
       f.plot.append(s('circle', { class: `point ${t.state === 'ok' ? 'ok' : 'pruned'}`, cx: f.sx(t.number), cy: f.sy(v), r: 5,
         'data-trial': t.number, 'data-state': t.state, 'data-value': v }, s('title', { text: tip })));
     }
+  }
+  // Predictions above the scale, pinned to its top edge, are labelled in a row above the plot:
+  // one label per run of neighbours whose labels would overlap ("pred 25.1k–31.0k ↑").
+  const runs = [];
+  const label = (run) => {
+    const vs = run.trials.map(predicted), lo = fmt.rate(Math.min(...vs)), hi = fmt.rate(Math.max(...vs));
+    const text = `pred ${lo}${hi === lo ? '' : `–${hi}`} ↑`, width = text.length * 6; // 9px text: under 6px a character
+    const x = Math.min(f.sx(run.trials[0].number) - 3, f.width - width);
+    return { trials: run.trials, text, x, end: x + width };
+  };
+  for (const t of trials.filter((u) => predicted(u) > ymax).sort((a, b) => a.number - b.number)) {
+    runs.push(label({ trials: [t] }));
+    while (runs.length > 1 && runs[runs.length - 1].x < runs[runs.length - 2].end + 6) {
+      const b = runs.pop(), a = runs.pop();
+      runs.push(label({ trials: [...a.trials, ...b.trials] }));
+    }
+  }
+  for (const run of runs) {
+    f.plot.append(s('text', { class: 'above-scale', x: run.x, y: f.m.t - 6, 'font-size': 9, text: run.text,
+      'data-trials': run.trials.map((t) => t.number).join(' ') },
+    s('title', { text: run.trials.map((t) => `trial ${t.number} predicted ${fmt.rate(predicted(t))} tokens/s`).join('\n') })));
   }
   if (final && trials.length) {
     const x = f.sx(lastNumber + 0.5);
@@ -211,30 +245,30 @@ export function convergence(trials, { tokensPerStep, final, stopReason, maxTrial
 export function predictedVsMeasured(trials) {
   const pts = trials.filter((t) => t.predicted_step_time > 0 && t.measured_step_time > 0 && !BAD.has(t.state));
   const ok = pts.filter((t) => t.state === 'ok');
-  const errs = ok.map((t) => Math.abs(t.measured_step_time - t.predicted_step_time) / t.measured_step_time);
-  const mape = errs.length ? errs.reduce((a, b) => a + b, 0) / errs.length : null;
+  const error = mape(ok);
   const all = pts.flatMap((t) => [t.predicted_step_time, t.measured_step_time]);
   const lo = all.length ? Math.min(...all) / 1.6 : 0.001, hi = all.length ? Math.max(...all) * 1.6 : 1;
   const f = frame({ cls: 'scatter', label: 'predicted against measured step time', width: 440, height: 320,
     margin: { l: 70 },
     x: { min: lo, max: hi, log: true, label: 'predicted step time', format: ticks.seconds },
     y: { min: lo, max: hi, log: true, label: 'measured step time', format: ticks.seconds } });
-  // the +-25% band and the y = x line: on the line the model is exact
-  const band = [[lo, lo * 1.25], [hi, hi * 1.25], [hi, hi * 0.75], [lo, lo * 0.75]];
+  // the +-25% band, cut where it leaves the plot (both axes run lo..hi), and the y = x line:
+  // on the line the model is exact
+  const band = [[lo, lo * 1.25], [hi / 1.25, hi], [hi, hi], [hi, hi * 0.75], [lo / 0.75, lo], [lo, lo]];
   f.plot.append(s('polygon', { class: 'band', points: band.map(([x, y]) => `${f.sx(x)},${f.sy(y)}`).join(' ') },
     s('title', { text: 'within 25% of the prediction' })));
   f.plot.append(s('line', { class: 'diagonal', x1: f.sx(lo), y1: f.sy(lo), x2: f.sx(hi), y2: f.sy(hi) }));
   for (const t of pts) {
-    const err = (t.measured_step_time - t.predicted_step_time) / t.predicted_step_time;
+    const err = predictionError(t);
     f.plot.append(s('circle', { class: `point ${t.state === 'ok' ? 'ok' : 'pruned'}`, cx: f.sx(t.predicted_step_time),
       cy: f.sy(t.measured_step_time), r: 5, 'data-trial': t.number, 'data-predicted': t.predicted_step_time,
       'data-measured': t.measured_step_time },
     s('title', { text: `trial ${t.number} ${t.label}\npredicted ${fmt.seconds(t.predicted_step_time)}, measured ` +
       `${fmt.seconds(t.measured_step_time)} (${fmt.pct(err)})` })));
   }
-  f.svg.dataset.mape = mape === null ? '' : String(mape);
+  f.svg.dataset.mape = error === null ? '' : String(error);
   f.svg.dataset.points = String(pts.length);
-  return { svg: f.svg, mape, n: ok.length };
+  return { svg: f.svg, mape: error, n: ok.length };
 }
 
 // ---- colour ramps -------------------------------------------------------------------
@@ -258,33 +292,38 @@ function hatch() {
 
 // ---- the tp x pp candidate map ------------------------------------------------------------
 /**
- * One cell per (tp, pp): the best measured throughput of its trials, else the best
- * predicted throughput of its candidates (paler, "pred"); "OOM (predicted)" when every
- * candidate of the cell was predicted not to fit; a red corner when a trial ran out of memory.
+ * One cell per (tp, pp): the best measured throughput of its ok trials; else, where trials ran
+ * but none ended ok, the learned model's prediction they were proposed with ("pred", learned).
+ * A cell no trial tried shows no figure: the plan's analytic estimate, not corrected by what
+ * the trials measured (several times too fast on CPUs), is only in its tooltip. "OOM
+ * (predicted)" when every candidate of the cell was predicted not to fit; a red corner when a
+ * trial ran out of memory.
  */
-export function candidateMap(plan, trials) {
+export function candidateMap(plan, trials, tokensPerStep) {
   const cells = new Map();
   const cell = (c) => {
     const key = `${c.tp}x${c.pp}`;
-    if (!cells.has(key)) cells.set(key, { tp: c.tp, pp: c.pp, predicted: null, candidates: 0, oomPred: 0, measured: null, trials: 0, oomMeasured: 0 });
+    if (!cells.has(key)) cells.set(key, { tp: c.tp, pp: c.pp, analytic: null, candidates: 0, oomPred: 0, measured: null, learned: null, trials: 0, oomMeasured: 0 });
     return cells.get(key);
   };
+  const better = (a, b) => (b && (a === null || b > a) ? b : a);
   for (const p of (plan && plan.ranked) || []) {
     const c = cell(p.config);
     c.candidates++;
-    if (c.predicted === null || p.perf.tokens_per_s > c.predicted) c.predicted = p.perf.tokens_per_s;
+    c.analytic = better(c.analytic, p.perf.tokens_per_s);
   }
   for (const d of (plan && plan.out_of_memory) || []) cell(d.config).oomPred++;
   for (const t of trials) {
     const c = cell(t.config);
     c.trials++;
     if (t.state === 'oom') c.oomMeasured++;
-    if (t.state === 'ok' && t.tokens_per_s && (c.measured === null || t.tokens_per_s > c.measured)) c.measured = t.tokens_per_s;
+    if (t.state === 'ok') c.measured = better(c.measured, t.tokens_per_s);
+    if (t.predicted_step_time) c.learned = better(c.learned, tokensPerStep / t.predicted_step_time);
   }
   const tps = [...new Set([...cells.values()].map((c) => c.tp))].sort((a, b) => a - b);
   const pps = [...new Set([...cells.values()].map((c) => c.pp))].sort((a, b) => a - b);
   const maxMeasured = Math.max(0, ...[...cells.values()].map((c) => c.measured || 0));
-  const maxPredicted = Math.max(0, ...[...cells.values()].map((c) => c.predicted || 0));
+  const maxLearned = Math.max(0, ...[...cells.values()].map((c) => c.learned || 0));
   const cw = Math.max(70, Math.min(110, 640 / Math.max(tps.length, 1))), ch = 46;
   const m = { l: 56, t: 26 };
   const width = m.l + cw * tps.length + 10, height = m.t + ch * pps.length + 34;
@@ -295,12 +334,17 @@ export function candidateMap(plan, trials) {
   for (const c of cells.values()) {
     const x = m.l + cw * tps.indexOf(c.tp), y = m.t + ch * pps.indexOf(c.pp);
     let kind, fill = null, line1, line2;
+    const plural = (n, what) => `${n} ${what}${n === 1 ? '' : 's'}`;
     if (c.measured !== null) {
       kind = 'measured'; fill = ramp(GOOD, 0.25 + 0.75 * (c.measured / maxMeasured));
-      line1 = `${fmt.rate(c.measured)} tok/s`; line2 = `measured, ${c.trials} trial${c.trials > 1 ? 's' : ''}`;
-    } else if (c.predicted !== null) {
-      kind = 'predicted'; fill = mix('#f3f5f8', '#c9d6ee', c.predicted / maxPredicted);
-      line1 = `pred ${fmt.rate(c.predicted)}`; line2 = c.trials ? `${c.trials} trial${c.trials > 1 ? 's' : ''}, none ok` : `${c.candidates} candidates`;
+      line1 = `${fmt.rate(c.measured)} tok/s`; line2 = `measured, ${plural(c.trials, 'trial')}`;
+    } else if (c.learned !== null) {
+      kind = 'learned'; fill = mix('#f3f5f8', '#c9d6ee', c.learned / maxLearned);
+      line1 = `pred ${fmt.rate(c.learned)}`; line2 = 'learned, none ok';
+    } else if (c.trials) {
+      kind = 'no-result'; line1 = 'no result'; line2 = `${plural(c.trials, 'trial')}, none ok`;
+    } else if (c.candidates) {
+      kind = 'untried'; line1 = 'not tried'; line2 = plural(c.candidates, 'candidate');
     } else if (c.oomPred) {
       kind = 'oom-pred'; line1 = 'OOM'; line2 = `predicted (${c.oomPred})`;
     } else {
@@ -309,10 +353,11 @@ export function candidateMap(plan, trials) {
     const dark = kind === 'measured' && c.measured / maxMeasured > 0.55;
     const tip = `tp ${c.tp} x pp ${c.pp}: ${c.candidates} candidates fit, ${c.oomPred} predicted OOM, ${c.trials} trials` +
       (c.measured !== null ? `, best measured ${fmt.rate(c.measured)} tokens/s` : '') +
-      (c.predicted !== null ? `, best predicted ${fmt.rate(c.predicted)} tokens/s` : '') +
+      (c.learned !== null ? `, best learned prediction of its trials ${fmt.rate(c.learned)} tokens/s` : '') +
+      (c.analytic !== null ? `, best analytic estimate ${fmt.rate(c.analytic)} tokens/s (not corrected by the trials)` : '') +
       (c.oomMeasured ? `, ${c.oomMeasured} ran out of memory` : '');
     const g = s('g', { class: `cell ${kind}${c.oomMeasured ? ' oom-measured' : ''}`, 'data-tp': c.tp, 'data-pp': c.pp,
-      'data-value': c.measured ?? c.predicted ?? '', 'data-kind': kind },
+      'data-value': c.measured ?? c.learned ?? '', 'data-analytic': c.analytic ?? '', 'data-kind': kind },
     s('title', { text: tip }),
     s('rect', { class: 'bg', x: x + 1, y: y + 1, width: cw - 2, height: ch - 2, rx: 4, fill: fill || undefined,
       stroke: '#dde1e8' }),
@@ -332,27 +377,37 @@ export const MEMORY_PARTS = ['weights', 'gradients', 'optimizer', 'activations',
 const PART_COLOURS = { weights: '#2f6fde', gradients: '#8e5bd6', optimizer: '#d6845b', activations: '#1f9d55',
   logits: '#2b8fb3', buffers: '#c9a227', overhead: '#9aa3b2' };
 
+/** The parts of the estimate that are tensors: all but the fixed overhead of the process. */
+export const TENSOR_PARTS = MEMORY_PARTS.filter((p) => p !== 'overhead');
+
 /**
- * The predicted breakdown of the heaviest rank (stacked) and each device's measured peak,
- * against the capacity the estimator planned with.
+ * Like with like (the CLI's rule): the estimator's tensor bytes for its heaviest rank (its
+ * breakdown less the fixed overhead, stacked) against the tensor bytes each rank held at its
+ * peak (the allocator's count on a GPU, live tensors on a CPU), and the capacity it planned
+ * with; a capacity far off the tensors' scale (a CPU host's RAM) is named at the top right.
  */
 export function memoryChart(record, placement) {
-  const mem = record.memory || {};
-  const peaks = (record.measurement && record.measurement.peak_memory) || [];
+  const mem = record.memory || {}, breakdown = mem.breakdown || {};
+  const measurement = record.measurement || {};
+  const peaks = measurement.peak_memory || [];
+  const rss = (measurement.extra && measurement.extra.peak_rss_bytes) || [];
   const capacity = mem.capacity_bytes || 0;
-  const rows = [{ label: `predicted, heaviest rank (stage ${mem.stage ?? 0})`, parts: mem.breakdown || {}, total: mem.peak_bytes }];
+  const tensors = (mem.peak_bytes || 0) - (breakdown.overhead || 0);
+  const rows = [{ label: `predicted tensors, stage ${mem.stage ?? 0}`, parts: breakdown, total: tensors }];
   peaks.forEach((b, rank) => rows.push({ label: `device ${placement ? placement[rank] : rank} (rank ${rank}) measured`, value: b, rank }));
-  const max = Math.max(capacity, mem.peak_bytes || 0, ...peaks) * 1.08 || 1;
-  const width = 620, rowH = 24, m = { l: 220, r: 70, t: 8, b: 34 };
+  const top = Math.max(tensors, ...peaks, 1);
+  const capacityOnScale = capacity > 0 && capacity <= 4 * top;
+  const max = Math.max(top, capacityOnScale ? capacity : 0) * 1.08;
+  const width = 620, rowH = 24, m = { l: 220, r: 70, t: 20, b: 34 };
   const height = m.t + rowH * rows.length + m.b;
-  const f = frame({ cls: 'memory', label: 'memory per device', width, height, margin: m,
-    x: { min: 0, max, label: 'memory', format: ticks.bytes(max), count: 5 }, y: { min: 0, max: rows.length, tickValues: [] } });
+  const f = frame({ cls: 'memory', label: 'tensor memory per device', width, height, margin: m,
+    x: { min: 0, max, label: 'tensor memory', format: ticks.bytes(max), count: 5 }, y: { min: 0, max: rows.length, tickValues: [] } });
   rows.forEach((row, i) => {
     const y = m.t + rowH * i + 4, hgt = rowH - 8;
     f.plot.append(s('text', { x: m.l - 8, y: y + hgt / 2 + 4, 'text-anchor': 'end', text: row.label }));
     if (row.parts) {
       let x0 = 0;
-      for (const part of MEMORY_PARTS) {
+      for (const part of TENSOR_PARTS) {
         const v = row.parts[part] || 0;
         if (v <= 0) continue;
         f.plot.append(s('rect', { class: 'mem-seg', 'data-part': part, 'data-bytes': v, x: f.sx(x0), y,
@@ -360,25 +415,31 @@ export function memoryChart(record, placement) {
         s('title', { text: `${part}: ${fmt.bytes(v)}` })));
         x0 += v;
       }
-      f.plot.append(s('text', { x: f.sx(x0) + 5, y: y + hgt / 2 + 4, text: fmt.bytes(row.total) }));
+      f.plot.append(s('text', { class: 'mem-total', 'data-bytes': row.total, x: f.sx(x0) + 5, y: y + hgt / 2 + 4,
+        text: fmt.bytes(row.total) }, s('title', { text: `and ${fmt.bytes(breakdown.overhead || 0)} of fixed process ` +
+        'overhead, left out: the measured peaks count tensors only' })));
     } else {
+      const rssNote = rss[row.rank] ? `; the process's peak RSS: ${fmt.bytes(rss[row.rank])}` : '';
       f.plot.append(s('rect', { class: 'mem-bar measured', 'data-rank': row.rank, 'data-bytes': row.value, x: f.sx(0), y,
         width: Math.max(f.sx(row.value) - f.sx(0), 1), height: hgt, fill: '#56627a' },
-      s('title', { text: `${row.label}: ${fmt.bytes(row.value)}` })));
+      s('title', { text: `${row.label}: ${fmt.bytes(row.value)} of tensors at the peak${rssNote}` })));
       f.plot.append(s('text', { x: f.sx(row.value) + 5, y: y + hgt / 2 + 4, text: fmt.bytes(row.value) }));
     }
   });
-  if (capacity) {
+  if (capacityOnScale) {
     const x = f.sx(capacity);
     f.plot.append(s('g', { class: 'capacity', 'data-bytes': capacity },
       s('line', { x1: x, x2: x, y1: m.t, y2: height - m.b }),
       s('text', { x: x + 4, y: height - m.b - 4, text: `capacity ${fmt.bytes(capacity)}` })));
+  } else if (capacity) {
+    f.plot.append(s('g', { class: 'capacity off-scale', 'data-bytes': capacity },
+      s('text', { x: width - m.r, y: m.t - 6, 'text-anchor': 'end', text: `capacity ${fmt.bytes(capacity)}, off the scale →` })));
   }
   return f.svg;
 }
 
 export function memoryLegend() {
-  return MEMORY_PARTS.map((p) => {
+  return TENSOR_PARTS.map((p) => {
     const swatch = document.createElement('i');
     swatch.style.background = PART_COLOURS[p];
     return h('span', {}, swatch, p);

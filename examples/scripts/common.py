@@ -1,0 +1,68 @@
+"""What both example scripts share: the tiny Llama they build locally (nothing downloaded)
+and a learnable synthetic corpus, so a short run shows the loss fall."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+CONFIG = HERE / "tiny-llama" / "config.json"
+
+
+def tiny_llama(config_path: str | Path = CONFIG, seed: int = 0) -> torch.nn.Module:
+    """A Llama with seeded random weights, from a Hugging Face config.json."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(**{k: v for k, v in json.loads(Path(config_path).read_text()).items()
+                            if not k.startswith("_") and k != "architectures"})
+    return LlamaForCausalLM(config)
+
+
+#: The corpus uses this many tokens of the vocabulary: a short run learns that first.
+ALPHABET = 64
+
+
+def sequence(index: int, seq_len: int, vocab: int) -> list[int]:
+    """Sequence ``index`` of the corpus: an arithmetic progression over ``ALPHABET`` tokens (its
+    start and stride from the index), so every next token follows from the two before it."""
+    size = min(ALPHABET, vocab)
+    start, stride = (index * 7919) % size, 1 + (index * 104729) % 13
+    return [(start + stride * j) % size for j in range(seq_len)]
+
+
+class Corpus(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    def __init__(self, size: int, seq_len: int, vocab: int) -> None:
+        self.size, self.seq_len, self.vocab = size, seq_len, vocab
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        ids = torch.tensor(sequence(index, self.seq_len, self.vocab))
+        return {"input_ids": ids, "labels": ids.clone()}
+
+
+def deepspeed_on_cpu() -> dict[str, bool]:
+    """On a machine without a GPU, set up Accelerate's state for DeepSpeed over gloo; returns
+    the ``accelerator_config`` the ``TrainingArguments`` then need (empty on a GPU).
+
+    Accelerate (1.15) runs DeepSpeed only on an accelerator: on CPU it finds no backend, so
+    the Trainer sees one process, and with ``use_cpu`` it drops DeepSpeed silently. DeepSpeed
+    itself trains on CPU with gloo (``DS_ACCELERATOR=cpu``), which is how Pipette's CPU
+    devices run, so a CPU run configures the state itself."""
+    import os
+
+    if torch.cuda.is_available() or "LOCAL_RANK" not in os.environ:
+        return {}
+    from accelerate import PartialState
+
+    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"  # what TrainingArguments sets for a --deepspeed run
+    try:
+        PartialState(backend="gloo")
+    finally:
+        del os.environ["ACCELERATE_USE_DEEPSPEED"]
+    return {"use_configured_state": True}

@@ -1,0 +1,228 @@
+"""Renderers for the user's own script: what their stack launches for the best candidate.
+
+* ``ds_config.json``: the candidate's DeepSpeed config over the user's own
+  (``pipette.script.script_ds_config``): valid for HF Trainer's ``--deepspeed``, for
+  ``deepspeed.initialize(config=...)`` and for Accelerate's DeepSpeed plugin.
+* ``accelerate_config.yaml``: an Accelerate config (``distributed_type: DEEPSPEED``) pointing
+  at that DeepSpeed config.
+* ``hostfile``: the nodes in the order the candidate's ranks use them.
+* ``launch-deepspeed.sh``, ``launch-torchrun.sh``, ``launch-accelerate.sh``: the user's script
+  under each launcher, with the knobs the trial used. Each finds a Python that has the launcher
+  (``$PIPETTE_PYTHON``, the one that wrote it, ``python3``) or says in one line what to set; a
+  multi-node launch runs on every node with ``NODE_RANK`` set (torchrun, Accelerate) or from the
+  first node over ssh (DeepSpeed). The candidate's placement is realised by the order of the
+  devices each node exposes (``CUDA_VISIBLE_DEVICES`` / ``--include``): launchers number a
+  script's ranks node by node, which is why a script's search keeps only placements that do.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+from pipette.cluster import ClusterProfile
+from pipette.config import ParallelConfig
+from pipette.emit import PYTHON_VAR, RANK_ENV, deepspeed_config, rank_map
+from pipette.model import ModelSpec
+from pipette.script import ScriptSpec, script_ds_config
+from pipette.training import TrainingSpec
+
+#: Steps the launches run when the script has a steps knob (the user edits it for a real run).
+LAUNCH_STEPS = 50
+
+
+def node_blocks(config: ParallelConfig, cluster: ClusterProfile) -> list[tuple[int, list[int]]]:
+    """(node, its local device indices in rank order) for each node, in the ranks' order."""
+    out: list[tuple[int, list[int]]] = []
+    for device in config.devices():
+        d = cluster.devices[device]
+        if not out or out[-1][0] != d.node:
+            out.append((d.node, []))
+        out[-1][1].append(d.local_index)
+    return out
+
+
+def _host(cluster: ClusterProfile, node: int) -> str:
+    n = cluster.nodes[node]
+    return n.address or n.name
+
+
+def accelerate_config(config: ParallelConfig, cluster: ClusterProfile) -> str:
+    """Accelerate's YAML (``accelerate launch --config_file``) for the candidate."""
+    blocks = node_blocks(config, cluster)
+    lines = [
+        "# Pipette: Accelerate with DeepSpeed for " + config.label,
+        "compute_environment: LOCAL_MACHINE",
+        "distributed_type: DEEPSPEED",
+        "deepspeed_config:",
+        "  deepspeed_config_file: ds_config.json",
+        f"  zero3_init_flag: {'true' if config.zero_stage == 3 else 'false'}",
+        f"num_machines: {len(blocks)}",
+        f"num_processes: {config.world}",
+        "machine_rank: 0",
+        f"main_process_ip: {_host(cluster, blocks[0][0]) if len(blocks) > 1 else '127.0.0.1'}",
+        "main_process_port: 29500",
+        "rdzv_backend: static",
+        "same_network: true",
+        f"use_cpu: {'true' if cluster.device_spec.kind == 'cpu' else 'false'}",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _finder(modules: tuple[str, ...], launcher: str, python: str | None) -> list[str]:
+    q = shlex.quote
+    check = q("import importlib.util as u, sys; sys.exit(not all(u.find_spec(m) for m in "
+              + repr(list(modules)) + "))")
+    tries = " ".join(q(t) for t in (python or sys.executable, "python3") if t)
+    return [
+        f"# The Python that has {launcher}: ${PYTHON_VAR}, else the one that wrote this file, else python3.",
+        f'if [ -z "${{{PYTHON_VAR}:-}}" ]; then',
+        f"    for candidate in {tries}; do",
+        f'        if command -v "$candidate" >/dev/null 2>&1 && "$candidate" -c {check} 2>/dev/null; then',
+        f'            {PYTHON_VAR}="$candidate"; break',
+        "        fi",
+        "    done",
+        "fi",
+        f'if [ -z "${{{PYTHON_VAR}:-}}" ] || ! "${PYTHON_VAR}" -c {check} 2>/dev/null; then',
+        f'    echo "${{0##*/}}: no Python here has {", ".join(modules)}; set {PYTHON_VAR} to the python of '
+        f'the environment your training runs in, e.g. {PYTHON_VAR}=/path/to/.venv/bin/python $0" >&2',
+        "    exit 1",
+        "fi",
+    ]
+
+
+def _script_part(script: ScriptSpec, training: TrainingSpec, config: ParallelConfig, no_python: str) -> str:
+    """The program and its arguments after the launcher's own flags (``$HERE/ds_config.json``)."""
+    q = shlex.quote
+    argv = script.command(training, config, "$HERE/ds_config.json", steps=LAUNCH_STEPS)
+    args = argv[2:] if script.is_python else argv[1:]
+    head = [] if script.is_python else [no_python]
+    words = [*head, q(script.program)] + [a if a == "$HERE/ds_config.json" else q(a) for a in args]
+    return " ".join(words).replace("$HERE/ds_config.json", '"$HERE/ds_config.json"')
+
+
+def _header(config: ParallelConfig, cluster: ClusterProfile, script: ScriptSpec, launcher: str) -> list[str]:
+    env = dict(RANK_ENV)
+    if cluster.device_spec.kind == "cpu":
+        env["DS_ACCELERATOR"] = "cpu"
+    exports = " ".join(f'{k}="${{{k}:-{v}}}"' for k, v in env.items())
+    workdir = script.workdir or "."
+    return [
+        "#!/usr/bin/env bash",
+        f"# Pipette: your script under {launcher}, as {config.label} on {cluster.world} x "
+        f"{cluster.device_spec.name} ({cluster.name}).",
+        "set -euo pipefail",
+        'case "$0" in */*) HERE="$(cd "${0%/*}" && pwd)" ;; *) HERE="$(pwd)" ;; esac  # this folder',
+        f"cd {shlex.quote(workdir)}  # where the script's relative paths point (its trials ran here)",
+        f"export {exports}",
+    ]
+
+
+def launch_torchrun(config: ParallelConfig, cluster: ClusterProfile, training: TrainingSpec,
+                    script: ScriptSpec, python: str | None = None) -> str:
+    blocks = node_blocks(config, cluster)
+    lines = _header(config, cluster, script, "torchrun") + _finder(("torch",), "torch", python)
+    lines += _node_selection(blocks, cluster)
+    lines.append(
+        f'"${PYTHON_VAR}" -m torch.distributed.run --nnodes {len(blocks)} --nproc_per_node "$NPROC" '
+        f'--node_rank "$NODE_RANK" --master_addr {shlex.quote(_master(blocks, cluster))} '
+        '--master_port "${MASTER_PORT:-29500}" ' + _script_part(script, training, config, "--no-python"))
+    return "\n".join(lines) + "\n"
+
+
+def launch_accelerate(config: ParallelConfig, cluster: ClusterProfile, training: TrainingSpec,
+                      script: ScriptSpec, python: str | None = None) -> str:
+    blocks = node_blocks(config, cluster)
+    lines = _header(config, cluster, script, "accelerate launch")
+    lines += _finder(("accelerate", "deepspeed"), "accelerate and deepspeed", python)
+    lines += _node_selection(blocks, cluster)
+    lines.append(
+        f'"${PYTHON_VAR}" -m accelerate.commands.launch --config_file "$HERE/accelerate_config.yaml" '
+        f'--num_machines {len(blocks)} --num_processes {config.world} --machine_rank "$NODE_RANK" '
+        f'--main_process_ip {shlex.quote(_master(blocks, cluster))} --main_process_port "${{MASTER_PORT:-29500}}" '
+        + _script_part(script, training, config, "--no_python"))
+    return "\n".join(lines) + "\n"
+
+
+def launch_deepspeed(config: ParallelConfig, cluster: ClusterProfile, training: TrainingSpec,
+                     script: ScriptSpec, python: str | None = None) -> str:
+    blocks = node_blocks(config, cluster)
+    include = "@".join(f"{_host(cluster, n)}:{','.join(map(str, ds))}" for n, ds in blocks)
+    lines = _header(config, cluster, script, "the deepspeed launcher")
+    lines += _finder(("deepspeed",), "deepspeed", python)
+    parts = [f'"${PYTHON_VAR}" -m deepspeed.launcher.runner', '--hostfile "$HERE/hostfile"',
+             '--master_port "${MASTER_PORT:-29500}"']
+    if len(blocks) == 1:  # one node: no ssh (deepspeed/launcher/runner.py asks the host over ssh otherwise)
+        parts.append("--no_ssh --node_rank 0 --master_addr 127.0.0.1")
+    parts += [f"--include {shlex.quote(include)}", _script_part(script, training, config, "--no_python")]
+    lines.append(" ".join(parts))
+    return "\n".join(lines) + "\n"
+
+
+def _master(blocks: list[tuple[int, list[int]]], cluster: ClusterProfile) -> str:
+    return _host(cluster, blocks[0][0]) if len(blocks) > 1 else "127.0.0.1"
+
+
+def _node_selection(blocks: list[tuple[int, list[int]]], cluster: ClusterProfile) -> list[str]:
+    """``NODE_RANK`` (0 on the first node; set it on the others), the devices this node exposes
+    in rank order, and its process count."""
+    if len(blocks) == 1:
+        node, devices = blocks[0]
+        out = ['NODE_RANK="${NODE_RANK:-0}"', f"NPROC={len(devices)}"]
+        if cluster.device_spec.kind == "gpu":
+            out.append(f'export CUDA_VISIBLE_DEVICES="${{CUDA_VISIBLE_DEVICES:-{",".join(map(str, devices))}}}"')
+        return out
+    cases = []
+    for i, (node, devices) in enumerate(blocks):
+        visible = f" CUDA_VISIBLE_DEVICES={','.join(map(str, devices))};" if cluster.device_spec.kind == "gpu" else ""
+        cases.append(f"    {i}) NPROC={len(devices)};{visible} ;;  # {_host(cluster, node)}")
+    hosts = ", ".join(f"{i}={_host(cluster, n)}" for i, (n, _) in enumerate(blocks))
+    return [
+        f"# Run this on every node with NODE_RANK set: {hosts}.",
+        'NODE_RANK="${NODE_RANK:?set NODE_RANK to the index of this node: ' + hosts + '}"',
+        'case "$NODE_RANK" in',
+        *cases,
+        f'    *) echo "NODE_RANK must be 0..{len(blocks) - 1}" >&2; exit 1 ;;',
+        "esac",
+        *(["export CUDA_VISIBLE_DEVICES"] if cluster.device_spec.kind == "gpu" else []),
+    ]
+
+
+def write_script_launch_files(
+    out_dir: str | Path,
+    model: ModelSpec,
+    training: TrainingSpec,
+    config: ParallelConfig,
+    cluster: ClusterProfile,
+    script: ScriptSpec,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Path]:
+    """Write the launch files of the user's script into ``out_dir``; returns them by name."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    blocks = node_blocks(config, cluster)
+    ds = script_ds_config(deepspeed_config(training, config, model=model), script)
+    files = {
+        "ds_config.json": json.dumps(ds, indent=2) + "\n",
+        "accelerate_config.yaml": accelerate_config(config, cluster),
+        "hostfile": "".join(f"{_host(cluster, n)} slots={len(cluster.devices_on(n))}\n" for n, _ in blocks),
+        "rank_map.json": json.dumps(rank_map(config, cluster), indent=2) + "\n",
+        "candidate.json": json.dumps({"model": model.to_dict(), "training": training.to_dict(),
+                                      "config": config.to_dict(), "script": script.to_dict(), **(extra or {})},
+                                     indent=2) + "\n",
+        "launch-deepspeed.sh": launch_deepspeed(config, cluster, training, script),
+        "launch-torchrun.sh": launch_torchrun(config, cluster, training, script),
+        "launch-accelerate.sh": launch_accelerate(config, cluster, training, script),
+    }
+    written = {}
+    for name, text in files.items():
+        path = out / name
+        path.write_text(text)
+        if name.endswith(".sh"):
+            path.chmod(0o755)
+        written[name] = path
+    return written

@@ -1,0 +1,208 @@
+"""``ScriptSpec``: the user's own training script, as Pipette tunes and launches it.
+
+A script is an argument list (never a shell string) plus the *knobs* it accepts: the command
+line flag through which it takes each setting Pipette chooses. Pipette restricts the search to
+what the script can do (``ScriptSpec.refusals``), writes each candidate's DeepSpeed config on
+top of the user's own (``script_ds_config``), and appends the knobs to the argument list
+(``ScriptSpec.command``). Knobs:
+
+``deepspeed_config``  the flag taking the DeepSpeed config path (HF Trainer: ``--deepspeed``)
+``micro_batch``       the flag taking the micro-batch size (or none: the script reads the config)
+``grad_accum``        the flag taking the gradient accumulation steps (likewise)
+``checkpointing``     a flag present when activation checkpointing (full recomputation) is on
+``steps``             the flag taking the number of optimizer steps to run (for a script that does
+                      not listen to ``pipette.report``: it then stops by itself)
+``seq_len``           the flag taking the sequence length
+``bf16`` / ``fp16``   flags present when training in that precision (HF Trainer's ``--bf16``)
+
+``kind`` fills the usual knobs of a known stack (``hf-trainer``, ``deepspeed``); any knob can be
+set or cleared on top. Pure: reads no file and starts nothing (``check_script`` in the CLI and
+the service checks the files).
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from pipette.config import ParallelConfig
+from pipette.errors import SpecError
+from pipette.training import TrainingSpec
+
+KNOBS = ("deepspeed_config", "micro_batch", "grad_accum", "checkpointing", "steps", "seq_len", "bf16", "fp16")
+#: Knobs that are flags without a value (present when on).
+SWITCHES = ("checkpointing", "bf16", "fp16")
+
+#: The knobs of the stacks Pipette knows (HF ``TrainingArguments`` names; the example loop's).
+KINDS: dict[str, dict[str, str]] = {
+    "hf-trainer": {
+        "deepspeed_config": "--deepspeed", "micro_batch": "--per_device_train_batch_size",
+        "grad_accum": "--gradient_accumulation_steps", "checkpointing": "--gradient_checkpointing",
+        "steps": "--max_steps", "bf16": "--bf16", "fp16": "--fp16",
+    },
+    "deepspeed": {"deepspeed_config": "--deepspeed_config"},
+}
+
+
+@dataclass(frozen=True)
+class ScriptSpec:
+    #: the command that trains, as an argument list: ``["python", "train.py", "--lr", "1e-4"]``
+    argv: tuple[str, ...]
+    #: knob name -> the script's flag for it (see the module docstring)
+    knobs: dict[str, str] = field(default_factory=dict)
+    #: the script shards tensor-parallel layers with DeepSpeed AutoTP (``tensor_parallel.autotp_size``)
+    autotp: bool = False
+    #: the script builds a DeepSpeed ``PipelineModule`` and reads the pipeline degree from the config
+    pipeline: bool = False
+    #: the user's own DeepSpeed config (its optimizer, scheduler, ...), which Pipette's keys overlay
+    base_config: dict[str, Any] | None = None
+    #: where the script runs (its relative paths are relative to it); None: the current directory
+    workdir: str | None = None
+    kind: str | None = None
+
+    def __post_init__(self) -> None:
+        argv = self.argv
+        if isinstance(argv, str) or not isinstance(argv, (list, tuple)):
+            raise SpecError(f"is {type(argv).__name__} {argv!r}", field="script.argv",
+                            fix='give the command as an argument list, e.g. ["python", "train.py", "--epochs", "1"]')
+        if not argv:
+            raise SpecError("is empty", field="script.argv",
+                            fix='give the command that trains, e.g. ["python", "train.py"]')
+        bad = [a for a in argv if not isinstance(a, str) or not a or "\x00" in a]
+        if bad:
+            raise SpecError(f"holds {bad[0]!r}", field="script.argv", fix="give non-empty strings only")
+        if len(argv) == 1 and " " in argv[0].strip():
+            raise SpecError(f"is one string with spaces {argv[0]!r}: a shell string", field="script.argv",
+                            fix="split it into an argument list (no shell runs it): " + str(argv[0].split()))
+        object.__setattr__(self, "argv", tuple(argv))
+        if self.kind is not None and self.kind not in KINDS:
+            raise SpecError(f"is {self.kind!r}", field="script.kind",
+                            fix=f"use one of {', '.join(KINDS)}, or give knobs")
+        knobs = dict(KINDS.get(self.kind or "", {}))
+        if not isinstance(self.knobs, dict):
+            raise SpecError("is not a mapping", field="script.knobs", fix="give knob: flag pairs")
+        for name, flag in self.knobs.items():
+            if name not in KNOBS:
+                raise SpecError(f"unknown knob {name!r}", field="script.knobs", fix=f"use {', '.join(KNOBS)}")
+            if flag in (None, ""):
+                knobs.pop(name, None)  # cleared on top of the kind's
+                continue
+            if not isinstance(flag, str) or not flag.startswith("-") or " " in flag:
+                raise SpecError(f"{name} is {flag!r}", field=f"script.knobs.{name}",
+                                fix="give the script's flag, e.g. --per_device_train_batch_size")
+            knobs[name] = flag
+        object.__setattr__(self, "knobs", knobs)
+        if self.base_config is not None and not isinstance(self.base_config, dict):
+            raise SpecError("is not a JSON object", field="script.base_config", fix="give a DeepSpeed config")
+
+    @property
+    def program(self) -> str:
+        """What the launchers run: the script's path when the command is ``python SCRIPT ...``."""
+        return self.argv[1] if self.is_python and len(self.argv) > 1 else self.argv[0]
+
+    @property
+    def is_python(self) -> bool:
+        name = self.argv[0].rsplit("/", 1)[-1]
+        return name.startswith("python")
+
+    @property
+    def script_args(self) -> tuple[str, ...]:
+        """The arguments after the program (``python train.py A B`` -> ``A B``)."""
+        return self.argv[2:] if self.is_python else self.argv[1:]
+
+    def refusals(self, training: TrainingSpec, config: ParallelConfig, nodes: list[int] | None = None) -> list[str]:
+        """Why this script cannot run ``config``; empty when it can. ``nodes``: the node of each
+        device, to check that launchers which number ranks node by node can place it."""
+        out = []
+        if config.pp > 1 and not self.pipeline:
+            out.append(f"pp={config.pp}: the script does not build a PipelineModule (say pipeline: true if it does)")
+        if config.tp > 1 and not self.autotp:
+            out.append(f"tp={config.tp}: the script does not run DeepSpeed AutoTP (say autotp: true if it does)")
+        if config.tp > 1 and training.is_lora:
+            out.append(f"tp={config.tp}: PEFT LoRA adapters do not survive DeepSpeed AutoTP")
+        if config.recompute == "selective":
+            out.append("selective recomputation: a script checkpoints whole layers (full) or nothing")
+        if config.recompute == "full" and "checkpointing" not in self.knobs:
+            out.append("full recomputation: the script has no checkpointing knob")
+        if config.virtual_stages > 1 or config.schedule != "1f1b":
+            out.append(f"schedule {config.schedule!r}: DeepSpeed's pipeline runs 1F1B only")
+        if not self.micro_batch_settable() and config.mbs != 1 and "deepspeed_config" not in self.knobs:
+            out.append(f"mbs={config.mbs}: the script takes neither a DeepSpeed config nor a micro-batch knob")
+        if nodes is not None:
+            order = [nodes[d] for d in config.devices()]
+            blocks = 1 + sum(a != b for a, b in itertools.pairwise(order))
+            if blocks != len(set(order)):
+                out.append("the placement interleaves nodes; launchers number a script's ranks node by node")
+        return out
+
+    def micro_batch_settable(self) -> bool:
+        return "micro_batch" in self.knobs or "deepspeed_config" in self.knobs
+
+    def command(self, training: TrainingSpec, config: ParallelConfig, ds_config_path: str,
+                steps: int | None = None) -> list[str]:
+        """The argument list that runs ``config``: the user's, then each knob Pipette sets."""
+        k = self.knobs
+        out = list(self.argv)
+        if "deepspeed_config" in k:
+            out += [k["deepspeed_config"], ds_config_path]
+        if "micro_batch" in k:
+            out += [k["micro_batch"], str(config.mbs)]
+        if "grad_accum" in k:
+            out += [k["grad_accum"], str(config.grad_accum)]
+        if "seq_len" in k:
+            out += [k["seq_len"], str(training.seq_len)]
+        if "steps" in k and steps is not None:
+            out += [k["steps"], str(steps)]
+        if config.recompute == "full" and "checkpointing" in k:
+            out.append(k["checkpointing"])
+        if training.dtype in ("bf16", "fp16") and training.dtype in k:
+            out.append(k[training.dtype])
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["argv"] = list(self.argv)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ScriptSpec:
+        if not isinstance(data, dict):
+            raise SpecError("is not a mapping", field="script", fix="give argv and the knobs")
+        known = {f.name for f in fields(cls)}
+        bad = sorted(set(data) - known)
+        if bad:
+            raise SpecError(f"unknown key(s) {', '.join(bad)}", field="script", fix=f"use {', '.join(sorted(known))}")
+        if "argv" not in data:
+            raise SpecError("is missing", field="script.argv", fix='give the command, e.g. ["python", "train.py"]')
+        return cls(**{k: v for k, v in data.items() if k != "knobs"}, knobs=dict(data.get("knobs") or {}))
+
+
+def script_ds_config(pipette_config: dict[str, Any], script: ScriptSpec) -> dict[str, Any]:
+    """The DeepSpeed config a script trial (and the user's launch) runs: the user's
+    ``base_config`` with Pipette's parallel keys on top (batch sizes, ZeRO, AutoTP, precision).
+
+    Pipette's optimizer block is left out, so the script's own optimizer (or the base config's)
+    trains: the Hugging Face Trainer refuses a config whose optimizer settings disagree with its
+    arguments, and a plain loop passes its optimizer to ``deepspeed.initialize``."""
+    out = copy.deepcopy(script.base_config or {})
+    for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
+        out[key] = pipette_config[key]
+    zero = dict(out.get("zero_optimization") or {})
+    mine = pipette_config["zero_optimization"]
+    if zero.get("stage") != mine["stage"]:
+        # the user's ZeRO tuning belongs to the stage they set; another stage gets Pipette's
+        zero = {k: v for k, v in zero.items() if k.startswith("offload")}
+    out["zero_optimization"] = zero | mine
+    if "tensor_parallel" in pipette_config:
+        out["tensor_parallel"] = dict(out.get("tensor_parallel") or {}) | pipette_config["tensor_parallel"]
+    else:
+        out.pop("tensor_parallel", None)
+    for precision in ("bf16", "fp16"):
+        if precision in pipette_config:
+            out[precision] = dict(out.get(precision) or {}) | pipette_config[precision]
+        elif precision in out:
+            out[precision] = dict(out[precision]) | {"enabled": False}
+    out.setdefault("gradient_clipping", pipette_config.get("gradient_clipping", 1.0))
+    return out

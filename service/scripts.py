@@ -1,0 +1,73 @@
+"""A job's own training script: checked at submit, allowed only where an operator said so, and
+unpacked for the driver.
+
+The script runs as the user's code on the cluster's nodes. So a tenant's job may name one only
+on a cluster whose operator enabled scripts for that tenant (``pipette-admin cluster
+allow-scripts``; a 403 naming the tenant and the cluster otherwise), it runs as an argument list
+(never through a shell), and its ranks get none of the service's credentials
+(``workers.script_env``).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import zipfile
+from pathlib import Path
+from typing import Any
+
+from pipette.errors import SpecError
+from pipette.script import ScriptSpec
+from service.errors import ForbiddenError
+from service.models import Cluster
+from service.schemas import ScriptIn
+
+
+def check_allowed(cluster: Cluster, tenant: str) -> None:
+    if not cluster.allow_scripts:
+        raise ForbiddenError(
+            f"scripts are not enabled for tenant {tenant!r} on cluster {cluster.name!r}", field="script",
+            fix=f"ask an operator to run: pipette-admin cluster allow-scripts --tenant {tenant} "
+                f"--cluster {cluster.name}",
+        )
+
+
+def script_parts(body: ScriptIn) -> tuple[ScriptSpec, bytes | None]:
+    """The ``ScriptSpec`` (without a working directory: the driver sets it) and the zipped
+    working directory; a bad one is a 422 naming the field."""
+    spec = ScriptSpec(argv=tuple(body.argv), knobs=dict(body.knobs), autotp=body.autotp, pipeline=body.pipeline,
+                      base_config=body.base_config, kind=body.kind)
+    if not body.files:
+        if spec.is_python and not spec.program.startswith("/"):
+            raise SpecError(f"names {spec.program!r} relative to a working directory, and none was sent",
+                            field="script.files", fix="send the working directory (pipette submit does), or give "
+                            "the script's absolute path on the nodes")
+        return spec, None
+    try:
+        data = base64.b64decode(body.files, validate=True)
+        names = set(zipfile.ZipFile(io.BytesIO(data)).namelist())
+    except (binascii.Error, ValueError, zipfile.BadZipFile) as e:
+        raise SpecError(f"is not a base64-encoded zip ({e})", field="script.files",
+                        fix="send the working directory as pipette submit does (zip, base64)") from None
+    program = spec.program.removeprefix("./")
+    if (spec.is_python or "/" in spec.program) and not spec.program.startswith("/") and program not in names:
+        raise SpecError(f"the working directory sent has no {program!r}", field="script.argv",
+                        fix="give the script's path relative to the working directory")
+    return spec, data
+
+
+def stored(spec: ScriptSpec) -> dict[str, Any]:
+    out = spec.to_dict()
+    out.pop("workdir", None)
+    return out
+
+
+def unpack_for_job(script: dict[str, Any], files: bytes | None, home: Path, job_id: str) -> ScriptSpec:
+    """The job's ``ScriptSpec``, its working directory unpacked under the service's home."""
+    from workers.workdir import unpack
+
+    workdir = None
+    if files is not None:
+        workdir = unpack(files, home / "jobs" / job_id / "workdir")
+    return ScriptSpec.from_dict({**script, "workdir": workdir})

@@ -1,0 +1,55 @@
+"""A small DeepSpeed training loop for the script-trial tests: an MLP on a learnable target.
+
+    ds_tiny.py --deepspeed_config CFG [--steps N] [--no-report] [--own-batch B] [--crash-at S]
+
+--no-report: never calls pipette.report (timed by its DeepSpeed engine only);
+--own-batch: ignores the config's batch sizes and trains B sequences a step;
+--crash-at: raises at step S (before it with S=0: before the first step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import deepspeed
+import torch
+
+from pipette.report import Reporter
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--deepspeed_config", required=True)
+parser.add_argument("--steps", type=int, default=1000)
+parser.add_argument("--no-report", action="store_true")
+parser.add_argument("--own-batch", type=int, default=None)
+parser.add_argument("--crash-at", type=int, default=None)
+parser.add_argument("--local_rank", type=int, default=-1)
+args = parser.parse_args()
+
+if args.crash_at == 0:
+    raise ValueError("no such dataset: /data/missing.jsonl")
+deepspeed.init_distributed()
+config = json.loads(Path(args.deepspeed_config).read_text())
+if args.own_batch:
+    world = torch.distributed.get_world_size()
+    config |= {"train_batch_size": args.own_batch * world, "train_micro_batch_size_per_gpu": args.own_batch,
+               "gradient_accumulation_steps": 1}
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))
+engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+                                  config=config)
+reporter = Reporter()
+reporter.begin()
+mbs = engine.train_micro_batch_size_per_gpu()
+for step in range(args.steps):
+    if args.crash_at is not None and step == args.crash_at:
+        raise RuntimeError(f"crashed at step {step}")
+    for _ in range(engine.gradient_accumulation_steps()):
+        x = torch.randn(mbs, 64)
+        loss = torch.nn.functional.mse_loss(engine(x), x)
+        engine.backward(loss)
+        engine.step()
+    if not args.no_report and reporter.step(loss=float(loss), samples=engine.train_batch_size()):
+        break
+reporter.done()

@@ -1,0 +1,106 @@
+"""Trials of a user's own script on real Ray and DeepSpeed (CPU, gloo): how they are timed, how
+their faults end, and that a script sees none of the service's credentials."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pipette.config import ParallelConfig
+from pipette.model import ModelSpec
+from pipette.script import ScriptSpec
+from pipette.training import TrainingSpec
+from workers.executor import run_trial
+from workers.spec import TrialSpec
+
+HERE = Path(__file__).resolve().parent
+SCRIPTS = HERE / "scripts"
+ROOT = HERE.parents[1]
+
+pytestmark = pytest.mark.slow
+
+
+def _trial(argv: list[str], mbs: int = 2, zero: int = 1, **knobs: str) -> TrialSpec:
+    training = TrainingSpec(global_batch=8, seq_len=32, dtype="fp32")
+    config = ParallelConfig(tp=1, pp=1, dp=2, mbs=mbs, global_batch=8, zero_stage=zero, recompute="none")
+    script = ScriptSpec(argv=tuple(argv), kind="deepspeed", knobs=knobs, workdir=str(SCRIPTS))
+    return TrialSpec(ModelSpec.preset("tiny-llama"), training, config, warmup_steps=2, min_steps=3, max_steps=3,
+                     script=script)
+
+
+def test_a_script_that_reports_is_timed_by_its_reports_and_stops_when_told() -> None:
+    seen: list[int] = []
+    m = run_trial(_trial(["python", "ds_tiny.py"]), timeout_s=240, on_step=lambda r: seen.append(r.step) and None)
+    assert m.status == "ok", m.error
+    assert m.extra["timing_source"] == "reporter"
+    assert len(m.step_times) == 3 and all(t > 0 for t in m.step_times)
+    assert len(m.losses) == 5  # 2 warm-up + 3 timed steps, then the script stopped (its --steps is 1000)
+    assert seen[:5] == [0, 1, 2, 3, 4]
+
+
+def test_a_script_that_does_not_report_is_timed_by_its_deepspeed_engine_and_ended_after_its_steps() -> None:
+    m = run_trial(_trial(["python", "ds_tiny.py", "--no-report"]), timeout_s=240)
+    assert m.status == "ok", m.error
+    assert m.extra["timing_source"] == "deepspeed"
+    assert len(m.step_times) == 3
+    # DeepSpeed's own (synchronized) step time agrees with the wall time between its steps
+    assert m.extra["deepspeed_step_time"] == pytest.approx(m.step_time, rel=0.5)
+
+
+def test_a_script_that_ignores_the_deepspeed_config_fails_with_one_line_saying_so() -> None:
+    m = run_trial(_trial(["python", "ds_tiny.py", "--own-batch", "1"]), timeout_s=240)
+    assert m.status == "failed"
+    assert re.match(r"the script ignores the DeepSpeed config: rank [01] trained 2 sequences per step, "
+                    r"the candidate's global batch is 8 \(", m.error), m.error
+
+
+def test_a_script_that_exits_before_its_first_step_fails_naming_its_error() -> None:
+    m = run_trial(_trial(["python", "ds_tiny.py", "--crash-at", "0"]), timeout_s=240)
+    assert m.status == "failed"
+    first = m.error.splitlines()[0]
+    assert first == "the script stopped before its first step: ValueError: no such dataset: /data/missing.jsonl"
+
+
+def test_a_script_that_never_reports_fails_and_one_that_hangs_times_out() -> None:
+    m = run_trial(_trial(["python", "silent.py"]), timeout_s=120)
+    assert m.status == "failed"
+    assert m.error.startswith("the script exited without error but reported no step")
+    m = run_trial(_trial(["python", "hangs.py"]), timeout_s=15)
+    assert m.status == "timeout"
+    assert m.error.startswith("the script reported no step in 15 s")
+
+
+def test_a_scripts_environment_holds_no_credentials(tmp_path: Path) -> None:
+    """The rank's Ray worker has the service's settings (as a service's workers do); the script
+    it starts sees none of them, and still gets what a training process needs."""
+    import ray
+
+    from workers.rank_process import RankProcess
+
+    secrets = {"PIPETTE_DATABASE_URL": "postgresql://svc:pw@db/pipette", "PIPETTE_METRICS_TOKEN": "m-secret",
+               "PIPETTE_ADMIN_TOKEN": "a-secret", "AWS_SECRET_ACCESS_KEY": "k", "HF_TOKEN": "hf-secret",
+               "DATABASE_URL": "postgresql://x", "NCCL_DEBUG": "WARN"}
+    actor = RankProcess.options(runtime_env={"env_vars": secrets}).remote()  # type: ignore[attr-defined]
+    try:
+        out = tmp_path / "env.json"
+        ray.get(actor.start.remote({}, ["python", str(SCRIPTS / "dump_env.py"), str(out)],
+                                   {"RANK": "0"}, str(tmp_path), True), timeout=60)
+        for _ in range(600):
+            _events, code = ray.get(actor.poll.remote(), timeout=30)
+            if code is not None:
+                break
+            time.sleep(0.1)
+        assert code == 0, ray.get(actor.output_tail.remote())
+        env = json.loads(out.read_text())
+    finally:
+        ray.kill(actor)
+    leaked = sorted(k for k in secrets if k in env and k != "NCCL_DEBUG")
+    assert leaked == [], f"the script saw {leaked}"
+    assert env["NCCL_DEBUG"] == "WARN" and env["RANK"] == "0"
+    assert env["PATH"].split(":")[0] == str(Path(sys.executable).parent)
+    assert env["PYTHONPATH"].split(":")[0].endswith("workers/script_hook")

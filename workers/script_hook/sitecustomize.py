@@ -1,0 +1,146 @@
+"""Loaded first by a script trial's Python (``PYTHONPATH``): times a script that does not use
+``pipette.report`` from its DeepSpeed engine, and stops it once the trial has its steps.
+
+When ``deepspeed.utils.timer`` is imported, ``ThroughputTimer.stop`` (called by
+``DeepSpeedEngine.step`` after every micro-step) is wrapped: at each optimizer-step boundary it
+writes a ``ds_step`` event with the wall time since the last boundary and DeepSpeed's own
+synchronized forward-backward-step time (``ThroughputTimer``'s, once it times: from its
+``start_step``) and the global batch DeepSpeed runs. A script that reports through
+``pipette.report`` is timed by that instead (the executor prefers it); one that does not is
+ended here, every rank at the same step, once the trial has its warm-up and timed steps.
+
+Outside a trial (no ``PIPETTE_TRIAL``) it does nothing. Any other ``sitecustomize`` on the
+path (a distribution's) still runs: this one loads it.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import json
+import os
+import resource
+import sys
+import time
+from typing import Any
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+EVENT_PREFIX = "@@pipette "
+
+
+def _chain() -> None:
+    """Run the ``sitecustomize`` this one shadows, if any."""
+    path = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
+    spec = importlib.machinery.PathFinder.find_spec("sitecustomize", path)
+    if spec is not None and spec.loader is not None:
+        module = importlib.util.module_from_spec(spec)
+        try:
+            spec.loader.exec_module(module)
+        except Exception:  # a broken distribution hook must not fail the trial
+            pass
+
+
+def _emit(event: dict[str, Any]) -> None:
+    sys.stdout.write(EVENT_PREFIX + json.dumps(event) + "\n")
+    sys.stdout.flush()
+
+
+def _reporting() -> bool:
+    report = sys.modules.get("pipette.report")
+    return bool(report is not None and getattr(report, "REPORTING", False))
+
+
+class _Steps:
+    def __init__(self, trial: dict[str, Any]) -> None:
+        self.total = int(trial.get("warmup_steps", 0)) + int(trial.get("timed_steps", 0))
+        self.warmup = int(trial.get("warmup_steps", 0))
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.step = 0
+        self.last = time.perf_counter()
+        self.times: list[float] = []
+
+    def boundary(self, timer: Any, ds_seconds: float | None) -> None:
+        now = time.perf_counter()
+        wall, self.last = now - self.last, now
+        warm = self.step < self.warmup
+        if not warm:
+            self.times.append(wall)
+        _emit({"event": "ds_step", "rank": self.rank, "step": self.step, "time": wall, "ds_time": ds_seconds,
+               "warmup": warm, "samples": int(getattr(timer, "batch_size", 0) or 0)})
+        self.step += 1
+        if self.step >= self.total and not _reporting():
+            self.done(exit_now=True)
+
+    def done(self, exit_now: bool) -> None:
+        peak = None
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+            peak = int(torch.cuda.max_memory_allocated())
+        _emit({"event": "ds_done", "rank": self.rank, "steps": self.step, "step_times": self.times,
+               "peak_memory_bytes": peak,
+               "peak_rss_bytes": int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024})
+        if exit_now:
+            sys.stderr.flush()
+            os._exit(0)  # every rank ends at this same step; nothing collective is left
+
+
+def _patch(module: Any, steps: _Steps) -> None:
+    timer_class = module.ThroughputTimer
+    original = timer_class.stop
+
+    def stop(self: Any, global_step: bool = False, report_speed: bool = True) -> Any:
+        before = float(getattr(self, "total_elapsed_time", 0.0))
+        result = original(self, global_step=global_step, report_speed=report_speed)
+        acc = getattr(self, "_pipette_seconds", 0.0) + float(getattr(self, "total_elapsed_time", 0.0)) - before
+        if global_step:
+            self._pipette_seconds = 0.0
+            steps.boundary(self, acc if acc > 0 else None)
+        else:
+            self._pipette_seconds = acc
+        return result
+
+    timer_class.stop = stop
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    def __init__(self, steps: _Steps) -> None:
+        self.steps = steps
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        if name != "deepspeed.utils.timer":
+            return None
+        sys.meta_path.remove(self)
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            sys.meta_path.insert(0, self)
+        if spec is None or spec.loader is None:
+            return None
+        loader, steps = spec.loader, self.steps
+
+        class Loader(importlib.abc.Loader):
+            def create_module(self, spec: Any) -> Any:
+                return loader.create_module(spec)
+
+            def exec_module(self, module: Any) -> None:
+                loader.exec_module(module)
+                _patch(module, steps)
+
+        spec.loader = Loader()
+        return spec
+
+
+def _install() -> None:
+    raw = os.environ.get("PIPETTE_TRIAL")
+    if not raw:
+        return
+    try:
+        trial = json.loads(raw)
+    except ValueError:
+        return
+    sys.meta_path.insert(0, _Finder(_Steps(trial)))
+
+
+_install()
+_chain()

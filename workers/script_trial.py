@@ -1,0 +1,190 @@
+"""A trial of the user's own training script: how its ranks start, and what they measured.
+
+The ranks run the script's argument list (``pipette.script.ScriptSpec.command``) with the
+candidate's DeepSpeed config (``pipette.script.script_ds_config``), in the job's working
+directory, with an environment that holds no credentials (``workers.script_env``) and
+``PIPETTE_TRIAL`` (the steps to run, for ``pipette.report``). A script is timed, in order of
+preference, by what it reports through ``pipette.report`` (``step``/``done`` events), else by
+its DeepSpeed engine (``ds_step``/``ds_done`` from ``workers/script_hook``); the measurement
+says which (``extra["timing_source"]``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pipette.emit import RANK_ENV
+from pipette.errors import SpecError
+from pipette.measurement import Measurement
+from pipette.script import ScriptSpec, script_ds_config
+from workers.outcome import Outcome
+from workers.script_env import script_path
+from workers.spec import TrialSpec
+
+DS_CONFIG = "ds_config.json"
+
+
+def script_launch(trial: TrialSpec) -> tuple[dict[str, str], list[str], dict[str, str]]:
+    """The files, argument list and environment of every rank of a script trial."""
+    script = trial.script
+    if script is None:
+        raise ValueError("not a script trial")
+    files = {DS_CONFIG: json.dumps(script_ds_config(trial.ds_config(), script), indent=2)}
+    steps = trial.warmup_steps + trial.max_steps
+    argv = script.command(trial.training, trial.config, f"$PIPETTE_RANK_DIR/{DS_CONFIG}", steps=steps)
+    from workers.train import build_environment
+
+    # DeepSpeed's JIT-built CPU op: the cache Pipette's own ranks use (built once per machine)
+    env = dict(RANK_ENV) | {"TORCH_EXTENSIONS_DIR": build_environment()["TORCH_EXTENSIONS_DIR"]} | {
+        "PIPETTE_TRIAL": json.dumps({"warmup_steps": trial.warmup_steps, "timed_steps": trial.max_steps,
+                                     "global_batch": trial.training.global_batch,
+                                     "seq_len": trial.training.seq_len}),
+    }
+    return files, argv, env
+
+
+@dataclass
+class ScriptEvents:
+    """Every event line of a script trial's ranks, as they arrive."""
+
+    world: int
+    global_batch: int
+    by_rank: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
+    #: the last step index of rank 0 passed on to the caller (a step can come from both sources)
+    relayed: int = -1
+
+    def add(self, rank: int, event: dict[str, Any]) -> dict[str, Any] | None:
+        """Keep ``event``; returns rank 0's step to relay (once per step index), else None."""
+        self.by_rank.setdefault(rank, []).append(event)
+        if rank == 0 and event.get("event") in ("step", "ds_step") and int(event["step"]) > self.relayed:
+            self.relayed = int(event["step"])
+            return event
+        return None
+
+    def ignored_config(self) -> str | None:
+        """One line when a rank trains another global batch than the candidate's."""
+        for rank, events in sorted(self.by_rank.items()):
+            for e in events:
+                samples = e.get("samples")
+                if e.get("event") in ("step", "ds_step") and samples and int(samples) != self.global_batch:
+                    return (f"the script ignores the DeepSpeed config: rank {rank} trained {samples} sequences per "
+                            f"step, the candidate's global batch is {self.global_batch} (give its micro_batch and "
+                            "grad_accum knobs, or have it read the config's batch sizes)")
+        return None
+
+    def of(self, rank: int, kind: str) -> list[dict[str, Any]]:
+        return [e for e in self.by_rank.get(rank, []) if e.get("event") == kind]
+
+    def all_done(self) -> bool:
+        """Every rank reported its end (through ``pipette.report`` or its DeepSpeed engine)."""
+        return all(self.of(r, "done") or self.of(r, "ds_done") for r in range(self.world))
+
+    def steps_seen(self) -> int:
+        return max((len(self.of(0, k)) for k in ("step", "ds_step")), default=0)
+
+
+def last_error_line(tail: str) -> str:
+    """The line of a script's output that says why it stopped (its exception), else its last."""
+    lines = [ln.strip() for ln in tail.splitlines() if ln.strip()]
+    for line in reversed(lines):
+        text = line.split("]:", 1)[-1].strip() if line.startswith("[rank") else line
+        head = text.split(":", 1)[0]
+        if head.endswith(("Error", "Exception", "Interrupt", "Exit")) and " " not in head:
+            return text[:300]
+    return lines[-1][:300] if lines else "(no output)"
+
+
+def script_measurement(trial: TrialSpec, outcome: Outcome, events: ScriptEvents, wall: float,
+                       tail: str = "") -> Measurement:
+    """The measurement of a script trial from its ranks' events."""
+    extra: dict[str, Any] = {"wall_s": wall, "backend": "script", "script": list(trial.script.argv)
+                             if trial.script else []}
+    world = events.world
+    reported = [events.of(r, "done") for r in range(world)]
+    hooked = [events.of(r, "ds_done") for r in range(world)]
+    steps0 = events.of(0, "step")
+    source = "reporter" if steps0 else "deepspeed" if events.of(0, "ds_step") else None
+    extra["timing_source"] = source
+    if outcome.status != "ok":
+        kind = "step" if source == "reporter" else "ds_step"
+        timed = tuple(float(e["time"]) for e in events.of(0, kind) if not e.get("warmup"))
+        losses = tuple(float(e["loss"]) for e in events.of(0, "step") if e.get("loss") is not None)
+        error = outcome.error
+        if outcome.status == "failed" and not events.steps_seen() and tail:
+            error = f"the script stopped before its first step: {last_error_line(tail)}\n{error}"
+        return Measurement(outcome.status, step_times=timed, tokens_per_step=trial.tokens_per_step,
+                           losses=losses, error=error, extra=extra)
+    dones = reported if source == "reporter" else hooked
+    if source is None or not all(dones):
+        what = "reported no step" if source is None else "did not report the end of every rank"
+        return Measurement(
+            "failed", tokens_per_step=trial.tokens_per_step, extra=extra,
+            error=f"the script exited without error but {what}: call pipette.report.Reporter.step (and .done) "
+                  "in its loop, or HFCallback in its Trainer, or train through a DeepSpeed engine")
+    per_rank = [[float(t) for t in d[-1]["step_times"]] for d in dones]
+    n = min(len(t) for t in per_rank)
+    if n < 1:
+        return Measurement("failed", tokens_per_step=trial.tokens_per_step, extra=extra,
+                           error=f"the script ended after {events.steps_seen()} step(s), all warm-up "
+                                 f"({trial.warmup_steps}): let it run {trial.warmup_steps + trial.min_steps} "
+                                 "steps or more (its steps knob)")
+    # A step ends when its slowest rank does (as for Pipette's own runner).
+    step_times = tuple(max(ts[i] for ts in per_rank) for i in range(n))
+    losses = tuple(float(e["loss"]) for e in steps0 if e.get("loss") is not None)
+    if not losses and reported[0]:  # logged after their steps (the HF Trainer's)
+        losses = tuple(float(x) for x in reported[0][-1].get("losses") or ())
+    last = [d[-1] for d in dones]
+    peaks = [d.get("peak_memory_bytes") for d in last]
+    extra |= {"peak_rss_bytes": [int(d.get("peak_rss_bytes") or 0) for d in last],
+              "warmup_steps": trial.warmup_steps}
+    if source == "deepspeed":
+        ds = [float(e["ds_time"]) for e in events.of(0, "ds_step") if not e.get("warmup") and e.get("ds_time")]
+        if ds:
+            extra["deepspeed_step_time"] = statistics.median(ds)
+    log = reported[0][-1].get("log") if reported[0] else None
+    if log:
+        extra["script_log"] = log
+    m = Measurement("ok", step_times=step_times, tokens_per_step=trial.tokens_per_step,
+                    peak_memory=tuple(int(p or 0) for p in peaks) if all(p is not None for p in peaks) else (),
+                    losses=losses, extra=extra)
+    if not all(math.isfinite(t) and t > 0 for t in step_times):
+        return Measurement("failed", tokens_per_step=trial.tokens_per_step, extra=extra,
+                           error=f"the script reported step times {list(step_times)}: give positive seconds")
+    return m
+
+
+def check_script(script: ScriptSpec) -> None:
+    """Refuse, before profiling, a script whose program is not there: ``python X`` needs a
+    readable ``X``, any other program an executable (a path, or a name on ``PATH``)."""
+    workdir = Path(script.workdir or ".")
+    if not workdir.is_dir():
+        raise SpecError(f"{str(workdir)!r} is not a folder", field="script.workdir",
+                        fix="give the folder the script runs in")
+    program = script.program
+    path = workdir / program
+    if script.is_python:
+        if shutil.which(script.argv[0], path=script_path(os.environ.get("PATH", ""))) is None:
+            raise SpecError(f"{script.argv[0]!r} is not on PATH", field="script.argv",
+                            fix="name a Python that is installed, e.g. python")
+        if not path.is_file():
+            raise SpecError(f"no such file {str(path)!r}", field="script.argv",
+                            fix="give the training script's path, relative to the working directory")
+        if not os.access(path, os.R_OK):
+            raise SpecError(f"{str(path)!r} is not readable", field="script.argv", fix="chmod +r it")
+        return
+    if "/" in program:
+        if not path.is_file():
+            raise SpecError(f"no such file {str(path)!r}", field="script.argv",
+                            fix="give the program's path, relative to the working directory")
+        if not os.access(path, os.X_OK):
+            raise SpecError(f"{str(path)!r} is not executable", field="script.argv",
+                            fix=f"chmod +x {program}, or run it as python {program}")
+    elif shutil.which(program) is None:
+        raise SpecError(f"{program!r} is not on PATH", field="script.argv", fix="give its path")
