@@ -153,7 +153,7 @@ def _use_local_token() -> None:
     local Ray of 2.60 (token authentication on by default) then refuses it. A remote cluster is
     not sent the token unasked: there ``RAY_AUTH_MODE`` says."""
     from ray._private.authentication import authentication_token_setup as setup
-    from ray._raylet import AuthenticationTokenLoader
+    from ray._raylet import AuthenticationTokenLoader  # type: ignore[attr-defined]  # Cython, no stub
 
     if os.environ.get(setup.AUTH_MODE_ENV_VAR) is None and \
             AuthenticationTokenLoader.instance().has_token(ignore_auth_mode=True):
