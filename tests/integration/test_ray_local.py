@@ -1,8 +1,8 @@
 """The embedded Ray (``workers.ray_cluster.start_local_ray``) listens on loopback only and
 wants Ray's token (issue 17, item 24: its GCS, raylet, agents and workers listened on every
 interface); a client without the token is refused, another Pipette process with it gets in;
-``stop_local_ray`` ends every process it started. Each check runs in a fresh interpreter: a Ray started by another test in this process
-would hide what a first start does."""
+``stop_local_ray`` ends every process it started. Each check runs in a fresh interpreter: a Ray
+started by another test in this process would hide what a first start does."""
 
 from __future__ import annotations
 
