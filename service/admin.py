@@ -88,6 +88,10 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--no-access-log", action="store_true", help="do not log every request")
+    serve.add_argument("--http", choices=("auto", "httptools", "h11"), default="auto",
+                       help="HTTP parser (auto: httptools, the C one, when installed)")
+    serve.add_argument("--loop", choices=("auto", "uvloop", "asyncio"), default="auto",
+                       help="event loop (auto: uvloop when installed)")
     serve.add_argument("--workers", type=int, default=1,
                        help="API processes (above 1: with PIPETTE_SCHEDULER=0 and a separate `worker`)")
     serve.set_defaults(func=_serve)
@@ -194,7 +198,7 @@ def _serve(args: argparse.Namespace, settings: Settings) -> int:
     # Open event streams must not hold a shutdown forever: they get 10 s, then the scheduler
     # stops (interrupting the running trial, which a restart reruns) and the lease is freed.
     options = {"host": args.host, "port": args.port, "log_level": "info", "timeout_graceful_shutdown": 10,
-               "access_log": not args.no_access_log}
+               "access_log": not args.no_access_log, "http": args.http, "loop": args.loop}
     if args.workers > 1:
         uvicorn.run("service.app:app_from_env", factory=True, workers=args.workers, **options)
         return 0

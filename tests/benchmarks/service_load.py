@@ -1,6 +1,7 @@
 """Load benchmark of the service on PostgreSQL: job submissions, then many clients reading.
 
     ./dev bench service_load [--clients 200] [--seconds 30] [--think 1.0] [--submissions 50] [--workers 1]
+                             [--serve-args '--http h11 --loop asyncio']
 
 What it does, against a real ``pipette-admin serve`` process (scheduler off: nothing runs
 trials) on a throwaway database of the local PostgreSQL (127.0.0.1:5432):
@@ -55,6 +56,8 @@ def main() -> int:
     parser.add_argument("--think", type=float, default=1.0, help="seconds each client waits between reads")
     parser.add_argument("--submissions", type=int, default=50)
     parser.add_argument("--workers", type=int, default=1, help="API processes (pipette-admin serve --workers)")
+    parser.add_argument("--serve-args", default="", help="more arguments for pipette-admin serve, e.g. "
+                        "'--http h11 --loop asyncio' (the pure-Python stack) to compare with the default")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
@@ -76,7 +79,7 @@ def main() -> int:
         log_path = Path(tempfile.gettempdir()) / f"{name}.log"
         log = open(log_path, "wb")
         service = subprocess.Popen([sys.executable, "-m", "service.admin", "serve", "--port", str(port),
-                                    "--workers", str(args.workers)],
+                                    "--workers", str(args.workers), *args.serve_args.split()],
                                    env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
         base = f"http://127.0.0.1:{port}"
         _wait_healthy(base)
@@ -116,7 +119,7 @@ async def _run(base: str, headers: dict[str, str], url: str, args: argparse.Name
     return {"machine": f"{os.cpu_count()} cores", "database": "PostgreSQL (local)",
             "submissions": submit, "reads": reads,
             "settings": {"clients": args.clients, "seconds": args.seconds, "think_s": args.think,
-                         "api_processes": args.workers}, "load_average": os.getloadavg()}
+                         "api_processes": args.workers, "serve_args": args.serve_args}, "load_average": os.getloadavg()}
 
 
 async def _submissions(client: httpx.AsyncClient, n: int) -> dict[str, Any]:
@@ -289,7 +292,7 @@ def _wait_healthy(base: str, timeout_s: float = 120.0) -> None:
 def _print(report: dict[str, Any]) -> None:
     s = report["settings"]
     print(f"service load on {report['machine']}, {report['database']}, "
-          f"{s['api_processes']} API process(es); load average after: "
+          f"{s['api_processes']} API process(es) {s.get('serve_args') or ''}; load average after: "
           + " ".join(f"{x:.1f}" for x in report["load_average"]))
     sub = report["submissions"]
     print(f"{sub['requests']} job submissions at once: p50 {sub['p50_ms']:.1f} ms, p99 {sub['p99_ms']:.1f} ms, "
