@@ -75,7 +75,10 @@ def main() -> int:
         upgrade(url)
         headers = _token(url)
         port = _free_port()
-        env = {**os.environ, "PIPETTE_DATABASE_URL": url, "PIPETTE_SCHEDULER": "0", "PYTHONPATH": str(ROOT)}
+        # every submission is queued (nothing runs trials): the per-tenant limit on queued work
+        # must let them all in
+        env = {**os.environ, "PIPETTE_DATABASE_URL": url, "PIPETTE_SCHEDULER": "0", "PYTHONPATH": str(ROOT),
+               "PIPETTE_MAX_QUEUED_PER_TENANT": str(max(20, args.submissions))}
         log_path = Path(tempfile.gettempdir()) / f"{name}.log"
         log = open(log_path, "wb")
         service = subprocess.Popen([sys.executable, "-m", "service.admin", "serve", "--port", str(port),
