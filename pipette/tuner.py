@@ -7,11 +7,11 @@ finished attempt becomes a ``TrialRecord``; the records are the one source of tr
 ``Tuner`` built with ``history=`` rebuilds the same study (``optuna.trial.create_trial``)
 and goes on, so a restarted service resumes a job without a second store.
 
-Stop rule: stop searching when at least ``MIN_OK_TO_CONVERGE`` candidates ran ok and no
-untried candidate has more than ``stop_probability`` chance of beating the incumbent's
-measured step time by more than ``tolerance`` (and of fitting and running) under the learned
-model, or when every candidate still worth a trial
-was tried, or at the trial or time budget.
+Stop rule: stop searching when at least ``MIN_OK_TO_CONVERGE`` candidates ran ok and the
+untried candidates together have less than ``stop_probability`` chance that one of them beats
+the incumbent's measured step time by more than ``tolerance`` (and fits and runs) under the
+learned model (``chance_any_beats``), or when every candidate still worth a trial was tried,
+or at the trial or time budget.
 
 Re-time before the verdict: before the tuner hands back its pick, the best ``retime``
 candidates tried so far are run again, interleaved (each round runs every contender once,
@@ -411,11 +411,12 @@ class Tuner:
         best = self.best
         if best is not None and len(measured_means(self.study)) >= min(MIN_OK_TO_CONVERGE, len(self.candidates)):
             top = max(ranked, key=lambda s: s.p_beat)
-            if top.p_beat < o.stop_probability:
+            p_any = chance_any_beats([s.p_beat for s in ranked])
+            if p_any < o.stop_probability:
                 return (
-                    f"converged: no untried candidate has a {o.stop_probability:.0%} chance to beat "
-                    f"{best.label} by more than {o.tolerance:.0%} (the likeliest, {top.planned.config.label}, "
-                    f"has {top.p_beat:.1%})"
+                    f"converged: the {len(ranked)} untried candidates together have a {p_any:.1%} chance "
+                    f"(< {o.stop_probability:.0%}) to beat {best.label} by more than {o.tolerance:.0%} "
+                    f"(the likeliest, {top.planned.config.label}, {top.p_beat:.1%})"
                 )
         return None
 
@@ -600,6 +601,23 @@ class Tuner:
         trial.set_user_attr(RECORD_ATTR, record.to_dict())
         self.study.tell(trial, value, state=state)
         return "cancelled" if cancelled else record.measurement.status
+
+
+def chance_any_beats(p_beats: Sequence[float]) -> float:
+    """The chance that at least one of the untried candidates beats the incumbent, from each
+    one's own chance, as if they were independent: 1 - prod(1 - p).
+
+    The stop rule once compared the likeliest candidate's chance alone with
+    ``stop_probability``; forty candidates at 4% each then passed as "converged" though one of
+    them beats the pick with probability 80%. Under a wrong analytic prior that stopped early on
+    a slow pick (replay benchmark, distorted prior: regret at the tuner's own stop 4.4-4.7%,
+    its "90% sure" right about the best overall in 70-75% of runs). The candidates' errors are
+    correlated (one learned model), so independence overstates the chance: the rule errs
+    towards another trial."""
+    miss = 1.0
+    for p in p_beats:
+        miss *= 1.0 - min(max(p, 0.0), 1.0)
+    return 1.0 - miss
 
 
 def _outcome(m: Measurement) -> tuple[TrialState, float | None, dict[str, float]]:

@@ -166,7 +166,7 @@ def script_measurement(trial: TrialSpec, outcome: Outcome, events: ScriptEvents,
         extra["script_log"] = log
     m = Measurement("ok", step_times=step_times, tokens_per_step=trial.tokens_per_step,
                     peak_memory=tuple(int(p or 0) for p in peaks) if all(p is not None for p in peaks) else (),
-                    losses=losses, extra=extra)
+                    losses=losses, extra=extra, statistic="mean")
     if not all(math.isfinite(t) and t > 0 for t in step_times):
         return Measurement("failed", tokens_per_step=trial.tokens_per_step, extra=extra,
                            error=f"the script reported step times {list(step_times)}: give positive seconds")

@@ -144,3 +144,17 @@ def test_a_scripts_step_time_is_the_mean_over_ranks_not_their_jitter() -> None:
     assert len(steps) == 4
     assert steps == pytest.approx((0.1, 0.1, 0.1, 0.1))
     assert steps_across_ranks([]) == ()
+
+
+def test_a_scripts_trial_figure_is_the_mean_of_its_steps_and_survives_its_record() -> None:
+    """A script's steps are unaligned intervals: their mean is the run's time per step (what
+    its own samples/s says); the median of a skewed series reads low. The record keeps which."""
+    from pipette.measurement import Measurement
+
+    steps = (0.07, 0.07, 0.07, 0.13)  # a slow step in four: the run took 0.085 s a step
+    script = Measurement("ok", steps, 10, statistic="mean")
+    runner = Measurement("ok", steps, 10)
+    assert script.step_time == pytest.approx(0.085) and runner.step_time == pytest.approx(0.07)
+    back = Measurement.from_dict(script.to_dict())
+    assert back == script and back.step_time == pytest.approx(0.085)
+    assert Measurement.from_dict({k: v for k, v in runner.to_dict().items() if k != "statistic"}) == runner

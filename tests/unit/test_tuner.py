@@ -412,12 +412,12 @@ def test_the_prediction_error_is_positive_when_a_trial_runs_slower_than_predicte
 def test_noisy_repeats_reopen_the_search_and_lower_the_confidence(plan: Plan) -> None:
     """The stop rule's prior noise (3%) is over-confident on a noisy machine: the pick's repeat
     measures the noise, the search goes on, and the verdict says it is unsure."""
-    result = Tuner(plan, TuneOptions(max_trials=20)).run(World(plan, flip=0.2))
+    result = Tuner(plan, TuneOptions(max_trials=30)).run(World(plan, flip=0.2))
     purposes = "".join("s" if t.purpose == "search" else "R" for t in result.trials)
     assert "Rs" in purposes, purposes  # searched again after re-timing
     assert result.learned["trial_noise_sd"] > 0.1
     assert result.confidence is not None and result.confidence < 0.9
-    quiet = Tuner(plan, TuneOptions(max_trials=20)).run(World(plan, flip=0.005))
+    quiet = Tuner(plan, TuneOptions(max_trials=30)).run(World(plan, flip=0.005))
     assert quiet.learned["trial_noise_sd"] < 0.05
     assert quiet.confidence is not None and quiet.confidence > result.confidence, quiet.stop_reason
 
@@ -476,3 +476,15 @@ def test_a_small_reserve_still_retimes_the_pick(plan: Plan) -> None:
     retimed = [t.label for t in result.trials if t.purpose == "retime"]
     assert retimed == [close[0].config.label, close[1].config.label], result.stop_reason
     assert len(result.trials) == 5 and "re-timed 2 contenders" in result.stop_reason
+
+
+def test_the_stop_rule_counts_every_untried_candidates_chance_together() -> None:
+    """Forty candidates at 4% each are not "converged" at a 5% stop probability: one of them
+    beats the pick with probability ~80% (the old rule looked at the likeliest alone)."""
+    from pipette.tuner import chance_any_beats
+
+    assert chance_any_beats([0.04] * 40) == pytest.approx(1 - 0.96**40)
+    assert chance_any_beats([0.04] * 40) > 0.8
+    assert chance_any_beats([0.03]) == pytest.approx(0.03)
+    assert chance_any_beats([]) == 0.0
+    assert chance_any_beats([1.2, -0.1]) == 1.0  # out-of-range chances are clipped, not trusted
