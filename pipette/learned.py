@@ -66,7 +66,8 @@ NOISE_PRIOR_DOF = 2.0
 PRUNED_NOISE_SD = 0.15
 #: Prior standard deviation of the per-regime log correction (the regime term above).
 PRIOR_REGIME_SD = 0.5
-#: With this many timed trials, the residual sd, length scale and regime sd are fitted (ML-II).
+#: With this many timed trials, the residual sd, length scale and regime sd are fitted (type-II MAP:
+#: the marginal likelihood times the prior below).
 MIN_FOR_FIT = 3
 RESIDUAL_SD_GRID = (0.02, 0.05, 0.1, 0.2, 0.3, 0.5)
 LENGTH_SCALE_GRID = (0.75, 1.5, 3.0)
