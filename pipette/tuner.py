@@ -608,8 +608,8 @@ def chance_any_beats(p_beats: Sequence[float]) -> float:
     one's own chance, as if they were independent: 1 - prod(1 - p).
 
     The stop rule once compared the likeliest candidate's chance alone with
-    ``stop_probability``; forty candidates at 4% each then passed as "converged" though one of
-    them beats the pick with probability 80%. Under a wrong analytic prior that stopped early on
+    ``stop_probability``; forty candidates at 4% each would pass as "converged" though one of
+    them beats the pick with probability 1 - 0.96^40 = 80%. Under a wrong analytic prior that stopped early on
     a slow pick (replay benchmark, distorted prior: regret at the tuner's own stop 4.4-4.7%,
     its "90% sure" right about the best overall in 70-75% of runs). The candidates' errors are
     correlated (one learned model), so independence overstates the chance: the rule errs
