@@ -414,6 +414,9 @@ def _print_result(result: Any, out: str, files: dict[str, str]) -> None:
     if result.confidence is not None:
         print(f"  {result.confidence:.0%} sure to be within {result.tolerance:.0%} of the best candidate tried "
               f"(trial-to-trial noise {result.learned.get('trial_noise_sd', 0.0):.1%})")
+    if result.confidence_overall is not None:
+        print(f"  {result.confidence_overall:.0%} sure to be within {result.tolerance:.0%} of every candidate, "
+              "the untried ones as the learned model predicts them")
     if files:
         print(f"\nfiles in {out}/: {', '.join(sorted(Path(f).name for f in files.values()))}")
         if "launch.sh" in files:

@@ -124,7 +124,9 @@ def test_the_tuner_stops_with_a_pick_and_a_confidence(result: dict[str, Any]) ->
     tuner = next(r for r in result["runs"] if r["method"] == "tuner")
     assert tuner["would_stop"] is not None and tuner["regret_at_stop"] is not None
     assert tuner["confidence"] is not None and 0.0 <= tuner["confidence"] <= 1.0
-    assert {"residual_sd", "length_scale", "trial_noise_sd"} <= set(tuner["learned"])
+    assert {"residual_sd", "length_scale", "regime_sd", "hyper_settings", "trial_noise_sd"} <= set(tuner["learned"])
+    # against every candidate it can only be less sure than against those it tried
+    assert tuner["confidence_overall"] is not None and 0.0 <= tuner["confidence_overall"] <= tuner["confidence"]
 
 
 def test_the_distorted_prior_moves_predictions_not_truths(group: replay.Group) -> None:
