@@ -71,6 +71,12 @@ RUNS_PRIOR_B = 0.2
 RUNS_PRIOR = RUNS_PRIOR_A / (RUNS_PRIOR_A + RUNS_PRIOR_B)
 #: Length scale of the crash neighbourhood (layout features only).
 RUNS_LENGTH_SCALE = 1.0
+#: A crash (or a run) also counts with this weight for every candidate of the same pipeline
+#: depth, however far its other features: crashes cluster by pp (Ultra-Scale set: 4 of 587
+#: rows at pp 1 crashed, 55 of 206 at pp 16, 48 of 104 at pp 32; replay benchmark, 1B on 32
+#: nodes: 6 pp-16 candidates crashed one after another, 12 attempts, before the RBF alone
+#: dropped them).
+RUNS_SAME_PP_WEIGHT = 1.0
 
 _RECOMPUTE = {"none": 0.0, "selective": 0.5, "full": 1.0}
 
@@ -189,25 +195,35 @@ def p_fit_prior(memories: Sequence[MemoryEstimate]) -> list[float]:
 class RunsModel:
     """The chance that a candidate runs at all (does not crash for a reason other than memory)."""
 
-    def __init__(self, outcomes: Sequence[tuple[ParallelConfig, Measurement]] = ()) -> None:
-        xs, ran = [], []
-        for config, m in outcomes:
+    def __init__(self, outcomes: Sequence[tuple[ParallelConfig, Measurement, int]] = ()) -> None:
+        """``outcomes``: (candidate, its trial's last attempt, the attempts it took). A trial
+        that failed after its retries failed that many times: each attempt counts."""
+        xs, ran, pps, weight = [], [], [], []
+        for config, m, attempts in outcomes:
             if m.status in ("failed", "timeout"):
                 if m.extra.get("lost_nodes"):
                     continue  # the cluster's failure, not the candidate's
-                xs.append(layout_features(config))
-                ran.append(0.0)
+                outcome, times = 0.0, max(1, attempts)
             elif m.status in ("ok", "pruned", "oom"):  # it started and stepped (or ran out of memory)
-                xs.append(layout_features(config))
-                ran.append(1.0)
-        self.n_failed = int(sum(1 for r in ran if r == 0.0))
+                outcome, times = 1.0, 1
+            else:
+                continue
+            xs.append(layout_features(config))
+            ran.append(outcome)
+            pps.append(config.pp)
+            weight.append(times)
+        self.n_failed = int(sum(w for r, w in zip(ran, weight, strict=True) if r == 0.0))
         self._x = np.array(xs, dtype=np.float64) if xs else np.zeros((0, 0))
         self._ran = np.array(ran, dtype=np.float64)
+        self._pp = np.array(pps, dtype=np.int64)
+        self._weight = np.array(weight, dtype=np.float64)
 
     def p_runs(self, configs: Sequence[ParallelConfig]) -> list[float]:
         if self.n_failed == 0 or not configs:
             return [RUNS_PRIOR] * len(configs)
         w = _rbf(np.array([layout_features(c) for c in configs], dtype=np.float64), self._x, RUNS_LENGTH_SCALE)
+        same_pp = np.equal.outer(np.array([c.pp for c in configs], dtype=np.int64), self._pp)
+        w = np.maximum(w, RUNS_SAME_PP_WEIGHT * same_pp) * self._weight
         ran = w @ self._ran
         total = w.sum(1)
         return [float(v) for v in (RUNS_PRIOR_A + ran) / (RUNS_PRIOR_A + RUNS_PRIOR_B + total)]

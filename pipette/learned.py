@@ -113,6 +113,8 @@ class Observation:
     memory: MemoryEstimate
     measurement: Measurement
     job_key: str = ""
+    #: attempts the trial took (a failed trial's retries failed too)
+    attempts: int = 1
 
 
 @dataclass(frozen=True)
@@ -177,7 +179,7 @@ class LearnedModel:
                 sum(w * h[i] for w, h, _, _ in self._mixture) for i in range(3))
         own = [o for o in self.observations if o.job_key == job_key]  # another job's memory teaches nothing here
         self.memory = MemoryModel([MemoryPoint(o.config, o.memory, o.measurement) for o in own])
-        self.runs = RunsModel([(o.config, o.measurement) for o in own])
+        self.runs = RunsModel([(o.config, o.measurement, o.attempts) for o in own])
 
     def _factor(self, s: float, ell: float, a: float) -> tuple[FloatArray, FloatArray]:
         k = self._kernel(self._x, self._r, self._keys, self._x, self._r, self._keys, s, ell, a)

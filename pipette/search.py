@@ -92,8 +92,11 @@ def observations(
         planned = by_key.get(params_key(t.params)) if set(PARAMS) <= t.params.keys() else None
         if record is None or planned is None:
             continue
+        # the study keeps a trial's last attempt; the attempts before it failed (a retry
+        # follows a failure; a rerun after a lost node is counted too, a slight over-count)
         out.append(Observation(planned.config, planned.perf, planned.memory,
-                               Measurement.from_dict(record["measurement"]), job_key))
+                               Measurement.from_dict(record["measurement"]), job_key,
+                               int(record.get("attempt", 1))))
     return out
 
 

@@ -234,6 +234,24 @@ def test_crashes_are_learned_per_neighbourhood(plan: Plan) -> None:
     assert result.learned["crashes"] == len(failed)
 
 
+def test_a_retried_crash_counts_twice_and_teaches_its_pipeline_depth() -> None:
+    from pipette.feasibility import P_RUNS_MIN, RUNS_PRIOR, RunsModel
+
+    crashed = Measurement("failed", error="rank 3 exited with status 1")
+    ran = Measurement("ok", (1.0, 1.0), 1)
+    # three pp-16 candidates crashed, each in its first try and its retry; one pp-1 ran
+    outcomes = [(ParallelConfig(4, 16, 4, 2, 512, 1), crashed, 2), (ParallelConfig(4, 16, 4, 4, 512, 1), crashed, 2),
+                (ParallelConfig(2, 16, 8, 1, 512, 1), crashed, 2), (ParallelConfig(4, 1, 64, 4, 512, 1), ran, 1)]
+    runs = RunsModel(outcomes)
+    assert runs.n_failed == 6
+    far_pp16, pp1 = ParallelConfig(8, 16, 2, 16, 512, 0), ParallelConfig(2, 1, 128, 2, 512, 0)
+    p16, p1 = runs.p_runs([far_pp16, pp1])
+    assert p16 < P_RUNS_MIN  # an RBF over the shape alone, one count a crash, left it at 0.88
+    assert p1 >= RUNS_PRIOR  # the pp-1 run vouches for its own depth
+    once = RunsModel([(c, m, 1) for c, m, _ in outcomes])
+    assert once.p_runs([far_pp16])[0] > p16  # the retries are evidence too
+
+
 def test_trial_to_trial_noise_is_measured_from_repeats(plan: Plan) -> None:
     from pipette.learned import NOISE_FLOOR_SD, trial_noise
 
