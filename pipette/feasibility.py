@@ -27,7 +27,9 @@ plan's safety margin already priced the estimator's prior error in), and the sam
 Crashes that are not memory (``failed``, ``timeout`` after retries) are learned as a
 probability of running per neighbourhood: a kernel-weighted Beta-Bernoulli estimate
 (Nadaraya-Watson weights, a Beta(``RUNS_PRIOR_A``, ``RUNS_PRIOR_B``) prior) over the
-candidate's layout features.
+candidate's layout features, an outcome at the same pipeline depth weighing at least
+``RUNS_SAME_PP_WEIGHT`` (crashes cluster by pp); a trial that crashed in its first try and
+its retries counts once per attempt.
 """
 
 from __future__ import annotations
