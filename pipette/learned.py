@@ -113,7 +113,8 @@ class Observation:
     memory: MemoryEstimate
     measurement: Measurement
     job_key: str = ""
-    #: attempts the trial took (a failed trial's retries failed too)
+    #: attempts the trial took, when the observation is a trial's last attempt only (the study
+    #: keeps that one; the attempts before it failed); a record per attempt counts 1 each
     attempts: int = 1
 
 

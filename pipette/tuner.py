@@ -73,7 +73,8 @@ LOST_NODE_RETRIES = 2
 #: little to fit and is over-confident (replay benchmark: on Ultra-Scale the tuner stopped
 #: after one ok trial on a pick 2.7x slower than the best; mean regret at its stop 3.4% -> 0.7%
 #: with 3). 4, with the hyperparameters averaged (``pipette.learned``): under a distorted prior
-#: three ok trials in two regimes still called an untried one hopeless (vTrain, 25% regret);
+#: three ok trials in two tp regimes still called an untried one hopeless (vTrain groups on
+#: 8 GPUs stopped with 8-27% regret, the best at the untried tp 4);
 #: regret at stop 2.91 -> 2.11% and 3.95 -> 2.68% (seeds 1, 2), 0.17 -> 0.16% on the visible
 #: tables, for one more trial at the median (README, 2026-11-25).
 MIN_OK_TO_CONVERGE = 4
