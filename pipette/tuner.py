@@ -26,7 +26,11 @@ trial-to-trial noise, that the pick is within ``tolerance`` of the best candidat
 (``Tuner.confidence_overall``) that it is within ``tolerance`` of every candidate, the untried
 ones under the learned model.
 A trial that fails for another reason than memory (``failed``, ``timeout``) is retried
-``retries`` times, then recorded as failed; the search goes on. A trial that failed because
+``retries`` times at most, then recorded as failed; the search goes on. A crash is retried
+only while retries of its kind (``crash_kind``: the status and the error's exception line) have
+succeeded often enough in this job (``retry_chance``): once a retry of a kind crashed again,
+that kind is taken as the candidate's own failure, not the machine's, and is not retried
+(in the replay every crash is the candidate's: Ultra-Scale's pipeline-16 runs). A trial that failed because
 the cluster lost a node (``Measurement.extra["lost_nodes"]``) is rerun without using a retry,
 ``LOST_NODE_RETRIES`` times at most: the runner waits for the node before the rerun.
 """
@@ -36,10 +40,12 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from itertools import pairwise
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -69,6 +75,10 @@ from pipette.training import TrainingSpec
 
 #: reruns of one trial that failed because a node was lost (beyond ``TuneOptions.retries``)
 LOST_NODE_RETRIES = 2
+#: a crash is retried when the chance that a retry of its kind runs (``retry_chance``) is at
+#: least this: a retry costs one trial, as the next candidate would, and is worth it when it
+#: is at least as likely as not to run.
+RETRY_MIN_CHANCE = 0.5
 #: "converged" needs this many candidates that ran ok: with fewer, the learned model has too
 #: little to fit and is over-confident (replay benchmark: on Ultra-Scale the tuner stopped
 #: after one ok trial on a pick 2.7x slower than the best; mean regret at its stop 3.4% -> 0.7%
@@ -614,7 +624,7 @@ class Tuner:
                     break
                 if m.extra.get("lost_nodes") and lost_left > 0:
                     lost_left -= 1  # the cluster's failure, not the candidate's: rerun it
-                elif retries_left > 0:
+                elif retries_left > 0 and retry_chance(self.records, crash_kind(m)) >= RETRY_MIN_CHANCE:
                     retries_left -= 1
                 else:
                     break
@@ -629,6 +639,39 @@ class Tuner:
         trial.set_user_attr(RECORD_ATTR, record.to_dict())
         self.study.tell(trial, value, state=state)
         return "cancelled" if cancelled else record.measurement.status
+
+
+def crash_kind(m: Measurement) -> str:
+    """What kind of crash a failed attempt was: its status and the line of its error that names
+    the exception (else the last line), numbers blanked, so that two crashes of one kind on
+    other ranks, ports or sizes are the same kind."""
+    lines = [ln.strip() for ln in (m.error or "").splitlines() if ln.strip()]
+    line = next((ln for ln in reversed(lines) if re.match(r"^[\w.]*(Error|Exception|Exit)\b", ln)),
+                lines[-1] if lines else "")
+    blanked = re.sub(r"0x[0-9a-fA-F]+|\d+", "#", line)
+    return f"{m.status}: {blanked[:200]}"
+
+
+def retry_chance(records: Sequence[TrialRecord], kind: str) -> float:
+    """The chance that a retry of a crash of ``kind`` runs, by Laplace's rule of succession
+    over this job's retries of that kind so far: (runs + 1) / (retries + 2); 1/2 before any.
+
+    A retry that crashed again is evidence that the crash is the candidate's (a pipeline depth
+    the model does not split evenly, a kernel that fails), not the machine's (a timed-out
+    collective, a lost peer): one such and the chance is 1/3, and the kind is not retried
+    again unless a later retry of it ran. Reruns after a lost node are not retries."""
+    ran = tried = 0
+    by_number: dict[int, list[TrialRecord]] = {}
+    for r in records:
+        by_number.setdefault(r.number, []).append(r)
+    for attempts in by_number.values():
+        own = [r.measurement for r in sorted(attempts, key=lambda r: r.attempt)
+               if not r.measurement.extra.get("lost_nodes")]
+        for before, after in pairwise(own):
+            if before.status in ("failed", "timeout") and crash_kind(before) == kind:
+                tried += 1
+                ran += after.status not in ("failed", "timeout")
+    return (ran + 1) / (tried + 2)
 
 
 def chance_any_beats(p_beats: Sequence[float]) -> float:

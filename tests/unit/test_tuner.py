@@ -317,6 +317,55 @@ def test_a_failed_trial_is_retried_once_then_the_search_goes_on(plan: Plan) -> N
     assert world.calls[:2] == [top, top]
 
 
+def test_a_crash_whose_retry_crashed_too_is_not_retried_again(plan: Plan) -> None:
+    # the top layout crashes every time (the candidate's fault); one other candidate's first try
+    # fails once, with another error (the machine's fault)
+    top = plan.ranked[0].config
+    layout = {p.config.label for p in plan.ranked if (p.config.tp, p.config.pp) == (top.tp, top.pp)}
+    flaky = next(p.config.label for p in plan.ranked if p.config.label not in layout)
+    world = World(plan, crash=layout, fail_first={flaky})
+    result = Tuner(plan, TuneOptions(max_trials=10, stop_probability=0.0, retime=0, retries=3)).run(world)
+    attempts: dict[int, list[str]] = {}
+    for t in result.trials:
+        attempts.setdefault(t.number, []).append(t.measurement.status)
+    crashed = [a for n, a in sorted(attempts.items()) if a[-1] == "failed"]
+    assert len(crashed) >= 2, attempts
+    # the first crash is retried (it might be the machine's) and crashes again: its kind is
+    # then the candidate's own, and later crashes of it are recorded after one attempt
+    assert crashed[0] == ["failed", "failed"]
+    assert all(a == ["failed"] for a in crashed[1:]), attempts
+    # another kind of crash still gets its retry, and runs
+    assert [attempts[n] for n in {t.number for t in result.trials if t.label == flaky}] == [["failed", "ok"]]
+
+
+def test_retry_chance_counts_this_jobs_retries_of_the_same_kind(plan: Plan) -> None:
+    from pipette.tuner import crash_kind, retry_chance
+
+    config = plan.ranked[0].config
+    crash = Measurement("failed", error="Traceback (most recent call last):\n  File \"x.py\", line 3\n"
+                                        "RuntimeError: CUDA error at 0x7f3a: rank 3")
+    other_rank = Measurement("failed", error="RuntimeError: CUDA error at 0x55aa: rank 5")
+    lost = Measurement("failed", error="rank 3 was lost", extra={"lost_nodes": ["10.0.0.4"]})
+    ok = Measurement("ok", (1.0,), 1)
+    kind = crash_kind(crash)
+    assert kind == crash_kind(other_rank) == "failed: RuntimeError: CUDA error at #: rank #"
+    assert kind != crash_kind(Measurement("timeout"))
+
+    def records(*trials: list[Measurement]) -> list[TrialRecord]:
+        p = plan.ranked[0]
+        return [TrialRecord(n, config, m, p.perf, p.memory, 1.0, 0.1, a + 1)
+                for n, ms in enumerate(trials) for a, m in enumerate(ms)]
+
+    assert retry_chance([], kind) == 0.5  # no evidence: as likely as not
+    assert retry_chance(records([crash, other_rank]), kind) == pytest.approx(1 / 3)
+    assert retry_chance(records([crash, ok]), kind) == pytest.approx(2 / 3)
+    # a lost node between the crash and its retry is not the retry's outcome
+    assert retry_chance(records([crash, lost, ok]), kind) == pytest.approx(2 / 3)
+    assert retry_chance(records([crash, other_rank], [crash, ok]), kind) == pytest.approx(0.5)
+    # another kind's retries say nothing about this one
+    assert retry_chance(records([Measurement("timeout"), Measurement("timeout")]), kind) == 0.5
+
+
 def test_a_lost_node_reruns_the_trial_without_using_its_retry(plan: Plan) -> None:
     top = plan.ranked[0].config.label
     world = World(plan, lose_node={top: 2}, fail_first={top})
