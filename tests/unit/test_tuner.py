@@ -18,7 +18,7 @@ import pytest
 from pipette.clusterfile import homogeneous_cluster
 from pipette.config import ParallelConfig
 from pipette.errors import InfeasibleError, SpecError
-from pipette.learned import NOISE_FLOOR_SD, LearnedModel, Observation
+from pipette.learned import HYPER_MASS, NOISE_FLOOR_SD, LearnedModel, Observation
 from pipette.measurement import Measurement
 from pipette.model import ModelSpec
 from pipette.plan import Plan, Planned, make_plan
@@ -131,6 +131,30 @@ def test_three_agreeing_trials_leave_an_untried_regime_uncertain(plan: Plan) -> 
         assert pred.sd > 2 * NOISE_FLOOR_SD, (tp, pred.sd)
     near = learned.predict(tried[0].config, tried[0].perf)
     assert near.sd < 2 * NOISE_FLOOR_SD  # a candidate it measured stays sure
+
+
+def test_the_mixture_keeps_the_posterior_not_only_its_likeliest_settings(plan: Plan) -> None:
+    """Four trials in two tp regimes, as a distorted vTrain group had them (tp 2 about as
+    predicted, tp 8 1.4x slow), and the best at the untried tp 4, 2.2x faster than predicted.
+    The mixture once kept the 12 likeliest settings of 54: they carried 60% of the posterior,
+    all with the same regime sd, and the chance of tp 4 being that fast was 0.03%; the stop
+    rule called the search converged without trying it."""
+    from scipy.stats import norm
+
+    tokens = plan.training.tokens_per_step
+    obs, used = [], set()
+    for tp, factor in [(2, 1.0), (2, 0.95), (2, 1.19), (8, 1.4)]:
+        p = next(p for p in plan.ranked if p.config.tp == tp and p.config.label not in used)
+        used.add(p.config.label)
+        t = factor * p.perf.step_time
+        m = Measurement("ok", (t, 1.01 * t, 0.99 * t, t), tokens)
+        obs.append(TrialRecord(0, p.config, m, p.perf, p.memory, p.perf.step_time).observation())
+    learned = LearnedModel(obs)
+    assert learned.summary()["hyper_mass"] >= HYPER_MASS
+    tp4 = next(p for p in plan.ranked if p.config.tp == 4)
+    pred = learned.predict(tp4.config, tp4.perf)
+    chance = float(norm.cdf((math.log(0.45 * tp4.perf.step_time) - pred.log_step_time) / pred.sd))
+    assert chance > 0.002, chance  # 0.0037 over the whole posterior
 
 
 def test_tuner_finds_the_true_best_in_few_trials_and_says_why_it_stopped(plan: Plan) -> None:
