@@ -616,15 +616,23 @@ class Tuner:
                 m = runner(planned.config, on_step)
                 if cancelled:
                     m = replace(m, status="pruned", error="cancelled")
+                crashed = not cancelled and m.status in ("failed", "timeout")
+                lost = crashed and bool(m.extra.get("lost_nodes")) and lost_left > 0
+                retry = crashed and not lost and retries_left > 0
                 record = TrialRecord(trial.number, planned.config, m, planned.perf, planned.memory,
                                      prediction.step_time, prediction.sd, attempt, self.job_key)
+                if retry:
+                    chance = retry_chance([*self.records, record], crash_kind(m))
+                    if chance < RETRY_MIN_CHANCE:
+                        retry = False  # said in the record, so the user sees why a retry was left out
+                        record = replace(record, measurement=replace(m, extra={**m.extra, "not_retried": (
+                            f"a retry of this kind of crash ({crash_kind(m)}) ran with chance {chance:.0%} "
+                            f"in this job (< {RETRY_MIN_CHANCE:.0%}): its earlier retries crashed again")}))
                 self.records.append(record)
                 emit(TuneEvent("trial_ended", trial.number, record.to_dict()))
-                if cancelled or m.status not in ("failed", "timeout"):
-                    break
-                if m.extra.get("lost_nodes") and lost_left > 0:
+                if lost:
                     lost_left -= 1  # the cluster's failure, not the candidate's: rerun it
-                elif retries_left > 0 and retry_chance(self.records, crash_kind(m)) >= RETRY_MIN_CHANCE:
+                elif retry:
                     retries_left -= 1
                 else:
                     break

@@ -358,6 +358,9 @@ def test_a_crash_whose_retry_crashed_too_is_not_retried_again(plan: Plan) -> Non
     # then the candidate's own, and later crashes of it are recorded after one attempt
     assert crashed[0] == ["failed", "failed"]
     assert all(a == ["failed"] for a in crashed[1:]), attempts
+    later = [t for t in result.trials if t.label in layout and t.number > result.trials[1].number]
+    assert later and all("crashed again" in t.measurement.extra["not_retried"] for t in later)
+    assert "not_retried" not in result.trials[0].measurement.extra
     # another kind of crash still gets its retry, and runs
     assert [attempts[n] for n in {t.number for t in result.trials if t.label == flaky}] == [["failed", "ok"]]
 
