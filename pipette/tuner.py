@@ -30,8 +30,8 @@ A trial that fails for another reason than memory (``failed``, ``timeout``) is r
 only while retries of its kind (``crash_kind``: the status and the error's exception line) have
 succeeded often enough in this job (``retry_chance``): once a retry of a kind crashed again,
 that kind is taken as the candidate's own failure, not the machine's, and is not retried
-(in the replay every crash is the candidate's: Ultra-Scale's pipeline-16 runs). A trial that failed because
-the cluster lost a node (``Measurement.extra["lost_nodes"]``) is rerun without using a retry,
+again (in the replay every crash is the candidate's: Ultra-Scale's pipeline-16 runs). A trial
+that failed because the cluster lost a node (``Measurement.extra["lost_nodes"]``) is rerun without using a retry,
 ``LOST_NODE_RETRIES`` times at most: the runner waits for the node before the rerun.
 """
 
@@ -667,7 +667,8 @@ def retry_chance(records: Sequence[TrialRecord], kind: str) -> float:
     A retry that crashed again is evidence that the crash is the candidate's (a pipeline depth
     the model does not split evenly, a kernel that fails), not the machine's (a timed-out
     collective, a lost peer): one such and the chance is 1/3, and the kind is not retried
-    again unless a later retry of it ran. Reruns after a lost node are not retries."""
+    again in this job (a resumed job counts its stored records the same way). Reruns after a
+    lost node are not retries."""
     ran = tried = 0
     by_number: dict[int, list[TrialRecord]] = {}
     for r in records:
