@@ -27,12 +27,13 @@ trial-to-trial noise, that the pick is within ``tolerance`` of the best candidat
 ones under the learned model.
 A trial that fails for another reason than memory (``failed``, ``timeout``) is retried
 ``retries`` times at most, then recorded as failed; the search goes on. A crash is retried
-only while retries of its kind (``crash_kind``: the status and the error's exception line) have
-succeeded often enough in this job (``retry_chance``): once a retry of a kind crashed again,
-that kind is taken as the candidate's own failure, not the machine's, and is not retried
-again (in the replay every crash is the candidate's: Ultra-Scale's pipeline-16 runs). A trial
-that failed because the cluster lost a node (``Measurement.extra["lost_nodes"]``) is rerun without using a retry,
-``LOST_NODE_RETRIES`` times at most: the runner waits for the node before the rerun.
+only while this job's retries of its kind (``crash_kind``: the status and the error's exception
+line) ran at least as often as they crashed again (``retry_chance``): the first retry of a
+kind that crashes again makes it the candidate's own failure, not the machine's, and it is
+not retried again (in the replay every crash is the candidate's: Ultra-Scale's pipeline-16
+runs). A trial that failed because the cluster lost a node (``Measurement.extra["lost_nodes"]``)
+is rerun without using a retry, ``LOST_NODE_RETRIES`` times at most: the runner waits for the
+node before the rerun.
 """
 
 from __future__ import annotations
