@@ -364,6 +364,8 @@ class Progress:
                  f"{r['predicted_step_time']:>8.3f} s {measured:>10} {error:>7} {peak:>9}")
         if status not in ("ok", "pruned") and m["error"]:
             self.say(f"       {m['error'].splitlines()[0][:160]}")
+        if m.get("extra", {}).get("not_retried"):
+            self.say(f"       not retried: {m['extra']['not_retried'][:200]}")
 
     def done(self, reason: str) -> None:
         self.say(f"stopped after {time.monotonic() - self.start_time:.0f} s: {reason}")

@@ -361,6 +361,14 @@ def test_a_crash_whose_retry_crashed_too_is_not_retried_again(plan: Plan) -> Non
     later = [t for t in result.trials if t.label in layout and t.number > result.trials[1].number]
     assert later and all("crashed again" in t.measurement.extra["not_retried"] for t in later)
     assert "not_retried" not in result.trials[0].measurement.extra
+    # and `pipette tune` prints it under the trial's line
+    import io
+
+    from pipette.cli.tune import Progress
+
+    out = io.StringIO()
+    Progress(10, out).end(later[0].to_dict())
+    assert "not retried: a retry of this kind of crash" in out.getvalue()
     # another kind of crash still gets its retry, and runs
     assert [attempts[n] for n in {t.number for t in result.trials if t.label == flaky}] == [["failed", "ok"]]
 
