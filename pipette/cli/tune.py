@@ -359,7 +359,8 @@ class Progress:
         if status == "ok" and (self.best is None or m["step_time"] < self.best):
             self.best, self.best_label = m["step_time"], r["label"]
         self.done_trials = r["number"] + 1
-        label = r["label"] + (" (re-time)" if r.get("purpose") == "retime" else "")
+        label = (r["label"] + (f" (attempt {r['attempt']})" if r.get("attempt", 1) > 1 else "")
+                 + (" (re-time)" if r.get("purpose") == "retime" else ""))
         self.say(f"{'#' + str(r['number']):>5}  {label:<38} {self._c(f'{status:<8}', colour)} "
                  f"{r['predicted_step_time']:>8.3f} s {measured:>10} {error:>7} {peak:>9}")
         if status not in ("ok", "pruned") and m["error"]:

@@ -369,6 +369,9 @@ def test_a_crash_whose_retry_crashed_too_is_not_retried_again(plan: Plan) -> Non
     out = io.StringIO()
     Progress(10, out).end(later[0].to_dict())
     assert "not retried: a retry of this kind of crash" in out.getvalue()
+    retried = next(t for t in result.trials if t.attempt == 2)
+    Progress(10, out).end(retried.to_dict())
+    assert f"{retried.label} (attempt 2)" in out.getvalue()  # a retry's line is told from the first's
     # another kind of crash still gets its retry, and runs
     assert [attempts[n] for n in {t.number for t in result.trials if t.label == flaky}] == [["failed", "ok"]]
 
