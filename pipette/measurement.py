@@ -72,3 +72,15 @@ class Measurement:
             str(d.get("error", "")), dict(d.get("extra", {})),
             "mean" if d.get("statistic") == "mean" else "median",
         )
+
+
+def last_error_line(text: str) -> str:
+    """The line of a process's output or a trial's error that says why it stopped (its
+    exception, a ``[rank N]:`` prefix dropped), else its last line."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    for line in reversed(lines):
+        text = line.split("]:", 1)[-1].strip() if line.startswith("[rank") else line
+        head = text.split(":", 1)[0]
+        if head.endswith(("Error", "Exception", "Interrupt", "Exit")) and " " not in head:
+            return text[:300]
+    return lines[-1][:300] if lines else "(no output)"

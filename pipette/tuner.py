@@ -58,7 +58,7 @@ from pipette.config import ParallelConfig
 from pipette.errors import InfeasibleError, SpecError
 from pipette.estimates import MemoryEstimate, PerfEstimate
 from pipette.learned import Observation
-from pipette.measurement import Measurement
+from pipette.measurement import Measurement, last_error_line
 from pipette.model import ModelSpec
 from pipette.plan import Plan, Planned
 from pipette.search import (
@@ -623,11 +623,12 @@ class Tuner:
                 record = TrialRecord(trial.number, planned.config, m, planned.perf, planned.memory,
                                      prediction.step_time, prediction.sd, attempt, self.job_key)
                 if retry:
-                    chance = retry_chance([*self.records, record], crash_kind(m))
+                    kind = crash_kind(m)
+                    chance = retry_chance([*self.records, record], kind)
                     if chance < RETRY_MIN_CHANCE:
                         retry = False  # said in the record, so the user sees why a retry was left out
                         record = replace(record, measurement=replace(m, extra={**m.extra, "not_retried": (
-                            f"a retry of this kind of crash ({crash_kind(m)}) ran with chance {chance:.0%} "
+                            f"a retry of this kind of crash ({kind}) ran with chance {chance:.0%} "
                             f"in this job (< {RETRY_MIN_CHANCE:.0%}): its earlier retries crashed again")}))
                 self.records.append(record)
                 emit(TuneEvent("trial_ended", trial.number, record.to_dict()))
@@ -652,12 +653,9 @@ class Tuner:
 
 def crash_kind(m: Measurement) -> str:
     """What kind of crash a failed attempt was: its status and the line of its error that names
-    the exception (else the last line), numbers blanked, so that two crashes of one kind on
+    the exception (``last_error_line``), numbers blanked, so that two crashes of one kind on
     other ranks, ports or sizes are the same kind."""
-    lines = [ln.strip() for ln in (m.error or "").splitlines() if ln.strip()]
-    line = next((ln for ln in reversed(lines) if re.match(r"^[\w.]*(Error|Exception|Exit)\b", ln)),
-                lines[-1] if lines else "")
-    blanked = re.sub(r"0x[0-9a-fA-F]+|\d+", "#", line)
+    blanked = re.sub(r"0x[0-9a-fA-F]+|\d+", "#", last_error_line(m.error or ""))
     return f"{m.status}: {blanked[:200]}"
 
 

@@ -28,7 +28,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from pipette.cluster import ClusterProfile
 from pipette.emit import RANK_ENV
 from pipette.errors import PipetteError, SpecError
-from pipette.measurement import Measurement
+from pipette.measurement import Measurement, last_error_line
 from workers.outcome import Outcome, measurement
 from workers.rank_process import RankProcess
 from workers.ray_cluster import (
@@ -40,7 +40,7 @@ from workers.ray_cluster import (
     rank_bundle,
     ray_node_ips,
 )
-from workers.script_trial import ScriptEvents, last_error_line, script_launch, script_measurement
+from workers.script_trial import ScriptEvents, script_launch, script_measurement
 from workers.spec import TrialSpec
 from workers.support import check_inputs, check_runnable
 from workers.workdir import pack

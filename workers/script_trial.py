@@ -22,7 +22,7 @@ from typing import Any
 
 from pipette.emit import RANK_ENV
 from pipette.errors import SpecError
-from pipette.measurement import Measurement
+from pipette.measurement import Measurement, last_error_line
 from pipette.script import ScriptSpec, script_ds_config
 from workers.outcome import Outcome
 from workers.script_env import script_path
@@ -104,17 +104,6 @@ def steps_across_ranks(per_rank: list[list[float]]) -> tuple[float, ...]:
     ``tests/benchmarks/script_tuning.py``)."""
     n = min((len(ts) for ts in per_rank), default=0)
     return tuple(statistics.fmean(ts[i] for ts in per_rank) for i in range(n))
-
-
-def last_error_line(tail: str) -> str:
-    """The line of a script's output that says why it stopped (its exception), else its last."""
-    lines = [ln.strip() for ln in tail.splitlines() if ln.strip()]
-    for line in reversed(lines):
-        text = line.split("]:", 1)[-1].strip() if line.startswith("[rank") else line
-        head = text.split(":", 1)[0]
-        if head.endswith(("Error", "Exception", "Interrupt", "Exit")) and " " not in head:
-            return text[:300]
-    return lines[-1][:300] if lines else "(no output)"
 
 
 def script_measurement(trial: TrialSpec, outcome: Outcome, events: ScriptEvents, wall: float,
