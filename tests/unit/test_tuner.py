@@ -161,8 +161,9 @@ def test_an_untried_combination_of_tried_regimes_keeps_a_chance(plan: Plan) -> N
     """Five trials at tp 1 pp 2, tp 4 pp 1, tp 2 pp 2 and tp 1 pp 4, all 4.1-5.0x slower than
     predicted, as a distorted vTrain group had them; the best was the untried tp 1 pp 1, 2.65x
     (its tp and pp factors are not those of the pairs tried). Their residuals agree, and with a
-    prior even over a regime sd of 0.5 and 1 the likelihood chose a per-regime factor sd of 0.15:
-    the chance of 2.65x was 0.9%, and the stop rule called the search converged without trying it."""
+    prior even over a regime sd of 0.5 and 1 the posterior's regime sd averaged 0.30 (a factor
+    sd of 0.15 per regime): the chance of 2.65x was 0.9%, and in the replay the stop rule called
+    the search converged without trying it."""
     from scipy.stats import norm
 
     tokens = plan.training.tokens_per_step
