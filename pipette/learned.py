@@ -21,10 +21,12 @@ Hyperparameters. The residual sd ``s``, length scale ``l`` and regime sd ``a`` a
 at one value: every setting of a small grid is weighted by its posterior (the marginal
 likelihood, Rasmussen & Williams eq. 2.30, times a prior, ``REGIME_SD_PRIOR``, that holds
 against switching the regime term off and leans to large regime factors, as the 80B runs had
-them), and the prediction is that mixture, as one Gaussian of the same mean and variance
-(Bayesian model averaging over the hyperparameters: Snoek, Larochelle & Adams 2012, "Practical
-Bayesian Optimization of Machine Learning Algorithms", sec. 3.2, integrate them out for the
-acquisition; Rasmussen & Williams sec. 5.2). With 3-5 trials the mode alone was
+them), and the prediction is that mixture (Bayesian model averaging over the hyperparameters:
+Snoek, Larochelle & Adams 2012, "Practical Bayesian Optimization of Machine Learning
+Algorithms", sec. 3.2, integrate them out for the acquisition; Rasmussen & Williams sec. 5.2):
+``components`` gives each setting's posterior, ``predict_many`` one Gaussian of the mixture's
+mean and variance, and the chance to beat the incumbent (``pipette.search.score``) is the
+mixture's own, whose tails are heavier. With 3-5 trials the mode alone was
 sure of regimes no trial had touched (three trials at tp 1 agreeing: an untried tp 8 at
 sd 0.029); the mixture keeps the settings the few trials cannot rule out.
 
@@ -249,27 +251,33 @@ class LearnedModel:
         k = PRIOR_OFFSET_SD**2 + (s**2 * np.exp(-d2 / (2 * ell**2)) + a**2 * shared) * rho
         return np.asarray(k, dtype=np.float64)
 
-    def predict_many(self, configs: Sequence[ParallelConfig], perfs: Sequence[PerfEstimate]) -> list[Prediction]:
-        """Predictions of this job's candidates (posterior of Rasmussen & Williams eq. 2.25-2.26)."""
-        if not configs:
-            return []
-        analytic = [p.step_time for p in perfs]
-        if self.n_timed == 0:
-            prior_var = PRIOR_OFFSET_SD**2 + self.residual_sd**2 + self.regime_sd**2
-            return [Prediction(a, 0.0, math.sqrt(prior_var)) for a in analytic]
+    def components(
+        self, configs: Sequence[ParallelConfig], perfs: Sequence[PerfEstimate]
+    ) -> tuple[FloatArray, FloatArray, FloatArray]:
+        """The posterior of every hyperparameter setting kept (Rasmussen & Williams eq.
+        2.25-2.26): ``(weights [K], means [K, N], sds [K, N])`` of the log correction, K settings
+        and N candidates. Before any timed trial, the prior: one setting, mean 0."""
+        n = len(configs)
+        if self.n_timed == 0 or n == 0:
+            prior_sd = math.sqrt(PRIOR_OFFSET_SD**2 + self.residual_sd**2 + self.regime_sd**2)
+            return np.ones(1), np.zeros((1, n)), np.full((1, n), prior_sd)
         x = np.array([features(c, p) for c, p in zip(configs, perfs, strict=True)])
         r = np.array([regimes(c) for c in configs], dtype=np.int64)
-        # the mixture over hyperparameter settings, as one Gaussian with its mean and variance
-        first, second = np.zeros(len(configs)), np.zeros(len(configs))
+        weights, means, sds = [], [], []
         for w, (s, ell, a), chol, alpha in self._mixture:
-            ks = self._kernel(x, r, [True] * len(configs), self._x, self._r, self._keys, s, ell, a)
-            mean = ks @ alpha
+            ks = self._kernel(x, r, [True] * n, self._x, self._r, self._keys, s, ell, a)
             v = np.linalg.solve(chol, ks.T)
-            var = np.maximum(PRIOR_OFFSET_SD**2 + s**2 + a**2 - (v * v).sum(0), 1e-8)
-            first += w * mean
-            second += w * (var + mean**2)
-        var = np.maximum(second - first**2, 1e-8)
-        return [Prediction(a, float(m), float(math.sqrt(v))) for a, m, v in zip(analytic, first, var, strict=True)]
+            weights.append(w)
+            means.append(ks @ alpha)
+            sds.append(np.sqrt(np.maximum(PRIOR_OFFSET_SD**2 + s**2 + a**2 - (v * v).sum(0), 1e-8)))
+        return np.array(weights), np.array(means), np.array(sds)
+
+    def predict_many(self, configs: Sequence[ParallelConfig], perfs: Sequence[PerfEstimate]) -> list[Prediction]:
+        """Predictions of this job's candidates: the mixture over hyperparameter settings
+        (``components``) as one Gaussian with its mean and variance."""
+        if not configs:
+            return []
+        return collapse(perfs, *self.components(configs, perfs))
 
     def predict(self, config: ParallelConfig, perf: PerfEstimate) -> Prediction:
         return self.predict_many([config], [perf])[0]
@@ -293,6 +301,16 @@ class LearnedModel:
                 "trial_noise_sd": self.trial_noise_sd, "noise_dof": self.noise_dof,
                 "memory_offset_sd": self.memory.offset_sd, "memory_residual_sd": self.memory.residual_sd,
                 "memory_points": self.memory.n, "crashes": self.runs.n_failed}
+
+
+def collapse(
+    perfs: Sequence[PerfEstimate], weights: FloatArray, means: FloatArray, sds: FloatArray
+) -> list[Prediction]:
+    """The mixture of ``LearnedModel.components`` as one Gaussian per candidate, of the
+    mixture's mean and variance."""
+    first = weights @ means
+    var = np.maximum(weights @ (sds**2 + means**2) - first**2, 1e-8)
+    return [Prediction(p.step_time, float(m), float(math.sqrt(v))) for p, m, v in zip(perfs, first, var, strict=True)]
 
 
 def regimes(config: ParallelConfig) -> tuple[int, ...]:

@@ -18,11 +18,12 @@ import pytest
 from pipette.clusterfile import homogeneous_cluster
 from pipette.config import ParallelConfig
 from pipette.errors import InfeasibleError, SpecError
+from pipette.feasibility import RUNS_PRIOR, p_fit_prior
 from pipette.learned import HYPER_MASS, NOISE_FLOOR_SD, LearnedModel, Observation
 from pipette.measurement import Measurement
 from pipette.model import ModelSpec
 from pipette.plan import Plan, Planned, make_plan
-from pipette.search import candidate_params, search_space
+from pipette.search import candidate_params, score, search_space
 from pipette.training import LoraSpec, TrainingSpec
 from pipette.tuner import StepProgress, TrialRecord, TuneEvent, TuneOptions, Tuner
 
@@ -155,6 +156,42 @@ def test_the_mixture_keeps_the_posterior_not_only_its_likeliest_settings(plan: P
     pred = learned.predict(tp4.config, tp4.perf)
     chance = float(norm.cdf((math.log(0.45 * tp4.perf.step_time) - pred.log_step_time) / pred.sd))
     assert chance > 0.002, chance  # 0.0037 over the whole posterior
+
+
+def test_the_chance_to_beat_is_the_mixtures_own_tail(plan: Plan) -> None:
+    """The stop rule's chance that an untried candidate beats the incumbent is the tail of the
+    mixture over the hyperparameter settings (each setting's Gaussian, weighted by its
+    posterior), not of the one Gaussian of the mixture's mean and variance, whose tails are
+    lighter. The four trials of the test above: the untried tp 4 at 0.3x its analytic time has a
+    0.84% chance under the mixture and 0.33% under the one Gaussian (0.2x: 0.15% and 0.02%)."""
+    from scipy.stats import norm
+
+    tokens = plan.training.tokens_per_step
+    obs, used = [], set()
+    for tp, factor in [(2, 1.0), (2, 0.95), (2, 1.19), (8, 1.4)]:
+        p = next(p for p in plan.ranked if p.config.tp == tp and p.config.label not in used)
+        used.add(p.config.label)
+        t = factor * p.perf.step_time
+        m = Measurement("ok", (t, 1.01 * t, 0.99 * t, t), tokens)
+        obs.append(TrialRecord(0, p.config, m, p.perf, p.memory, p.perf.step_time).observation())
+    learned = LearnedModel(obs)
+    tp4 = next(p for p in plan.ranked if p.config.tp == 4)
+    weights, means, sds = learned.components([tp4.config], [tp4.perf])
+    assert len(weights) > 1 and weights.sum() == pytest.approx(1.0)
+    # the one Gaussian is the mixture's mean and variance
+    pred = learned.predict(tp4.config, tp4.perf)
+    assert pred.mean == pytest.approx(float(weights @ means[:, 0]))
+    assert pred.sd**2 == pytest.approx(float(weights @ (sds[:, 0] ** 2 + means[:, 0] ** 2)) - pred.mean**2)
+    # an incumbent that tp 4 beats by more than 2% only at 0.3x its analytic time
+    target = math.log(0.3 * tp4.perf.step_time)
+    scored = score([tp4], learned, (target - math.log(0.98), 1), 0.02)[0]
+    taught = min(1.0, scored.p_fit / p_fit_prior([tp4.memory])[0]) * min(1.0, scored.p_runs / RUNS_PRIOR)
+    noise = learned.trial_noise_sd
+    mixture = float(weights @ norm.cdf((target - math.log(tp4.perf.step_time) - means[:, 0])
+                                       / np.hypot(sds[:, 0], noise)))
+    one = float(norm.cdf((target - pred.log_step_time) / math.hypot(pred.sd, noise)))
+    assert scored.p_beat == pytest.approx(mixture * taught, rel=1e-9)
+    assert mixture > 2 * one, (mixture, one)  # 0.0084 and 0.0033
 
 
 def test_an_untried_combination_of_tried_regimes_keeps_a_chance(plan: Plan) -> None:
