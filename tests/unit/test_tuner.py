@@ -134,14 +134,9 @@ def test_three_agreeing_trials_leave_an_untried_regime_uncertain(plan: Plan) -> 
     assert near.sd < 2 * NOISE_FLOOR_SD  # a candidate it measured stays sure
 
 
-def test_the_mixture_keeps_the_posterior_not_only_its_likeliest_settings(plan: Plan) -> None:
-    """Four trials in two tp regimes, as a distorted vTrain group had them (tp 2 about as
-    predicted, tp 8 1.4x slow), and the best at the untried tp 4, 2.2x faster than predicted.
-    The mixture once kept the 12 likeliest settings of 54: they carried 60% of the posterior,
-    all with the same regime sd, and the chance of tp 4 being that fast was 0.03%; the stop
-    rule called the search converged without trying it."""
-    from scipy.stats import norm
-
+def _tp2_and_tp8_trials(plan: Plan) -> LearnedModel:
+    """Four trials in two tp regimes, as a distorted vTrain group had them: tp 2 about as
+    predicted, tp 8 1.4x slow."""
     tokens = plan.training.tokens_per_step
     obs, used = [], set()
     for tp, factor in [(2, 1.0), (2, 0.95), (2, 1.19), (8, 1.4)]:
@@ -150,7 +145,18 @@ def test_the_mixture_keeps_the_posterior_not_only_its_likeliest_settings(plan: P
         t = factor * p.perf.step_time
         m = Measurement("ok", (t, 1.01 * t, 0.99 * t, t), tokens)
         obs.append(TrialRecord(0, p.config, m, p.perf, p.memory, p.perf.step_time).observation())
-    learned = LearnedModel(obs)
+    return LearnedModel(obs)
+
+
+def test_the_mixture_keeps_the_posterior_not_only_its_likeliest_settings(plan: Plan) -> None:
+    """Four trials in two tp regimes, as a distorted vTrain group had them (tp 2 about as
+    predicted, tp 8 1.4x slow), and the best at the untried tp 4, 2.2x faster than predicted.
+    The mixture once kept the 12 likeliest settings of 54: they carried 60% of the posterior,
+    all with the same regime sd, and the chance of tp 4 being that fast was 0.03%; the stop
+    rule called the search converged without trying it."""
+    from scipy.stats import norm
+
+    learned = _tp2_and_tp8_trials(plan)
     assert learned.summary()["hyper_mass"] >= HYPER_MASS
     tp4 = next(p for p in plan.ranked if p.config.tp == 4)
     pred = learned.predict(tp4.config, tp4.perf)
@@ -166,15 +172,7 @@ def test_the_chance_to_beat_is_the_mixtures_own_tail(plan: Plan) -> None:
     0.84% chance under the mixture and 0.33% under the one Gaussian (0.2x: 0.15% and 0.02%)."""
     from scipy.stats import norm
 
-    tokens = plan.training.tokens_per_step
-    obs, used = [], set()
-    for tp, factor in [(2, 1.0), (2, 0.95), (2, 1.19), (8, 1.4)]:
-        p = next(p for p in plan.ranked if p.config.tp == tp and p.config.label not in used)
-        used.add(p.config.label)
-        t = factor * p.perf.step_time
-        m = Measurement("ok", (t, 1.01 * t, 0.99 * t, t), tokens)
-        obs.append(TrialRecord(0, p.config, m, p.perf, p.memory, p.perf.step_time).observation())
-    learned = LearnedModel(obs)
+    learned = _tp2_and_tp8_trials(plan)
     tp4 = next(p for p in plan.ranked if p.config.tp == 4)
     weights, means, sds = learned.components([tp4.config], [tp4.perf])
     assert len(weights) > 1 and weights.sum() == pytest.approx(1.0)
