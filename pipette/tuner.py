@@ -13,15 +13,16 @@ the incumbent's measured step time by more than ``tolerance`` (and fits and runs
 learned model (``chance_any_beats``), or when every candidate still worth a trial was tried,
 or at the trial or time budget.
 
-Re-time before the verdict: before the tuner hands back its pick, the best ``retime``
-candidates tried so far are run again, interleaved (each round runs every contender once,
-in alternating order, so that drift on the machine hits them alike), until the pick is
-within ``tolerance`` of every contender with probability ``confidence`` or the rounds or the
-budget run out (``max_trials // 4`` trials, at least 2 and at most ``retime``, are kept from
-the search for this). When the repeats show more trial-to-trial noise than the stop rule
-assumed, an untried candidate may have a chance again: the search goes on, and re-times again
-before it stops. The pick is the candidate with the best mean log step time over its ok trials, and
-the result says how sure it is (``Tuner.confidence``): the probability, under the measured
+Re-time before the verdict: before the tuner hands back its pick, it and the ``retime`` - 1
+candidates tried so far that it is least sure to be within ``tolerance`` of are run again,
+interleaved (each round runs every contender once, in alternating order, so that drift on
+the machine hits them alike), until the pick is within ``tolerance`` of every contender with
+probability ``confidence`` or the rounds or the budget run out (``max_trials // 4`` trials,
+at least 2 and at most ``retime`` x ``retime_rounds``, are kept from the search for this).
+When the repeats show more trial-to-trial noise than the stop rule assumed, an untried
+candidate may have a chance again: the search goes on, and re-times again before it stops.
+The pick is the candidate with the best mean log step time over its ok trials, and the result
+says how sure it is (``Tuner.confidence``): the probability, under the measured
 trial-to-trial noise, that the pick is within ``tolerance`` of the best candidate tried; and
 (``Tuner.confidence_overall``) that it is within ``tolerance`` of every candidate, the untried
 ones under the learned model.
@@ -128,10 +129,21 @@ class TuneOptions:
 
     @property
     def retime_reserve(self) -> int:
-        """Trials kept from the search for re-timing."""
-        if self.retime < 2 or self.max_trials < 4:
+        """Trials kept from the search for re-timing: a quarter of the budget (at least 2), at
+        most what the rounds can use (``retime`` contenders x ``retime_rounds``). It was one
+        round (``retime``): on a noisy machine the first round measures the noise and the
+        rounds that would decide the order had no trials left."""
+        if self.retime < 2 or self.retime_rounds < 1 or self.max_trials < 4:
             return 0
-        return min(self.retime, max(2, self.max_trials // 4))
+        return min(self.retime * self.retime_rounds, max(2, self.max_trials // 4))
+
+    @classmethod
+    def for_search(cls, search_trials: int, **kwargs: Any) -> TuneOptions:
+        """Options whose search may run ``search_trials`` trials, the re-timing reserve on top."""
+        total = search_trials
+        while total - cls(max_trials=total, **kwargs).retime_reserve < search_trials:
+            total += 1
+        return cls(max_trials=total, **kwargs)
 
 
 @dataclass(frozen=True)
@@ -410,22 +422,25 @@ class Tuner:
         return tried * (1.0 - untried)
 
     def contenders(self) -> list[str]:
-        """The pick and the candidates to re-time it against, best mean first, ``retime`` at
-        most. Until the pick was timed twice: the pick, and every candidate within
-        ``prune_slower`` of it (the trial-to-trial noise is not measured yet: the prior may be
-        over-confident); then those it is not yet ``confidence`` sure to be within the
-        tolerance of."""
+        """The pick and the candidates to re-time it against, ``retime`` at most. Until the
+        pick was timed twice: the pick, and every candidate within ``prune_slower`` of it (the
+        trial-to-trial noise is not measured yet: the prior may be over-confident); then those
+        it is not yet ``confidence`` sure to be within the tolerance of. Either way the least
+        sure first (``_pairwise``; then the best mean): a candidate timed once, as slow as one
+        timed twice, is the likelier to beat the pick. By mean alone, a real CPU run (2026-11-26,
+        run 3) never re-timed the best candidate after its one trial ran 26% slow."""
         pick = self.best
         if pick is None or self.options.retime < 2:
             return []
         means = measured_means(self.study)
         mp, n_p = means[pick.label]
+        sure = self._pairwise()
         if n_p == 1:
             near = -math.log(1.0 - self.options.prune_slower) if self.options.prune_slower > 0 else math.inf
             others = [k for k, (m, _) in means.items() if k != pick.label and m - mp < near]
         else:
-            others = [k for k, p in self._pairwise().items() if p < self.options.confidence]
-        others.sort(key=lambda k: (means[k][0], k))
+            others = [k for k, p in sure.items() if p < self.options.confidence]
+        others.sort(key=lambda k: (sure[k], means[k][0], k))
         if n_p == 1:  # the pick is timed twice before any verdict: its repeat measures the noise
             return [pick.label, *others[: self.options.retime - 1]]
         return [pick.label, *others[: self.options.retime - 1]] if others else []
@@ -513,6 +528,7 @@ class Tuner:
         """Re-time the contenders (module docstring) and return the stop reason with the
         verdict; "cancelled" when ``should_stop`` said so."""
         rounds, retimed = 0, set()
+        first_seen: list[str] = []  # the rounds' order: a contender keeps its place
         while rounds < self.options.retime_rounds:
             # A round takes the best contenders the budget has room for (the pick first): with
             # the reserve of 2 and 3 contenders, skipping the round left the pick timed once.
@@ -522,7 +538,9 @@ class Tuner:
             if not contenders or (len(contenders) == 1 and rounds > 0):
                 break
             retimed.update(contenders)
-            order = contenders if rounds % 2 == 0 else contenders[::-1]
+            first_seen += [c for c in contenders if c not in first_seen]
+            ordered = [c for c in first_seen if c in contenders]
+            order = ordered if rounds % 2 == 0 else ordered[::-1]
             for label in order:
                 if self._retime_trial(label, runner, emit, should_stop) == "cancelled":
                     return "cancelled"

@@ -200,8 +200,7 @@ def run(args: argparse.Namespace, model: ModelSpec | None = None, training: Trai
     for n in range(args.runs):
         t0 = time.monotonic()
         # the budget counts candidates tried; re-timing them comes on top (TuneOptions.retime_reserve)
-        options = TuneOptions(max_trials=budget, seed=args.seed + n)
-        options = TuneOptions(max_trials=budget + options.retime_reserve, seed=args.seed + n)
+        options = TuneOptions.for_search(budget, seed=args.seed + n)
         result = Tuner(plan, options, runnable=refuse).run(runner, on_event=on_event)
         tried = {r.label for r in result.trials}
         pick = result.best.config.label if result.best is not None else None

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import pytest
@@ -677,6 +677,33 @@ def test_a_small_reserve_still_retimes_the_pick(plan: Plan) -> None:
     retimed = [t.label for t in result.trials if t.purpose == "retime"]
     assert retimed == [close[0].config.label, close[1].config.label], result.stop_reason
     assert len(result.trials) == 5 and "re-timed 2 contenders" in result.stop_reason
+
+
+def test_a_candidate_timed_once_and_slow_is_retimed_before_one_timed_twice(plan: Plan) -> None:
+    """The step times of a real CPU run (2026-11-26, run 3) after its first re-timing round:
+    the best candidate (B) ran once, 26% slow; A has the same mean over two trials. The
+    pick is less sure to be within 2% of B, so B is re-timed first; by mean it was never re-timed."""
+    times = {"pick": (0.140, 0.164), "A": (0.141, 0.198), "D": (0.147, 0.202), "C": (0.162,), "B": (0.168,),
+             "E": (0.171,), "F": (0.172,), "G": (0.173,), "H": (0.185,), "I": (0.190,)}
+    labels = dict(zip(times, (p.config.label for p in plan.ranked), strict=False))
+    by_label = {p.config.label: p for p in plan.ranked}
+    history = [TrialRecord(0, by_label[labels[k]].config, Measurement("ok", (t, t, t), 1), by_label[labels[k]].perf,
+                           by_label[labels[k]].memory, 0.15) for k, ts in times.items() for t in ts]
+    history = [replace(r, number=i) for i, r in enumerate(history)]
+    tuner = Tuner(plan, TuneOptions(max_trials=30), history=history)
+    assert tuner.best is not None and tuner.best.config.label == labels["pick"]
+    sure = tuner._pairwise()
+    assert sure[labels["B"]] < sure[labels["A"]]  # same mean, one trial against two
+    assert tuner.contenders() == [labels["pick"], labels["C"], labels["B"]]
+
+
+def test_the_reserve_leaves_room_for_the_rounds(plan: Plan) -> None:
+    """A quarter of the budget, at most ``retime`` x ``retime_rounds`` trials; none without rounds."""
+    assert [TuneOptions(max_trials=m).retime_reserve for m in (3, 4, 12, 20, 40, 100)] == [0, 2, 3, 5, 9, 9]
+    assert TuneOptions(max_trials=20, retime_rounds=1).retime_reserve == 3
+    assert TuneOptions(max_trials=20, retime_rounds=0).retime_reserve == 0
+    options = TuneOptions.for_search(18, seed=4)
+    assert options.max_trials - options.retime_reserve == 18 and options.seed == 4
 
 
 def test_the_stop_rule_counts_every_untried_candidates_chance_together() -> None:
