@@ -150,8 +150,8 @@ class BudgetIn(StrictTypes):
     retries: int = Field(1, ge=0, le=5, description="reruns of a trial that failed or timed out")
     seed: int = Field(0, ge=0, le=2**31 - 1)
     retime: int = Field(3, ge=0, le=10, description="before the verdict, re-time the best this many candidates, "
-                        "interleaved (0: do not); a quarter of max_trials, at most retime x retime_rounds, "
-                        "is kept for it")
+                        "interleaved (0: do not); a quarter of max_trials, at most one round "
+                        "(retime trials), is kept for it")
     retime_rounds: int = Field(3, ge=0, le=10, description="re-timing rounds at most")
     confidence: float = Field(0.9, gt=0, lt=1, description="stop re-timing once the pick is this sure to be "
                               "within the tolerance of the best tried")

@@ -64,8 +64,8 @@ def add_parser(sub: Any, add_recipe_flags: Any) -> None:
                    "by more than this fraction (default 0.02)")
     p.add_argument("--stop-probability", type=float, default=0.05, help="...with more than this chance (0.05)")
     p.add_argument("--retime", type=int, default=3, help="before the verdict, re-time the best this many "
-                   "candidates, interleaved (default 3; 0: do not; a quarter of --max-trials, at most 3 "
-                   "rounds of them, is kept for it)")
+                   "candidates, interleaved (default 3; 0: do not; a quarter of --max-trials, at most one "
+                   "round, is kept for it)")
     p.add_argument("--steps", type=int, default=8, help="timed steps per trial at most (default 8)")
     p.add_argument("--trial-timeout", type=float, default=180.0, help="seconds before a trial is a timeout")
     p.add_argument("--data", help="a local JSONL of prompt/response pairs (default: synthetic tokens)")

@@ -697,13 +697,27 @@ def test_a_candidate_timed_once_and_slow_is_retimed_before_one_timed_twice(plan:
     assert tuner.contenders() == [labels["pick"], labels["C"], labels["B"]]
 
 
-def test_the_reserve_leaves_room_for_the_rounds(plan: Plan) -> None:
-    """A quarter of the budget, at most ``retime`` x ``retime_rounds`` trials; none without rounds."""
-    assert [TuneOptions(max_trials=m).retime_reserve for m in (3, 4, 12, 20, 40, 100)] == [0, 2, 3, 5, 9, 9]
-    assert TuneOptions(max_trials=20, retime_rounds=1).retime_reserve == 3
+def test_the_reserve_is_one_round_or_as_given(plan: Plan) -> None:
+    """A quarter of the budget, at least 2, at most one round; none without re-timing;
+    ``for_search`` puts every round on top of the search's trials."""
+    assert [TuneOptions(max_trials=m).retime_reserve for m in (3, 4, 12, 20, 100)] == [0, 2, 3, 3, 3]
     assert TuneOptions(max_trials=20, retime_rounds=0).retime_reserve == 0
+    assert TuneOptions(max_trials=20, retime=1).retime_reserve == 0
+    assert TuneOptions(max_trials=20, reserve=7).retime_reserve == 7
     options = TuneOptions.for_search(18, seed=4)
-    assert options.max_trials - options.retime_reserve == 18 and options.seed == 4
+    assert (options.max_trials, options.retime_reserve, options.seed) == (27, 9, 4)
+    assert TuneOptions.for_search(18, retime=0).max_trials == 18
+    with pytest.raises(SpecError, match="budget.reserve"):
+        TuneOptions(reserve=-1)
+
+
+def test_the_rounds_use_the_reserve_to_decide(plan: Plan) -> None:
+    """On a noisy machine (trials alternate 20% slow and fast) with every round on top of the
+    search, the re-timing runs its three rounds; with the default reserve it had one."""
+    world = World(plan, flip=0.2)
+    roomy = Tuner(plan, TuneOptions.for_search(8, stop_probability=0.5)).run(world)
+    assert "in 3 round(s)" in roomy.stop_reason, roomy.stop_reason
+    assert sum(t.purpose == "search" for t in roomy.trials) <= 8
 
 
 def test_the_stop_rule_counts_every_untried_candidates_chance_together() -> None:
