@@ -22,7 +22,9 @@ tokens, fp32, rank 8, alpha 16) on 4 CPU devices, local Ray, real DeepSpeed tria
    (the first trial after Ray starts can time out on a loaded machine).
 3. The tuner, in the same run, with a budget of ``floor(25%)`` of the candidates (the
    target's limit: the candidates it tries; its re-timing trials of candidates already tried
-   come on top and are counted separately), default ``TuneOptions`` otherwise (its own stop
+   come on top and are counted separately: ``TuneOptions.for_search``, every re-timing round
+   on top, 9 trials at most, since 2026-11-26; one round, 3 trials, before), default
+   ``TuneOptions`` otherwise (its own stop
    rule may end it sooner), no prior trials (it never sees the exhaustive pass or its own
    earlier runs). ``--runs N`` runs it N times after the one exhaustive pass (seeds 0..N-1;
    the trials' noise differs between runs); the target holds when every run's pick does.
@@ -199,7 +201,7 @@ def run(args: argparse.Namespace, model: ModelSpec | None = None, training: Trai
     runs = []
     for n in range(args.runs):
         t0 = time.monotonic()
-        # the budget counts candidates tried; re-timing them comes on top (TuneOptions.retime_reserve)
+        # the budget counts candidates tried; every re-timing round comes on top
         options = TuneOptions.for_search(budget, seed=args.seed + n)
         result = Tuner(plan, options, runnable=refuse).run(runner, on_event=on_event)
         tried = {r.label for r in result.trials}
