@@ -151,8 +151,8 @@ class TuneOptions:
         """Options for a search of ``search_trials`` trials with every re-timing round on top
         (``retime`` x ``retime_rounds`` trials): the budget of a benchmark that counts the
         candidates tried, on a machine whose trial-to-trial noise needs the rounds."""
-        rounds = cls(max_trials=max(1, search_trials), **kwargs)
-        reserve = rounds.retime * rounds.retime_rounds if rounds.retime >= 2 else 0
+        probe = cls(**kwargs)
+        reserve = probe.retime * probe.retime_rounds if probe.retime >= 2 else 0
         return cls(max_trials=search_trials + reserve, reserve=reserve, **kwargs)
 
 
