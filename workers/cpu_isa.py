@@ -6,14 +6,28 @@ dies with SIGILL (``python -c "torch.ones(64, 64, dtype=torch.bfloat16) @ ..."``
 A rank that dies like that would be a failed trial that says nothing about the candidate,
 so every rank process gets ``ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16`` where, and only where,
 a one-off bf16 matmul in a child process proves AMX unusable.
+
+The answer is the node's (its CPU, its kernel since boot, this Python and torch), so it is
+probed once per node and kept in a file in the temp folder that every process of the node
+reads: ``RankProcess`` actors are fresh for every trial, and each of them probing (a torch
+import, ~1.5 CPU-seconds) cost a 4-rank tiny-llama trial on this 2-core machine a third of its
+time: 10.6-11.1 s of wall and 20.4-21.4 CPU-seconds per trial before, 6.8-7.3 s and 12.9-13.8
+after (``tests/benchmarks/trial_overhead.py``, 2026-11-26, two trees alternately).
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
+import hashlib
+import json
 import os
 import subprocess
 import sys
+import tempfile
+from importlib import metadata
+from pathlib import Path
 
 _PROBE = "import torch; a = torch.ones(64, 64, dtype=torch.bfloat16); (a @ a).sum().item()"
 SAFE_ISA = "AVX512_CORE_BF16"
@@ -27,14 +41,67 @@ def _advertises_amx() -> bool:
         return False
 
 
-@functools.cache
-def cpu_isa_env() -> dict[str, str]:
-    """Environment for a rank process on this node: empty unless AMX must be avoided."""
-    if "ONEDNN_MAX_CPU_ISA" in os.environ or not _advertises_amx():
-        return {}
+def _node_key() -> str:
+    """What the probe's answer depends on: this boot of the kernel, the Python, the torch."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot = "unknown-boot"
+    try:
+        torch_version = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        torch_version = "no-torch"
+    return hashlib.sha256(f"{boot}\0{sys.executable}\0{torch_version}\0{_PROBE}".encode()).hexdigest()[:16]
+
+
+def cache_path() -> Path:
+    """The node's answer, shared by its processes (the temp folder honours ``TMPDIR``)."""
+    return Path(tempfile.gettempdir()) / f"pipette-cpu-isa-{_node_key()}.json"
+
+
+def _read(path: Path) -> dict[str, str] | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None  # absent, or torn by a crash: probe again
+    env = data.get("env") if isinstance(data, dict) else None
+    if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
+        return None
+    return env
+
+
+def _probe() -> dict[str, str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     try:
         done = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, timeout=120)
     except subprocess.TimeoutExpired:
         return {"ONEDNN_MAX_CPU_ISA": SAFE_ISA}
     return {} if done.returncode == 0 else {"ONEDNN_MAX_CPU_ISA": SAFE_ISA}
+
+
+@functools.cache
+def cpu_isa_env() -> dict[str, str]:
+    """Environment for a rank process on this node: empty unless AMX must be avoided. The
+    first process of the node to ask probes (the others wait on a file lock) and writes the
+    answer for the rest; an unreadable answer is probed again."""
+    if "ONEDNN_MAX_CPU_ISA" in os.environ or not _advertises_amx():
+        return {}
+    path = cache_path()
+    cached = _read(path)
+    if cached is not None:
+        return cached
+    try:
+        lock = open(path.with_suffix(".lock"), "a")  # held until the answer is written
+    except OSError:
+        return _probe()  # an unwritable temp folder: probe in this process only
+    with contextlib.closing(lock):
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        cached = _read(path)  # another process may have probed while this one waited
+        if cached is not None:
+            return cached
+        env = _probe()
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        with contextlib.suppress(OSError):
+            tmp.write_text(json.dumps({"env": env}))
+            os.replace(tmp, path)
+        return env
