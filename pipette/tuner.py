@@ -122,11 +122,14 @@ class TuneOptions:
                 raise SpecError(f"is {value}", field=f"budget.{name}", fix="give a fraction in [0, 1), e.g. 0.02")
         if self.retries < 0:
             raise SpecError(f"is {self.retries}", field="budget.retries", fix="give 0 or more")
-        if self.retime < 0 or self.retime_rounds < 0:
-            raise SpecError(f"is {min(self.retime, self.retime_rounds)}", field="budget.retime",
-                            fix="give 0 or more contenders and rounds (0: no re-timing)")
-        if self.reserve is not None and self.reserve < 0:
-            raise SpecError(f"is {self.reserve}", field="budget.reserve", fix="give 0 or more trials")
+        for name in ("retime", "retime_rounds"):
+            if getattr(self, name) < 0:
+                raise SpecError(f"is {getattr(self, name)}", field=f"budget.{name}",
+                                fix="give 0 or more contenders and rounds (0: no re-timing)")
+        if self.reserve is not None and not 0 <= self.reserve < self.max_trials:
+            raise SpecError(f"is {self.reserve} of max_trials {self.max_trials}", field="budget.reserve",
+                            fix=f"keep 0 to {self.max_trials - 1} trials for re-timing (the rest search), "
+                                "or raise max_trials")
         if not 0.0 < self.confidence < 1.0:
             raise SpecError(f"is {self.confidence}", field="budget.confidence",
                             fix="give a fraction in (0, 1), e.g. 0.9")
@@ -141,7 +144,7 @@ class TuneOptions:
         if self.retime < 2 or self.retime_rounds < 1:
             return 0
         if self.reserve is not None:
-            return min(self.reserve, self.max_trials - 1)
+            return self.reserve
         if self.max_trials < 4:
             return 0
         return min(self.retime, max(2, self.max_trials // 4))
@@ -353,6 +356,9 @@ class Tuner:
         self.study = new_study(self.sampler, pruner)
         self.records: list[TrialRecord] = []
         self._replay(history)
+        #: re-timing done by this tuner so far (every ``retime`` call: the verdict names all)
+        self._retimed: set[str] = {r.label for r in self.records if r.purpose == "retime"}
+        self._rounds = 0
 
     # ---- the study, rebuilt from records ------------------------------------------------
     def _replay(self, history: Sequence[TrialRecord]) -> None:
@@ -537,7 +543,7 @@ class Tuner:
     ) -> str:
         """Re-time the contenders (module docstring) and return the stop reason with the
         verdict; "cancelled" when ``should_stop`` said so."""
-        rounds, retimed = 0, set()
+        rounds = 0
         first_seen: list[str] = []  # the rounds' order: a contender keeps its place
         while rounds < self.options.retime_rounds:
             # A round takes the best contenders the budget has room for (the pick first): with
@@ -547,7 +553,7 @@ class Tuner:
             contenders = self.contenders()[:room]
             if not contenders or (len(contenders) == 1 and rounds > 0):
                 break
-            retimed.update(contenders)
+            self._retimed.update(contenders)
             first_seen += [c for c in contenders if c not in first_seen]
             ordered = [c for c in first_seen if c in contenders]
             order = ordered if rounds % 2 == 0 else ordered[::-1]
@@ -555,13 +561,15 @@ class Tuner:
                 if self._retime_trial(label, runner, emit, should_stop) == "cancelled":
                     return "cancelled"
             rounds += 1
+            self._rounds += 1
         best, confidence = self.best, self.confidence()
         if best is None or confidence is None:
             return reason
         verdict = (f"pick {best.label}, {confidence:.0%} sure to be within {self.options.tolerance:.0%} "
                    "of the best tried")
-        if rounds:
-            verdict = f"re-timed {len(retimed)} contenders in {rounds} round(s): " + verdict
+        if self._retimed:  # this call's rounds and the earlier calls' (a search between them)
+            rounds_text = f" in {self._rounds} round(s)" if self._rounds else ""
+            verdict = f"re-timed {len(self._retimed)} contenders{rounds_text}: " + verdict
         return f"{reason}; {verdict}"
 
     def _retime_trial(

@@ -33,7 +33,7 @@ from pipette.memory import SAFETY_MARGIN
 from pipette.model import ModelSpec
 from pipette.plan import make_plan
 from pipette.training import TrainingSpec
-from pipette.tuner import TrialRecord, TuneOptions, Tuner
+from pipette.tuner import TrialRecord, Tuner
 from service.db import Database
 from service.errors import stored_error
 from service.leasekeeper import LeaseKeeper
@@ -44,6 +44,7 @@ from service.repositories import clusters as cluster_repo
 from service.repositories import events, trials
 from service.repositories.jobs import set_state
 from service.settings import Settings
+from service.specs import tune_options
 
 log = logging.getLogger("pipette.service")
 
@@ -154,17 +155,7 @@ class JobDriver:
             set_state(session, job, "running", plan=planned)
         self._check_interrupt()
 
-        budget = options.get("time_budget_s")
-        tune = TuneOptions(
-            max_trials=int(options["max_trials"]),
-            time_budget_s=None if budget is None else max(float(budget) - used, 1e-3),
-            tolerance=float(options["tolerance"]), stop_probability=float(options["stop_probability"]),
-            prune=bool(options["prune"]), prune_slower=float(options.get("prune_slower", 0.25)),
-            retries=int(options["retries"]), seed=int(options["seed"]),
-            # jobs stored before re-timing existed keep their defaults
-            retime=int(options.get("retime", 3)), retime_rounds=int(options.get("retime_rounds", 3)),
-            confidence=float(options.get("confidence", 0.9)),
-        )
+        tune = tune_options(options, used)
         tuner = Tuner(plan, tune, history=history, prior=prior, runnable=runner.refusals)
         self._charged_until = time.monotonic()
         try:

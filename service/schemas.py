@@ -150,9 +150,11 @@ class BudgetIn(StrictTypes):
     retries: int = Field(1, ge=0, le=5, description="reruns of a trial that failed or timed out")
     seed: int = Field(0, ge=0, le=2**31 - 1)
     retime: int = Field(3, ge=0, le=10, description="before the verdict, re-time the best this many candidates, "
-                        "interleaved (0: do not); a quarter of max_trials, at most one round "
-                        "(retime trials), is kept for it")
+                        "interleaved (0: do not); `reserve` trials of max_trials are kept for it")
     retime_rounds: int = Field(3, ge=0, le=10, description="re-timing rounds at most")
+    reserve: int | None = Field(None, ge=0, le=499, description="trials of max_trials kept for re-timing, below "
+                                "max_trials (default: a quarter of max_trials, at least 2, at most one round of "
+                                "`retime`); on a noisy cluster keep retime x retime_rounds")
     confidence: float = Field(0.9, gt=0, lt=1, description="stop re-timing once the pick is this sure to be "
                               "within the tolerance of the best tried")
     steps: int = Field(8, ge=1, le=1000, description="timed steps per trial at most")

@@ -64,8 +64,11 @@ def add_parser(sub: Any, add_recipe_flags: Any) -> None:
                    "by more than this fraction (default 0.02)")
     p.add_argument("--stop-probability", type=float, default=0.05, help="...with more than this chance (0.05)")
     p.add_argument("--retime", type=int, default=3, help="before the verdict, re-time the best this many "
-                   "candidates, interleaved (default 3; 0: do not; a quarter of --max-trials, at most one "
-                   "round, is kept for it)")
+                   "candidates, interleaved (default 3; 0: do not; --reserve trials are kept for it)")
+    p.add_argument("--retime-rounds", type=int, default=3, help="re-timing rounds at most (default 3)")
+    p.add_argument("--reserve", type=int, default=None, help="trials of --max-trials kept for re-timing (default: "
+                   "a quarter of --max-trials, at least 2, at most one round of --retime; on a noisy machine "
+                   "--retime x --retime-rounds)")
     p.add_argument("--steps", type=int, default=8, help="timed steps per trial at most (default 8)")
     p.add_argument("--trial-timeout", type=float, default=180.0, help="seconds before a trial is a timeout")
     p.add_argument("--data", help="a local JSONL of prompt/response pairs (default: synthetic tokens)")
@@ -100,8 +103,13 @@ def cmd_tune(args: argparse.Namespace) -> int:
     for name in ("max_trials", "steps", "devices"):
         if getattr(args, name) < 1:
             raise SpecError(f"is {getattr(args, name)}", field="--" + name.replace("_", "-"), fix="give 1 or more")
-    options = TuneOptions(max_trials=args.max_trials, time_budget_s=args.time_budget, tolerance=args.tolerance,
-                          stop_probability=args.stop_probability, seed=args.seed, retime=args.retime)
+    try:
+        options = TuneOptions(max_trials=args.max_trials, time_budget_s=args.time_budget, tolerance=args.tolerance,
+                              stop_probability=args.stop_probability, seed=args.seed, retime=args.retime,
+                              retime_rounds=args.retime_rounds, reserve=args.reserve)
+    except SpecError as e:  # name the flag, not the service's budget field
+        flag = {"time_s": "time-budget"}.get(name := (e.field or "").removeprefix("budget."), name.replace("_", "-"))
+        raise SpecError(e.message, field=f"--{flag}", fix=e.fix) from None
     model = load_model(args.model)
     training = load_recipe(args.recipe, _with_defaults(args))
     home = Path(args.home or os.environ.get("PIPETTE_HOME") or Path.home() / ".pipette")

@@ -40,7 +40,7 @@ from service.schemas import (
     TrialList,
 )
 from service.scripts import check_allowed, script_parts, stored
-from service.specs import model_spec, training_spec
+from service.specs import model_spec, training_spec, tune_options
 from service.views import as_json, job_out, job_url, trial_detail, trial_out, unserved_notice
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
@@ -62,6 +62,7 @@ def submit_job(body: JobIn, state: State, caller: Caller, response: Response) ->
     model = model_spec(body.model)
     training = training_spec(body.training)
     check_recipe(model, training)  # at submit, not when planning starts (issue 17, item 14)
+    tune_options(body.budget.model_dump())  # what the schema cannot check (a reserve below max_trials)
     script, files = script_parts(body.script) if body.script is not None else (None, None)
     with state.db.write() as session:
         cluster = cluster_repo.get_cluster(session, caller.tenant, body.cluster)

@@ -42,6 +42,21 @@ def test_a_sequence_longer_than_the_model_is_refused_before_profiling(tmp_path: 
     assert not (tmp_path / "home" / "profiles").exists()
 
 
+@pytest.mark.parametrize(("args", "words"), [
+    (["--max-trials", "6", "--reserve", "6"], "--reserve: is 6 of max_trials 6"),
+    (["--reserve", "-1"], "--reserve: is -1"),
+    (["--retime-rounds", "-2"], "--retime-rounds: is -2"),
+    (["--tolerance", "1.5"], "--tolerance: is 1.5"),
+    (["--time-budget", "0"], "--time-budget: is 0"),
+])
+def test_a_bad_budget_names_its_flag_before_profiling(tmp_path: Path, args: list[str], words: str) -> None:
+    done = tune(tmp_path, *args)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 1 and len(lines) == 1 and lines[0].startswith("pipette: error: "), done.stderr
+    assert words in lines[0] and "fix:" in lines[0], lines[0]
+    assert not (tmp_path / "home").exists()
+
+
 def _processes_with(marker: str) -> list[str]:
     """The command lines of live processes whose environment holds ``marker``."""
     out = []

@@ -179,6 +179,8 @@ BAD_JOBS: list[tuple[dict[str, Any], int, str]] = [
     ({"budget": {"tolerance": 1.5}}, 422, "budget.tolerance"),
     ({"budget": {"max_trials": "many"}}, 422, "budget.max_trials"),
     ({"budget": {"retime": -1}}, 422, "budget.retime"),
+    ({"budget": {"reserve": -1}}, 422, "budget.reserve"),
+    ({"budget": {"max_trials": 4, "reserve": 4}}, 422, "budget.reserve"),
     # issue 17, item 14: refused at submit, naming the field, not coerced nor failed at planning
     ({"training": {"global_batch": True, "seq_len": 32}}, 422, "training.global_batch"),
     ({"training": {"global_batch": 4, "seq_len": "32"}}, 422, "training.seq_len"),

@@ -679,6 +679,24 @@ def test_a_small_reserve_still_retimes_the_pick(plan: Plan) -> None:
     assert len(result.trials) == 5 and "re-timed 2 contenders" in result.stop_reason
 
 
+def test_the_verdict_names_the_retiming_of_earlier_calls(plan: Plan) -> None:
+    """The re-timing, a search again, then a verdict whose call had no room for a round: it
+    still says what was re-timed (a real run's verdict named none after 3 re-timing trials),
+    and so does a tuner resumed from the records."""
+    close = plan.ranked[:3]
+    history = [TrialRecord(i, p.config, Measurement("ok", (t, t, t), 1), p.perf, p.memory, p.perf.step_time)
+               for i, (p, t) in enumerate(zip(close, (1.00, 1.01, 1.02), strict=True))]
+    world = World(plan, trial_noise=0.0, offset=1.0 / close[0].perf.step_time, tp_penalty=0.0)
+    tuner = Tuner(plan, TuneOptions(max_trials=5, stop_probability=0.0), history=history)
+    first = tuner.retime(world, "search budget spent")
+    assert "re-timed 2 contenders in 1 round(s)" in first, first
+    again = tuner.retime(world, "trial budget spent")  # no room left: no round in this call
+    assert len(tuner.records) == 5
+    assert again.startswith("trial budget spent; re-timed 2 contenders in 1 round(s): pick "), again
+    resumed = Tuner(plan, tuner.options, history=tuner.records).retime(world, "trial budget spent")
+    assert resumed.startswith("trial budget spent; re-timed 2 contenders: pick "), resumed
+
+
 def test_a_candidate_timed_once_and_slow_is_retimed_before_one_timed_twice(plan: Plan) -> None:
     """The step times of a real CPU run (2026-11-26, run 3) after its first re-timing round:
     the best candidate (B) ran once, 26% slow; A has the same mean over two trials. The
@@ -709,6 +727,9 @@ def test_the_reserve_is_one_round_or_as_given(plan: Plan) -> None:
     assert TuneOptions.for_search(18, retime=0).max_trials == 18
     with pytest.raises(SpecError, match="budget.reserve"):
         TuneOptions(reserve=-1)
+    with pytest.raises(SpecError, match=r"budget.reserve: is 10 of max_trials 10.*keep 0 to 9 trials"):
+        TuneOptions(max_trials=10, reserve=10)
+    assert TuneOptions(max_trials=10, reserve=9).retime_reserve == 9
 
 
 def test_the_rounds_use_the_reserve_to_decide(plan: Plan) -> None:
