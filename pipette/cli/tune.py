@@ -108,7 +108,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
                               stop_probability=args.stop_probability, seed=args.seed, retime=args.retime,
                               retime_rounds=args.retime_rounds, reserve=args.reserve)
     except SpecError as e:  # name the flag, not the service's budget field
-        flag = {"time_s": "time-budget"}.get(name := (e.field or "").removeprefix("budget."), name.replace("_", "-"))
+        name = (e.field or "").removeprefix("budget.")
+        flag = "time-budget" if name == "time_s" else name.replace("_", "-")
         raise SpecError(e.message, field=f"--{flag}", fix=e.fix) from None
     model = load_model(args.model)
     training = load_recipe(args.recipe, _with_defaults(args))

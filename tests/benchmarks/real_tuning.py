@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import random
 import statistics
 import sys
 import time
@@ -267,8 +268,6 @@ def ground_truth_certainty(medians: dict[str, list[float]], picks: Sequence[str]
     from 0 and 1 (measured 2026-11-26: the exhaustive best was the best in 50% and 60% of
     resamples in two runs). The best of a resample is a minimum over every candidate's resampled
     median, biased low (the luckiest wins), so the shares within the tolerance are conservative."""
-    import random
-
     rng = random.Random(seed)
     data = {k: v for k, v in medians.items() if v}
     picks = list(dict.fromkeys(picks))  # runs often share a pick
@@ -327,8 +326,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--recompute", help="comma-separated modes, overrides the restriction")
     ap.add_argument("--schedules", help="comma-separated schedules, overrides the restriction")
     ap.add_argument("--limit", type=int, help="only the plan's first N runnable candidates (smoke run)")
-    # 4 x 4 since 2026-11-26 (3 x 2 before): with trials ~0.6x the wall time the ground truth can
-    # afford it, and with 3 x 2 its best was the best in only 50% of bootstrap resamples
+    # 4 x 4 since 2026-11-26 (3 x 2 before): trials are cheaper since (tests/benchmarks/trial_overhead.py)
+    # and with 3 x 2 the ground truth's best was the best in only 50% of bootstrap resamples
     ap.add_argument("--top", type=int, default=4, help="exhaustive top candidates to repeat (default 4)")
     ap.add_argument("--repeats", type=int, default=4, help="extra interleaved rounds of them (default 4)")
     ap.add_argument("--steps", type=int, default=8, help="timed steps per trial at most (default 8)")

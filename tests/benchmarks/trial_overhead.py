@@ -11,15 +11,18 @@ last step event), the step time the runner measured, and the CPU-seconds the who
 spent (``/proc/stat``), so set-up work done in parallel shows as well. The first trial
 starts Ray's workers and the node's zygote: it is reported apart and left out of the medians.
 
-A before/after comparison runs this file in two trees one after another, alternately
-(``PYTHONPATH`` set to the tree): the figures to compare are medians of the same machine's
-hour, and load moves, so read the ratio, not the seconds.
+A before/after comparison runs this file in two trees one after another, alternately, each
+from its own tree as the working directory (``cd TREE && PYTHONPATH=TREE python
+tests/benchmarks/trial_overhead.py``): Ray's workers import ``workers/`` from the driver's
+working directory, so ``PYTHONPATH`` alone leaves the actors on the other tree's code. Load
+moves, so read the ratio of medians taken in the same hour, not the seconds.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -35,8 +38,6 @@ DEFAULT = "tp1-pp1-dp4-mbs4-z1-rc:none-1f1b"
 
 def cpu_seconds() -> float:
     """Busy CPU-seconds of the whole machine since boot (every field but idle and iowait)."""
-    import os
-
     with open("/proc/stat") as f:
         fields = [int(x) for x in f.readline().split()[1:]]
     busy = sum(fields) - fields[3] - fields[4]
@@ -47,12 +48,13 @@ def run(trials: int, candidate: str) -> dict[str, Any]:
     from pipette.clusterfile import load_cluster
     from pipette.model import ModelSpec
     from pipette.plan import make_plan
-    from pipette.training import LoraSpec, TrainingSpec
+    from tests.benchmarks.real_tuning import recipe
     from workers.ray_cluster import ensure_ray
     from workers.runner import RayTrialRunner
 
     model = ModelSpec.preset("tiny-llama")
-    training = TrainingSpec(global_batch=16, seq_len=128, dtype="fp32", method="lora", lora=LoraSpec(rank=8, alpha=16))
+    # the real-tuning benchmark's recipe, its full space (the default candidate is in any)
+    training = recipe(argparse.Namespace(wide=True, micro_batches=None, zero=None, recompute=None, schedules=None))
     cluster = load_cluster(ROOT / "examples" / "clusters" / "cpu-4.yaml")
     plan = make_plan(model, training, cluster, seed=0)
     by_label = {p.config.label: p for p in plan.ranked}
