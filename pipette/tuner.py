@@ -23,7 +23,8 @@ When the repeats show more trial-to-trial noise than the stop rule assumed, an u
 candidate may have a chance again: the search goes on, and re-times again before it stops.
 The pick is the candidate with the best mean log step time over its ok trials, and the result
 says how sure it is (``Tuner.confidence``): the probability, under the measured
-trial-to-trial noise, that the pick is within ``tolerance`` of the best candidate tried; and
+trial-to-trial noise (Student-t while its repeats are few: ``Tuner._pairwise``), that the pick
+is within ``tolerance`` of the best candidate tried; and
 (``Tuner.confidence_overall``) that it is within ``tolerance`` of every candidate, the untried
 ones under the learned model.
 A trial that fails for another reason than memory (``failed``, ``timeout``) is retried
@@ -53,12 +54,12 @@ from typing import Any, Protocol
 
 import optuna
 from optuna.trial import TrialState
-from scipy.stats import norm
+from scipy.stats import t as student_t
 
 from pipette.config import ParallelConfig
 from pipette.errors import InfeasibleError, SpecError
 from pipette.estimates import MemoryEstimate, PerfEstimate
-from pipette.learned import Observation
+from pipette.learned import NOISE_PRIOR_DOF, Observation
 from pipette.measurement import Measurement, last_error_line
 from pipette.model import ModelSpec
 from pipette.plan import Plan, Planned
@@ -401,18 +402,25 @@ class Tuner:
     def _pairwise(self) -> dict[str, float]:
         """Per other tried candidate: the probability that the pick is within the tolerance
         of it (its mean log step time less than ``log(1 + tolerance)`` above the other's),
-        under the measured trial-to-trial noise."""
+        under the measured trial-to-trial noise.
+
+        That noise is itself estimated, from few repeats: its posterior (a scaled inverse-chi^2
+        with the prior's and the repeats' degrees of freedom, ``learned.trial_noise``) makes the
+        difference of two means Student-t, not normal (Gelman et al., *Bayesian Data Analysis*,
+        3rd ed., sec. 3.2: the marginal posterior of a normal mean with unknown variance), with
+        heavier tails while the repeats are few."""
         means = measured_means(self.study)
         pick = self.best
         if pick is None:
             return {}
-        noise = self.sampler.learned(self.study).trial_noise_sd
+        learned = self.sampler.learned(self.study)
+        noise, dof = learned.trial_noise_sd, NOISE_PRIOR_DOF + learned.noise_dof
         mp, n_p = means[pick.label]
         out = {}
         for label, (m, n) in means.items():
             if label != pick.label:
                 se = noise * math.sqrt(1.0 / n_p + 1.0 / n)
-                out[label] = float(norm.cdf((m + math.log(1.0 + self.options.tolerance) - mp) / se))
+                out[label] = float(student_t.cdf((m + math.log(1.0 + self.options.tolerance) - mp) / se, dof))
         return out
 
     def confidence(self) -> float | None:

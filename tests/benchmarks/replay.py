@@ -24,7 +24,8 @@ cannot reach them, the model-free baselines can.
 
 A trial of a measured configuration replays it: ``ok`` rows give one warm-up step and
 ``STEPS`` timed steps of the measured step time times ``exp(TRIAL_NOISE_SD * N(0, 1))`` (one
-draw per trial: the run-to-run spread of one configuration that its own steps cannot show)
+draw per trial: the run-to-run spread of one configuration that its own steps cannot show;
+``--trial-noise`` sets it, e.g. 0.08 for this 2-core machine's 4-rank CPU trials)
 times ``1 + NOISE_SD * N(0, 1)`` per step (deterministic per seed, configuration and the
 how-many-th trial of it), with the measured peak memory (Ultra-Scale's
 ``gpu_mem_gb``; ``--no-peak-memory`` leaves it out). The data do not say whether a failed
@@ -270,6 +271,9 @@ class Trace:
 class ReplayRunner:
     """A ``TrialRunner`` whose trials are the group's measured runs (module docstring)."""
 
+    #: the trial-to-trial spread (log sd) of every runner; ``--trial-noise`` sets it
+    trial_noise_sd: float = TRIAL_NOISE_SD
+
     def __init__(self, group: Group, seed: int, trace: Trace, peak_memory: bool = True,
                  calls: dict[Key, int] | None = None) -> None:
         self.group, self.seed, self.trace, self.peak_memory = group, seed, trace, peak_memory
@@ -291,7 +295,7 @@ class ReplayRunner:
             error = "rank 0 ran out of memory" if truth.status == "oom" else "rank 0 exited with status 1"
             return Measurement(truth.status, tokens_per_step=self.tokens, error=error)  # type: ignore[arg-type]
         rng = np.random.default_rng([self.seed, zlib.crc32(config.label.encode()), self.calls[key_of(config)]])
-        trial = truth.step_time * math.exp(TRIAL_NOISE_SD * float(rng.standard_normal()))
+        trial = truth.step_time * math.exp(self.trial_noise_sd * float(rng.standard_normal()))
         on_step(StepProgress(0, trial * 1.3, True))
         times: list[float] = []
         for i in range(STEPS):
@@ -684,6 +688,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--no-peak-memory", action="store_true", help="replay ok trials without their measured peak")
     ap.add_argument("--distort", type=int, metavar="SEED",
                     help="stress test: distort the analytic predictions per regime (module docstring), seeded")
+    ap.add_argument("--trial-noise", type=float, default=TRIAL_NOISE_SD, metavar="SD",
+                    help=f"trial-to-trial spread of one configuration, log sd (default {TRIAL_NOISE_SD})")
     ap.add_argument("--out", help="write every run's figures and the tables as JSON here")
     ap.add_argument("--check", action="store_true", help="exit 1 when a target is missed")
     ap.add_argument("--quiet", action="store_true", help="no per-group progress on stderr")
@@ -693,6 +699,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise SpecError(f"is {args.seeds}", field="--seeds", fix="give 1 or more")
         if args.budget < 1:
             raise SpecError(f"is {args.budget}", field="--budget", fix="give 1 or more")
+        if not 0 <= args.trial_noise <= 1:
+            raise SpecError(f"is {args.trial_noise}", field="--trial-noise",
+                            fix="give a log sd between 0 and 1, e.g. 0.02 (a quiet GPU cluster) or 0.08")
+        ReplayRunner.trial_noise_sd = args.trial_noise
         methods = [m.strip() for m in args.methods.split(",") if m.strip()]
         unknown = [m for m in methods if m not in METHODS]
         if unknown or not methods:
@@ -715,6 +725,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     result = tables(runs, args.budget)
     print(f"Replay on real measurements: {len(groups)} groups, {args.seeds} seeds, budget {args.budget} trials"
           + (f", analytic prior distorted (seed {args.distort})" if args.distort is not None else "")
+          + (f", trial noise {args.trial_noise:g}" if args.trial_noise != TRIAL_NOISE_SD else "")
           + f" ({time.perf_counter() - start:.0f} s)")
     for scope, table in result.items():
         n = len({r.group for r in runs if scope == "overall" or r.source == scope})
@@ -731,7 +742,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"targets ({scope}): " + ("all met" if not missed else f"{len(missed)} missed"))
     if out_path is not None:
         payload = {"budget": args.budget, "seeds": args.seeds, "within": WITHIN, "noise_sd": NOISE_SD,
-                   "trial_noise_sd": TRIAL_NOISE_SD, "distort": args.distort,
+                   "trial_noise_sd": args.trial_noise, "distort": args.distort,
                    "steps": STEPS, "oom_fraction": OOM_FRACTION, "peak_memory": not args.no_peak_memory,
                    "tables": result, "targets": lines, "runs": [r.to_dict() for r in runs]}
         out_path.write_text(json.dumps(payload, indent=1))

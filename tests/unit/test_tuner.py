@@ -752,3 +752,30 @@ def test_the_stop_rule_counts_every_untried_candidates_chance_together() -> None
     assert chance_any_beats([0.03]) == pytest.approx(0.03)
     assert chance_any_beats([]) == 0.0
     assert chance_any_beats([1.2, -0.1]) == 1.0  # out-of-range chances are clipped, not trusted
+
+
+def test_the_confidence_widens_while_the_noise_is_measured_from_few_repeats(plan: Plan) -> None:
+    # Two candidates, each timed twice; the pick 6% faster on the means. The noise is estimated
+    # from those two pairs of repeats (2 degrees of freedom, plus the prior's 2): the difference
+    # of the means is Student-t with 4 degrees of freedom, not normal (BDA3 sec. 3.2).
+    from scipy.stats import norm
+    from scipy.stats import t as student_t
+
+    from pipette.learned import NOISE_PRIOR_DOF, trial_noise
+
+    a, b = plan.ranked[0], plan.ranked[1]
+
+    def rec(n: int, p: Planned, t: float) -> TrialRecord:
+        return TrialRecord(n, p.config, Measurement("ok", (t, t, t), 1), p.perf, p.memory, p.perf.step_time)
+
+    history = [rec(0, a, 1.00), rec(1, b, 1.04), rec(2, a, 0.92), rec(3, b, 1.02)]
+    tuner = Tuner(plan, TuneOptions(max_trials=8), history=history)
+    sd, dof = trial_noise([r.observation() for r in history])
+    assert dof == 2
+    gap = math.log(1.0 + tuner.options.tolerance) + (math.log(1.04) + math.log(1.02)) / 2 \
+        - (math.log(1.00) + math.log(0.92)) / 2
+    z = gap / (sd * math.sqrt(1 / 2 + 1 / 2))
+    assert tuner.best is not None and tuner.best.label == a.config.label
+    assert tuner.confidence() == pytest.approx(float(student_t.cdf(z, NOISE_PRIOR_DOF + dof)), rel=1e-9)
+    # the normal would claim more than the few repeats support
+    assert tuner.confidence() < float(norm.cdf(z)) - 0.01
