@@ -702,7 +702,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not 0 <= args.trial_noise <= 1:
             raise SpecError(f"is {args.trial_noise}", field="--trial-noise",
                             fix="give a log sd between 0 and 1, e.g. 0.02 (a quiet GPU cluster) or 0.08")
-        ReplayRunner.trial_noise_sd = args.trial_noise
         methods = [m.strip() for m in args.methods.split(",") if m.strip()]
         unknown = [m for m in methods if m not in METHODS]
         if unknown or not methods:
@@ -718,7 +717,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         start = time.perf_counter()
         groups = load_groups(directory, args.source or SOURCES, args.group, args.distort)
-        runs = run_all(groups, args.seeds, args.budget, methods, not args.no_peak_memory, progress=not args.quiet)
+        ReplayRunner.trial_noise_sd = args.trial_noise
+        try:
+            runs = run_all(groups, args.seeds, args.budget, methods, not args.no_peak_memory, progress=not args.quiet)
+        finally:
+            ReplayRunner.trial_noise_sd = TRIAL_NOISE_SD
     except PipetteError as e:
         print(f"replay: {e}", file=sys.stderr)
         return 2

@@ -120,6 +120,22 @@ def test_the_replayed_trial_is_the_measured_one(group: replay.Group) -> None:
     assert replay.ReplayRunner(group, 0, trace).replay(bad).status == group.truths[bad].status
 
 
+def test_the_trial_noise_flag_sets_the_spread_between_trials(group: replay.Group) -> None:
+    ok = next(k for k, t in group.truths.items() if t.status == "ok")
+    quiet = replay.ReplayRunner(group, 0, replay.Trace("quiet")).replay(ok)
+    try:
+        replay.ReplayRunner.trial_noise_sd = 0.2
+        loud = replay.ReplayRunner(group, 0, replay.Trace("loud")).replay(ok)
+    finally:
+        replay.ReplayRunner.trial_noise_sd = replay.TRIAL_NOISE_SD
+    truth = group.truths[ok].step_time
+    assert quiet.step_time is not None and loud.step_time is not None and truth is not None
+    # the same draw, ten times the spread: the trial's level moves ten times as far (in logs)
+    assert math.isclose(math.log(loud.step_time / truth), 10 * math.log(quiet.step_time / truth), rel_tol=0.1,
+                        abs_tol=0.02)
+    assert abs(math.log(loud.step_time / truth)) > 0.05
+
+
 def test_the_tuner_stops_with_a_pick_and_a_confidence(result: dict[str, Any]) -> None:
     tuner = next(r for r in result["runs"] if r["method"] == "tuner")
     assert tuner["would_stop"] is not None and tuner["regret_at_stop"] is not None
@@ -147,7 +163,8 @@ def test_the_distorted_prior_moves_predictions_not_truths(group: replay.Group) -
 @pytest.mark.parametrize(
     ("argv", "flag"),
     [(["--methods", "tuner,bogus"], "--methods"), (["--seeds", "0"], "--seeds"),
-     (["--group", "9B/1"], "--group"), (["--out", "/nonexistent/dir/x.json"], "--out")],
+     (["--group", "9B/1"], "--group"), (["--out", "/nonexistent/dir/x.json"], "--out"),
+     (["--trial-noise", "-0.1"], "--trial-noise"), (["--trial-noise", "2"], "--trial-noise")],
 )
 def test_bad_flags_name_the_flag(argv: list[str], flag: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert replay.main(["--source", "ultrascale", *argv, "--quiet"]) == 2

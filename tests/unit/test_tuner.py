@@ -755,7 +755,7 @@ def test_the_stop_rule_counts_every_untried_candidates_chance_together() -> None
 
 
 def test_the_confidence_widens_while_the_noise_is_measured_from_few_repeats(plan: Plan) -> None:
-    # Two candidates, each timed twice; the pick 6% faster on the means. The noise is estimated
+    # Two candidates, each timed twice; the pick ~7% faster on the means. The noise is estimated
     # from those two pairs of repeats (2 degrees of freedom, plus the prior's 2): the difference
     # of the means is Student-t with 4 degrees of freedom, not normal (BDA3 sec. 3.2).
     from scipy.stats import norm
