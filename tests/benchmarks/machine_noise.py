@@ -58,10 +58,6 @@ def measure(seconds: float, window: float, size: int = 256, per_batch: int = 10)
     }
 
 
-def _worker(args: tuple[float, float]) -> dict[str, Any]:
-    return measure(*args)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--seconds", type=float, default=60.0, help="how long to measure (default 60)")
@@ -79,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         outs = [measure(args.seconds, args.window)]
     else:
         with multiprocessing.get_context("spawn").Pool(args.processes) as pool:
-            outs = pool.map(_worker, [(args.seconds, args.window)] * args.processes)
+            outs = pool.starmap(measure, [(args.seconds, args.window)] * args.processes)
     for i, out in enumerate(outs):
         print(f"process {i}: window medians (ms): " + " ".join(f"{w:.2f}" for w in out["windows_ms"]))
         print(f"  {len(out['windows_ms'])} windows: max/min {out['max_over_min']:.3f}, "
