@@ -63,10 +63,20 @@ H100_MAX_FRACTION = 0.672  # Ultra-Scale H100 set (healthy rows)
 H100_HALF_FLOPS = 5.06e10  # Ultra-Scale H100 set (healthy rows)
 # Hill exponent of the curve, shared by the families (both sets).
 STEEPNESS = 1.20
-# Devices of no calibrated family (and CPU workers, whose peak comes from the probe):
-# the A100 curve, the best-documented one, is the neutral default.
+# GPUs of no calibrated family: the A100 curve, the best-documented one, is the neutral default.
 DEFAULT_MAX_FRACTION = A100_MAX_FRACTION
 DEFAULT_HALF_FLOPS = A100_HALF_FLOPS
+# CPU workers before the probe has measured them (a cluster file's ``preset: cpu``): a core
+# fills its vector units with a far smaller GEMM than a GPU its SMs. Fitted (least squares on
+# the log) to one thread's fp32 torch.matmul of n^3 squares, n = 8-1024, on a 2-core AMD EPYC
+# VM (tests/benchmarks/cpu_gemm.py, 2026-11-26; results/cpu-2026-11-26c/cpu_gemm.txt): half of
+# the best rate (102 GFLOP/s) at 1.8e5 FLOPs (a 45^3 GEMM), within 2% of every measured point
+# (an earlier run of the same script on the same machine: 0.92, 1.79e5, 0.98). With the GPU
+# curve (half at 1.27e10 FLOPs) the tiny-llama test model's GEMMs were put at 0.004% of the
+# peak and a 0.09 s step was predicted at 290 s.
+CPU_MAX_FRACTION = 0.980
+CPU_HALF_FLOPS = 1.84e5
+CPU_STEEPNESS = 0.96
 
 
 #: bf16 matmul throughput of one H100 80GB HBM3 as the probe measured it (workers.probe_rank,
@@ -79,7 +89,10 @@ H100_MEASURED_BF16: tuple[tuple[float, float], ...] = (
 
 
 def family(device: DeviceSpec) -> str:
-    """The calibrated device family: ``a100``, ``h100`` (H100 and H200: same SMs) or ``other``."""
+    """The calibrated device family: ``a100``, ``h100`` (H100 and H200: same SMs), ``cpu`` or
+    ``other``."""
+    if device.kind == "cpu":
+        return "cpu"
     if device.kind != "gpu":
         return "other"
     name = device.name.upper()
@@ -97,6 +110,8 @@ def default_curve(device: DeviceSpec) -> EfficiencyCurve:
         curve = EfficiencyCurve(A100_MAX_FRACTION, A100_HALF_FLOPS, STEEPNESS)
     elif fam == "h100":
         curve = EfficiencyCurve(H100_MAX_FRACTION, H100_HALF_FLOPS, STEEPNESS)
+    elif fam == "cpu":
+        curve = EfficiencyCurve(CPU_MAX_FRACTION, CPU_HALF_FLOPS, CPU_STEEPNESS)
     else:
         curve = EfficiencyCurve(DEFAULT_MAX_FRACTION, DEFAULT_HALF_FLOPS, STEEPNESS)
     if device.efficiency:

@@ -184,6 +184,20 @@ def test_cpu_devices_get_finite_predictions() -> None:
         assert all(math.isfinite(v) for v in est.breakdown.values())
 
 
+def test_an_unprobed_cpu_device_is_not_given_a_gpus_efficiency_curve() -> None:
+    # a cluster file's `preset: cpu` before any probe: one thread's fp32 matmul reaches half
+    # its best rate at a 45^3 GEMM (tests/benchmarks/cpu_gemm.py), a GPU at 1.27e10 FLOPs
+    curve = default_curve(cpu_device(2**30))
+    assert float(curve(2 * 64**3)) > 0.5  # measured: 0.65 of the best rate
+    assert float(curve(2 * 16**3)) < 0.1  # measured: 0.04
+    # the tiny Llama of the examples, 8 x 64 tokens on 4 CPU workers: its steps take 0.08-0.35 s
+    # on a 2-core machine (4 ranks on 2 cores, DeepSpeed's overhead); the GPU curve said 290 s
+    tiny = ModelSpec.preset("tiny-llama")
+    tr = TrainingSpec(global_batch=8, seq_len=64, dtype="fp32")
+    c = homogeneous_cluster(cpu_device(5 * 2**30), 1, 4, 2 * GB, 2 * GB)
+    assert 0.003 < estimate_perf(tiny, tr, cfg(dp=4, global_batch=8, mbs=2), c).step_time < 1.0
+
+
 def test_efficiency_curve_saturates_and_uses_measured_points() -> None:
     curve = EfficiencyCurve(0.8, 1e9)
     small, half, big = curve(np.array([1e7, 1e9, 1e13]))
