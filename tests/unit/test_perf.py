@@ -188,8 +188,8 @@ def test_an_unprobed_cpu_device_is_not_given_a_gpus_efficiency_curve() -> None:
     # a cluster file's `preset: cpu` before any probe: one thread's fp32 matmul reaches half
     # its best rate at a 45^3 GEMM (tests/benchmarks/cpu_gemm.py), a GPU at 1.27e10 FLOPs
     curve = default_curve(cpu_device(2**30))
-    assert float(curve(2 * 64**3)) > 0.5  # measured: 0.65 of the best rate
-    assert float(curve(2 * 16**3)) < 0.1  # measured: 0.04
+    assert float(curve(2 * 64**3)) > 0.5  # measured: 0.66-0.71 of the best rate (two runs)
+    assert float(curve(2 * 16**3)) < 0.1  # measured: 0.04-0.05
     # the tiny Llama of the examples, 8 x 64 tokens on 4 CPU workers: its steps take 0.08-0.35 s
     # on a 2-core machine (4 ranks on 2 cores, DeepSpeed's overhead); the GPU curve said 290 s
     tiny = ModelSpec.preset("tiny-llama")
