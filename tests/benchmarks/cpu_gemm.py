@@ -13,15 +13,21 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import platform
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
-import numpy as np
-import torch
-from scipy.optimize import least_squares
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from scipy.optimize import least_squares  # noqa: E402
+
+from pipette.efficiency import EfficiencyCurve  # noqa: E402
+from tests.benchmarks.machine_noise import cpu_model  # noqa: E402
 
 SIZES = (8, 16, 32, 64, 128, 256, 512, 1024)
 
@@ -41,16 +47,15 @@ def rate(n: int, flops_per_timing: float = 2e8, timings: int = 5) -> float:
     return flops / best
 
 
-def fit(flops: Sequence[float], fraction: Sequence[float]) -> tuple[float, float, float]:
-    """(max_fraction, half_flops, steepness), least squares on the log of the fraction."""
+def fit(flops: Sequence[float], fraction: Sequence[float]) -> EfficiencyCurve:
+    """The curve, least squares on the log of the fraction (``log10(half_flops)`` fitted)."""
     x, y = np.asarray(flops), np.asarray(fraction)
 
     def residual(p: np.ndarray) -> np.ndarray:
-        r = (x / 10 ** p[1]) ** p[2]
-        return np.asarray(np.log(p[0] * r / (1 + r)) - np.log(y))
+        return np.asarray(np.log(EfficiencyCurve(p[0], 10 ** p[1], p[2])(x)) - np.log(y))
 
     res = least_squares(residual, [1.0, 5.0, 1.2])
-    return float(res.x[0]), float(10 ** res.x[1]), float(res.x[2])
+    return EfficiencyCurve(float(res.x[0]), float(10 ** res.x[1]), float(res.x[2]))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -62,19 +67,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("cpu_gemm: --threads is below 1: give 1 or more", file=sys.stderr)
         return 2
     torch.set_num_threads(args.threads)
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
+    cpu = cpu_model()
     print(f"{cpu}, {args.threads} thread(s), torch {torch.__version__}")
     points = [(2.0 * n**3, rate(n)) for n in SIZES]
     best = max(r for _, r in points)
-    mf, half, steep = fit([f for f, _ in points], [r / best for _, r in points])
+    curve = fit([f for f, _ in points], [r / best for _, r in points])
     for n, (f, r) in zip(SIZES, points, strict=True):
-        model = mf * (f / half) ** steep / (1 + (f / half) ** steep)
-        print(f"{n:5d}^3  {f:9.3g} FLOPs  {r / 1e9:7.2f} GFLOP/s  {r / best:6.3f} of the best  fit {model:6.3f}")
-    print(f"fit: max_fraction {mf:.3f}, half_flops {half:.3g}, steepness {steep:.2f} (best {best / 1e9:.1f} GFLOP/s)")
+        print(f"{n:5d}^3  {f:9.3g} FLOPs  {r / 1e9:7.2f} GFLOP/s  {r / best:6.3f} of the best  "
+              f"fit {float(curve(f)):6.3f}")
+    print(f"fit: max_fraction {curve.max_fraction:.3f}, half_flops {curve.half_flops:.3g}, "
+          f"steepness {curve.steepness:.2f} (best {best / 1e9:.1f} GFLOP/s)")
     if args.json:
+        fitted = {"max_fraction": curve.max_fraction, "half_flops": curve.half_flops, "steepness": curve.steepness}
         Path(args.json).write_text(json.dumps({"cpu": cpu, "threads": args.threads, "points": points,
-                                               "fit": {"max_fraction": mf, "half_flops": half, "steepness": steep}}))
+                                               "fit": fitted}))
     return 0
 
 
