@@ -53,6 +53,10 @@ POLL_S = 0.1
 LOST_AFTER_S = 10.0
 #: how long Ray may take to place a trial's ranks
 PLACE_TIMEOUT_S = 60
+#: a script's rank that reported its end is given this long to exit; one still in its teardown
+#: then is stopped and the trial kept (a process that skips ``destroy_process_group`` can hang or
+#: abort there: gloo's threads outlive the interpreter, pytorch/pytorch#190489)
+EXIT_GRACE_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -219,6 +223,7 @@ def _run(
     outcome: Outcome | None = None
     exit_notes: dict[int, str] = {}
     unavailable: dict[int, float] = {}
+    all_done_at: float | None = None
     while outcome is None:
         polled, lost = _poll(actors, unavailable)
         if lost:
@@ -263,13 +268,14 @@ def _run(
             outcome = Outcome("failed", ignored)
         elif ooms:
             outcome = Outcome("oom")
-        elif script and len(codes) == world and events.all_done():
-            # Every rank reported its end, then one died at exit (gloo's and DeepSpeed's threads
-            # can abort the interpreter's teardown on CPU): the measurement is whole.
+        elif script and events.all_done() and (len(codes) == world or _past(all_done_at, EXIT_GRACE_S)):
+            # Every rank reported its end; one that then died at exit, or still lingers in it, does
+            # not spoil the measurement: the measurement is whole.
             outcome = Outcome("ok")
-            if any(codes.values()):
-                exit_notes = {r: _exit_text(c) for r, c in codes.items() if c}
-        elif any(c != 0 for c in codes.values()):
+            exit_notes = {r: _exit_text(c) for r, c in codes.items() if c}
+            exit_notes |= {r: f"had not exited {EXIT_GRACE_S:g} s after its end: stopped"
+                           for r in range(world) if r not in codes}
+        elif any(c != 0 and not (script and events.rank_done(r)) for r, c in codes.items()):
             time.sleep(0.5)  # let the other ranks' last lines (an oom report) and exits arrive
             for rank, (lines, code) in enumerate(_poll(actors, unavailable)[0]):
                 ooms += [e for e in map(json.loads, lines) if e.get("event") == "oom"]
@@ -278,7 +284,8 @@ def _run(
             if ooms:
                 outcome = Outcome("oom")
             else:
-                rank, code = _root_cause(codes)
+                # the cause is a rank that failed before its end, not one that aborted after it
+                rank, code = _root_cause({r: c for r, c in codes.items() if not (script and events.rank_done(r))})
                 tail = ray.get(actors[rank].output_tail.remote(), timeout=30)
                 head = f"{where(rank)} {_exit_text(code)}"
                 if script and SCRIPT_OOM.search(tail):
@@ -289,6 +296,9 @@ def _run(
                     head = f"{gone} became unreachable (node down?); then {head}"
                 outcome = Outcome("failed", f"{head}\n{tail[-4000:]}",
                                    lost=tuple(sorted({hosts[r] for r in unavailable})))
+        elif script and events.all_done():
+            all_done_at = all_done_at or time.monotonic()
+            time.sleep(POLL_S)
         elif len(codes) == world and (script or len(done) == world):
             outcome = Outcome("ok")
         elif time.monotonic() - start > timeout_s:
@@ -350,6 +360,10 @@ def _root_cause(codes: dict[int, int]) -> tuple[int, int]:
     that exited non-zero."""
     failed = sorted((r, c) for r, c in codes.items() if c != 0)
     return next(((r, c) for r, c in failed if c < 0), failed[0])
+
+
+def _past(since: float | None, seconds: float) -> bool:
+    return since is not None and time.monotonic() - since >= seconds
 
 
 def _exit_text(code: int) -> str:

@@ -82,9 +82,13 @@ class ScriptEvents:
     def of(self, rank: int, kind: str) -> list[dict[str, Any]]:
         return [e for e in self.by_rank.get(rank, []) if e.get("event") == kind]
 
+    def rank_done(self, rank: int) -> bool:
+        """The rank reported its end (through ``pipette.report`` or its DeepSpeed engine)."""
+        return bool(self.of(rank, "done") or self.of(rank, "ds_done"))
+
     def all_done(self) -> bool:
-        """Every rank reported its end (through ``pipette.report`` or its DeepSpeed engine)."""
-        return all(self.of(r, "done") or self.of(r, "ds_done") for r in range(self.world))
+        """Every rank reported its end."""
+        return all(self.rank_done(r) for r in range(self.world))
 
     def steps_seen(self) -> int:
         return max((len(self.of(0, k)) for k in ("step", "ds_step")), default=0)

@@ -15,6 +15,7 @@ from pipette.config import ParallelConfig
 from pipette.model import ModelSpec
 from pipette.script import ScriptSpec
 from pipette.training import TrainingSpec
+from workers import executor
 from workers.executor import run_trial
 from workers.spec import TrialSpec
 
@@ -41,6 +42,26 @@ def test_a_script_that_reports_is_timed_by_its_reports_and_stops_when_told() -> 
     assert len(m.step_times) == 3 and all(t > 0 for t in m.step_times)
     assert len(m.losses) == 5  # 2 warm-up + 3 timed steps, then the script stopped (its --steps is 1000)
     assert seen[:5] == [0, 1, 2, 3, 4]
+
+
+def test_a_rank_that_aborts_after_its_end_while_the_others_still_exit_keeps_the_measurement() -> None:
+    """CI saw rank 0 of this script die by SIGABRT at exit (gloo's threads outliving the
+    interpreter, as without ``destroy_process_group``) before rank 1 had exited: the trial failed
+    though both had reported their end. Here rank 0 aborts at once and rank 1 exits 2 s later."""
+    m = run_trial(_trial(["python", "ds_tiny.py", "--abort-after-done", "0"]), timeout_s=240)
+    assert m.status == "ok", m.error
+    assert len(m.step_times) == 3
+    assert m.extra["exit_after_done"] == {"0": "was killed by SIGABRT"}
+
+
+def test_a_rank_that_hangs_after_its_end_is_stopped_and_the_measurement_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(executor, "EXIT_GRACE_S", 3.0)
+    t0 = time.monotonic()
+    m = run_trial(_trial(["python", "ds_tiny.py", "--linger-after-done", "1"]), timeout_s=240)
+    assert m.status == "ok", m.error
+    assert len(m.step_times) == 3
+    assert m.extra["exit_after_done"] == {"1": "had not exited 3 s after its end: stopped"}
+    assert time.monotonic() - t0 < 120
 
 
 def test_a_script_that_does_not_report_is_timed_by_its_deepspeed_engine_and_ended_after_its_steps() -> None:

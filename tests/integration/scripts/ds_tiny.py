@@ -1,16 +1,22 @@
 """A small DeepSpeed training loop for the script-trial tests: an MLP on a learnable target.
 
     ds_tiny.py --deepspeed_config CFG [--steps N] [--no-report] [--own-batch B] [--crash-at S]
+               [--abort-after-done R] [--linger-after-done R]
 
 --no-report: never calls pipette.report (timed by its DeepSpeed engine only);
 --own-batch: ignores the config's batch sizes and trains B sequences a step;
---crash-at: raises at step S (before it with S=0: before the first step).
+--crash-at: raises at step S (before it with S=0: before the first step);
+--abort-after-done: rank R aborts (SIGABRT) once it reported its end, the others exit 2 s later
+  (as gloo's threads abort an interpreter's teardown without ``destroy_process_group``);
+--linger-after-done: rank R sleeps an hour once it reported its end (a teardown that hangs).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import time
 from pathlib import Path
 
 import deepspeed
@@ -24,6 +30,8 @@ parser.add_argument("--steps", type=int, default=1000)
 parser.add_argument("--no-report", action="store_true")
 parser.add_argument("--own-batch", type=int, default=None)
 parser.add_argument("--crash-at", type=int, default=None)
+parser.add_argument("--abort-after-done", type=int, default=None)
+parser.add_argument("--linger-after-done", type=int, default=None)
 parser.add_argument("--local_rank", type=int, default=-1)
 args = parser.parse_args()
 
@@ -53,3 +61,10 @@ for step in range(args.steps):
     if not args.no_report and reporter.step(loss=float(loss), samples=engine.train_batch_size()):
         break
 reporter.done()
+rank = torch.distributed.get_rank()
+if args.abort_after_done is not None:
+    if rank == args.abort_after_done:
+        os.abort()
+    time.sleep(2)
+if rank == args.linger_after_done:
+    time.sleep(3600)
