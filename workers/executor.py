@@ -269,8 +269,8 @@ def _run(
         elif ooms:
             outcome = Outcome("oom")
         elif script and events.all_done() and (len(codes) == world or _past(all_done_at, EXIT_GRACE_S)):
-            # Every rank reported its end; one that then died at exit, or still lingers in it, does
-            # not spoil the measurement: the measurement is whole.
+            # Every rank reported its end: the measurement is whole, though a rank died at exit
+            # or still lingers in it (stopped by the ``finally`` of ``run_trial``).
             outcome = Outcome("ok")
             exit_notes = {r: _exit_text(c) for r, c in codes.items() if c}
             exit_notes |= {r: f"had not exited {EXIT_GRACE_S:g} s after its end: stopped"
