@@ -54,8 +54,8 @@ LOST_AFTER_S = 10.0
 #: how long Ray may take to place a trial's ranks
 PLACE_TIMEOUT_S = 60
 #: a script's rank that reported its end is given this long to exit; one still in its teardown
-#: then is stopped and the trial kept (a process that skips ``destroy_process_group`` can hang or
-#: abort there: gloo's threads outlive the interpreter, pytorch/pytorch#190489)
+#: then is stopped and the trial kept (CI saw a test script, which skips
+#: ``destroy_process_group``, abort there; pytorch/pytorch#190489 reports that abort for gloo)
 EXIT_GRACE_S = 30.0
 
 
@@ -216,6 +216,10 @@ def _run(
         gpu = f", GPU {gpus[rank]}" if gpus else ""
         return f"rank {rank} (node {slots[rank][0]}, {hosts[rank]}{gpu})"
 
+    def ended(rank: int) -> bool:
+        """A script's rank that reported its end: its exit, even by a signal, fails nothing."""
+        return script and events.rank_done(rank)
+
     steps: list[dict[str, Any]] = []
     done: dict[int, dict[str, Any]] = {}
     ooms: list[dict[str, Any]] = []
@@ -268,14 +272,18 @@ def _run(
             outcome = Outcome("failed", ignored)
         elif ooms:
             outcome = Outcome("oom")
-        elif script and events.all_done() and (len(codes) == world or _past(all_done_at, EXIT_GRACE_S)):
+        elif script and events.all_done():
             # Every rank reported its end: the measurement is whole, though a rank died at exit
             # or still lingers in it (stopped by the ``finally`` of ``run_trial``).
+            all_done_at = all_done_at or time.monotonic()
+            if len(codes) < world and time.monotonic() - all_done_at < EXIT_GRACE_S:
+                time.sleep(POLL_S)
+                continue
             outcome = Outcome("ok")
             exit_notes = {r: _exit_text(c) for r, c in codes.items() if c}
             exit_notes |= {r: f"had not exited {EXIT_GRACE_S:g} s after its end: stopped"
                            for r in range(world) if r not in codes}
-        elif any(c != 0 and not (script and events.rank_done(r)) for r, c in codes.items()):
+        elif any(c != 0 and not ended(r) for r, c in codes.items()):
             time.sleep(0.5)  # let the other ranks' last lines (an oom report) and exits arrive
             for rank, (lines, code) in enumerate(_poll(actors, unavailable)[0]):
                 ooms += [e for e in map(json.loads, lines) if e.get("event") == "oom"]
@@ -285,7 +293,7 @@ def _run(
                 outcome = Outcome("oom")
             else:
                 # the cause is a rank that failed before its end, not one that aborted after it
-                rank, code = _root_cause({r: c for r, c in codes.items() if not (script and events.rank_done(r))})
+                rank, code = _root_cause({r: c for r, c in codes.items() if not ended(r)})
                 tail = ray.get(actors[rank].output_tail.remote(), timeout=30)
                 head = f"{where(rank)} {_exit_text(code)}"
                 if script and SCRIPT_OOM.search(tail):
@@ -296,9 +304,6 @@ def _run(
                     head = f"{gone} became unreachable (node down?); then {head}"
                 outcome = Outcome("failed", f"{head}\n{tail[-4000:]}",
                                    lost=tuple(sorted({hosts[r] for r in unavailable})))
-        elif script and events.all_done():
-            all_done_at = all_done_at or time.monotonic()
-            time.sleep(POLL_S)
         elif len(codes) == world and (script or len(done) == world):
             outcome = Outcome("ok")
         elif time.monotonic() - start > timeout_s:
@@ -360,10 +365,6 @@ def _root_cause(codes: dict[int, int]) -> tuple[int, int]:
     that exited non-zero."""
     failed = sorted((r, c) for r, c in codes.items() if c != 0)
     return next(((r, c) for r, c in failed if c < 0), failed[0])
-
-
-def _past(since: float | None, seconds: float) -> bool:
-    return since is not None and time.monotonic() - since >= seconds
 
 
 def _exit_text(code: int) -> str:

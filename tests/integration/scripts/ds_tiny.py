@@ -7,7 +7,7 @@
 --own-batch: ignores the config's batch sizes and trains B sequences a step;
 --crash-at: raises at step S (before it with S=0: before the first step);
 --abort-after-done: rank R aborts (SIGABRT) once it reported its end, the others exit 2 s later
-  (as gloo's threads abort an interpreter's teardown without ``destroy_process_group``);
+  (as CI saw this script's rank 0 abort at exit, which skips ``destroy_process_group``);
 --linger-after-done: rank R sleeps an hour once it reported its end (a teardown that hangs).
 """
 
