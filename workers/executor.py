@@ -228,6 +228,9 @@ def _run(
     exit_notes: dict[int, str] = {}
     unavailable: dict[int, float] = {}
     all_done_at: float | None = None
+    #: the output of the rank whose exit failed the trial (none where Pipette ended it: a script
+    #: that ignores its config is not one that "stopped before its first step")
+    exit_tail = ""
     while outcome is None:
         polled, lost = _poll(actors, unavailable)
         if lost:
@@ -294,7 +297,7 @@ def _run(
             else:
                 # the cause is a rank that failed before its end, not one that aborted after it
                 rank, code = _root_cause({r: c for r, c in codes.items() if not ended(r)})
-                tail = ray.get(actors[rank].output_tail.remote(), timeout=30)
+                tail = exit_tail = ray.get(actors[rank].output_tail.remote(), timeout=30)
                 head = f"{where(rank)} {_exit_text(code)}"
                 if script and SCRIPT_OOM.search(tail):
                     outcome = Outcome("oom", f"{head}: {last_error_line(tail)}")
@@ -318,10 +321,7 @@ def _run(
             time.sleep(POLL_S)
     wall = time.monotonic() - start
     if script:
-        tail = ""
-        if outcome.status == "failed" and not events.steps_seen():
-            tail = ray.get(actors[_root_cause(codes)[0] if any(codes.values()) else 0].output_tail.remote(), timeout=30)
-        m = script_measurement(trial, outcome, events, wall, tail)
+        m = script_measurement(trial, outcome, events, wall, exit_tail)
         if exit_notes:
             m.extra["exit_after_done"] = {str(r): text for r, text in exit_notes.items()}
         return m

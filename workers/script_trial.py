@@ -91,7 +91,12 @@ class ScriptEvents:
         return all(self.rank_done(r) for r in range(self.world))
 
     def steps_seen(self) -> int:
+        """The steps rank 0 reported."""
         return max((len(self.of(0, k)) for k in ("step", "ds_step")), default=0)
+
+    def any_step(self) -> bool:
+        """Some rank reported a step (its lines may arrive before rank 0's)."""
+        return any(self.of(r, k) for r in self.by_rank for k in ("step", "ds_step"))
 
 
 def steps_across_ranks(per_rank: list[list[float]]) -> tuple[float, ...]:
@@ -111,8 +116,9 @@ def steps_across_ranks(per_rank: list[list[float]]) -> tuple[float, ...]:
 
 
 def script_measurement(trial: TrialSpec, outcome: Outcome, events: ScriptEvents, wall: float,
-                       tail: str = "") -> Measurement:
-    """The measurement of a script trial from its ranks' events."""
+                       exit_tail: str = "") -> Measurement:
+    """The measurement of a script trial from its ranks' events. ``exit_tail``: the output of
+    the rank whose exit failed the trial, empty where the trial ended otherwise."""
     extra: dict[str, Any] = {"wall_s": wall, "backend": "script", "script": list(trial.script.argv)
                              if trial.script else []}
     world = events.world
@@ -126,8 +132,8 @@ def script_measurement(trial: TrialSpec, outcome: Outcome, events: ScriptEvents,
         timed = tuple(float(e["time"]) for e in events.of(0, kind) if not e.get("warmup"))
         losses = tuple(float(e["loss"]) for e in events.of(0, "step") if e.get("loss") is not None)
         error = outcome.error
-        if outcome.status == "failed" and not events.steps_seen() and tail:
-            error = f"the script stopped before its first step: {last_error_line(tail)}\n{error}"
+        if outcome.status == "failed" and not events.any_step() and exit_tail:
+            error = f"the script stopped before its first step: {last_error_line(exit_tail)}\n{error}"
         return Measurement(outcome.status, step_times=timed, tokens_per_step=trial.tokens_per_step,
                            losses=losses, error=error, extra=extra)
     dones = reported if source == "reporter" else hooked

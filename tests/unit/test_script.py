@@ -158,3 +158,31 @@ def test_a_scripts_trial_figure_is_the_mean_of_its_steps_and_survives_its_record
     back = Measurement.from_dict(script.to_dict())
     assert back == script and back.step_time == pytest.approx(0.085)
     assert Measurement.from_dict({k: v for k, v in runner.to_dict().items() if k != "statistic"}) == runner
+
+
+def test_only_a_rank_that_exits_before_any_rank_stepped_makes_the_script_stopped_before_its_first_step() -> None:
+    """CI once saw rank 1's first step (training the wrong batch) arrive before any line of
+    rank 0's: the trial's error read "stopped before its first step: <rank 0's last line>"
+    on top of the one line that says the script ignores its config."""
+    from pipette.model import ModelSpec
+    from workers.outcome import Outcome
+    from workers.script_trial import ScriptEvents, script_measurement
+    from workers.spec import TrialSpec
+
+    training = TrainingSpec(global_batch=8, seq_len=32, dtype="fp32")
+    trial = TrialSpec(ModelSpec.preset("tiny-llama"), training,
+                      ParallelConfig(tp=1, pp=1, dp=2, mbs=2, global_batch=8),
+                      script=ScriptSpec(argv=("python", "t.py"), kind="deepspeed"))
+    tail = "Traceback (most recent call last):\nValueError: no such dataset"
+    events = ScriptEvents(world=2, global_batch=8)
+    events.add(1, {"event": "step", "step": 0, "time": 0.1, "samples": 2})
+    ignored = events.ignored_config()
+    assert ignored is not None and ignored.startswith("the script ignores the DeepSpeed config: rank 1")
+    # Pipette ended it (no rank's exit): the one line alone
+    assert script_measurement(trial, Outcome("failed", ignored), events, 1.0).error == ignored
+    # a rank exited after rank 1 stepped: not "before its first step", though rank 0 reported none
+    assert script_measurement(trial, Outcome("failed", "rank 0 exited 1"), events, 1.0, tail).error == \
+        "rank 0 exited 1"
+    quiet = ScriptEvents(world=2, global_batch=8)
+    m = script_measurement(trial, Outcome("failed", "rank 0 exited 1"), quiet, 1.0, tail)
+    assert m.error == "the script stopped before its first step: ValueError: no such dataset\nrank 0 exited 1"

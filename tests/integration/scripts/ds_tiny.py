@@ -1,14 +1,16 @@
 """A small DeepSpeed training loop for the script-trial tests: an MLP on a learnable target.
 
     ds_tiny.py --deepspeed_config CFG [--steps N] [--no-report] [--own-batch B] [--crash-at S]
-               [--abort-after-done R] [--linger-after-done R]
+               [--abort-after-done R] [--linger-after-done R] [--report-late R]
 
 --no-report: never calls pipette.report (timed by its DeepSpeed engine only);
 --own-batch: ignores the config's batch sizes and trains B sequences a step;
 --crash-at: raises at step S (before it with S=0: before the first step);
 --abort-after-done: rank R aborts (SIGABRT) once it reported its end, the others exit 2 s later
   (as CI saw this script's rank 0 abort at exit, which skips ``destroy_process_group``);
---linger-after-done: rank R sleeps an hour once it reported its end (a teardown that hangs).
+--linger-after-done: rank R sleeps an hour once it reported its end (a teardown that hangs);
+--report-late: rank R's output (its events) is held back for 5 s, so that the other ranks' events
+  arrive first (a race CI once lost).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -32,6 +35,7 @@ parser.add_argument("--own-batch", type=int, default=None)
 parser.add_argument("--crash-at", type=int, default=None)
 parser.add_argument("--abort-after-done", type=int, default=None)
 parser.add_argument("--linger-after-done", type=int, default=None)
+parser.add_argument("--report-late", type=int, default=None)
 parser.add_argument("--local_rank", type=int, default=-1)
 args = parser.parse_args()
 
@@ -47,6 +51,31 @@ torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))
 engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
                                   config=config)
+
+
+class _HeldBack:
+    """sys.stdout, its writes held back until ``seconds`` have passed."""
+
+    def __init__(self, out, seconds: float) -> None:
+        self.out, self.until, self.held = out, time.monotonic() + seconds, []
+
+    def write(self, text: str) -> int:
+        self.held.append(text)
+        if time.monotonic() >= self.until:
+            self.out.write("".join(self.held))
+            self.held.clear()
+        return len(text)
+
+    def flush(self) -> None:
+        if not self.held:
+            self.out.flush()
+
+    def __getattr__(self, name: str):
+        return getattr(self.out, name)
+
+
+if args.report_late == torch.distributed.get_rank():
+    sys.stdout = _HeldBack(sys.stdout, 5.0)
 reporter = Reporter()
 reporter.begin()
 mbs = engine.train_micro_batch_size_per_gpu()
