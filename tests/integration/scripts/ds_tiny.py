@@ -100,7 +100,7 @@ if rank == args.linger_after_done:
 if args.abort_after_done is not None or args.linger_after_done is not None:
     # The other ranks leave without the interpreter's teardown: with a peer gone or lingering it
     # aborts or stalls now and then (measured here, 2026-11-27: rank 0 was killed by SIGABRT, or
-    # had not exited 3 s after its end, in 3 of 19 runs with rank 1 lingering; what
+    # had not exited 3 s after its end, in 3 of 21 runs with rank 1 lingering; what
     # pytorch/pytorch#190489 reports for gloo), and these tests are of rank R's exit alone.
     sys.stdout.flush()
     os._exit(0)
