@@ -114,3 +114,22 @@ def oom_where(error: BaseException) -> str:
     if isinstance(error, torch.OutOfMemoryError) or "CUDA out of memory" in text:
         return "device"
     return "host"
+
+
+def allocator_record(device: torch.device) -> dict[str, int]:
+    """What the CUDA caching allocator saw on ``device`` so far (``torch.cuda.memory_stats``):
+    the peak live bytes, the peak it held, the peak it held but could not use (inactive
+    split blocks: fragmentation), how often it had to free its cache and retry, and the
+    device memory in use outside it (the CUDA context, cuBLAS/NCCL workspaces: ``mem_get_info``
+    less what the allocator holds now). The fits boundary is fitted on these (docs/models.md)."""
+    stats = torch.cuda.memory_stats(device)
+    free, total = torch.cuda.mem_get_info(device)
+    reserved_now = int(stats.get("reserved_bytes.all.current", 0))
+    return {
+        "peak_allocated_bytes": int(stats.get("allocated_bytes.all.peak", 0)),
+        "peak_reserved_bytes": int(stats.get("reserved_bytes.all.peak", 0)),
+        "peak_inactive_split_bytes": int(stats.get("inactive_split_bytes.all.peak", 0)),
+        "alloc_retries": int(stats.get("num_alloc_retries", 0)),
+        "allocator_ooms": int(stats.get("num_ooms", 0)),
+        "outside_allocator_bytes": max(0, int(total - free) - reserved_now),
+    }

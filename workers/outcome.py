@@ -43,8 +43,7 @@ def measurement(
         }
         if "phases" in ranks[0]:  # rank 0's wall time by phase (workers.phases)
             extra["phases"] = {k: round(float(v), 3) for k, v in ranks[0]["phases"].items()}
-        if all("peak_reserved_bytes" in d for d in ranks):
-            extra["peak_reserved_bytes"] = [int(d["peak_reserved_bytes"]) for d in ranks]
+        extra |= allocator_extra(ranks)
         # Model FLOPs as the planner counts them (pipette.flops); hardware FLOPs add recomputation.
         counted = flops.per_step(trial.model, trial.training, trial.config.recompute)
         extra |= {"model_flops_per_step": counted.model, "hardware_flops_per_step": counted.hardware}
@@ -69,7 +68,7 @@ def measurement(
         first = min(ooms, key=lambda e: int(e["rank"]))
         where, phase = first.get("where", "device"), first.get("phase")
         extra |= {"oom_rank": int(first["rank"]), "oom_bytes": int(first["bytes"]), "oom_where": where,
-                  "oom_phase": phase}
+                  "oom_phase": phase, **allocator_extra([first])}
         during = f" during {phase}" if phase else ""
         error = (f"rank {first['rank']} ran out of {where} memory{during} asking for {first['bytes']} bytes: "
                  f"{first['error']}")
@@ -77,3 +76,13 @@ def measurement(
         outcome.status, step_times=timed, tokens_per_step=trial.tokens_per_step, losses=losses, error=error,
         extra=extra,
     )
+
+
+ALLOCATOR_FIELDS = ("peak_allocated_bytes", "peak_reserved_bytes", "peak_inactive_split_bytes", "alloc_retries",
+                    "allocator_ooms", "outside_allocator_bytes")
+
+
+def allocator_extra(events: list[dict[str, Any]]) -> dict[str, list[int]]:
+    """The GPU allocator's figures (``workers.memory.allocator_record``), one list per field
+    with an entry per rank, for the fields every rank reported."""
+    return {k: [int(e[k]) for e in events] for k in ALLOCATOR_FIELDS if events and all(k in e for e in events)}

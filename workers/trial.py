@@ -22,7 +22,14 @@ from scipy import stats
 
 from pipette.config import ParallelConfig
 from workers.devices import backend_for, collective_device, rank_device, to_device
-from workers.memory import PeakTensorBytes, apply_memory_cap, oom_bytes, oom_where, peak_rss_bytes
+from workers.memory import (
+    PeakTensorBytes,
+    allocator_record,
+    apply_memory_cap,
+    oom_bytes,
+    oom_where,
+    peak_rss_bytes,
+)
 from workers.phases import PHASES, Phases
 from workers.spec import TrialSpec
 from workers.support import backend_name, check_runnable
@@ -187,7 +194,7 @@ def train(trial: TrialSpec, ds_config: dict[str, Any], rank: int, report: Callab
         # an allocation fails on the second, so both are reported.
         peak_tensor = int(torch.cuda.max_memory_allocated(engine.device))
         props = torch.cuda.get_device_properties(engine.device)
-        device |= {"peak_reserved_bytes": int(torch.cuda.max_memory_reserved(engine.device)),
+        device |= {**allocator_record(engine.device),
                    "device_name": props.name, "device_memory_bytes": int(props.total_memory),
                    "visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
     PHASES.mark("end")
@@ -230,8 +237,9 @@ def run_rank(trial: TrialSpec, ds_config: dict[str, Any], rank: int, world: int,
             asked = oom_bytes(e)
             if asked is None:
                 raise
+            allocator = allocator_record(device) if device.type == "cuda" else {}
             emit({"event": "oom", "rank": rank, "bytes": asked, "where": oom_where(e), "phase": PHASES.current(),
-                  "error": str(e)[:2000]})
+                  "error": str(e)[:2000], **allocator})
             return OOM_EXIT
         dist.barrier()
         return 0
