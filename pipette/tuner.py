@@ -59,6 +59,7 @@ from scipy.stats import t as student_t
 from pipette.config import ParallelConfig
 from pipette.errors import InfeasibleError, SpecError
 from pipette.estimates import MemoryEstimate, PerfEstimate
+from pipette.fits import default_prior
 from pipette.learned import NOISE_PRIOR_DOF, Observation
 from pipette.measurement import Measurement, last_error_line
 from pipette.model import ModelSpec
@@ -352,6 +353,7 @@ class Tuner:
         self.sampler = PerfModelSampler(
             candidates, job_key=self.job_key, prior=[r.observation() for r in prior if r.job_key != ""],
             tolerance=self.options.tolerance, seed=self.options.seed, space=self.space,
+            fits_prior=plan.fits_prior or default_prior(plan.cluster.device_spec.kind),
         )
         pruner = IncumbentPruner(self.options.prune_slower) if self.options.prune else None
         self.study = new_study(self.sampler, pruner)
