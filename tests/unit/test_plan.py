@@ -9,8 +9,8 @@ import pytest
 from pipette.clusterfile import homogeneous_cluster, load_cluster
 from pipette.emit import deepspeed_config, hostfile, rank_map
 from pipette.errors import InfeasibleError
-from pipette.model import ModelSpec
 from pipette.fits import KEEP_THRESHOLD
+from pipette.model import ModelSpec
 from pipette.plan import OUT_OF_MEMORY, make_plan
 from pipette.training import TrainingSpec
 
