@@ -7,10 +7,9 @@ memory breakdown), with a kernel of a small constant term (the estimator is off 
 common factor on this cluster) plus an RBF term (it is off differently for different
 families of candidates). A trial that ran gives ``r`` from its measured peak (its tensors,
 plus the estimate's ``overhead``, which no tensor counter sees). A trial that ran out of
-memory says only ``peak >= capacity``: a censored observation, entered as one point with
-the mean of the prior truncated at the bound, at least ``OOM_EXCESS_LOG`` past it
-(``censored_point``: one moment-matching step; an exact treatment of censoring would need
-expectation propagation, Rasmussen & Williams ch. 3.6). The chance that a candidate fits is then
+memory says only ``peak >= capacity``: a censored observation, entered as the site of one
+expectation-propagation step against the prior (``censored_point``, Rasmussen & Williams
+ch. 3.6): sharp for a surprise, wide for an OOM the prior expected. The chance that a candidate fits is then
 ``p_fit = Phi((log(capacity / predicted) - mu) / sd)`` under the posterior ``N(mu, sd^2)``.
 
 So an OOM moves the candidates like it (same layout, larger micro-batch or less
@@ -148,8 +147,9 @@ class MemoryModel:
             need = measured_need(p.memory, m) if m.status in ("ok", "pruned") else None
             if m.status == "oom":
                 xs.append(memory_features(p.config, p.memory))
-                ys.append(censored_point(math.log(p.memory.capacity_bytes / p.memory.peak_bytes) - prior.mu, prior.sd))
-                noise.append(OOM_NOISE_SD)
+                y, sd = censored_point(math.log(p.memory.capacity_bytes / p.memory.peak_bytes) - prior.mu, prior.sd)
+                ys.append(y)
+                noise.append(sd)
             elif need:
                 xs.append(memory_features(p.config, p.memory))
                 ys.append(math.log(need / p.memory.peak_bytes) - prior.mu)
@@ -209,17 +209,20 @@ def _headroom(memories: Sequence[MemoryEstimate]) -> list[float]:
     return [math.log(m.capacity_bytes / m.peak_bytes) if m.peak_bytes > 0 else math.inf for m in memories]
 
 
-def censored_point(bound: float, prior_sd: float) -> float:
-    """An out-of-memory trial as a point for the GP: its error is past ``bound`` (centred on
-    the prior's mean). The point is the mean of the prior truncated at the bound (one moment-
-    matching step, Rasmussen & Williams sec. 3.6), never closer to the bound than
-    ``OOM_EXCESS_LOG``: an OOM of a candidate predicted well past the capacity, which the
-    prior expected to run out, says the estimator is no lower than the prior thought, not that
-    it is high."""
+def censored_point(bound: float, prior_sd: float) -> tuple[float, float]:
+    """An out-of-memory trial as a point for the GP, (value, noise sd): its error is past
+    ``bound`` (centred on the prior's mean). The point is the site of one expectation-
+    propagation step (Rasmussen & Williams sec. 3.6, eq. 3.58): the Gaussian that, multiplied
+    with the prior, gives the mean and variance of the prior truncated at the bound. A
+    surprise (an OOM the prior thought unlikely) is a sharp point past the bound; an OOM the
+    prior expected is a wide one that changes little."""
     alpha = bound / prior_sd
     tail = float(norm.sf(alpha))
     hazard = float(norm.pdf(alpha)) / tail if tail > 1e-12 else alpha
-    return max(prior_sd * hazard, bound + OOM_EXCESS_LOG)
+    mean = prior_sd * hazard
+    var = prior_sd**2 * max(1.0 + alpha * hazard - hazard**2, 1e-6)
+    site_var = 1.0 / max(1.0 / var - 1.0 / prior_sd**2, 1e-6)
+    return max(site_var * mean / var, bound + OOM_EXCESS_LOG), max(OOM_NOISE_SD, math.sqrt(site_var))
 
 
 def _prior_sds(prior: FitsPrior) -> tuple[float, float]:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from pipette.errors import SpecError
 from pipette.estimates import MemoryEstimate
@@ -92,6 +93,23 @@ def default_prior(device_kind: str) -> FitsPrior:
     return CPU if device_kind == "cpu" else PIPETTE_GPU
 
 
+def memory_headroom(memory: MemoryEstimate, prior: FitsPrior, measured_need: int | None = None) -> dict[str, Any]:
+    """How close to the memory limit a configuration runs, for the emitted files: what it needs
+    (measured by its trial when there was one, else the estimate times ``exp(mu)``), the
+    capacity, and the headroom in bytes and as a fraction of the capacity."""
+    capacity = memory.capacity_bytes
+    need = measured_need if measured_need else int(memory.peak_bytes * math.exp(prior.mu))
+    free = capacity - need
+    gib = 1024**3
+    basis = "measured by its trial" if measured_need else "predicted"
+    text = (f"needs {need / gib:.1f} GiB of {capacity / gib:.1f} GiB ({basis}): "
+            + (f"{free / gib:.1f} GiB ({free / capacity:.0%}) free" if free >= 0 else
+               f"{-free / gib:.1f} GiB ({-free / capacity:.0%}) short"))
+    return {"need_bytes": need, "capacity_bytes": capacity, "headroom_bytes": free,
+            "headroom_fraction": free / capacity if capacity else 0.0, "basis": basis,
+            "chance_to_fit": prior.chance_to_fit(memory), "text": text}
+
+
 def expected_step_time(step_time: float, p_fit: float, fallback_step_time: float) -> float:
     """The step time one can expect from choosing to try this candidate: its own when it fits,
     else the fallback's (the best sure candidate) after an out-of-memory trial's cost."""
@@ -100,5 +118,5 @@ def expected_step_time(step_time: float, p_fit: float, fallback_step_time: float
 
 __all__ = [
     "CPU", "FAILED_TRIAL_COST", "KEEP_THRESHOLD", "NANOTRON_GPU", "PIPETTE_GPU", "PRIORS", "SURE_TO_FIT",
-    "FitsPrior", "default_prior", "expected_step_time",
+    "FitsPrior", "default_prior", "expected_step_time", "memory_headroom",
 ]

@@ -59,7 +59,8 @@ from scipy.stats import t as student_t
 from pipette.config import ParallelConfig
 from pipette.errors import InfeasibleError, SpecError
 from pipette.estimates import MemoryEstimate, PerfEstimate
-from pipette.fits import default_prior
+from pipette.feasibility import measured_need
+from pipette.fits import default_prior, memory_headroom
 from pipette.learned import NOISE_PRIOR_DOF, Observation
 from pipette.measurement import Measurement, last_error_line
 from pipette.model import ModelSpec
@@ -289,6 +290,8 @@ class TuneResult:
             "learned": dict(self.learned),
             "retimed": sum(1 for t in self.trials if t.purpose == "retime"),
             "best": best, "trials": [t.to_dict() for t in self.trials],
+            "memory_headroom": self.memory_headroom(),
+            "out_of_memory_trials": sum(1 for t in self.trials if t.measurement.status == "oom"),
         }
 
     def launch_files(self, out_dir: str | Path) -> dict[str, Path]:
@@ -303,7 +306,15 @@ class TuneResult:
         p = self.plan
         return write_launch_files(out_dir, p.model, p.training, self.best.config, p.cluster,
                                   extra={"tuning": {"stop_reason": self.stop_reason,
-                                                    "best": self.to_dict()["best"]["side_by_side"]}})
+                                                    "best": self.to_dict()["best"]["side_by_side"]},
+                                         "memory_headroom": self.memory_headroom()})
+
+    def memory_headroom(self) -> dict[str, Any] | None:
+        """How close to the device's memory the pick runs, from its trial's measured need."""
+        if self.best is None:
+            return None
+        prior = self.plan.fits_prior or default_prior(self.plan.cluster.device_spec.kind)
+        return memory_headroom(self.best.memory, prior, measured_need(self.best.memory, self.best.measurement))
 
 
 def job_key(model: ModelSpec, training: TrainingSpec) -> str:

@@ -188,6 +188,7 @@ def _csv(raw: str, kind: type, flag: str) -> list[Any]:
 def _cmd_plan(args: argparse.Namespace) -> int:
     from pipette.clusterfile import load_cluster
     from pipette.emit import launch_command, write_launch_files
+    from pipette.fits import default_prior, memory_headroom
     from pipette.plan import DEFAULT_MARGIN, make_plan
 
     # Every input is checked, cheapest first, and the first real error is the one reported.
@@ -207,7 +208,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         try:
             written = write_launch_files(
                 args.out, model, training, plan.best.config, cluster,
-                extra={"predicted": plan.best.to_dict()},
+                extra={"predicted": plan.best.to_dict(),
+                       "memory_headroom": memory_headroom(plan.best.memory, plan.fits_prior or default_prior(
+                           plan.cluster.device_spec.kind))},
             )
         except OSError as e:
             raise SpecError(
