@@ -420,6 +420,9 @@ def _print_result(result: Any, out: str, files: dict[str, str]) -> None:
         rss = m.extra.get("peak_rss_bytes")
         if rss:
             print(f"  {'peak RSS (MiB)':<18}{'':>12}{max(rss) / 2**20:>12,.0f}")
+    headroom = result.memory_headroom()
+    if headroom is not None:
+        print(f"  {'memory':<18}{headroom['text']}")
     ran = len({t.number for t in result.trials if t.purpose == "search"})
     retimed = len({t.number for t in result.trials if t.purpose == "retime"})
     print(f"  found in {ran} trials of {len(result.plan.ranked)} candidates that fit"
