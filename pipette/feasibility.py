@@ -51,7 +51,7 @@ from pipette.measurement import Measurement
 FloatArray = npt.NDArray[np.float64]
 
 #: Prior sd of the estimator's common log error on a cluster (its MAPE is 4.6% on the H100
-#: set, 11.5% on Ultra-Scale; README, "Peak memory and fits").
+#: set, 11.5% on Ultra-Scale; docs/results.md, "Peak memory and fits").
 MEMORY_OFFSET_SD = 0.1
 #: Prior sd of a family's own log error (Ultra-Scale: measured / predicted 0.5-2.1x).
 MEMORY_RESIDUAL_SD = 0.2
@@ -83,7 +83,7 @@ RUNS_LENGTH_SCALE = 1.0
 #: nodes: with the RBF alone and a retried crash counted once, 6 pp-16 candidates crashed one
 #: after another, 12 attempts, to the end of the budget). With the attempts counted, replay
 #: failed+OOM trials per run 0.47 -> 0.44 (visible), 0.51 -> 0.48 and 0.46 -> 0.44 (distorted
-#: 1, 2); the same-pp weight without the attempts changed nothing (README, 2026-11-25).
+#: 1, 2); the same-pp weight without the attempts changed nothing (docs/results.md, 2026-11-25).
 RUNS_SAME_PP_WEIGHT = 1.0
 
 _RECOMPUTE = {"none": 0.0, "selective": 0.5, "full": 1.0}

@@ -67,7 +67,7 @@ IntArray = npt.NDArray[np.int64]
 #: Prior standard deviation of the common log offset (a factor of e^1 either way).
 PRIOR_OFFSET_SD = 1.0
 #: Prior standard deviation of the candidate-specific log correction: about the analytic
-#: model's measured error (vTrain MAPE 7.5%, Ultra-Scale healthy rows 34%; README).
+#: model's measured error (vTrain MAPE 7.5%, Ultra-Scale healthy rows 34%; docs/results.md).
 PRIOR_RESIDUAL_SD = 0.3
 #: RBF length scale over the features below (each is O(1) per doubling or per mode).
 LENGTH_SCALE = 1.5
@@ -92,7 +92,7 @@ LENGTH_SCALE_GRID = (0.75, 1.5, 3.0)
 #:   chose a = 0 whenever the trials' regimes agreed, and the model was then sure of regimes it
 #:   had not tried (replay, distorted prior, seed 1: a vTrain group stopped with 27% regret, the
 #:   best at an untried tp): regret at stop 4.19% -> 3.35% (seed 1), 4.51% -> 4.48% (seed 2),
-#:   visible 0.42% -> 0.44% (README, 2026-11-25).
+#:   visible 0.42% -> 0.44% (docs/results.md, 2026-11-25).
 #: - For a = 1 over a = 0.5, 8 : 1. Four regimes share a^2, so each regime's own factor has an
 #:   sd of a / 2: 0.25 at a = 0.5, a factor of 1.3, where the 80B runs were 2-7x slow per regime
 #:   (log 0.7-1.9; issue 15). With 4-5 trials whose residuals agree the likelihood prefers the
@@ -105,18 +105,18 @@ LENGTH_SCALE_GRID = (0.75, 1.5, 3.0)
 #:   2.76 / 0.40 / 1.06 / 0.78%; "90% sure against every candidate" right in 95.5 / 90.8 / 87.4 /
 #:   93.5 / 99.1 / 98.9% -> 98.0 / 96.2 / 92.0 / 97.6 / 98.9 / 98.9% of runs; visible 0.17 -> 0.12%.
 #:   4 : 1 did a little less (seeds 2, 3: 1.42, 2.87%); a = 1 alone (no 0.5 in the grid) worse
-#:   (3.31%, 88.1% on seed 3) (README, 2026-11-25).
+#:   (3.31%, 88.1% on seed 3) (docs/results.md, 2026-11-25).
 REGIME_SD_PRIOR: dict[float, float] = {0.0: 0.25, 0.5: 1.0, 1.0: 8.0}
 REGIME_SD_GRID = tuple(REGIME_SD_PRIOR)
 #: The hyperparameters are averaged over their posterior on the grid, not fixed at its mode:
 #: the settings that carry this much of it (module docstring). Replay, regret of the pick at
 #: the tuner's own stop: 0.44 -> 0.17% on the visible tables, 3.35 -> 2.91% and 4.48 -> 3.95%
-#: with the prior distorted by seeds 1 and 2 (README, 2026-11-25). At first no more than the
+#: with the prior distorted by seeds 1 and 2 (docs/results.md, 2026-11-25). At first no more than the
 #: 12 likeliest settings were kept: with a few trials the posterior is flat over the residual
 #: sd and length scale, and those 12 carried as little as 60% of it, every one with the same
 #: regime sd, so the wider regime settings were dropped. Every setting up to the mass: 2.10 ->
 #: 1.75%, 2.68 -> 1.78% (seeds 1, 2), held out 4.48 -> 3.26%, 2.22 -> 0.64% (seeds 3, 4),
-#: visible 0.16 -> 0.17%, for 7% more replay time (README, 2026-11-25).
+#: visible 0.16 -> 0.17%, for 7% more replay time (docs/results.md, 2026-11-25).
 HYPER_MASS = 0.99
 #: Correlation of the candidate-specific correction between two different jobs.
 CROSS_JOB_CORRELATION = 0.5
