@@ -53,16 +53,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import numpy.typing as npt
 
+from pipette import gp
 from pipette.config import ParallelConfig
 from pipette.estimates import TIME_PARTS, MemoryEstimate, PerfEstimate
 from pipette.feasibility import MemoryModel, MemoryPoint, RunsModel, layout_features
 from pipette.fits import CPU, FitsPrior
 from pipette.measurement import Measurement
 
-FloatArray = npt.NDArray[np.float64]
-IntArray = npt.NDArray[np.int64]
+FloatArray = gp.FloatArray
+IntArray = np.typing.NDArray[np.int64]
 
 #: Prior standard deviation of the common log offset (a factor of e^1 either way).
 PRIOR_OFFSET_SD = 1.0
@@ -191,8 +191,8 @@ class LearnedModel:
                 if dist > OUTLIER_LOG:
                     self._noise[i] = max(self._noise[i], dist)
         self.residual_sd, self.length_scale, self.regime_sd = PRIOR_RESIDUAL_SD, LENGTH_SCALE, PRIOR_REGIME_SD
-        #: (weight, (s, ell, a), Cholesky factor, alpha) per hyperparameter setting averaged over
-        self._mixture: list[tuple[float, tuple[float, float, float], FloatArray, FloatArray]] = []
+        #: (weight, (s, ell, a), the GP's factor) per hyperparameter setting averaged over
+        self._mixture: list[tuple[float, tuple[float, float, float], gp.Factor]] = []
         #: the share of the hyperparameters' posterior the mixture kept (1: a single setting)
         self.hyper_mass = 1.0
         if timed:
@@ -201,42 +201,36 @@ class LearnedModel:
                 grid = [(s, ell, a) for s in RESIDUAL_SD_GRID for ell in LENGTH_SCALE_GRID for a in REGIME_SD_GRID]
             self._mixture = self._posterior(grid)
             self.residual_sd, self.length_scale, self.regime_sd = (
-                sum(w * h[i] for w, h, _, _ in self._mixture) for i in range(3))
+                sum(w * h[i] for w, h, _ in self._mixture) for i in range(3))
         own = [o for o in self.observations if o.job_key == job_key]  # another job's memory teaches nothing here
         self.memory = MemoryModel([MemoryPoint(o.config, o.memory, o.measurement) for o in own], fits_prior)
         self.runs = RunsModel([(o.config, o.measurement, o.attempts) for o in own])
 
-    def _factor(self, s: float, ell: float, a: float) -> tuple[FloatArray, FloatArray]:
+    def _factor(self, s: float, ell: float, a: float) -> gp.Factor:
         k = self._kernel(self._x, self._r, self._keys, self._x, self._r, self._keys, s, ell, a)
-        k += np.diag(self._noise**2)
-        chol = np.asarray(np.linalg.cholesky(k), dtype=np.float64)
-        return chol, _solve_chol(chol, self._y)
-
-    def _log_marginal_likelihood(self, chol: FloatArray, alpha: FloatArray) -> float:
-        """Rasmussen & Williams eq. 2.30, from the factor and ``alpha`` of one setting."""
-        return float(-0.5 * self._y @ alpha - np.log(np.diag(chol)).sum() - 0.5 * len(self._y) * math.log(2 * math.pi))
+        return gp.factor(k + np.diag(self._noise**2), self._y)
 
     def _posterior(
         self, grid: Sequence[tuple[float, float, float]]
-    ) -> list[tuple[float, tuple[float, float, float], FloatArray, FloatArray]]:
+    ) -> list[tuple[float, tuple[float, float, float], gp.Factor]]:
         """The hyperparameter settings of ``grid`` weighted by their posterior (marginal
         likelihood times ``_log_hyperprior``), the likeliest first, as many as carry
         ``HYPER_MASS`` of it, weights renormalised (``hyper_mass``: the share kept)."""
         scored = []
         for h in grid:
-            chol, alpha = self._factor(*h)
-            scored.append((self._log_marginal_likelihood(chol, alpha) + _log_hyperprior(*h), h, chol, alpha))
+            fit = self._factor(*h)
+            scored.append((fit.log_marginal_likelihood() + _log_hyperprior(*h), h, fit))
         scored.sort(key=lambda t: -t[0])  # stable: ties keep the grid's order
         weights = np.exp(np.array([t[0] for t in scored]) - scored[0][0])
         weights /= weights.sum()
         kept, mass = [], 0.0
-        for w, (_, h, chol, alpha) in zip(weights, scored, strict=True):
-            kept.append((float(w), h, chol, alpha))
+        for w, (_, h, fit) in zip(weights, scored, strict=True):
+            kept.append((float(w), h, fit))
             mass += float(w)
             if mass >= HYPER_MASS:
                 break
         self.hyper_mass = mass
-        return [(w / mass, h, chol, alpha) for w, h, chol, alpha in kept]
+        return [(w / mass, h, fit) for w, h, fit in kept]
 
     @property
     def n_timed(self) -> int:
@@ -246,7 +240,7 @@ class LearnedModel:
         self, xa: FloatArray, ra: IntArray, ka: list[bool], xb: FloatArray, rb: IntArray, kb: list[bool],
         s: float, ell: float, a: float,
     ) -> FloatArray:
-        d2 = ((xa[:, None, :] - xb[None, :, :]) ** 2).sum(-1)
+        d2 = gp.squared_distances(xa, xb)
         shared = (ra[:, None, :] == rb[None, :, :]).mean(-1)  # share of the regimes two candidates share
         same = np.equal.outer(np.array(ka), np.array(kb))
         rho = np.where(same, 1.0, CROSS_JOB_CORRELATION)
@@ -266,12 +260,11 @@ class LearnedModel:
         x = np.array([features(c, p) for c, p in zip(configs, perfs, strict=True)])
         r = np.array([regimes(c) for c in configs], dtype=np.int64)
         weights, means, sds = [], [], []
-        for w, (s, ell, a), chol, alpha in self._mixture:
+        for w, (s, ell, a), fit in self._mixture:
             ks = self._kernel(x, r, [True] * n, self._x, self._r, self._keys, s, ell, a)
-            v = np.linalg.solve(chol, ks.T)
             weights.append(w)
-            means.append(ks @ alpha)
-            sds.append(np.sqrt(np.maximum(PRIOR_OFFSET_SD**2 + s**2 + a**2 - (v * v).sum(0), 1e-8)))
+            means.append(fit.mean(ks))
+            sds.append(np.sqrt(fit.variance(ks, PRIOR_OFFSET_SD**2 + s**2 + a**2)))
         return np.array(weights), np.array(means), np.array(sds)
 
     def predict_many(self, configs: Sequence[ParallelConfig], perfs: Sequence[PerfEstimate]) -> list[Prediction]:
@@ -354,8 +347,3 @@ def _log_hyperprior(s: float, ell: float, a: float) -> float:
     """The log prior of the hyperparameters, up to a constant (``REGIME_SD_PRIOR``; flat over
     the residual sd and the length scale)."""
     return math.log(REGIME_SD_PRIOR[a])
-
-
-def _solve_chol(chol: FloatArray, b: FloatArray) -> FloatArray:
-    """Solve ``(L L^T) x = b`` given the lower Cholesky factor ``L``."""
-    return np.asarray(np.linalg.solve(chol.T, np.linalg.solve(chol, b)), dtype=np.float64)
