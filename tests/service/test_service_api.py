@@ -138,13 +138,14 @@ def test_what_if_plan(api: Api) -> None:
     plan = r.json()
     assert plan["cluster"] == {"name": "a100-2x8", "devices": 16, "nodes": 2}
     assert len(plan["ranked"]) == 3 and plan["feasible"] >= 3
-    times = [p["perf"]["step_time"] for p in plan["ranked"]]
-    assert times == sorted(times)
+    expected = [p["expected_step_time"] for p in plan["ranked"]]  # by the step time to expect (pipette.fits)
+    assert expected == sorted(expected) and all(0.02 <= p["chance_to_fit"] <= 1 for p in plan["ranked"])
     assert all(v["reason"] for v in plan["dropped"].values())
     assert plan["enumerated"] == plan["feasible"] + sum(v["count"] for v in plan["dropped"].values())
 
     nothing = c.post("/v1/plan", json={"model": "llama2-70b", "training": {"global_batch": 16, "seq_len": 4096,
-                                                                          "zero_stages": [0, 1], "recompute": ["none"]},
+                                                                          "zero_stages": [0], "recompute": ["none"],
+                                                                          "micro_batches": [2, 4]},
                                        "cluster": A100}, headers=h)
     assert nothing.status_code == 422
     err = nothing.json()["error"]
