@@ -153,7 +153,8 @@ def make_plan(
     ``stack``: the software that runs the job (a name such as ``megatron`` or a ``Stack``;
     default Pipette's runner): it gives the constants, the memory options and the fits prior
     unless ``constants``, ``memory_options`` or ``fits_prior`` are given, and drops the
-    candidates it cannot run. ``fits_prior``: the estimator's error for the stack and device. ``margin``: capacity the user keeps free (the chance to fit
+    candidates it cannot run. ``fits_prior``: the estimator's error for the stack and device.
+    ``margin``: capacity the user keeps free (the chance to fit
     is taken against ``capacity / (1 + margin)``). Raises ``InfeasibleError`` when no candidate
     is valid (with the rejection counts) or none is likely to fit (with the shortfall of the
     closest one and what would help).

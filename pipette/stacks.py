@@ -173,6 +173,16 @@ def runner_stacks() -> list[str]:
     return [s.name for s in STACKS.values() if s.runner_runs]
 
 
+def stack_to_tune(name: str | None, *, script: bool, script_kind: str | None = None, field: str = "stack") -> Stack:
+    """The stack a tuning job is for: ``name``, else ``hf-deepspeed`` for an hf-trainer script, else
+    Pipette's runner. Without a script only a stack the runner runs is accepted."""
+    default = "hf-deepspeed" if script and script_kind == "hf-trainer" else None
+    stack = get_stack(name or default, field=field)
+    if not script:
+        check_runner_runs(stack, field=field)
+    return stack
+
+
 def check_runner_runs(stack: Stack, *, field: str = "stack") -> None:
     """Refuse to tune ``stack`` with Pipette's own runner when the runner does not run it."""
     if not stack.runner_runs:
@@ -185,5 +195,5 @@ def check_runner_runs(stack: Stack, *, field: str = "stack") -> None:
 
 __all__ = [
     "DEFAULT_STACK", "FSDP", "HF_DEEPSPEED", "MEGATRON", "OPTIONS", "PIPETTE", "STACKS", "STACK_RULES",
-    "Stack", "check_runner_runs", "get_stack", "runner_stacks",
+    "Stack", "check_runner_runs", "get_stack", "runner_stacks", "stack_to_tune",
 ]

@@ -65,7 +65,6 @@ from pipette.learned import NOISE_PRIOR_DOF, Observation
 from pipette.measurement import Measurement, last_error_line
 from pipette.model import ModelSpec
 from pipette.plan import Plan, Planned
-from pipette.stacks import DEFAULT_STACK, Stack, get_stack
 from pipette.search import (
     RECORD_ATTR,
     IncumbentPruner,
@@ -77,6 +76,7 @@ from pipette.search import (
     params_key,
     search_space,
 )
+from pipette.stacks import DEFAULT_STACK, Stack, get_stack
 from pipette.training import TrainingSpec
 
 #: reruns of one trial that failed because a node was lost (beyond ``TuneOptions.retries``)
@@ -371,7 +371,9 @@ class Tuner:
         self.candidates = candidates
         self.space = search_space([*plan.ranked, *(_as_planned(r) for r in history)])
         self.sampler = PerfModelSampler(
-            candidates, job_key=self.job_key, prior=[r.observation() for r in prior if r.job_key != "" and r.stack == self.stack],
+            # another stack's trials measure other code: they never teach this one
+            candidates, job_key=self.job_key,
+            prior=[r.observation() for r in prior if r.job_key != "" and r.stack == self.stack],
             tolerance=self.options.tolerance, seed=self.options.seed, space=self.space,
             fits_prior=plan.fits_prior or default_prior(plan.cluster.device_spec.kind),
         )

@@ -241,15 +241,11 @@ def _script(args: argparse.Namespace) -> ScriptSpec | None:
 
 
 def _stack(args: argparse.Namespace, script: ScriptSpec | None) -> Any:
-    """The stack to tune for: --stack, else hf-deepspeed for an hf-trainer script, else Pipette's
-    runner. Without --script only a stack the runner runs is accepted (before anything is measured)."""
-    from pipette.stacks import check_runner_runs, get_stack
+    """The stack to tune for (``pipette.stacks.stack_to_tune``), refused before anything is measured."""
+    from pipette.stacks import stack_to_tune
 
-    default = "hf-deepspeed" if script is not None and script.kind == "hf-trainer" else None
-    stack = get_stack(args.stack or default, field="--stack")
-    if script is None:
-        check_runner_runs(stack, field="--stack")
-    return stack
+    return stack_to_tune(args.stack, script=script is not None, script_kind=script.kind if script else None,
+                         field="--stack")
 
 
 def _script_key(script: ScriptSpec) -> str:

@@ -16,12 +16,12 @@ from pipette.config import ParallelConfig
 from pipette.emit import write_launch_files
 from pipette.errors import InfeasibleError, SpecError
 from pipette.fits import CPU, NANOTRON_GPU, PIPETTE_GPU
+from pipette.measurement import Measurement
 from pipette.memory import DEFAULT_OPTIONS, MEGATRON_OPTIONS, estimate_memory
 from pipette.model import ModelSpec
 from pipette.perf import HF_DEEPSPEED_CONSTANTS, MEGATRON_CONSTANTS, PerfModel, estimate_perf
-from pipette.measurement import Measurement
 from pipette.plan import Plan, make_plan
-from pipette.stacks import FSDP, MEGATRON, PIPETTE, STACKS, STACK_RULES, get_stack, runner_stacks
+from pipette.stacks import FSDP, MEGATRON, PIPETTE, STACK_RULES, STACKS, get_stack, runner_stacks
 from pipette.training import TrainingSpec
 from pipette.tuner import TrialRecord, Tuner, job_key
 

@@ -29,7 +29,6 @@ from pipette.stacks import PIPETTE
 from pipette.training import LoraSpec, TrainingSpec
 from pipette.tuner import StepProgress, TrialRecord, TuneEvent, TuneOptions, Tuner
 
-
 _WITH_INTERLEAVED = replace(PIPETTE, schedules=("1f1b", "interleaved"))
 
 
