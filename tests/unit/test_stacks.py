@@ -204,3 +204,12 @@ def test_tune_without_a_script_refuses_a_stack_its_runner_does_not_run(stack: st
     assert line.startswith(f"pipette: error: --stack: {stack} cannot be tuned by Pipette's runner, "
                            "which runs pipette only"), line
     assert "--script" in line and not (tmp_path / "profiles").exists()  # refused before measuring
+
+
+def test_a_job_file_carries_its_stack_to_the_api(tmp_path: Path) -> None:
+    from pipette.cli.client_jobfile import load_job_file
+
+    job = tmp_path / "job.yaml"
+    job.write_text("cluster: local\nmodel: tiny-llama\ntraining: {global_batch: 4, seq_len: 32}\nstack: pipette\n")
+    assert load_job_file(str(job))["stack"] == "pipette"
+    assert load_job_file(str(job), ["stack=hf-deepspeed"])["stack"] == "hf-deepspeed"
