@@ -25,7 +25,7 @@ from pathlib import Path
 from pipette.cluster import ClusterProfile
 from pipette.clusterfile import homogeneous_cluster
 from pipette.config import ParallelConfig
-from pipette.device import GB, GiB, DeviceSpec
+from pipette.device import GB, DeviceSpec, GiB
 from pipette.errors import PipetteError
 from pipette.model import ModelSpec
 from pipette.training import TrainingSpec

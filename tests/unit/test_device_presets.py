@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipette.device import GB, GiB, DeviceSpec
+from pipette.device import GB, DeviceSpec, GiB
 from pipette.efficiency import family
 
 
