@@ -225,14 +225,20 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         out = plan.to_dict(top=args.top)
         out["planning_seconds"] = elapsed
         out["files"] = files
-        out["launch_command"] = launch_command(plan.best.config, cluster, args.out)
+        # a stack Pipette writes no launcher for (megatron, fsdp) has no launch command
+        out["launch_command"] = launch_command(plan.best.config, cluster, args.out) \
+            if "launch.sh" in stack.launch_files else None
         json.dump(out, sys.stdout, indent=2)
         sys.stdout.write("\n")
         return EXIT_OK
     _print_plan(plan, args.top, elapsed)
     if files:
         print(f"\nlaunch files for #1 in {args.out}/: {', '.join(sorted(files))}")
-        print(f"launch: (cd {args.out} && ./launch.sh)")
+        if "launch.sh" in files:
+            print(f"launch: (cd {args.out} && ./launch.sh)")
+        else:
+            print(f"launch: with {stack.frameworks}, from the candidate in {args.out}/candidate.json "
+                  "(Pipette writes no launcher for this stack yet)")
     return EXIT_OK
 
 

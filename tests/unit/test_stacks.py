@@ -180,9 +180,11 @@ def test_plan_stack_flag_is_shown_and_written(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr
     assert "stack megatron: Megatron-LM, NeMo, nanotron" in r.stdout
     assert json.loads((tmp_path / "o" / "candidate.json").read_text())["stack"]["name"] == "megatron"
+    assert "./launch.sh" not in r.stdout and "Pipette writes no launcher for this stack yet" in r.stdout
     r = pipette(*PLAN, "--stack", "fsdp", "--json", "--no-files")
     assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout)["stack"]["name"] == "fsdp"
+    data = json.loads(r.stdout)
+    assert data["stack"]["name"] == "fsdp" and data["launch_command"] is None
 
 
 @pytest.mark.parametrize(("stack", "words"), [
