@@ -137,6 +137,10 @@ def _gpu(name: str, mem: float, bf16: float | None, fp16: float, fp32: float, bw
 
 # Dense peaks from the vendor data sheets (NVIDIA A100, H100 SXM, H200 SXM, V100 SXM2, T4).
 # fp32 means what PyTorch runs for fp32 matmuls by default (TF32 off): the CUDA-core peak.
+# B200: NVIDIA HGX B200 data sheet, per GPU (the sheet gives 8): 180 GB HBM3e at 8 TB/s,
+# FP16/BF16 tensor 2.25 PFLOPS dense (4.5 with sparsity), FP32 75 TFLOPS.
+# GH200: NVIDIA GH200 Grace Hopper Superchip data sheet: the H100's peaks (BF16 989 TFLOPS
+# dense, FP32 67 TFLOPS) with 96 GB HBM3 at 4 TB/s, or 144 GB HBM3e at 4.9 TB/s.
 DEVICE_PRESETS: dict[str, DeviceSpec] = {
     d.name.lower(): d
     for d in [
@@ -144,6 +148,9 @@ DEVICE_PRESETS: dict[str, DeviceSpec] = {
         _gpu("A100-80GB", 80 * GiB, 312, 312, 19.5, 2.039),
         _gpu("H100-80GB", 80 * GiB, 989, 989, 67, 3.35),
         _gpu("H200-141GB", 141 * GB, 989, 989, 67, 4.8),
+        _gpu("B200-180GB", 180 * GB, 2250, 2250, 75, 8.0),
+        _gpu("GH200-96GB", 96 * GB, 989, 989, 67, 4.0),
+        _gpu("GH200-144GB", 144 * GB, 989, 989, 67, 4.9),
         _gpu("V100-32GB", 32 * GiB, None, 125, 15.7, 0.9),
         _gpu("T4-16GB", 16 * GiB, None, 65, 8.1, 0.32),
         cpu_device(4 * GiB),

@@ -24,6 +24,7 @@ from pipette.cluster import ClusterProfile
 from pipette.config import ParallelConfig
 from pipette.memory import trainable_params
 from pipette.model import ModelSpec
+from pipette.stacks import Stack, get_stack
 from pipette.training import TrainingSpec
 
 #: The module every rank runs (the workers' trial runner as a launchable job).
@@ -158,7 +159,8 @@ def launch_command(config: ParallelConfig, cluster: ClusterProfile, out_dir: str
     return " ".join(parts)
 
 
-def launch_script(config: ParallelConfig, cluster: ClusterProfile, python: str | None = None) -> str:
+def launch_script(config: ParallelConfig, cluster: ClusterProfile, python: str | None = None,
+                  stack: Stack | None = None) -> str:
     """``launch.sh``: finds a Python that has DeepSpeed and Pipette's workers
     (``$PIPETTE_PYTHON``, else ``python`` (by default the interpreter writing the file), else
     ``python3`` on PATH), or says in one line how to give one; sets what the trial's ranks had
@@ -172,7 +174,8 @@ def launch_script(config: ParallelConfig, cluster: ClusterProfile, python: str |
     exports = " ".join(f'{k}="${{{k}:-{v}}}"' for k, v in env.items())
     return "\n".join([
         "#!/usr/bin/env bash",
-        f"# Pipette: {config.label} on {cluster.world} x {cluster.device_spec.name} ({cluster.name}).",
+        f"# Pipette: {config.label} on {cluster.world} x {cluster.device_spec.name} ({cluster.name}), "
+        f"stack {get_stack(stack).key}.",
         "# Run as ./launch.sh from anywhere; MASTER_PORT=N ./launch.sh picks another rendezvous port.",
         "set -euo pipefail",
         'cd "$(dirname "$0")"',
@@ -205,25 +208,30 @@ def write_launch_files(
     config: ParallelConfig,
     cluster: ClusterProfile,
     extra: dict[str, Any] | None = None,
+    stack: str | Stack | None = None,
 ) -> dict[str, Path]:
-    """Write every launch file into ``out_dir``; returns them by name."""
+    """Write the launch files of ``stack`` (default Pipette's runner: ``Stack.launch_files``)
+    into ``out_dir``; returns them by name. ``candidate.json`` names the stack it was planned for."""
+    chosen = get_stack(stack)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     files = {
-        "ds_config.json": json.dumps(deepspeed_config(training, config, model=model), indent=2) + "\n",
-        "hostfile": hostfile(config, cluster),
-        "rank_map.json": json.dumps(rank_map(config, cluster), indent=2) + "\n",
-        "candidate.json": json.dumps(
+        "ds_config.json": lambda: json.dumps(deepspeed_config(training, config, model=model), indent=2) + "\n",
+        "hostfile": lambda: hostfile(config, cluster),
+        "rank_map.json": lambda: json.dumps(rank_map(config, cluster), indent=2) + "\n",
+        "candidate.json": lambda: json.dumps(
             {"model": model.to_dict(), "training": training.to_dict(), "config": config.to_dict(),
-             **(extra or {})},
+             "stack": chosen.to_dict(), **(extra or {})},
             indent=2,
         ) + "\n",
-        "launch.sh": launch_script(config, cluster),
+        "launch.sh": lambda: launch_script(config, cluster, stack=chosen),
     }
     written = {}
-    for name, text in files.items():
+    for name in chosen.launch_files:
+        text = files[name]()
         path = out / name
         path.write_text(text)
         written[name] = path
-    written["launch.sh"].chmod(0o755)
+    if "launch.sh" in written:
+        written["launch.sh"].chmod(0o755)
     return written

@@ -16,12 +16,16 @@ flight, the last the LM head and the logits; the estimate reports the heaviest.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pipette.config import ParallelConfig
 from pipette.errors import SpecError
 from pipette.estimates import MemoryEstimate
 from pipette.model import ModelSpec
 from pipette.training import TrainingSpec
+
+if TYPE_CHECKING:
+    from pipette.stacks import Stack
 
 GiB = 1024**3
 FP32_BYTES = 4
@@ -123,9 +127,16 @@ def estimate_memory(
     capacity_bytes: int,
     *,
     device_kind: str = "gpu",
-    options: MemoryOptions = DEFAULT_OPTIONS,
+    options: MemoryOptions | None = None,
+    stack: str | Stack | None = None,
 ) -> MemoryEstimate:
-    """Peak bytes on the heaviest rank of ``config`` (the heaviest pipeline stage)."""
+    """Peak bytes on the heaviest rank of ``config`` (the heaviest pipeline stage), with
+    ``options`` if given, else the memory options of ``stack`` (a name or a
+    ``pipette.stacks.Stack``; default Pipette's runner)."""
+    if options is None:
+        from pipette.stacks import get_stack  # the registry bundles these options: imported late
+
+        options = get_stack(stack).memory_options
     if capacity_bytes <= 0:
         raise SpecError(
             f"capacity must be positive, got {capacity_bytes!r}",

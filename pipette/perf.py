@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
@@ -44,6 +45,9 @@ from pipette.errors import SpecError
 from pipette.estimates import TIME_PARTS, PerfEstimate
 from pipette.model import ModelSpec
 from pipette.training import TrainingSpec
+
+if TYPE_CHECKING:
+    from pipette.stacks import Stack
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
@@ -391,10 +395,14 @@ class PerfModel:
 
 
 def estimate_perf(
-    model: ModelSpec, training: TrainingSpec, config: ParallelConfig, cluster: ClusterProfile
+    model: ModelSpec, training: TrainingSpec, config: ParallelConfig, cluster: ClusterProfile,
+    *, stack: str | Stack | None = None,
 ) -> PerfEstimate:
-    """Convenience: ``PerfModel(...).estimate()`` for the config's own placement."""
-    return PerfModel(model, training, config, cluster).estimate()
+    """Convenience: ``PerfModel(...).estimate()`` for the config's own placement, with the
+    constants of ``stack`` (a name or a ``pipette.stacks.Stack``; default Pipette's runner)."""
+    from pipette.stacks import get_stack  # the registry bundles these constants: imported late
+
+    return PerfModel(model, training, config, cluster, constants=get_stack(stack).constants).estimate()
 
 
 # ---- helpers ----------------------------------------------------------------------------

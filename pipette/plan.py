@@ -17,17 +17,18 @@ from pipette.cluster import ClusterProfile
 from pipette.config import ParallelConfig
 from pipette.errors import InfeasibleError, SpecError
 from pipette.estimates import MemoryEstimate, PerfEstimate
-from pipette.fits import KEEP_THRESHOLD, SURE_TO_FIT, FitsPrior, default_prior, expected_step_time
-from pipette.memory import DEFAULT_OPTIONS, MemoryOptions, estimate_memory
+from pipette.fits import KEEP_THRESHOLD, SURE_TO_FIT, FitsPrior, expected_step_time
+from pipette.memory import MemoryOptions, estimate_memory
 from pipette.model import ModelSpec
 from pipette.perf import PerfConstants, PerfModel
 from pipette.placement import default_placement, optimize_placement
-from pipette.space import RULES, enumerate_space
+from pipette.space import RULES, Space, enumerate_space
+from pipette.stacks import STACK_RULES, Stack, get_stack
 from pipette.training import TrainingSpec
 
 OUT_OF_MEMORY = "out_of_memory"
 DROP_REASONS: dict[str, str] = {
-    **RULES, OUT_OF_MEMORY: f"less than a {KEEP_THRESHOLD:.0%} chance to fit in device memory",
+    **RULES, **STACK_RULES, OUT_OF_MEMORY: f"less than a {KEEP_THRESHOLD:.0%} chance to fit in device memory",
 }
 #: Capacity a user asks to keep free, as a fraction added to the predicted peak (``--margin``):
 #: none by default, the chance to fit prices the estimator's error.
@@ -97,6 +98,7 @@ class Plan:
     margin: float = DEFAULT_MARGIN
     enumerated: int = 0
     fits_prior: FitsPrior | None = None
+    stack: Stack = field(default_factory=lambda: get_stack(None))
 
     @property
     def best(self) -> Planned:
@@ -109,6 +111,7 @@ class Plan:
             "training": self.training.to_dict(),
             "cluster": {"name": self.cluster.name, "devices": self.cluster.world,
                         "nodes": len(self.cluster.nodes)},
+            "stack": self.stack.to_dict(),
             "safety_margin": self.margin,
             "fits_prior": self.fits_prior.to_dict() if self.fits_prior else None,
             "keep_threshold": KEEP_THRESHOLD,
@@ -141,24 +144,31 @@ def make_plan(
     optimize_top: int = 20,
     seed: int = 0,
     constants: PerfConstants | None = None,
-    memory_options: MemoryOptions = DEFAULT_OPTIONS,
+    memory_options: MemoryOptions | None = None,
     fits_prior: FitsPrior | None = None,
+    stack: str | Stack | None = None,
 ) -> Plan:
     """Every candidate likely enough to fit, ranked by the step time to expect from trying it.
 
-    ``fits_prior``: the estimator's error for the stack and device (default: Pipette's runner
-    on the cluster's device kind). ``margin``: capacity the user keeps free (the chance to fit
+    ``stack``: the software that runs the job (a name such as ``megatron`` or a ``Stack``;
+    default Pipette's runner): it gives the constants, the memory options and the fits prior
+    unless ``constants``, ``memory_options`` or ``fits_prior`` are given, and drops the
+    candidates it cannot run. ``fits_prior``: the estimator's error for the stack and device.
+    ``margin``: capacity the user keeps free (the chance to fit
     is taken against ``capacity / (1 + margin)``). Raises ``InfeasibleError`` when no candidate
     is valid (with the rejection counts) or none is likely to fit (with the shortfall of the
     closest one and what would help).
     """
     check_recipe(model, training)
-    space = enumerate_space(model, training, cluster.world)
+    chosen = get_stack(stack)
+    space = _runnable(enumerate_space(model, training, cluster.world), chosen)
     if not space.candidates:
-        raise _no_valid_candidate(model, training, cluster, space.rejected)
+        raise _no_valid_candidate(model, training, cluster, space.rejected, chosen)
     capacity = cluster.min_usable_memory
     kind = cluster.device_spec.kind
-    prior = fits_prior or default_prior(kind)
+    prior = fits_prior or chosen.fits_prior(kind)
+    constants = constants or chosen.constants
+    memory_options = memory_options or chosen.memory_options
     dropped: Counter[str] = Counter(space.rejected)
     fitting: list[tuple[ParallelConfig, MemoryEstimate, float]] = []
     oom: list[Dropped] = []
@@ -198,7 +208,20 @@ def make_plan(
     fallback = _fallback(ranked)
     ranked = sorted((_with_expectation(p, fallback) for p in ranked), key=_rank_key)
     oom.sort(key=lambda d: -d.chance_to_fit)
-    return Plan(model, training, cluster, ranked, dropped, oom, margin, space.total, prior)
+    return Plan(model, training, cluster, ranked, dropped, oom, margin, space.total, prior, chosen)
+
+
+def _runnable(space: Space, stack: Stack) -> Space:
+    """The valid candidates ``stack`` runs; the others counted by the first stack rule they break."""
+    kept: list[ParallelConfig] = []
+    rejected = Counter(space.rejected)
+    for config in space.candidates:
+        broken = stack.refusals(config)
+        if broken:
+            rejected[broken[0]] += 1
+        else:
+            kept.append(config)
+    return Space(kept, rejected)
 
 
 def _fallback(planned: list[Planned]) -> float:
@@ -221,7 +244,7 @@ def _rank_key(p: Planned) -> tuple[float, float, int, str]:
 
 
 def _no_valid_candidate(
-    model: ModelSpec, training: TrainingSpec, cluster: ClusterProfile, rejected: Counter[str]
+    model: ModelSpec, training: TrainingSpec, cluster: ClusterProfile, rejected: Counter[str], stack: Stack,
 ) -> InfeasibleError:
     counts = ", ".join(f"{DROP_REASONS[k]}: {v}" for k, v in rejected.most_common())
     top = rejected.most_common(1)[0][0] if rejected else ""
@@ -240,9 +263,13 @@ def _no_valid_candidate(
         "interleaved_microbatches": ("training.schedules", "allow the 1f1b schedule"),
         "interleaved_pp": ("training.schedules", "allow the 1f1b schedule"),
     }
+    if top in STACK_RULES:
+        fixes[top] = ("stack", f"allow what {stack.key} runs (ZeRO {list(stack.zero_stages)}, schedules "
+                               f"{list(stack.schedules)}, recompute {list(stack.recompute)}), or choose another stack")
     where, fix = fixes.get(top, ("training", "relax the recipe's limits"))
     return InfeasibleError(
-        f"no configuration of {model.name} on {cluster.world} devices satisfies the recipe ({counts})",
+        f"no configuration of {model.name} on {cluster.world} devices satisfies the recipe on stack {stack.key} "
+        f"({counts})",
         field=where, fix=fix, reasons=dict(rejected),
     )
 

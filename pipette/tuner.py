@@ -76,6 +76,7 @@ from pipette.search import (
     params_key,
     search_space,
 )
+from pipette.stacks import DEFAULT_STACK, Stack, get_stack
 from pipette.training import TrainingSpec
 
 #: reruns of one trial that failed because a node was lost (beyond ``TuneOptions.retries``)
@@ -196,6 +197,8 @@ class TrialRecord:
     job_key: str = ""
     #: "search" (proposed by the sampler) or "retime" (a contender re-run before the verdict)
     purpose: str = "search"
+    #: the stack the trial ran (``pipette.stacks``): records written before stacks were the runner's
+    stack: str = DEFAULT_STACK
 
     @property
     def label(self) -> str:
@@ -212,7 +215,7 @@ class TrialRecord:
         m = self.measurement
         return {
             "number": self.number, "attempt": self.attempt, "label": self.label, "job_key": self.job_key,
-            "purpose": self.purpose, "config": self.config.to_dict(), "measurement": m.to_dict(),
+            "stack": self.stack, "purpose": self.purpose, "config": self.config.to_dict(), "measurement": m.to_dict(),
             "perf": self.perf.to_dict(), "memory": self.memory.to_dict(),
             "analytic_step_time": self.analytic_step_time,
             "predicted_step_time": self.predicted_step_time, "predicted_sd": self.predicted_sd,
@@ -237,7 +240,7 @@ class TrialRecord:
                                       {k: int(v) for k, v in mem["breakdown"].items()}, int(mem.get("stage", 0)),
                                       tuple(mem.get("notes", ()))),
                 predicted_step_time=float(d["predicted_step_time"]), predicted_sd=float(d.get("predicted_sd", 0.0)),
-                purpose=str(d.get("purpose", "search")),
+                purpose=str(d.get("purpose", "search")), stack=str(d.get("stack", DEFAULT_STACK)),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise SpecError(f"is not a trial record ({type(e).__name__}: {e})", field="trial",
@@ -304,7 +307,7 @@ class TuneResult:
                 fix="look at the trials' errors; allow more trials or more memory headroom",
             )
         p = self.plan
-        return write_launch_files(out_dir, p.model, p.training, self.best.config, p.cluster,
+        return write_launch_files(out_dir, p.model, p.training, self.best.config, p.cluster, stack=p.stack,
                                   extra={"tuning": {"stop_reason": self.stop_reason,
                                                     "best": self.to_dict()["best"]["side_by_side"]},
                                          "memory_headroom": self.memory_headroom()})
@@ -317,9 +320,14 @@ class TuneResult:
         return memory_headroom(self.best.memory, prior, measured_need(self.best.memory, self.best.measurement))
 
 
-def job_key(model: ModelSpec, training: TrainingSpec) -> str:
-    """Identifies what is tuned (model and recipe): trials of the same key share the most."""
-    text = json.dumps({"model": model.to_dict(), "training": training.to_dict()}, sort_keys=True)
+def job_key(model: ModelSpec, training: TrainingSpec, stack: str | Stack | None = None) -> str:
+    """Identifies what is tuned (model, recipe and stack): trials of the same key share the most.
+    The default stack keeps the key it had before stacks existed, so its stored trials still match."""
+    chosen = get_stack(stack)
+    what: dict[str, Any] = {"model": model.to_dict(), "training": training.to_dict()}
+    if chosen.key != DEFAULT_STACK:
+        what["stack"] = chosen.key
+    text = json.dumps(what, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -344,7 +352,8 @@ class Tuner:
     ) -> None:
         self.plan = plan
         self.options = options or TuneOptions()
-        self.job_key = job_key(plan.model, plan.training)
+        self.job_key = job_key(plan.model, plan.training, plan.stack)
+        self.stack = plan.stack.key
         self.unrunnable: Counter[str] = Counter()
         candidates: list[Planned] = []
         for p in plan.ranked:
@@ -362,7 +371,9 @@ class Tuner:
         self.candidates = candidates
         self.space = search_space([*plan.ranked, *(_as_planned(r) for r in history)])
         self.sampler = PerfModelSampler(
-            candidates, job_key=self.job_key, prior=[r.observation() for r in prior if r.job_key != ""],
+            # another stack's trials measure other code: they never teach this one
+            candidates, job_key=self.job_key,
+            prior=[r.observation() for r in prior if r.job_key != "" and r.stack == self.stack],
             tolerance=self.options.tolerance, seed=self.options.seed, space=self.space,
             fits_prior=plan.fits_prior or default_prior(plan.cluster.device_spec.kind),
         )
@@ -617,7 +628,7 @@ class Tuner:
         if cancelled:
             return "cancelled"  # not recorded: a cut-short re-timing says nothing
         record = TrialRecord(number, planned.config, m, planned.perf, planned.memory, prediction.step_time,
-                             prediction.sd, 1, self.job_key, "retime")
+                             prediction.sd, 1, self.job_key, "retime", self.stack)
         state, value, constraints = _outcome(m)
         params = candidate_params(planned.config)
         self.study.add_trial(optuna.trial.create_trial(
@@ -678,7 +689,8 @@ class Tuner:
                 lost = crashed and bool(m.extra.get("lost_nodes")) and lost_left > 0
                 retry = crashed and not lost and retries_left > 0
                 record = TrialRecord(trial.number, planned.config, m, planned.perf, planned.memory,
-                                     prediction.step_time, prediction.sd, attempt, self.job_key)
+                                     prediction.step_time, prediction.sd, attempt, self.job_key,
+                                     stack=self.stack)
                 if retry:
                     kind = crash_kind(m)
                     chance = retry_chance([*self.records, record], kind)

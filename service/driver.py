@@ -139,7 +139,8 @@ class JobDriver:
                                 script=script, ship_workdir=script is not None and script.workdir is not None)
         start = time.perf_counter()
         margin = DEFAULT_MARGIN if options.get("margin") is None else float(options["margin"])
-        plan = make_plan(model, training, cluster, margin=margin, seed=int(options.get("seed", 0)))
+        plan = make_plan(model, training, cluster, margin=margin, seed=int(options.get("seed", 0)),
+                         stack=options.get("stack"))  # a job stored before stacks: Pipette's runner
         planned = plan_dict(plan, planning_seconds=time.perf_counter() - start, refusals=runner.refusals)
 
         with self.db.write() as session:

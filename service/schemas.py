@@ -192,6 +192,12 @@ class ScriptIn(StrictTypes):
                        "(`pipette submit` sends it); empty: the script must be on every node already")
 
 
+#: A stack name with its options (pipette.stacks.get_stack says which are known).
+STACK_PATTERN = r"^[A-Za-z0-9+_ -]+$"
+STACK_DOC = ("the software that runs the job: pipette, hf-deepspeed, megatron, fsdp; an option with +: "
+             "fsdp+compile (docs/stacks.md)")
+
+
 class JobIn(Strict):
     cluster: str = Field(pattern=NAME_PATTERN, max_length=200, description="a cluster id or name of this tenant")
     model: ModelIn = Field(description="a preset name (tiny-llama, llama2-7b, ...) or a config.json object")
@@ -199,6 +205,9 @@ class JobIn(Strict):
     budget: BudgetIn = Field(default_factory=lambda: BudgetIn.model_validate({}))
     name: str = Field("", max_length=200, pattern=TEXT_PATTERN)
     script: ScriptIn | None = Field(None, description="train with the user's own script instead of Pipette's runner")
+    stack: str | None = Field(None, max_length=64, pattern=STACK_PATTERN, description=STACK_DOC + "; default: "
+                              "pipette, or hf-deepspeed for an hf-trainer script. Without a script only a stack "
+                              "Pipette's runner runs (pipette)")
 
 
 class Progress(BaseModel):
@@ -238,6 +247,8 @@ class JobOut(BaseModel):
     model: dict[str, Any]
     training: dict[str, Any]
     budget: dict[str, Any]
+    #: the stack it is tuned for (``pipette.stacks``)
+    stack: str = "pipette"
     created_at: datetime
     updated_at: datetime
     started_at: datetime | None
@@ -321,6 +332,7 @@ class PlanIn(Strict):
                     "id or name (its latest profile)")
     margin: float | None = Field(None, ge=0, lt=1)
     top: int = Field(20, ge=1, le=1000, description="how many ranked candidates to return")
+    stack: str | None = Field(None, max_length=64, pattern=STACK_PATTERN, description=STACK_DOC + "; default pipette")
 
 
 class PlanOut(BaseModel):

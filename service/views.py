@@ -7,6 +7,7 @@ from typing import Any
 from pydantic import BaseModel
 from starlette.responses import Response
 
+from pipette.stacks import DEFAULT_STACK
 from service.models import Cluster, Job, Lease, Profile, Trial, utcnow
 from service.repositories.leases import UNSERVED_AFTER_S
 from service.schemas import (
@@ -53,7 +54,8 @@ def job_out(job: Job) -> JobOut:
     progress["tuning_s"] = job.tuning_s
     return JobOut(
         id=job.id, url=url, name=job.name, state=job.state,  # type: ignore[arg-type]
-        cluster_id=job.cluster_id, model=job.model, training=job.training, budget=job.options,
+        cluster_id=job.cluster_id, model=job.model, training=job.training,
+        budget={k: v for k, v in job.options.items() if k != "stack"}, stack=job.options.get("stack", DEFAULT_STACK),
         created_at=job.created_at, updated_at=job.updated_at, started_at=job.started_at,
         finished_at=job.finished_at, cancel_requested=job.cancel_requested, attempts=job.attempts,
         progress=Progress(**progress), best=BestSummary(**job.best) if job.best else None,

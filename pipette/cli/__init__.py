@@ -63,7 +63,7 @@ RECIPE_FLAGS = {
     "training.recompute": ("--recompute", "none,full"), "training.zero_stages": ("--zero", "0,1"),
     "training.schedules": ("--schedules", "1f1b"), "training.micro_batches": ("--micro-batches", "1,2,4"),
     "cluster": ("--cluster", "FILE"), "model": ("--model", "NAME"), "recipe": ("--recipe", "FILE"),
-    "data": ("--data", "FILE"), "checkpoint": ("--checkpoint", "DIR"),
+    "data": ("--data", "FILE"), "checkpoint": ("--checkpoint", "DIR"), "stack": ("--stack", "megatron"),
 }
 
 
@@ -129,6 +129,8 @@ def add_recipe_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--zero", help="allowed ZeRO stages, comma-separated: 0,1,2,3")
     p.add_argument("--schedules", help="allowed pipeline schedules: 1f1b,interleaved")
     p.add_argument("--micro-batches", help="allowed micro-batch sizes, comma-separated")
+    p.add_argument("--stack", help="the software that runs the job: pipette (default), hf-deepspeed, megatron, "
+                   "fsdp; an option with +: fsdp+compile, megatron+fp8 (docs/stacks.md)")
 
 
 # ---- pipette plan -----------------------------------------------------------------
@@ -188,8 +190,9 @@ def _csv(raw: str, kind: type, flag: str) -> list[Any]:
 def _cmd_plan(args: argparse.Namespace) -> int:
     from pipette.clusterfile import load_cluster
     from pipette.emit import launch_command, write_launch_files
-    from pipette.fits import default_prior, memory_headroom
+    from pipette.fits import memory_headroom
     from pipette.plan import DEFAULT_MARGIN, make_plan
+    from pipette.stacks import get_stack
 
     # Every input is checked, cheapest first, and the first real error is the one reported.
     if args.top < 1:
@@ -197,19 +200,20 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     margin = DEFAULT_MARGIN if args.margin is None else args.margin
     if not 0 <= margin < 1:
         raise SpecError(f"is {margin}", field="--margin", fix="give a fraction between 0 and 1, e.g. 0.05")
+    stack = get_stack(args.stack, field="--stack")
     cluster = load_cluster(args.cluster)
     model = load_model(args.model)
     training = load_recipe(args.recipe, args)
     start = time.perf_counter()
-    plan = make_plan(model, training, cluster, margin=margin)
+    plan = make_plan(model, training, cluster, margin=margin, stack=stack)
     elapsed = time.perf_counter() - start
     files: dict[str, str] = {}
     if not args.no_files:
         try:
             written = write_launch_files(
-                args.out, model, training, plan.best.config, cluster,
+                args.out, model, training, plan.best.config, cluster, stack=stack,
                 extra={"predicted": plan.best.to_dict(),
-                       "memory_headroom": memory_headroom(plan.best.memory, plan.fits_prior or default_prior(
+                       "memory_headroom": memory_headroom(plan.best.memory, plan.fits_prior or stack.fits_prior(
                            plan.cluster.device_spec.kind))},
             )
         except OSError as e:
@@ -221,14 +225,20 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         out = plan.to_dict(top=args.top)
         out["planning_seconds"] = elapsed
         out["files"] = files
-        out["launch_command"] = launch_command(plan.best.config, cluster, args.out)
+        # a stack Pipette writes no launcher for (megatron, fsdp) has no launch command
+        out["launch_command"] = launch_command(plan.best.config, cluster, args.out) \
+            if "launch.sh" in stack.launch_files else None
         json.dump(out, sys.stdout, indent=2)
         sys.stdout.write("\n")
         return EXIT_OK
     _print_plan(plan, args.top, elapsed)
     if files:
         print(f"\nlaunch files for #1 in {args.out}/: {', '.join(sorted(files))}")
-        print(f"launch: (cd {args.out} && ./launch.sh)")
+        if "launch.sh" in files:
+            print(f"launch: (cd {args.out} && ./launch.sh)")
+        else:
+            print(f"launch: with {stack.frameworks}, from the candidate in {args.out}/candidate.json "
+                  "(Pipette writes no launcher for this stack yet)")
     return EXIT_OK
 
 
@@ -253,6 +263,7 @@ def _chance(p: float) -> str:
 def _print_plan(plan: Any, top: int, elapsed: float) -> None:
     from pipette.estimates import MEMORY_PARTS, TIME_PARTS
     from pipette.plan import DROP_REASONS
+    from pipette.stacks import OPTION_NOT_MODELLED
 
     c = plan.cluster
     print(
@@ -261,6 +272,8 @@ def _print_plan(plan: Any, top: int, elapsed: float) -> None:
         f"x {plan.training.seq_len} tokens"
     )
     print(f"cluster {c.name}: {len(c.nodes)} nodes, {c.world} x {c.device_spec.name}")
+    print(f"stack {plan.stack.key}: {plan.stack.frameworks}"
+          + (f" ({', '.join(plan.stack.options)}: {OPTION_NOT_MODELLED})" if plan.stack.options else ""))
     dropped = sum(plan.dropped.values())
     sure = sum(p.sure_to_fit for p in plan.ranked)
     kept_free = f", {plan.margin:.0%} of memory kept free" if plan.margin else ""

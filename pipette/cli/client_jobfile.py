@@ -5,6 +5,7 @@
     training: {global_batch: 4, seq_len: 32, method: lora}
     budget: {max_trials: 2}
     name: my first job
+    stack: pipette                 # optional: pipette (default), hf-deepspeed (hf-trainer scripts), ...
 
 The file is only read and parsed here; the service checks every field and answers with the
 field's name and the fix, so the CLI and the API can never disagree on what is valid.
@@ -23,7 +24,7 @@ import yaml
 from pipette.errors import SpecError
 from pipette.textfile import parse_yaml, read_text
 
-TOP_LEVEL = ("cluster", "model", "training", "budget", "name", "script")
+TOP_LEVEL = ("cluster", "model", "training", "budget", "name", "script", "stack")
 
 
 def load_job_file(path: str, overrides: Sequence[str] = ()) -> dict[str, Any]:

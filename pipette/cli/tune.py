@@ -126,6 +126,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
         check_checkpoint(model, args.checkpoint)
     script = _script(args)
+    stack = _stack(args, script)
     if script is not None:
         from workers.script_trial import check_script
 
@@ -137,8 +138,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
     cluster = _cluster(args, home, ui, model)
     device_kind = cluster.device_spec.kind
     ui.say(f"planning {model.name} ({training.method}, global batch {training.global_batch} x {training.seq_len}) "
-           f"on {cluster.world} x {cluster.device_spec.name} ...")
-    plan = make_plan(model, training, cluster, seed=args.seed)
+           f"on {cluster.world} x {cluster.device_spec.name}, stack {stack.key} ...")
+    plan = make_plan(model, training, cluster, seed=args.seed, stack=stack)
     from workers.ray_cluster import check_devices, ensure_ray
 
     ensure_ray()
@@ -187,7 +188,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
                 from pipette.emit_script import write_script_launch_files
 
                 written = write_script_launch_files(args.out, model, training, result.best.config, cluster, script,
-                                                    extra={"tuning": {"stop_reason": result.stop_reason}})
+                                                    extra={"tuning": {"stop_reason": result.stop_reason},
+                                                           "stack": stack.to_dict()})
                 files = {k: str(v) for k, v in written.items()}
             else:
                 files = {k: str(v) for k, v in result.launch_files(args.out).items()}
@@ -198,6 +200,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         out = result.to_dict()
         out["files"] = files
         out["cluster"] = {"name": cluster.name, "devices": cluster.world, "measured_at": cluster.measured_at}
+        out["stack"] = stack.key
         json.dump(out, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
@@ -237,6 +240,14 @@ def _script(args: argparse.Namespace) -> ScriptSpec | None:
     workdir = str(Path(args.workdir or ".").resolve())
     return ScriptSpec(argv=tuple(args.script), knobs=knobs, autotp=args.script_autotp, pipeline=args.script_pipeline,
                       base_config=base, workdir=workdir, kind=args.script_kind)
+
+
+def _stack(args: argparse.Namespace, script: ScriptSpec | None) -> Any:
+    """The stack to tune for (``pipette.stacks.stack_to_tune``), refused before anything is measured."""
+    from pipette.stacks import stack_to_tune
+
+    return stack_to_tune(args.stack, script=script is not None, script_kind=script.kind if script else None,
+                         field="--stack")
 
 
 def _script_key(script: ScriptSpec) -> str:

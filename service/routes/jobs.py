@@ -18,6 +18,7 @@ from pipette.emit_script import write_script_launch_files
 from pipette.model import ModelSpec
 from pipette.plan import check_recipe
 from pipette.script import ScriptSpec, script_ds_config
+from pipette.stacks import get_stack, stack_to_tune
 from pipette.training import TrainingSpec
 from service.deps import Caller, State
 from service.errors import NotFoundError
@@ -64,6 +65,7 @@ def submit_job(body: JobIn, state: State, caller: Caller, response: Response) ->
     check_recipe(model, training)  # at submit, not when planning starts (issue 17, item 14)
     tune_options(body.budget.model_dump())  # what the schema cannot check (a reserve below max_trials)
     script, files = script_parts(body.script) if body.script is not None else (None, None)
+    stack = stack_to_tune(body.stack, script=script is not None, script_kind=script.kind if script else None)
     with state.db.write() as session:
         cluster = cluster_repo.get_cluster(session, caller.tenant, body.cluster)
         if script is not None:
@@ -72,7 +74,7 @@ def submit_job(body: JobIn, state: State, caller: Caller, response: Response) ->
         check_room(session, caller.tenant, state.settings.max_queued_per_tenant)
         job = repo.create_job(
             session, tenant=caller.tenant, cluster=cluster, name=body.name, model=model.to_dict(),
-            training=training.to_dict(), options=body.budget.model_dump(),
+            training=training.to_dict(), options={**body.budget.model_dump(), "stack": stack.key},
         )
         if script is not None:
             job.script, job.script_files = stored(script), files
@@ -181,13 +183,14 @@ def download_best_file(job_id: JobId, name: FileName, state: State, caller: Call
         raise NotFoundError(f"{name} is not a file of {kind}", field="name",
                             fix="use a name from the files of GET /v1/jobs/{id}/best")
     extra = {"job_id": job_id, "trial": best["trial"].number}
+    stack = get_stack(job.options.get("stack"))
     with tempfile.TemporaryDirectory(prefix="pipette-best-") as tmp:
         if script is not None:
             written = write_script_launch_files(tmp, best["model"], best["training"], best["config"],
-                                                best["cluster"], script, extra=extra)
+                                                best["cluster"], script, extra={**extra, "stack": stack.to_dict()})
         else:
             written = write_launch_files(tmp, best["model"], best["training"], best["config"], best["cluster"],
-                                         extra=extra)
+                                         extra=extra, stack=stack)
         text = pathlib.Path(written[name]).read_text()
     media = "application/json" if name.endswith(".json") else "text/plain"
     return PlainTextResponse(text, media_type=media,

@@ -10,6 +10,7 @@ from fastapi import APIRouter
 from pipette.cluster import ClusterProfile
 from pipette.clusterfile import cluster_from_dict
 from pipette.plan import DEFAULT_MARGIN, check_recipe, make_plan
+from pipette.stacks import get_stack
 from service.deps import Caller, State
 from service.errors import NotFoundError
 from service.planning import plan_dict
@@ -27,10 +28,11 @@ def what_if(body: PlanIn, state: State, caller: Caller) -> PlanOut:
     model = model_spec(body.model)
     training = training_spec(body.training)
     check_recipe(model, training)
+    stack = get_stack(body.stack)  # an unknown one is refused before the cluster is read
     cluster = _cluster(body, state, caller.tenant)
     margin = DEFAULT_MARGIN if body.margin is None else body.margin
     start = time.perf_counter()
-    plan = make_plan(model, training, cluster, margin=margin)
+    plan = make_plan(model, training, cluster, margin=margin, stack=stack)
     return PlanOut(**plan_dict(plan, top=body.top, planning_seconds=time.perf_counter() - start))
 
 

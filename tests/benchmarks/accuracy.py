@@ -5,6 +5,7 @@ Run from the repository root::
     .venv/bin/python tests/benchmarks/accuracy.py           # figures with the shipped constants
     .venv/bin/python tests/benchmarks/accuracy.py --check   # exit 1 when a target is missed
     .venv/bin/python tests/benchmarks/accuracy.py --fit     # refit the constants, print them
+    .venv/bin/python tests/benchmarks/accuracy.py --stacks-only  # per calibration set and stack only
 
 The held-out block fits the constants on half of the (model, #GPUs) groups of each set
 and reports the figures on the other half, so a reader can see the model generalises.
@@ -315,12 +316,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--fit", action="store_true", help="refit the constants on all rows")
     ap.add_argument("--no-holdout", action="store_true", help="skip the held-out refit")
     ap.add_argument("--fit-hf", action="store_true", help="refit the HF/DeepSpeed constants on h100_single_gpu.csv")
+    ap.add_argument("--stacks-only", action="store_true", help="print only the table per calibration set and stack")
     args = ap.parse_args(argv)
     directory = calibration_dir()
     if directory is None:
         print("accuracy: no calibration data (set PIPETTE_CALIBRATION_DIR); skipped")
         return 0
     t0 = time.perf_counter()
+    from tests.benchmarks import stack_accuracy
+
+    if args.stacks_only:
+        stack_accuracy.report(directory)
+        return 0
     v, u = load(directory)
     vi = list(range(len(v.rows)))
     ua = list(range(len(u.rows)))
@@ -351,6 +358,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     mh = h100_report(directory, args.fit_hf)
     memory_report(directory)
+    stack_accuracy.report(directory)
     print(f"({time.perf_counter() - t0:.0f} s)")
     missed = []
     if mv["mape"] > TARGETS["vtrain_mape"]:

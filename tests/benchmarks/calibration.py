@@ -9,6 +9,8 @@ What each set is (from its README):
   1F1B, fp16, Megatron-DeepSpeed (Bang et al. 2024).
 * Ultra-Scale: Llama 3.2-1B / 3.2-3B / 3.1-8B shapes on 1-64 nodes of 8x H100 80GB,
   seq 4096, global batch 256, ZeRO 0/1, nanotron (HF Ultra-Scale Playbook, 2025).
+* The three stack sets (``STACK_SETS``, one column layout): llm-foundry FSDP and torchtitan
+  FSDP2 on H100, Megatron-LM on B200 (SimuMax); each row names its stack's options.
 """
 
 from __future__ import annotations
@@ -16,12 +18,15 @@ from __future__ import annotations
 import csv
 import math
 import os
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipette.cluster import ClusterProfile
 from pipette.clusterfile import homogeneous_cluster
 from pipette.config import ParallelConfig
+from pipette.device import GB, DeviceSpec, GiB
+from pipette.errors import PipetteError
 from pipette.model import ModelSpec
 from pipette.training import TrainingSpec
 
@@ -62,6 +67,9 @@ class Row:
     tokens_per_s_per_gpu: float | None = None
     mfu: float | None = None  # fraction, as reported
     peak_memory: float | None = None  # bytes (GB in the file, 1e9 bytes)
+    #: the stack that ran it (``pipette.stacks`` name with options), and what peak_memory is
+    stack: str = ""
+    memory_kind: str = ""
 
 
 _CLUSTERS: dict[tuple[str, int], ClusterProfile] = {}
@@ -173,4 +181,97 @@ def load_h100_single_gpu(directory: Path) -> list[GpuRun]:
                 peak_allocated_gib=float(r["peak_allocated_gib"]) if r["peak_allocated_gib"] else None,
                 trial_wall_s=float(r["trial_wall_s"]) if r["trial_wall_s"] else None,
             ))
+    return out
+
+
+# ---- the stack sets: llmfoundry_h100_fsdp.csv, torchtitan_h100_fsdp2.csv, simumax_b200_megatron.csv ----
+#: file -> the stack its framework is (the README's calibration list)
+STACK_SETS = {
+    "llmfoundry_h100_fsdp.csv": "fsdp",
+    "torchtitan_h100_fsdp2.csv": "fsdp",
+    "simumax_b200_megatron.csv": "megatron",
+}
+# NVLink per GPU and direction (data sheets): H100 NVLink4 450 GB/s, B200 NVLink5 900 GB/s; between
+# nodes 400 Gbit/s per GPU = 50 GB/s (what the llm-foundry rows assume; torchtitan's cluster alike).
+B200_NVLINK = 900e9
+#: torchtitan's H100s: 96 GB HBM2e at 2.4 TB/s, 500 W (the rows' assumptions); peak kept at 989 TF.
+H100_96GB = DeviceSpec("H100-96GB-HBM2e", 96 * GB, {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}, 2.4e12)
+
+
+@dataclass
+class StackSet:
+    """The rows of one stack set that Pipette can express, and why the others were skipped."""
+
+    name: str
+    stack: str
+    rows: list[Row]
+    skipped: Counter[str] = field(default_factory=Counter)
+
+
+def _stack_cluster(gpu: str, nodes: int, per_node: int) -> ClusterProfile:
+    device = H100_96GB if gpu == "H100-96GB-HBM2e" else DeviceSpec.preset(gpu)
+    intra = B200_NVLINK if gpu.startswith("B200") else H100_NVLINK
+    key = (gpu, nodes * per_node)
+    if key not in _STACK_CLUSTERS:
+        _STACK_CLUSTERS[key] = homogeneous_cluster(device, nodes, per_node, intra, H100_NODE_NIC_PER_GPU,
+                                                   intra_latency=3e-6, inter_latency=10e-6,
+                                                   name=f"{gpu}-{nodes}x{per_node}")
+    return _STACK_CLUSTERS[key]
+
+
+_STACK_CLUSTERS: dict[tuple[str, int], ClusterProfile] = {}
+
+
+def _stack_key(base: str, r: dict[str, str]) -> str:
+    options = []
+    if r["compile"] == "1":
+        options.append("compile")
+    if r["float8"] == "1" or r["precision"] == "fp8":
+        options.append("fp8")
+    return "+".join([base, *options])
+
+
+def _stack_row(name: str, base: str, r: dict[str, str]) -> Row:
+    """One expressible row as Pipette specs (bf16 training; fp8 is the stack's option)."""
+    seq, gb = int(r["seq"]), int(r["global_batch"])
+    model = ModelSpec(name=r["model"], layers=int(r["layers"]), hidden=int(r["hidden"]), heads=int(r["heads"]),
+                      kv_heads=int(r["kv_heads"]), ffn_hidden=int(r["ffn"]), vocab=int(r["vocab"]),
+                      max_seq=max(int(r["max_seq"]), seq), tied_embeddings=r["tied"] == "1",
+                      arch=r["arch"])  # type: ignore[arg-type]
+    recompute, schedule = r["recompute"], r["schedule"]
+    training = TrainingSpec(global_batch=gb, seq_len=seq, dtype="bf16", optimizer="adamw",
+                            recompute=(recompute,), zero_stages=(int(r["zero_stage"]),),  # type: ignore[arg-type]
+                            schedules=(schedule,))  # type: ignore[arg-type]
+    config = ParallelConfig(tp=int(r["tp"]), pp=int(r["pp"]), dp=int(r["dp"]), mbs=int(r["mbs"]), global_batch=gb,
+                            zero_stage=int(r["zero_stage"]), recompute=recompute,  # type: ignore[arg-type]
+                            schedule=schedule, virtual_stages=int(r["virtual_stages"]))  # type: ignore[arg-type]
+    if config.grad_accum != int(r["grad_accum"]):
+        raise ValueError("grad_accum disagrees with global_batch / (dp x mbs)")
+    cluster = _stack_cluster(r["gpu"], int(r["nodes"]), int(r["gpus_per_node"]))
+    mem = float(r["meas_mem_gib"]) * GiB if r["meas_mem_gib"] else None
+    return Row(source=name, group=(r["model"], r["world"], r["seq"], r["precision"]), model=model, training=training,
+               config=config, cluster=cluster, ok=True, step_time=float(r["meas_step_s"]),
+               tokens_per_s_per_gpu=float(r["tps_per_gpu"]) if r["tps_per_gpu"] else None,
+               mfu=float(r["mfu_reported"]) if r["mfu_reported"] else None, peak_memory=mem,
+               stack=_stack_key(base, r), memory_kind=r["mem_kind"])
+
+
+def load_stack_set(directory: Path, name: str) -> StackSet:
+    """The rows of ``name`` (a key of ``STACK_SETS``): those not expressible (a context- or
+    expert-parallel degree) or whose figures disagree are skipped, counted by reason. A row marked
+    ``suspect`` is skipped too. Every row's ``assumptions`` were read before writing this loader."""
+    base = STACK_SETS[name]
+    out = StackSet(name.removesuffix(".csv"), base, [])
+    with open(directory / name, newline="") as f:
+        for r in csv.DictReader(f):
+            if r["expressible"] != "1":
+                out.skipped[r["skip_reason"].split(":")[0] or "not expressible"] += 1
+                continue
+            if r["suspect"]:
+                out.skipped[f"suspect: {r['suspect']}"] += 1
+                continue
+            try:
+                out.rows.append(_stack_row(out.name, base, r))
+            except (PipetteError, ValueError) as e:
+                out.skipped[str(e).split("(")[0].strip()] += 1
     return out

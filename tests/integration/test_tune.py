@@ -67,6 +67,10 @@ def test_tune_runs_real_trials_and_writes_the_best(tmp_path: Path) -> None:
     # what it measured is kept for the next job on this cluster
     store = list((tmp_path / "home" / "trials").glob("*.jsonl"))
     assert len(store) == 1 and len(store[0].read_text().splitlines()) == len(result["trials"])
+    # the stack it tuned for (Pipette's runner by default), in the result, the files and the records
+    assert result["stack"] == "pipette"
+    assert json.loads((tmp_path / "best" / "candidate.json").read_text())["stack"]["name"] == "pipette"
+    assert all(json.loads(line)["stack"] == "pipette" for line in store[0].read_text().splitlines())
     assert list((tmp_path / "home" / "profiles").glob("*.json"))
     assert _no_rank_left()
 

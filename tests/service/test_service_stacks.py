@@ -1,0 +1,68 @@
+"""The stack (pipette.stacks) in the API, on SQLite and PostgreSQL: POST /v1/plan and POST /v1/jobs
+accept ``stack``, show it, store it with the job, and refuse an unknown one (or, for a job of Pipette's
+runner, one the runner does not run) with the field and the fix."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.service.conftest import Api
+from tests.service.test_service_api import A100, _job
+
+PLAN: dict[str, Any] = {"model": "llama2-7b", "training": {"global_batch": 64, "seq_len": 4096, "method": "lora"},
+                        "cluster": A100, "top": 3}
+
+
+def test_plan_takes_a_stack_and_shows_it(api: Api) -> None:
+    h = api.token()
+    default = api.client.post("/v1/plan", json=PLAN, headers=h)
+    assert default.status_code == 200, default.text
+    assert default.json()["stack"]["name"] == "pipette"
+    megatron = api.client.post("/v1/plan", json={**PLAN, "stack": "megatron"}, headers=h)
+    assert megatron.status_code == 200, megatron.text
+    plan = megatron.json()
+    assert plan["stack"]["name"] == "megatron" and plan["fits_prior"]["name"] == "nanotron-gpu"
+    assert plan["ranked"][0]["perf"]["step_time"] != default.json()["ranked"][0]["perf"]["step_time"]
+
+
+@pytest.mark.parametrize(("stack", "words"), [
+    ("bogus", ["unknown stack 'bogus'"]),
+    ("fsdp+turbo", ["fsdp has no option 'turbo'"]),
+    ("fsdp;drop", []),  # not a stack name at all: the schema's pattern
+])
+def test_plan_refuses_an_unknown_stack(api: Api, stack: str, words: list[str]) -> None:
+    r = api.client.post("/v1/plan", json={**PLAN, "stack": stack}, headers=api.token())
+    assert r.status_code == 422, r.text
+    err = r.json()["error"]
+    assert err["field"] == "stack", err
+    assert all(w in err["message"] for w in words), err
+    if words:
+        assert "pipette, hf-deepspeed, megatron, fsdp" in err["fix"] or "fsdp+compile" in err["fix"], err
+
+
+def test_a_job_stores_its_stack(api: Api) -> None:
+    h = api.token()
+    api.local_cluster(h)
+    plain = api.client.post("/v1/jobs", json=_job(), headers=h)
+    named = api.client.post("/v1/jobs", json=_job(stack="pipette"), headers=h)
+    assert plain.status_code == named.status_code == 202, (plain.text, named.text)
+    for accepted in (plain, named):
+        job = api.client.get(f"/v1/jobs/{accepted.json()['id']}", headers=h).json()
+        assert job["stack"] == "pipette" and "stack" not in job["budget"], job
+
+
+@pytest.mark.parametrize(("stack", "words"), [
+    ("bogus", ["unknown stack 'bogus'"]),
+    ("megatron", ["megatron cannot be tuned by Pipette's runner, which runs pipette only"]),
+    ("fsdp+compile", ["fsdp+compile cannot be tuned by Pipette's runner"]),
+])
+def test_a_job_of_pipettes_runner_refuses_a_stack_it_does_not_run(api: Api, stack: str, words: list[str]) -> None:
+    h = api.token()
+    api.local_cluster(h)
+    r = api.client.post("/v1/jobs", json=_job(stack=stack), headers=h)
+    assert r.status_code == 422, r.text
+    err = r.json()["error"]
+    assert err["field"] == "stack" and all(w in err["message"] for w in words), err
+    assert api.client.get("/v1/jobs", headers=h).json()["items"] == []  # nothing queued

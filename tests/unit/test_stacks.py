@@ -1,0 +1,217 @@
+"""Stacks (pipette.stacks): the registry, --stack on plan and tune, make_plan per stack, the job
+key and trial records per stack, the emitted files."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from pipette.clusterfile import homogeneous_cluster
+from pipette.config import ParallelConfig
+from pipette.emit import write_launch_files
+from pipette.errors import InfeasibleError, SpecError
+from pipette.fits import CPU, NANOTRON_GPU, PIPETTE_GPU
+from pipette.measurement import Measurement
+from pipette.memory import DEFAULT_OPTIONS, MEGATRON_OPTIONS, estimate_memory
+from pipette.model import ModelSpec
+from pipette.perf import HF_DEEPSPEED_CONSTANTS, MEGATRON_CONSTANTS, PerfModel, estimate_perf
+from pipette.plan import Plan, make_plan
+from pipette.stacks import FSDP, MEGATRON, PIPETTE, STACK_RULES, STACKS, get_stack, runner_stacks
+from pipette.training import TrainingSpec
+from pipette.tuner import TrialRecord, Tuner, job_key
+
+ROOT = Path(__file__).resolve().parents[2]
+CLUSTERS = ROOT / "examples" / "clusters"
+MODEL = ModelSpec.preset("llama2-7b")
+TRAINING = TrainingSpec(global_batch=64, seq_len=4096)
+A100S = homogeneous_cluster("A100-80GB", 2, 8, 300e9, 25e9)
+
+
+# ---- the registry ---------------------------------------------------------------------
+
+def test_the_registry_holds_the_four_stacks_with_their_own_models() -> None:
+    assert list(STACKS) == ["pipette", "hf-deepspeed", "megatron", "fsdp"]
+    assert get_stack(None) is PIPETTE and get_stack("pipette") == PIPETTE
+    assert PIPETTE.constants is HF_DEEPSPEED_CONSTANTS and PIPETTE.memory_options is DEFAULT_OPTIONS
+    assert MEGATRON.constants is MEGATRON_CONSTANTS and MEGATRON.memory_options is MEGATRON_OPTIONS
+    assert PIPETTE.fits_prior("gpu") is PIPETTE_GPU and MEGATRON.fits_prior("gpu") is NANOTRON_GPU
+    assert all(s.fits_prior("cpu") is CPU for s in STACKS.values())
+    assert runner_stacks() == ["pipette"]
+    assert get_stack(FSDP) is FSDP  # an object is taken as is
+
+
+def test_options_are_part_of_the_name_and_only_where_the_stack_has_them() -> None:
+    assert get_stack(" FSDP+compile+fp8 ").key == "fsdp+compile+fp8"
+    assert get_stack("megatron+fp8").options == ("fp8",)
+    with pytest.raises(SpecError) as e:
+        get_stack("megatron+compile")
+    assert e.value.field == "stack" and "megatron+fp8" in str(e.value.fix)
+
+
+def test_an_unknown_stack_names_the_known_ones() -> None:
+    with pytest.raises(SpecError) as e:
+        get_stack("deepspeed-chat")
+    assert e.value.field == "stack"
+    assert e.value.fix == "use one of pipette, hf-deepspeed, megatron, fsdp"
+
+
+def test_a_stack_refuses_what_it_cannot_run() -> None:
+    cfg = ParallelConfig(tp=1, pp=2, dp=8, mbs=1, zero_stage=1, global_batch=64, schedule="interleaved",
+                         virtual_stages=2)
+    assert PIPETTE.refusals(cfg) == ["stack_schedule"]  # DeepSpeed's pipeline engine: 1F1B only
+    assert MEGATRON.refusals(cfg) == []
+    assert FSDP.refusals(cfg) == ["stack_zero"]  # FSDP has no ZeRO-1 mode
+    assert set(STACK_RULES) >= {"stack_tp", "stack_pp", "stack_zero", "stack_schedule", "stack_recompute"}
+
+
+# ---- the Python API -------------------------------------------------------------------
+
+def test_estimates_take_a_stack_name_or_object() -> None:
+    cfg = ParallelConfig(tp=2, pp=1, dp=8, mbs=1, zero_stage=1, global_batch=64)
+    for stack in STACKS.values():
+        by_name = estimate_perf(MODEL, TRAINING, cfg, A100S, stack=stack.name)
+        direct = PerfModel(MODEL, TRAINING, cfg, A100S, constants=stack.constants).estimate()
+        assert by_name.step_time == estimate_perf(MODEL, TRAINING, cfg, A100S, stack=stack).step_time
+        assert by_name.step_time == direct.step_time
+        mem = estimate_memory(MODEL, TRAINING, cfg, 80 * 1024**3, stack=stack.name)
+        assert mem == estimate_memory(MODEL, TRAINING, cfg, 80 * 1024**3, options=stack.memory_options)
+    assert estimate_perf(MODEL, TRAINING, cfg, A100S).step_time == \
+        estimate_perf(MODEL, TRAINING, cfg, A100S, stack="pipette").step_time
+    with pytest.raises(SpecError, match="unknown stack"):
+        estimate_memory(MODEL, TRAINING, cfg, 80 * 1024**3, stack="nope")
+
+
+@pytest.mark.parametrize("name", list(STACKS))
+def test_make_plan_with_each_stack(name: str) -> None:
+    stack = get_stack(name)
+    plan = make_plan(MODEL, TRAINING, A100S, optimize_top=3, stack=name)
+    assert plan.stack == stack and plan.fits_prior is stack.fits_prior("gpu")
+    assert plan.ranked and all(stack.refusals(p.config) == [] for p in plan.ranked)
+    assert plan.to_dict(top=1)["stack"]["name"] == name
+    assert len(plan.ranked) + sum(plan.dropped.values()) == plan.enumerated
+    best = plan.best.config
+    assert plan.best.perf.step_time == pytest.approx(PerfModel(
+        MODEL, TRAINING, best, A100S, constants=stack.constants).estimate(best.placement).step_time)
+
+
+def test_the_plan_counts_what_the_stack_cannot_run() -> None:
+    plan = make_plan(MODEL, TRAINING, A100S, optimize_top=1, stack="pipette")
+    assert plan.dropped["stack_schedule"] > 0  # interleaved: the runner refuses it
+    assert all(p.config.schedule == "1f1b" for p in plan.ranked)
+    fsdp = make_plan(MODEL, TRAINING, A100S, optimize_top=1, stack="fsdp")
+    assert fsdp.dropped["stack_zero"] > 0 and all(p.config.zero_stage != 1 for p in fsdp.ranked)
+
+
+def test_a_recipe_the_stack_cannot_run_says_so() -> None:
+    training = replace(TRAINING, zero_stages=(1,))
+    with pytest.raises(InfeasibleError) as e:
+        make_plan(MODEL, training, A100S, stack="fsdp")
+    assert e.value.field == "stack" and "on stack fsdp" in e.value.message
+    assert "ZeRO [0, 2, 3]" in str(e.value.fix)
+
+
+# ---- the job key and trial records ------------------------------------------------------
+
+def test_the_job_key_differs_by_stack_and_keeps_the_runners_old_key() -> None:
+    keys = {name: job_key(MODEL, TRAINING, name) for name in STACKS}
+    assert len(set(keys.values())) == len(STACKS)
+    assert job_key(MODEL, TRAINING, "fsdp+compile") != keys["fsdp"]
+    assert keys["pipette"] == job_key(MODEL, TRAINING)  # records stored before stacks still match
+    # the key before stacks: model and recipe only
+    import hashlib
+    old = hashlib.sha256(json.dumps({"model": MODEL.to_dict(), "training": TRAINING.to_dict()},
+                                    sort_keys=True).encode()).hexdigest()[:16]
+    assert keys["pipette"] == old
+
+
+def _record(plan: Plan, stack: str) -> TrialRecord:
+    planned = plan.ranked[0]
+    m = Measurement("ok", step_times=(3.0, 3.0, 3.0), tokens_per_step=TRAINING.tokens_per_step)
+    return TrialRecord(1, planned.config, m, planned.perf, planned.memory, 3.0, job_key="another job", stack=stack)
+
+
+def test_a_trial_record_carries_its_stack() -> None:
+    data = _record(make_plan(MODEL, TRAINING, A100S, optimize_top=1), "fsdp").to_dict()
+    assert data["stack"] == "fsdp" and TrialRecord.from_dict(data).stack == "fsdp"
+    data.pop("stack")
+    assert TrialRecord.from_dict(data).stack == "pipette"  # written before stacks existed
+
+
+def test_the_learned_model_never_learns_from_another_stacks_trials() -> None:
+    plan = make_plan(MODEL, TRAINING, A100S, optimize_top=1, stack="megatron")
+    records = [_record(plan, "pipette"), _record(plan, "fsdp"), _record(plan, "megatron")]
+    tuner = Tuner(plan, prior=records)
+    assert tuner.stack == "megatron" and tuner.job_key == job_key(MODEL, TRAINING, "megatron")
+    assert len(tuner.sampler.prior) == 1  # the megatron trial only
+
+
+# ---- the emitted files ------------------------------------------------------------------
+
+def test_launch_files_per_stack_name_it(tmp_path: Path) -> None:
+    cfg = make_plan(MODEL, TRAINING, A100S, optimize_top=1).best.config
+    ds = write_launch_files(tmp_path / "ds", MODEL, TRAINING, cfg, A100S)
+    assert set(ds) == {"ds_config.json", "hostfile", "rank_map.json", "candidate.json", "launch.sh"}
+    assert json.loads(ds["candidate.json"].read_text())["stack"]["name"] == "pipette"
+    assert "stack pipette." in ds["launch.sh"].read_text().splitlines()[1]
+    mg = write_launch_files(tmp_path / "mg", MODEL, TRAINING, cfg, A100S, stack="megatron+fp8")
+    assert set(mg) == {"hostfile", "rank_map.json", "candidate.json"}  # no DeepSpeed config for Megatron
+    stack = json.loads(mg["candidate.json"].read_text())["stack"]
+    assert stack["name"] == "megatron+fp8" and "not modelled" in stack["options_note"]
+
+
+# ---- the command line -------------------------------------------------------------------
+
+def pipette(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "pipette.cli", *args], capture_output=True, text=True,
+                          cwd=ROOT, timeout=120)
+
+
+PLAN = ("plan", "--model", "llama2-7b", "--cluster", str(CLUSTERS / "a100-2x8.yaml"), "--global-batch", "64",
+        "--seq-len", "4096", "--method", "lora", "--top", "3")
+
+
+def test_plan_stack_flag_is_shown_and_written(tmp_path: Path) -> None:
+    r = pipette(*PLAN, "--stack", "megatron", "--out", str(tmp_path / "o"))
+    assert r.returncode == 0, r.stderr
+    assert "stack megatron: Megatron-LM, NeMo, nanotron" in r.stdout
+    assert json.loads((tmp_path / "o" / "candidate.json").read_text())["stack"]["name"] == "megatron"
+    assert "./launch.sh" not in r.stdout and "Pipette writes no launcher for this stack yet" in r.stdout
+    r = pipette(*PLAN, "--stack", "fsdp", "--json", "--no-files")
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout)
+    assert data["stack"]["name"] == "fsdp" and data["launch_command"] is None
+
+
+@pytest.mark.parametrize(("stack", "words"), [
+    ("bogus", ["--stack: unknown stack 'bogus'", "use one of pipette, hf-deepspeed, megatron, fsdp"]),
+    ("megatron+compile", ["--stack: megatron has no option 'compile'", "megatron+fp8"]),
+])
+def test_plan_refuses_a_bad_stack_in_one_line(stack: str, words: list[str]) -> None:
+    r = pipette(*PLAN, "--stack", stack, "--no-files")
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    (line,) = r.stderr.strip().splitlines()
+    assert all(w in line for w in words), line
+
+
+@pytest.mark.parametrize("stack", ["megatron", "fsdp", "hf-deepspeed"])
+def test_tune_without_a_script_refuses_a_stack_its_runner_does_not_run(stack: str, tmp_path: Path) -> None:
+    r = pipette("tune", "--stack", stack, "--home", str(tmp_path), "--max-trials", "1")
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    line = r.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"pipette: error: --stack: {stack} cannot be tuned by Pipette's runner, "
+                           "which runs pipette only"), line
+    assert "--script" in line and not (tmp_path / "profiles").exists()  # refused before measuring
+
+
+def test_a_job_file_carries_its_stack_to_the_api(tmp_path: Path) -> None:
+    from pipette.cli.client_jobfile import load_job_file
+
+    job = tmp_path / "job.yaml"
+    job.write_text("cluster: local\nmodel: tiny-llama\ntraining: {global_batch: 4, seq_len: 32}\nstack: pipette\n")
+    assert load_job_file(str(job))["stack"] == "pipette"
+    assert load_job_file(str(job), ["stack=hf-deepspeed"])["stack"] == "hf-deepspeed"
