@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from pipette.cli import client, tune
+from pipette.cli.signals import Terminated, exit_code, terminate_like_interrupt
 from pipette.errors import PipetteError, SpecError
 
 EXIT_OK = 0
@@ -40,15 +41,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return EXIT_USAGE
+    terminate_like_interrupt()  # SIGTERM says what it stopped and exits 143, not silently
     try:
         code: int = args.func(args)
         return code
     except PipetteError as e:
         print(f"pipette: error: {as_flags(e) if getattr(args, 'recipe_flags', False) else e}", file=sys.stderr)
         return EXIT_ERROR
-    except KeyboardInterrupt:
-        print("pipette: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        print("pipette: terminated (SIGTERM)" if isinstance(e, Terminated) else "pipette: interrupted",
+              file=sys.stderr)
+        return exit_code(e)
     except BrokenPipeError:  # `pipette plan | head`: the reader left, nothing to say
         sys.stderr.close()
         return EXIT_OK

@@ -14,6 +14,7 @@ next job on the same cluster starts from them.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -21,10 +22,12 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from pipette.cli.signals import Terminated, exit_code, signal_name, terminate_like_interrupt
 from pipette.errors import SpecError
 from pipette.script import KINDS, KNOBS, ScriptSpec
 
@@ -158,25 +161,16 @@ def cmd_tune(args: argparse.Namespace) -> int:
     ui.say(f"{plan.enumerated} candidates, {len(plan.ranked)} fit, {len(tuner.candidates)} runnable by {runs}"
            + (f"; learning from {len(prior)} earlier trials on this cluster" if prior else ""))
     ui.header()
-    # Ctrl-C asks the tuner to stop: the running trial is stopped at its next step and kept
-    # (as pruned), then the best so far is written. A flag, not an exception, so that no
-    # library between here and the trial can swallow it; a second Ctrl-C abandons at once.
-    stop = threading.Event()
-
-    def on_sigint(signum: int, frame: Any) -> None:
-        if stop.is_set():
-            raise KeyboardInterrupt
-        stop.set()
-        ui.say("interrupted (Ctrl-C): stopping the running trial; Ctrl-C again to abandon it")
-
-    previous = signal.signal(signal.SIGINT, on_sigint)
-    try:
+    terminate_like_interrupt()  # ensure_ray installed Ray's handler (exit 15, silently)
+    stop = StopSignal(ui)
+    with stop.installed():
         result = tuner.run(runner, on_event=lambda e: _on_event(e, ui, store), should_stop=stop.is_set)
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    if stop.is_set():
+    if stop.signum is not None:
+        abandoned = result.interrupted  # a second signal: the tuner dropped the running trial
         result.interrupted = True
-        result.stop_reason = "interrupted (Ctrl-C); the running trial was stopped, what it measured is kept"
+        result.stop_reason = f"interrupted ({signal_name(stop.signum)}); " + (
+            "the running trial was abandoned, not recorded" if abandoned else
+            "the running trial was stopped, what it measured is kept")
     ui.done(result.stop_reason)
     files: dict[str, str] = {}
     if result.best is not None:
@@ -201,8 +195,40 @@ def cmd_tune(args: argparse.Namespace) -> int:
     else:
         _print_result(result, args.out, files)
     if result.interrupted:
-        return 130
+        return exit_code(stop.signum if stop.signum is not None else signal.SIGINT)
     return 0 if result.best is not None else 1
+
+
+class StopSignal:
+    """Ctrl-C or SIGTERM during the trials asks the tuner to stop: the running trial is stopped
+    and kept (as pruned), then the best so far and its files (the JSON with ``--json``) are
+    written. A flag, not an exception, so that no library between here and the trial can
+    swallow it; a second signal abandons at once."""
+
+    def __init__(self, ui: Progress) -> None:
+        self.ui = ui
+        self.signum: int | None = None
+        self.event = threading.Event()
+
+    def is_set(self) -> bool:
+        return self.event.is_set()
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        if self.event.is_set():
+            raise Terminated if signum == signal.SIGTERM else KeyboardInterrupt
+        self.signum = signum
+        self.event.set()
+        self.ui.say(f"interrupted ({signal_name(signum)}): stopping the running trial; "
+                    f"{signal_name(signum)} again to abandon it")
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        previous = {s: signal.signal(s, self) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
 
 
 def _script(args: argparse.Namespace) -> ScriptSpec | None:
@@ -265,6 +291,7 @@ def _cluster(args: argparse.Namespace, home: Path, ui: Progress, model: Any) -> 
         return load_cluster(args.cluster)  # Ray starts after planning: a job that fits nowhere needs none
     path = home / "profiles" / f"local-cpu-{args.devices}.json"
     ensure_ray()
+    terminate_like_interrupt()  # Ray's own handler exits 15 without a word
     if path.exists() and not args.reprofile:
         try:
             data = json.loads(path.read_text())

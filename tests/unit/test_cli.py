@@ -180,3 +180,23 @@ def test_a_mixtral_folder_is_refused_in_one_line(tmp_path: Path) -> None:
                 "--global-batch", "16", "--seq-len", "4096", "--no-files")
     _assert_one_line_error(r, "--model:", "Mixture-of-Experts model (mixtral): num_local_experts 8",
                            "experts and expert parallelism", "does not model yet")
+
+
+@pytest.mark.parametrize(("signum", "code", "said"), [
+    (2, 130, "pipette: interrupted"), (15, 143, "pipette: terminated (SIGTERM)"),
+])
+def test_a_signal_ends_a_command_with_the_shells_code_and_a_word(tmp_path: Path, signum: int, code: int,
+                                                                  said: str) -> None:
+    """Issue 32, item 7: SIGTERM ended a command silently (Ray's handler: exit 15, or none)."""
+    import os
+    import time
+
+    env = {**os.environ, "HOME": str(tmp_path), "PIPETTE_CONFIG": str(tmp_path / "c.json")}
+    env.pop("PIPETTE_TOKEN", None)
+    # `login --with-token` waits on stdin: a command blocked where the user might stop it
+    proc = subprocess.Popen([sys.executable, "-m", "pipette.cli", "login", "--with-token"], stdin=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+    time.sleep(3)  # the interpreter and the CLI's imports
+    proc.send_signal(signum)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == code and said in err and "Traceback" not in err, (proc.returncode, err)
