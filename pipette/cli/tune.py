@@ -39,7 +39,7 @@ TUNE_EXAMPLES = """\
 examples:
   pipette tune                                   # the embedded default: 4 CPU devices, tiny-llama, LoRA
   pipette tune --max-trials 4 --json > result.json
-  pipette tune --model examples/scripts/tiny-llama/config.json --script-kind hf-trainer \
+  pipette tune --model examples/scripts/tiny-llama/config.json --script-kind hf-trainer \\
       --script python examples/scripts/hf_trainer_lora.py --output_dir /tmp/out --report_to none
   RAY_ADDRESS=head:6380 pipette tune --model llama2-7b --cluster my-a100s.yaml \\
       --recipe examples/recipes/llama2-7b-lora.yaml --out best-7b
@@ -65,7 +65,7 @@ def add_parser(sub: Any, add_recipe_flags: Any) -> None:
     p.add_argument("--time-budget", type=float, default=None, help="seconds of trials at most (default: none)")
     p.add_argument("--tolerance", type=float, default=0.02, help="stop when nothing is likely to beat the best "
                    "by more than this fraction (default 0.02)")
-    p.add_argument("--stop-probability", type=float, default=0.05, help="...with more than this chance (0.05)")
+    p.add_argument("--stop-probability", type=float, default=0.05, help="...with more than this chance (default 0.05)")
     p.add_argument("--retime", type=int, default=3, help="before the verdict, re-time the best this many "
                    "candidates, interleaved (default 3; 0: do not; --reserve trials are kept for it)")
     p.add_argument("--retime-rounds", type=int, default=3, help="re-timing rounds at most (default 3)")
@@ -73,28 +73,36 @@ def add_parser(sub: Any, add_recipe_flags: Any) -> None:
                    "a quarter of --max-trials, at least 2, at most one round of --retime; on a noisy machine "
                    "--retime x --retime-rounds)")
     p.add_argument("--steps", type=int, default=8, help="timed steps per trial at most (default 8)")
-    p.add_argument("--trial-timeout", type=float, default=180.0, help="seconds before a trial is a timeout")
-    p.add_argument("--data", help="a local JSONL of prompt/response pairs (default: synthetic tokens)")
+    p.add_argument("--trial-timeout", type=float, default=180.0, help="seconds before a trial is a timeout "
+                   "(default 180)")
+    p.add_argument("--data", help="a local JSONL of prompt/response pairs, tokenised as raw UTF-8 bytes (modulo "
+                   "the vocabulary), not by the model's tokenizer: the shapes and step times are those of real "
+                   "text, the loss is not (default: synthetic tokens)")
     p.add_argument("--checkpoint", help="a local Hugging Face checkpoint folder (safetensors) to start from; "
                    "each rank reads only its slices (default: seeded random weights)")
-    p.add_argument("--home", default=None, help="where profiles and trial records live (default ~/.pipette)")
+    p.add_argument("--home", default=None, help="where profiles and trial records live (default $PIPETTE_HOME, "
+                   "else ~/.pipette)")
     p.add_argument("--no-memory", action="store_true", help="neither read nor keep past trials of this cluster")
-    p.add_argument("--out", default="pipette-best", help="where to write the best configuration's files")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="pipette-best", help="where to write the best configuration's files "
+                   "(default pipette-best)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the search and of the trials' data (default 0)")
     p.add_argument("--json", action="store_true", help="print the result as JSON on stdout (progress on stderr)")
     s = p.add_argument_group("your own training script", "Tune the script you train with instead of Pipette's "
                              "runner: its trials run it with each candidate's DeepSpeed config and knobs.")
     s.add_argument("--script-kind", choices=sorted(KINDS), help="the stack the script uses: fills its knobs "
-                   "(hf-trainer: --deepspeed, --per_device_train_batch_size, ...; deepspeed: --deepspeed_config)")
+                   "(hf-trainer: --deepspeed, --per_device_train_batch_size, ...; deepspeed: --deepspeed_config; "
+                   "default: none, each knob by --script-knob)")
     s.add_argument("--script-knob", action="append", default=[], metavar="KNOB=FLAG",
-                   help=f"the script's flag for a knob ({', '.join(KNOBS)}); KNOB= clears one; repeatable")
+                   help=f"the script's flag for a knob ({', '.join(KNOBS)}); KNOB= clears one; repeatable (default: "
+                   "--script-kind's)")
     s.add_argument("--script-autotp", action="store_true", help="the script runs DeepSpeed AutoTP (tp > 1)")
     s.add_argument("--script-pipeline", action="store_true", help="the script builds a PipelineModule (pp > 1)")
-    s.add_argument("--script-config", help="your DeepSpeed config (JSON): Pipette's keys overlay it")
+    s.add_argument("--script-config", help="your DeepSpeed config (JSON): Pipette's keys overlay it "
+                   "(default: Pipette's keys alone)")
     s.add_argument("--workdir", help="where the script runs (default: the current directory)")
     s.add_argument("--script", nargs=argparse.REMAINDER, metavar="COMMAND",
                    help="the command that trains, as words, after every other flag: "
-                   "--script python train.py --output_dir out")
+                   "--script python train.py --output_dir out (default: Pipette's own runner)")
     p.set_defaults(func=cmd_tune)
 
 

@@ -5,6 +5,7 @@ Bad input must exit non-zero with one line naming the field and the fix, never a
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -200,3 +201,48 @@ def test_a_signal_ends_a_command_with_the_shells_code_and_a_word(tmp_path: Path,
     proc.send_signal(signum)
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == code and said in err and "Traceback" not in err, (proc.returncode, err)
+
+
+def _tune_parser() -> argparse.ArgumentParser:
+    from pipette.cli import _parser
+
+    sub = next(a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction))
+    parser: argparse.ArgumentParser = sub.choices["tune"]
+    return parser
+
+
+def test_tune_help_gives_every_default_and_calls_nothing_required() -> None:
+    """Issue 32, item 8: --global-batch said "required" though tune defaults it to 16, and
+    --trial-timeout showed no default."""
+    for action in _tune_parser()._actions:
+        if action.help in (None, argparse.SUPPRESS) or action.nargs == 0:
+            continue  # -h and on/off flags
+        flag = action.option_strings[0]
+        assert "default" in action.help, f"{flag}: {action.help}"
+        assert "required" not in action.help, f"{flag}: {action.help}"
+        if isinstance(action.default, int | float) and not isinstance(action.default, bool):
+            assert f"{action.default:g}" in action.help, f"{flag} defaults to {action.default}: {action.help}"
+
+
+def test_tune_help_examples_are_whole_command_lines() -> None:
+    """A continuation line lost its backslash (a Python escape ate it): the example ran as two
+    commands. Each example is read back as one command line by tune's own parser."""
+    import shlex
+
+    from pipette.cli.tune import TUNE_EXAMPLES
+
+    shown = TUNE_EXAMPLES.split("examples:\n", 1)[1]
+    for physical in shown.splitlines():  # was: "hf-trainer       --script ...", 150 characters
+        assert "   " not in physical.split("#")[0].strip() and len(physical) <= 110, physical
+    text = shown.replace("\\\n", " ")
+    lines = [line.split("#")[0].split(">")[0].strip() for line in text.splitlines() if line.strip()]
+    assert len(lines) == 4, lines
+    for line in lines:
+        words = [w for w in shlex.split(line) if "=" not in w.split("-")[0] or w.startswith("-")]
+        assert words[:2] == ["pipette", "tune"], line
+        _tune_parser().parse_args(words[2:])  # exits 2 on a word it does not know
+
+
+def test_data_help_says_it_is_tokenised_as_bytes() -> None:
+    r = pipette("tune", "--help")
+    assert "tokenised as raw UTF-8 bytes" in " ".join(r.stdout.split())
