@@ -171,8 +171,12 @@ def cmd_tune(args: argparse.Namespace) -> int:
     ui.header()
     terminate_like_interrupt()  # ensure_ray installed Ray's handler (exit 15, silently)
     stop = StopSignal(ui)
+    from pipette.cli.interference import Interference
+
+    interference = Interference(tag)
     with stop.installed():
-        result = tuner.run(runner, on_event=lambda e: _on_event(e, ui, store), should_stop=stop.is_set)
+        result = tuner.run(runner, on_event=lambda e: _on_event(e, ui, store, interference), should_stop=stop.is_set)
+    result.interference = interference.summary()
     if stop.signum is not None:
         abandoned = result.interrupted  # a second signal: the tuner dropped the running trial
         result.interrupted = True
@@ -345,12 +349,16 @@ def _read_records(path: Path) -> list[Any]:
     return out
 
 
-def _on_event(event: Any, ui: Progress, store: Path | None) -> None:
+def _on_event(event: Any, ui: Progress, store: Path | None, interference: Any = None) -> None:
     if event.kind == "trial_started":
         ui.start(event.trial, event.data)
+        if interference is not None:
+            interference.start()
     elif event.kind == "trial_step":
         ui.step(event.data)
     elif event.kind == "trial_ended":
+        if interference is not None:
+            interference.end()
         ui.end(event.data)
         if store is not None:
             store.parent.mkdir(parents=True, exist_ok=True)
@@ -433,38 +441,44 @@ class Progress:
 
 
 def _print_result(result: Any, out: str, files: dict[str, str]) -> None:
+    from pipette.result_text import confidence_lines, placement_line, precision_line, verdict_first, what_happened
+    from pipette.tuner import tensor_peak_bytes
+
     print()
     if result.best is None:
         print(f"no configuration succeeded ({result.stop_reason}); see the trials' errors above")
+        print(f"  {what_happened(result)}")
         return
+    for line in verdict_first(result):  # an undecided verdict first: it must not read like a result
+        print(line)
     b = result.best
     m = b.measurement
     cfg = b.config
-    print(f"best: {b.label}   placement {list(cfg.devices())}")
+    print(f"{'best so far' if not result.decided else 'best'}: {b.label}")
     print(f"  tp={cfg.tp} pp={cfg.pp} dp={cfg.dp} micro-batch={cfg.mbs} grad-accum={cfg.grad_accum} "
           f"ZeRO-{cfg.zero_stage} recompute={cfg.recompute} schedule={cfg.schedule}")
+    print(f"  {placement_line(cfg)}")
+    n = result.pick_trials or 1
+    measured = result.pick_step_time or m.step_time
     print(f"  {'':<18}{'predicted':>12}{'measured':>12}")
-    print(f"  {'step time (s)':<18}{b.predicted_step_time:>12.4f}{m.step_time:>12.4f}")
+    print(f"  {'step time (s)':<18}{b.predicted_step_time:>12.4f}{measured:>12.4f}"
+          + (f"   (geometric mean of its {n} ok trials, as it was picked)" if n > 1 else ""))
     print(f"  {'tokens/s':<18}{b.perf.tokens_per_s * b.perf.step_time / b.predicted_step_time:>12,.0f}"
-          f"{m.tokens_per_s:>12,.0f}")
+          f"{result.plan.training.tokens_per_step / measured:>12,.0f}")
     if m.peak_memory:
         # Like with like: the tensors the estimator counts against the tensors the trial held;
         # the process's resident size (interpreter, libraries) beside them.
-        tensors = b.memory.peak_bytes - b.memory.breakdown.get("overhead", 0)
+        tensors = tensor_peak_bytes(b.memory)
         print(f"  {'peak tensors (MiB)':<18}{tensors / 2**20:>12,.0f}{max(m.peak_memory) / 2**20:>12,.0f}")
         rss = m.extra.get("peak_rss_bytes")
         if rss:
             print(f"  {'peak RSS (MiB)':<18}{'':>12}{max(rss) / 2**20:>12,.0f}")
-    ran = len({t.number for t in result.trials if t.purpose == "search"})
-    retimed = len({t.number for t in result.trials if t.purpose == "retime"})
-    print(f"  found in {ran} trials of {len(result.plan.ranked)} candidates that fit"
-          + (f", then {retimed} re-timing trials of the best" if retimed else ""))
-    if result.confidence is not None:
-        print(f"  {result.confidence:.0%} sure to be within {result.tolerance:.0%} of the best candidate tried "
-              f"(trial-to-trial noise {result.learned.get('trial_noise_sd', 0.0):.1%})")
-    if result.confidence_overall is not None:
-        print(f"  {result.confidence_overall:.0%} sure to be within {result.tolerance:.0%} of every candidate, "
-              "the untried ones as the learned model predicts them")
+    print(f"  {what_happened(result)}")
+    for line in confidence_lines(result):
+        print(f"  {line}")
+    precision = precision_line(result)
+    if precision:
+        print(f"  {precision}")
     if files:
         print(f"\nfiles in {out}/: {', '.join(sorted(Path(f).name for f in files.values()))}")
         if "launch.sh" in files:
