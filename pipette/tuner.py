@@ -529,7 +529,7 @@ class Tuner:
             return f"time budget spent ({elapsed_s:.0f} s of {o.time_budget_s:.0f} s)"
         ranked = self.ranking()
         if not ranked:
-            return "every candidate predicted to fit was tried"
+            return self._nothing_left()
         best = self.best
         if best is not None and len(measured_means(self.study)) >= min(MIN_OK_TO_CONVERGE, len(self.candidates)):
             top = max(ranked, key=lambda s: s.p_beat)
@@ -541,6 +541,16 @@ class Tuner:
                     f"(the likeliest, {top.planned.config.label}, {top.p_beat:.1%})"
                 )
         return None
+
+    def _nothing_left(self) -> str:
+        """Why no candidate is left to try: all were tried, or the trials ruled the rest out.
+        It said "every candidate predicted to fit was tried" when 5 of 16 were (issue 32, item 10)."""
+        tried = {r.label for r in self.records} & {p.config.label for p in self.candidates}
+        left = len(self.candidates) - len(tried)
+        if left == 0:
+            return f"every candidate predicted to fit was tried ({len(tried)})"
+        return (f"no untried candidate is left worth a trial: {len(tried)} of {len(self.candidates)} tried; the other "
+                f"{left} ruled out by what the trials taught (likely to run out of memory or fail as tried ones did)")
 
     def result(self, stop_reason: str, interrupted: bool = False) -> TuneResult:
         pick = self.best
@@ -694,7 +704,7 @@ class Tuner:
             return cancelled
 
         m = runner(planned.config, on_step)
-        if cancelled:
+        if cancelled or (should_stop is not None and should_stop()):  # a runner may stop a trial between steps
             return "cancelled"  # not recorded: a cut-short re-timing says nothing
         record = TrialRecord(number, planned.config, m, planned.perf, planned.memory, prediction.step_time,
                              prediction.sd, 1, self.job_key, "retime")
@@ -752,6 +762,8 @@ class Tuner:
                     return self.options.prune and trial.should_prune()
 
                 m = runner(planned.config, on_step)
+                # the runner may have stopped it between steps (a hung trial reports none)
+                cancelled = cancelled or (should_stop is not None and should_stop())
                 if cancelled:
                     m = replace(m, status="pruned", error="cancelled")
                 crashed = not cancelled and m.status in ("failed", "timeout")

@@ -156,10 +156,11 @@ def cmd_tune(args: argparse.Namespace) -> int:
     check_devices(cluster)  # GPUs in the file where Ray has none (or the reverse): refused before any trial
     # Every rank of this job carries a tag, so an operator (or a test) can find them: `ps e`.
     tag = os.environ.get("PIPETTE_RANK_TAG") or f"tune-{uuid.uuid4().hex[:12]}"
+    stop = StopSignal(ui)
     runner = RayTrialRunner(model, training, cluster, device_kind=device_kind, timeout_s=args.trial_timeout,
                             max_steps=args.steps, seed=args.seed, data=args.data, checkpoint=args.checkpoint,
                             script=script, ship_workdir=bool(os.environ.get("RAY_ADDRESS")),
-                            env={"PIPETTE_RANK_TAG": tag})
+                            env={"PIPETTE_RANK_TAG": tag}, cancelled=stop.is_set)
     # A script's trials measure the script: they are kept apart from the runner's.
     suffix = f"-script-{_script_key(script)}" if script is not None else ""
     store = None if args.no_memory else home / "trials" / f"{cluster_key(plan)}{suffix}.jsonl"
@@ -170,7 +171,6 @@ def cmd_tune(args: argparse.Namespace) -> int:
            + (f"; learning from {len(prior)} earlier trials on this cluster" if prior else ""))
     ui.header()
     terminate_like_interrupt()  # ensure_ray installed Ray's handler (exit 15, silently)
-    stop = StopSignal(ui)
     from pipette.cli.interference import Interference
 
     interference = Interference(tag)
@@ -255,6 +255,7 @@ def _script(args: argparse.Namespace) -> ScriptSpec | None:
         return None
     if not args.script:
         raise SpecError("is empty", field="--script", fix="give the command that trains: --script python train.py")
+    _warn_of_pipette_flags(args.script)
     knobs: dict[str, str] = {}
     for item in args.script_knob:
         name, sep, flag = item.partition("=")
@@ -273,6 +274,27 @@ def _script(args: argparse.Namespace) -> ScriptSpec | None:
     workdir = str(Path(args.workdir or ".").resolve())
     return ScriptSpec(argv=tuple(args.script), knobs=knobs, autotp=args.script_autotp, pipeline=args.script_pipeline,
                       base_config=base, workdir=workdir, kind=args.script_kind)
+
+
+def pipette_flags_in(words: list[str]) -> list[str]:
+    """The words after ``--script`` that are ``pipette tune``'s own flags (``--flag`` or
+    ``--flag=value``): they go to the script, not to Pipette."""
+    from pipette.cli import _parser
+
+    sub = next(a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction))
+    ours = set(sub.choices["tune"]._option_string_actions) - {"-h", "--help"}
+    return [w for w in words if w.split("=", 1)[0] in ours]
+
+
+def _warn_of_pipette_flags(words: list[str]) -> None:
+    """Pipette's flags written after ``--script`` went silently to the script: a job of 7.6
+    minutes on the defaults, every trial failed (issue 32, item 10). A script may take a flag
+    of the same name (--seed), so this warns, and says how to give them to Pipette."""
+    found = pipette_flags_in(words)
+    if found:
+        print(f"pipette: warning: {', '.join(found)} after --script go to your script, not to Pipette "
+              "(everything after --script is the script's command); if they are Pipette's, put them before "
+              "--script", file=sys.stderr, flush=True)
 
 
 def _script_key(script: ScriptSpec) -> str:
@@ -366,6 +388,33 @@ def _on_event(event: Any, ui: Progress, store: Path | None, interference: Any = 
                 f.write(json.dumps(event.data) + "\n")
 
 
+#: lines of a failed trial's reason shown under its line (the whole of it is in the record)
+REASON_LINES = 40
+
+
+def _reason_lines(m: dict[str, Any]) -> list[str]:
+    """The whole reason a trial failed, not its first line cut at 160 characters; and the end
+    of what its rank said, where the reason does not already hold it (a timeout)."""
+    lines = [x for x in m["error"].splitlines() if x.strip()]
+    tail = str(m.get("extra", {}).get("output_tail") or "")
+    said = [x for x in tail.splitlines() if x.strip()]
+    if said and said[-1] not in m["error"]:
+        lines += ["its output ended with:", *("  " + x for x in said[-10:])]
+    if len(lines) > REASON_LINES:
+        cut = len(lines) - REASON_LINES
+        lines = [lines[0], f"... {cut} lines more in the trial's record (--home trials/*.jsonl) ...",
+                 *lines[cut + 1:]]
+    return lines
+
+
+def _peak_text(m: dict[str, Any]) -> str:
+    """The tensors' peak in MiB; a script trial on CPU has none, its ranks' peak RSS stands in."""
+    if m["peak_memory"]:
+        return f"{max(m['peak_memory']) / 2**20:.0f}"
+    rss = [int(x) for x in m.get("extra", {}).get("peak_rss_bytes") or () if x]
+    return f"{max(rss) / 2**20:.0f} RSS" if rss else "-"
+
+
 class Progress:
     """Progress on stderr: one line per trial, and a live bar on a terminal."""
 
@@ -388,7 +437,8 @@ class Progress:
 
     def header(self) -> None:
         # "vs pred": (measured - predicted) / predicted, + when slower than predicted (the API's
-        # prediction_error); "peak MiB": the tensors' peak (the allocator's on a GPU)
+        # prediction_error); "peak MiB": the tensors' peak (the allocator's on a GPU), or "N RSS":
+        # a CPU script trial's resident peak, where no tensor peak is measured
         self.say(f"{'trial':>5}  {'candidate':<38} {'status':<8} {'predicted':>10} {'measured':>10} "
                  f"{'vs pred':>7} {'peak MiB':>9}")
 
@@ -408,7 +458,7 @@ class Progress:
         colour = {"ok": "32", "oom": "31", "failed": "31", "timeout": "33", "pruned": "33"}.get(status, "0")
         measured = f"{m['step_time']:.3f} s" if m["step_time"] else "-"
         error = f"{r['error_pct']:+.0f}%" if r["error_pct"] is not None else ""
-        peak = f"{max(m['peak_memory']) / 2**20:.0f}" if m["peak_memory"] else "-"
+        peak = _peak_text(m)
         if status == "ok" and (self.best is None or m["step_time"] < self.best):
             self.best, self.best_label = m["step_time"], r["label"]
         self.done_trials = r["number"] + 1
@@ -417,9 +467,10 @@ class Progress:
         self.say(f"{'#' + str(r['number']):>5}  {label:<38} {self._c(f'{status:<8}', colour)} "
                  f"{r['predicted_step_time']:>8.3f} s {measured:>10} {error:>7} {peak:>9}")
         if status not in ("ok", "pruned") and m["error"]:
-            self.say(f"       {m['error'].splitlines()[0][:160]}")
+            for line in _reason_lines(m):
+                self.say(f"       {line}")
         if m.get("extra", {}).get("not_retried"):
-            self.say(f"       not retried: {m['extra']['not_retried'][:200]}")
+            self.say(f"       not retried: {m['extra']['not_retried']}")
 
     def done(self, reason: str) -> None:
         self.say(f"stopped after {time.monotonic() - self.start_time:.0f} s: {reason}")

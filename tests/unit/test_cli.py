@@ -246,3 +246,33 @@ def test_tune_help_examples_are_whole_command_lines() -> None:
 def test_data_help_says_it_is_tokenised_as_bytes() -> None:
     r = pipette("tune", "--help")
     assert "tokenised as raw UTF-8 bytes" in " ".join(r.stdout.split())
+
+
+def test_pipettes_flags_after_script_are_warned_of(tmp_path: Path) -> None:
+    """Issue 32, item 10: `--global-batch 16 --devices 2 --script-kind deepspeed` after --script
+    went silently to the script (7.6 minutes on the defaults, every trial failed)."""
+    r = pipette("tune", "--home", str(tmp_path), "--script", "python", "nothere.py", "--global-batch", "16",
+                "--devices=2", "--script-kind", "deepspeed", "--lr", "3e-4", cwd=tmp_path)
+    assert "pipette: warning: --global-batch, --devices=2, --script-kind after --script go to your script" in r.stderr
+    assert "put them before --script" in r.stderr and "--lr" not in r.stderr.split("warning:")[1].split("\n")[0]
+    r = pipette("tune", "--home", str(tmp_path), "--script", "python", "nothere.py", "--lr", "3e-4", cwd=tmp_path)
+    assert "warning" not in r.stderr
+
+
+def test_a_failed_trials_whole_reason_and_output_are_shown() -> None:
+    """Issue 32, item 10: trial lines were cut at 160 characters and to their first line, and a
+    timed-out script's output was not kept."""
+    from pipette.cli.tune import _peak_text, _reason_lines
+
+    long = "RuntimeError: " + "x" * 300
+    error = f"rank 1 exited with status 1\nTraceback (most recent call last):\n  File \"t.py\", line 3\n{long}"
+    lines = _reason_lines({"error": error, "extra": {}})
+    assert lines == error.splitlines(), lines
+    timeout = {"error": "the script reported no step in 180 s", "extra": {"output_tail": "loading\nwaiting for a lock"}}
+    assert _reason_lines(timeout)[-3:] == ["its output ended with:", "  loading", "  waiting for a lock"]
+    many = {"error": "\n".join(f"line {i}" for i in range(100)), "extra": {}}
+    shown = _reason_lines(many)
+    assert len(shown) <= 41 and shown[0] == "line 0" and shown[-1] == "line 99" and "in the trial's record" in shown[1]
+    # a CPU script trial has no tensor peak: its peak RSS stands in, marked as such
+    assert _peak_text({"peak_memory": [], "extra": {"peak_rss_bytes": [600 * 2**20, 812 * 2**20]}}) == "812 RSS"
+    assert _peak_text({"peak_memory": [2**20 * 40], "extra": {}}) == "40"

@@ -155,3 +155,13 @@ def test_interference_counts_other_processes_cpu_not_this_jobs_ranks() -> None:
         for p in (other, rank):
             p.kill()
             p.wait()
+
+
+def test_nothing_left_to_try_says_how_many_were_tried(cpu_plan: Plan) -> None:
+    """Issue 32, item 10: "every candidate predicted to fit was tried" closed a job that tried 5 of 16."""
+    result = _run(cpu_plan, ["failed"] * 30)
+    tried = len({t.label for t in result.trials})
+    assert tried < len(cpu_plan.ranked)
+    assert result.stop_reason.startswith(f"no untried candidate is left worth a trial: {tried} of "
+                                         f"{len(cpu_plan.ranked)} tried"), result.stop_reason
+    assert "every candidate predicted to fit was tried" not in result.stop_reason
