@@ -7,22 +7,23 @@ memory breakdown), with a kernel of a small constant term (the estimator is off 
 common factor on this cluster) plus an RBF term (it is off differently for different
 families of candidates). A trial that ran gives ``r`` from its measured peak (its tensors,
 plus the estimate's ``overhead``, which no tensor counter sees). A trial that ran out of
-memory says only ``peak >= capacity``: a censored observation, entered as the point
-``log(capacity / predicted) + OOM_EXCESS_LOG`` with a small noise (a point just past the
-bound; an exact treatment of censoring would need expectation propagation, Rasmussen &
-Williams ch. 3.6). The chance that a candidate fits is then
+memory says only ``peak >= capacity``: a censored observation, entered as the site of one
+expectation-propagation step against the prior (``censored_point``, Rasmussen & Williams
+ch. 3.6): sharp for a surprise, wide for an OOM the prior expected. The chance that a candidate fits is then
 ``p_fit = Phi((log(capacity / predicted) - mu) / sd)`` under the posterior ``N(mu, sd^2)``.
 
 So an OOM moves the candidates like it (same layout, larger micro-batch or less
 recomputation) and leaves unlike ones (another tp, pp, ZeRO stage or recompute mode) almost
-where the estimator put them: it is not a global memory ceiling. With no trials, ``mu = 0``
-and every candidate the plan kept (``peak * (1 + margin) <= capacity``) has ``p_fit`` above
-``P_FIT_MIN``: the learned part only ever excludes what a trial taught it to.
+where the estimator put them: it is not a global memory ceiling. The GP's prior is the stack's
+measured error (``pipette.fits.FitsPrior``: a mean ``mu`` and a total sd, split between the
+constant and the RBF term in the proportions below), so with no trials ``p_fit`` is the plan's
+chance to fit, and the search weights every candidate by it (constrained expected improvement,
+Gardner et al. 2014): a candidate next to the memory limit is tried when what it may gain is
+worth its chance of a cheap out-of-memory trial.
 
-The search weights a candidate by what the trials taught: ``p_fit`` over its value before any
-trial (``p_fit_prior``, capped at 1), so that with no trials the analytic order stands (the
-plan's safety margin already priced the estimator's prior error in), and the same for
-``p_runs``.
+A measured need is what the device held: on a GPU the allocator's peak reserved bytes plus
+the memory outside it (``workers.memory.allocator_record``), else the tensor peak plus the
+estimate's ``overhead``.
 
 Crashes that are not memory (``failed``, ``timeout`` after retries) are learned as a
 probability of running per neighbourhood: a kernel-weighted Beta-Bernoulli estimate
@@ -44,6 +45,7 @@ from scipy.stats import norm
 
 from pipette.config import ParallelConfig
 from pipette.estimates import MEMORY_PARTS, MemoryEstimate
+from pipette.fits import CPU, FitsPrior
 from pipette.measurement import Measurement
 
 FloatArray = npt.NDArray[np.float64]
@@ -64,7 +66,9 @@ OOM_NOISE_SD = 0.03
 MEMORY_MIN_FOR_FIT = 3
 MEMORY_OFFSET_GRID = (0.05, 0.1, 0.3, 0.6)
 MEMORY_RESIDUAL_GRID = (0.1, 0.2, 0.4)
-#: A candidate is excluded when its chance to fit (or to run at all) falls below this.
+#: A candidate is excluded when the trials lowered its chance to fit below this (a chance the
+#: plan gave it, however low, above ``pipette.fits.KEEP_THRESHOLD``, stands until a trial
+#: speaks), or its chance to run at all below ``P_RUNS_MIN``.
 P_FIT_MIN = 0.25
 P_RUNS_MIN = 0.25
 #: Beta prior of the chance that a candidate runs (mean 0.9, weight of 2 trials).
@@ -94,11 +98,16 @@ def layout_features(config: ParallelConfig) -> list[float]:
 
 
 def memory_features(config: ParallelConfig, memory: MemoryEstimate) -> FloatArray:
-    """Shape plus where the estimator says the bytes go (two candidates whose peaks are both
-    mostly activations err alike)."""
+    """Degrees and micro-batch plus where the estimator says the bytes go (two candidates whose
+    peaks are both mostly activations err alike). The ZeRO stage and the recomputation enter
+    only through those shares: where they change no byte (ZeRO 0-2 under LoRA, selective
+    recomputation with flash attention) the candidates need the same memory, and an OOM of one
+    is an OOM of the other."""
     total = memory.peak_bytes if memory.peak_bytes > 0 else 1
     shares = [2.0 * memory.breakdown.get(k, 0) / total for k in MEMORY_PARTS]
-    return np.array([*layout_features(config), *shares], dtype=np.float64)
+    shape = [math.log2(config.tp), math.log2(config.pp), math.log2(config.dp), math.log2(config.mbs),
+             math.log2(config.virtual_stages)]
+    return np.array([*shape, *shares], dtype=np.float64)
 
 
 @dataclass(frozen=True)
@@ -115,31 +124,41 @@ def _rbf(xa: FloatArray, xb: FloatArray, ell: float) -> FloatArray:
     return np.asarray(np.exp(-d2 / (2 * ell**2)), dtype=np.float64)
 
 
+def measured_need(memory: MemoryEstimate, m: Measurement) -> int | None:
+    """What a trial that ran needed of its device, in the estimate's terms (module docstring)."""
+    reserved, outside = m.extra.get("peak_reserved_bytes"), m.extra.get("outside_allocator_bytes")
+    if reserved and outside:
+        return max(int(r) + int(o) for r, o in zip(reserved, outside, strict=True))
+    if m.peak_memory_max:
+        return int(m.peak_memory_max) + memory.breakdown.get("overhead", 0)
+    return None
+
+
 class MemoryModel:
     """The estimator's error learned from measured peaks and OOMs (module docstring)."""
 
-    def __init__(self, points: Sequence[MemoryPoint] = ()) -> None:
+    def __init__(self, points: Sequence[MemoryPoint] = (), prior: FitsPrior = CPU) -> None:
+        self.prior = prior
         xs, ys, noise = [], [], []
         for p in points:
             if p.memory.peak_bytes <= 0:
                 continue
             m = p.measurement
+            need = measured_need(p.memory, m) if m.status in ("ok", "pruned") else None
             if m.status == "oom":
                 xs.append(memory_features(p.config, p.memory))
-                ys.append(math.log(p.memory.capacity_bytes / p.memory.peak_bytes) + OOM_EXCESS_LOG)
-                noise.append(OOM_NOISE_SD)
-            elif m.status in ("ok", "pruned") and m.peak_memory_max:
-                # like with like: a trial measures its tensors (the allocator's bytes on a GPU);
-                # the estimate adds the process's own ("overhead": CUDA context, fragmentation)
-                peak = m.peak_memory_max + p.memory.breakdown.get("overhead", 0)
+                y, sd = censored_point(math.log(p.memory.capacity_bytes / p.memory.peak_bytes) - prior.mu, prior.sd)
+                ys.append(y)
+                noise.append(sd)
+            elif need:
                 xs.append(memory_features(p.config, p.memory))
-                ys.append(math.log(peak / p.memory.peak_bytes))
+                ys.append(math.log(need / p.memory.peak_bytes) - prior.mu)
                 noise.append(PEAK_NOISE_SD)
         self.n = len(ys)
         self._x = np.array(xs) if xs else np.zeros((0, 0))
         self._y = np.array(ys, dtype=np.float64)
         self._noise2 = np.array(noise, dtype=np.float64) ** 2
-        self.offset_sd, self.residual_sd = MEMORY_OFFSET_SD, MEMORY_RESIDUAL_SD
+        self.offset_sd, self.residual_sd = _prior_sds(prior)
         if self.n >= MEMORY_MIN_FOR_FIT:
             self.offset_sd, self.residual_sd = max(
                 ((b, s) for b in MEMORY_OFFSET_GRID for s in MEMORY_RESIDUAL_GRID),
@@ -172,10 +191,10 @@ class MemoryModel:
         if not configs:
             return np.zeros(0), np.zeros(0)
         if self.n == 0 or self._chol is None or self._alpha is None:
-            return np.zeros(len(configs)), np.full(len(configs), math.sqrt(prior))
+            return np.full(len(configs), self.prior.mu), np.full(len(configs), math.sqrt(prior + PEAK_NOISE_SD**2))
         x = np.array([memory_features(c, m) for c, m in zip(configs, memories, strict=True)])
         ks = self._k(x, self._x, self.offset_sd, self.residual_sd)
-        mean = ks @ self._alpha
+        mean = ks @ self._alpha + self.prior.mu
         v = np.linalg.solve(self._chol, ks.T)
         var = np.maximum(prior - (v * v).sum(0), 1e-8)
         return np.asarray(mean, dtype=np.float64), np.sqrt(var + PEAK_NOISE_SD**2)
@@ -190,10 +209,28 @@ def _headroom(memories: Sequence[MemoryEstimate]) -> list[float]:
     return [math.log(m.capacity_bytes / m.peak_bytes) if m.peak_bytes > 0 else math.inf for m in memories]
 
 
-def p_fit_prior(memories: Sequence[MemoryEstimate]) -> list[float]:
-    """``p_fit`` before any trial (the default prior): what the plan's margin already priced in."""
-    sd = math.sqrt(MEMORY_OFFSET_SD**2 + MEMORY_RESIDUAL_SD**2 + PEAK_NOISE_SD**2)
-    return [float(norm.cdf(h / sd)) for h in _headroom(memories)]
+def censored_point(bound: float, prior_sd: float) -> tuple[float, float]:
+    """An out-of-memory trial as a point for the GP, (value, noise sd): its error is past
+    ``bound`` (centred on the prior's mean). The point is the site of one expectation-
+    propagation step (Rasmussen & Williams sec. 3.6, eq. 3.58): the Gaussian that, multiplied
+    with the prior, gives the mean and variance of the prior truncated at the bound. A
+    surprise (an OOM the prior thought unlikely) is a sharp point past the bound; an OOM the
+    prior expected is a wide one that changes little."""
+    alpha = bound / prior_sd
+    tail = float(norm.sf(alpha))
+    hazard = float(norm.pdf(alpha)) / tail if tail > 1e-12 else alpha
+    mean = prior_sd * hazard
+    var = prior_sd**2 * max(1.0 + alpha * hazard - hazard**2, 1e-6)
+    site_var = 1.0 / max(1.0 / var - 1.0 / prior_sd**2, 1e-6)
+    return max(site_var * mean / var, bound + OOM_EXCESS_LOG), max(OOM_NOISE_SD, math.sqrt(site_var))
+
+
+def _prior_sds(prior: FitsPrior) -> tuple[float, float]:
+    """(offset sd, residual sd) of the GP whose total prior sd, with a peak's noise, is the
+    prior's: split in the proportions of MEMORY_OFFSET_SD and MEMORY_RESIDUAL_SD."""
+    kernel = math.sqrt(max(prior.sd**2 - PEAK_NOISE_SD**2, 1e-6))
+    scale = kernel / math.hypot(MEMORY_OFFSET_SD, MEMORY_RESIDUAL_SD)
+    return MEMORY_OFFSET_SD * scale, MEMORY_RESIDUAL_SD * scale
 
 
 class RunsModel:
@@ -235,5 +272,5 @@ class RunsModel:
 
 __all__ = [
     "P_FIT_MIN", "P_RUNS_MIN", "RUNS_PRIOR", "MemoryModel", "MemoryPoint", "RunsModel", "layout_features",
-    "memory_features", "p_fit_prior",
+    "measured_need", "memory_features",
 ]

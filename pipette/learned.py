@@ -57,7 +57,8 @@ import numpy.typing as npt
 
 from pipette.config import ParallelConfig
 from pipette.estimates import TIME_PARTS, MemoryEstimate, PerfEstimate
-from pipette.feasibility import P_FIT_MIN, P_RUNS_MIN, MemoryModel, MemoryPoint, RunsModel, layout_features
+from pipette.feasibility import MemoryModel, MemoryPoint, RunsModel, layout_features
+from pipette.fits import CPU, FitsPrior
 from pipette.measurement import Measurement
 
 FloatArray = npt.NDArray[np.float64]
@@ -166,7 +167,8 @@ def features(config: ParallelConfig, perf: PerfEstimate) -> FloatArray:
 class LearnedModel:
     """The analytic estimates corrected by a set of observations (see the module docstring)."""
 
-    def __init__(self, observations: Sequence[Observation] = (), *, job_key: str = "") -> None:
+    def __init__(self, observations: Sequence[Observation] = (), *, job_key: str = "",
+                 fits_prior: FitsPrior = CPU) -> None:
         self.job_key = job_key
         self.observations = tuple(observations)
         timed = [o for o in self.observations if _observed_time(o) is not None]
@@ -201,7 +203,7 @@ class LearnedModel:
             self.residual_sd, self.length_scale, self.regime_sd = (
                 sum(w * h[i] for w, h, _, _ in self._mixture) for i in range(3))
         own = [o for o in self.observations if o.job_key == job_key]  # another job's memory teaches nothing here
-        self.memory = MemoryModel([MemoryPoint(o.config, o.memory, o.measurement) for o in own])
+        self.memory = MemoryModel([MemoryPoint(o.config, o.memory, o.measurement) for o in own], fits_prior)
         self.runs = RunsModel([(o.config, o.measurement, o.attempts) for o in own])
 
     def _factor(self, s: float, ell: float, a: float) -> tuple[FloatArray, FloatArray]:
@@ -287,11 +289,6 @@ class LearnedModel:
     ) -> list[tuple[float, float]]:
         """``(p_fit, p_runs)`` per candidate: its chance to fit in memory and to run at all."""
         return list(zip(self.memory.p_fit(configs, memories), self.runs.p_runs(configs), strict=True))
-
-    def fits(self, config: ParallelConfig, memory: MemoryEstimate) -> bool:
-        """Whether a candidate is still worth a trial: likely enough to fit and to run."""
-        p_fit, p_runs = self.feasibility([config], [memory])[0]
-        return p_fit >= P_FIT_MIN and p_runs >= P_RUNS_MIN
 
     def summary(self) -> dict[str, float | int]:
         """How much the model trusts the analytic prior, and the noise it measured."""

@@ -1,20 +1,24 @@
-"""Planning: enumerate, drop what does not fit, rank by predicted step time, place.
+"""Planning: enumerate, give each candidate its chance to fit, rank by expected step time, place.
 
 ``make_plan`` is the what-if answer of the core (``pipette plan``, ``POST /v1/plan``) and
-the first step of every tuning job: the data flow of DESIGN.md up to the search.
+the first step of every tuning job: the data flow of DESIGN.md up to the search. A candidate
+is dropped only when its chance to fit (``pipette.fits``) is below ``KEEP_THRESHOLD``; the
+others are ranked by the step time one can expect from trying them, so the fastest
+configuration next to the memory limit is tried first when it is likely enough to fit.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pipette.cluster import ClusterProfile
 from pipette.config import ParallelConfig
 from pipette.errors import InfeasibleError, SpecError
 from pipette.estimates import MemoryEstimate, PerfEstimate
-from pipette.memory import DEFAULT_OPTIONS, SAFETY_MARGIN, MemoryOptions, estimate_memory
+from pipette.fits import KEEP_THRESHOLD, SURE_TO_FIT, FitsPrior, default_prior, expected_step_time
+from pipette.memory import DEFAULT_OPTIONS, MemoryOptions, estimate_memory
 from pipette.model import ModelSpec
 from pipette.perf import PerfConstants, PerfModel
 from pipette.placement import default_placement, optimize_placement
@@ -22,7 +26,12 @@ from pipette.space import RULES, enumerate_space
 from pipette.training import TrainingSpec
 
 OUT_OF_MEMORY = "out_of_memory"
-DROP_REASONS: dict[str, str] = {**RULES, OUT_OF_MEMORY: "predicted to run out of device memory"}
+DROP_REASONS: dict[str, str] = {
+    **RULES, OUT_OF_MEMORY: f"less than a {KEEP_THRESHOLD:.0%} chance to fit in device memory",
+}
+#: Capacity a user asks to keep free, as a fraction added to the predicted peak (``--margin``):
+#: none by default, the chance to fit prices the estimator's error.
+DEFAULT_MARGIN = 0.0
 
 GiB = 1024**3
 
@@ -36,6 +45,14 @@ class Planned:
     perf: PerfEstimate
     default_step_time: float
     placement_method: str = "default"
+    #: the chance it fits in device memory (``pipette.fits``)
+    chance_to_fit: float = 1.0
+    #: the step time to expect from trying it (``pipette.fits.expected_step_time``)
+    expected_step_time: float = 0.0
+
+    @property
+    def sure_to_fit(self) -> bool:
+        return self.chance_to_fit >= SURE_TO_FIT
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -45,15 +62,19 @@ class Planned:
             "perf": self.perf.to_dict(),
             "default_placement_step_time": self.default_step_time,
             "placement_method": self.placement_method,
+            "chance_to_fit": self.chance_to_fit,
+            "sure_to_fit": self.sure_to_fit,
+            "expected_step_time": self.expected_step_time,
         }
 
 
 @dataclass(frozen=True)
 class Dropped:
-    """A candidate predicted not to fit, with its estimate (the plan keeps them)."""
+    """A candidate too unlikely to fit, with its estimate (the plan keeps them)."""
 
     config: ParallelConfig
     memory: MemoryEstimate
+    chance_to_fit: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -61,6 +82,7 @@ class Dropped:
             "config": self.config.to_dict(),
             "reason": OUT_OF_MEMORY,
             "memory": self.memory.to_dict(),
+            "chance_to_fit": self.chance_to_fit,
         }
 
 
@@ -72,8 +94,9 @@ class Plan:
     ranked: list[Planned]
     dropped: Counter[str]
     out_of_memory: list[Dropped] = field(default_factory=list)
-    margin: float = SAFETY_MARGIN
+    margin: float = DEFAULT_MARGIN
     enumerated: int = 0
+    fits_prior: FitsPrior | None = None
 
     @property
     def best(self) -> Planned:
@@ -87,6 +110,9 @@ class Plan:
             "cluster": {"name": self.cluster.name, "devices": self.cluster.world,
                         "nodes": len(self.cluster.nodes)},
             "safety_margin": self.margin,
+            "fits_prior": self.fits_prior.to_dict() if self.fits_prior else None,
+            "keep_threshold": KEEP_THRESHOLD,
+            "sure_to_fit": SURE_TO_FIT,
             "enumerated": self.enumerated,
             "feasible": len(self.ranked),
             "dropped": {k: {"count": v, "reason": DROP_REASONS.get(k, k)} for k, v in self.dropped.most_common()},
@@ -111,16 +137,20 @@ def make_plan(
     training: TrainingSpec,
     cluster: ClusterProfile,
     *,
-    margin: float = SAFETY_MARGIN,
+    margin: float = DEFAULT_MARGIN,
     optimize_top: int = 20,
     seed: int = 0,
     constants: PerfConstants | None = None,
     memory_options: MemoryOptions = DEFAULT_OPTIONS,
+    fits_prior: FitsPrior | None = None,
 ) -> Plan:
-    """Every memory-feasible candidate, ranked by predicted step time.
+    """Every candidate likely enough to fit, ranked by the step time to expect from trying it.
 
-    Raises ``InfeasibleError`` when no candidate is valid (with the rejection counts) or
-    none fits (with the shortfall of the closest one and what would help).
+    ``fits_prior``: the estimator's error for the stack and device (default: Pipette's runner
+    on the cluster's device kind). ``margin``: capacity the user keeps free (the chance to fit
+    is taken against ``capacity / (1 + margin)``). Raises ``InfeasibleError`` when no candidate
+    is valid (with the rejection counts) or none is likely to fit (with the shortfall of the
+    closest one and what would help).
     """
     check_recipe(model, training)
     space = enumerate_space(model, training, cluster.world)
@@ -128,29 +158,32 @@ def make_plan(
         raise _no_valid_candidate(model, training, cluster, space.rejected)
     capacity = cluster.min_usable_memory
     kind = cluster.device_spec.kind
+    prior = fits_prior or default_prior(kind)
     dropped: Counter[str] = Counter(space.rejected)
-    fitting: list[tuple[ParallelConfig, MemoryEstimate]] = []
+    fitting: list[tuple[ParallelConfig, MemoryEstimate, float]] = []
     oom: list[Dropped] = []
     for config in space.candidates:
         mem = estimate_memory(model, training, config, capacity, device_kind=kind, options=memory_options)
-        if mem.fits(margin):
-            fitting.append((config, mem))
+        chance = prior.chance_to_fit(mem, int(capacity / (1.0 + margin)))
+        if chance >= KEEP_THRESHOLD:
+            fitting.append((config, mem, chance))
         else:
-            oom.append(Dropped(config, mem))
+            oom.append(Dropped(config, mem, chance))
     dropped[OUT_OF_MEMORY] = len(oom)
     if not fitting:
         raise _nothing_fits(model, training, cluster, oom, margin, dropped)
 
     placements: dict[tuple[int, int, int], tuple[int, ...]] = {}
     planned: list[tuple[Planned, PerfModel]] = []
-    for config, mem in fitting:
+    for config, mem, chance in fitting:
         key = (config.tp, config.pp, config.dp)
         if key not in placements:
             placements[key] = default_placement(config, cluster)
         placed = config.with_placement(placements[key])
         perf_model = PerfModel(model, training, placed, cluster, constants=constants)
         perf = perf_model.estimate()
-        planned.append((Planned(placed, mem, perf, perf.step_time), perf_model))
+        planned.append((Planned(placed, mem, perf, perf.step_time, chance_to_fit=chance), perf_model))
+    planned = [(_with_expectation(p, _fallback([q for q, _ in planned])), m) for p, m in planned]
     planned.sort(key=lambda p: _rank_key(p[0]))
 
     improved = []
@@ -159,17 +192,32 @@ def make_plan(
         placed = item.config.with_placement(result.placement)
         improved.append(
             Planned(placed, item.memory, perf_model.estimate(result.placement),
-                    item.default_step_time, result.method)
+                    item.default_step_time, result.method, chance_to_fit=item.chance_to_fit)
         )
     ranked = improved + [p for p, _ in planned[optimize_top:]]
-    ranked.sort(key=_rank_key)
-    oom.sort(key=lambda d: d.memory.shortfall(margin))
-    return Plan(model, training, cluster, ranked, dropped, oom, margin, space.total)
+    fallback = _fallback(ranked)
+    ranked = sorted((_with_expectation(p, fallback) for p in ranked), key=_rank_key)
+    oom.sort(key=lambda d: -d.chance_to_fit)
+    return Plan(model, training, cluster, ranked, dropped, oom, margin, space.total, prior)
 
 
-def _rank_key(p: Planned) -> tuple[float, int, str]:
-    """Fastest first; among equally fast ones the one with the most memory headroom."""
-    return (p.perf.step_time, p.memory.peak_bytes, p.config.label)
+def _fallback(planned: list[Planned]) -> float:
+    """The step time of the fastest candidate sure to fit (of the likeliest to fit, if none is):
+    what a user falls back to when a riskier candidate runs out of memory."""
+    sure = [p.perf.step_time for p in planned if p.sure_to_fit]
+    if sure:
+        return min(sure)
+    return min(planned, key=lambda p: (-p.chance_to_fit, p.perf.step_time)).perf.step_time
+
+
+def _with_expectation(p: Planned, fallback: float) -> Planned:
+    expected = expected_step_time(p.perf.step_time, p.chance_to_fit, max(fallback, p.perf.step_time))
+    return replace(p, expected_step_time=expected)
+
+
+def _rank_key(p: Planned) -> tuple[float, float, int, str]:
+    """Best expected step time first; among equal ones the likelier to fit, then the most headroom."""
+    return (p.expected_step_time, -p.chance_to_fit, p.memory.peak_bytes, p.config.label)
 
 
 def _no_valid_candidate(
@@ -220,12 +268,12 @@ def _nothing_fits(
         helps.append("allowing full recomputation")
     if training.seq_len > 1 and closest.memory.breakdown.get("activations", 0) > short:
         helps.append("a shorter sequence length")
+    kept = f" with {margin:.0%} kept free" if margin else ""
     return InfeasibleError(
         f"nothing fits: {len(oom)} candidates of {model.name} on {cluster.world} x "
-        f"{cluster.device_spec.name} all exceed device memory; the closest "
-        f"({closest.config.label}) needs {closest.memory.peak_bytes / GiB:.1f} GiB "
-        f"+{margin:.0%} margin of {closest.memory.capacity_bytes / GiB:.1f} GiB, "
-        f"short by {short / GiB:.1f} GiB",
+        f"{cluster.device_spec.name} all exceed device memory (each under a {KEEP_THRESHOLD:.0%} chance "
+        f"to fit); the closest ({closest.config.label}) needs {closest.memory.peak_bytes / GiB:.1f} GiB"
+        f"{kept} of {closest.memory.capacity_bytes / GiB:.1f} GiB, short by {short / GiB:.1f} GiB",
         field="cluster", fix="try " + "; or ".join(helps),
         shortfall_bytes=short, reasons=dict(dropped),
     )

@@ -71,7 +71,7 @@ def what_happened(result: TuneResult) -> str:
     n = sum(search.values())
     how = ", ".join(f"{v} {STATUS_WORDS.get(k, k)}" for k, v in sorted(search.items(), key=lambda kv: -kv[1]))
     attempts = len(result.trials) - n - retime
-    text = (f"{n} trials of {len(result.plan.ranked)} candidates that fit: {how}"
+    text = (f"{n} trials of {len(result.plan.ranked)} candidates planned: {how}"
             + (f" (and {attempts} retries)" if attempts > 0 else ""))
     if retime:
         text += f"; then {retime} re-timing trials of the best"

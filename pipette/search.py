@@ -36,7 +36,8 @@ from optuna.trial import FrozenTrial, TrialState
 from scipy.stats import norm
 
 from pipette.config import ParallelConfig
-from pipette.feasibility import P_FIT_MIN, P_RUNS_MIN, RUNS_PRIOR, p_fit_prior
+from pipette.feasibility import P_FIT_MIN, P_RUNS_MIN, RUNS_PRIOR
+from pipette.fits import CPU, KEEP_THRESHOLD, FitsPrior
 from pipette.learned import LearnedModel, Observation, Prediction, collapse
 from pipette.measurement import Measurement
 from pipette.plan import Planned
@@ -155,19 +156,21 @@ def score(
     and its chance to beat the incumbent ``best`` (mean log step time, trials) by more than
     ``tolerance``; best acquisition first."""
     feasible = learned.feasibility([c.config for c in candidates], [c.memory for c in candidates])
-    kept = [(c, f) for c, f in zip(candidates, feasible, strict=True) if f[0] >= P_FIT_MIN and f[1] >= P_RUNS_MIN]
+    kept = [(c, f) for c, f in zip(candidates, feasible, strict=True) if _worth_a_trial(c, *f)]
     configs, perfs = [c.config for c, _ in kept], [c.perf for c, _ in kept]
     weights, means, sds = learned.components(configs, perfs)
     preds = collapse(perfs, weights, means, sds)
-    priors = p_fit_prior([c.memory for c, _ in kept])
     out = []
-    for i, ((c, (p_fit, p_runs)), p, prior) in enumerate(zip(kept, preds, priors, strict=True)):
-        # what the trials taught about fitting and running (1 before any trial: feasibility)
-        taught = min(1.0, p_fit / prior) * min(1.0, p_runs / RUNS_PRIOR)
+    for i, ((c, (p_fit, p_runs)), p) in enumerate(zip(kept, preds, strict=True)):
+        # the chance it fits (the plan's before any trial, pipette.fits) times what the trials
+        # taught about running at all (1 before any crash)
+        taught = p_fit * min(1.0, p_runs / RUNS_PRIOR)
         if best is None:
-            # Nothing measured yet: the prediction ranks (the analytic top-1 first), a
-            # candidate the trials say may not fit or run later.
-            out.append(Scored(c, p, -p.log_step_time + math.log(taught), taught, p_fit, p_runs))
+            # Nothing measured yet: the expected step time ranks, as in the plan (the fastest
+            # likely to fit first), a candidate the trials say may not run later.
+            risk = c.expected_step_time / c.perf.step_time if c.expected_step_time > 0 else 1.0
+            runs = min(1.0, p_runs / RUNS_PRIOR)
+            out.append(Scored(c, p, -p.log_step_time - math.log(risk) + math.log(runs), taught, p_fit, p_runs))
             continue
         y_star, n = best
         # the incumbent's mean is itself measured with noise: compare the two
@@ -192,6 +195,13 @@ def score(
     return out
 
 
+def _worth_a_trial(candidate: Planned, p_fit: float, p_runs: float) -> bool:
+    """Likely enough to run, and to fit: above the plan's threshold while no trial lowered its
+    chance, above ``P_FIT_MIN`` once one did (``pipette.feasibility``)."""
+    lowered = p_fit < candidate.chance_to_fit - 1e-9
+    return p_runs >= P_RUNS_MIN and p_fit >= KEEP_THRESHOLD and (p_fit >= P_FIT_MIN or not lowered)
+
+
 class PerfModelSampler(BaseSampler):
     """Proposes the untried candidate with the best expected improvement under the model
     learned from the study's trials (DESIGN.md, data flow). Deterministic."""
@@ -205,8 +215,10 @@ class PerfModelSampler(BaseSampler):
         tolerance: float = 0.02,
         seed: int = 0,
         space: dict[str, BaseDistribution] | None = None,
+        fits_prior: FitsPrior = CPU,
     ) -> None:
         self.candidates = list(candidates)
+        self.fits_prior = fits_prior
         self.job_key = job_key
         self.prior = tuple(prior)
         self.tolerance = tolerance
@@ -215,7 +227,8 @@ class PerfModelSampler(BaseSampler):
         self._fallback = RandomSampler(seed=seed)
 
     def learned(self, study: Study) -> LearnedModel:
-        return LearnedModel([*self.prior, *observations(study, self.by_key, self.job_key)], job_key=self.job_key)
+        return LearnedModel([*self.prior, *observations(study, self.by_key, self.job_key)], job_key=self.job_key,
+                            fits_prior=self.fits_prior)
 
     def ranking(self, study: Study) -> list[Scored]:
         """Untried candidates, best first, with the learned model of the study so far."""

@@ -59,6 +59,8 @@ from scipy.stats import t as student_t
 from pipette.config import ParallelConfig
 from pipette.errors import InfeasibleError, SpecError
 from pipette.estimates import MemoryEstimate, PerfEstimate
+from pipette.feasibility import measured_need
+from pipette.fits import default_prior, memory_headroom
 from pipette.learned import NOISE_PRIOR_DOF, Observation
 from pipette.measurement import Measurement, last_error_line
 from pipette.model import ModelSpec
@@ -315,6 +317,8 @@ class TuneResult:
             "learned": dict(self.learned),
             "retimed": sum(1 for t in self.trials if t.purpose == "retime"),
             "best": best, "trials": [t.to_dict() for t in self.trials],
+            "memory_headroom": self.memory_headroom(),
+            "out_of_memory_trials": sum(1 for t in self.trials if t.measurement.status == "oom"),
         }
 
     def launch_files(self, out_dir: str | Path) -> dict[str, Path]:
@@ -329,7 +333,15 @@ class TuneResult:
         p = self.plan
         return write_launch_files(out_dir, p.model, p.training, self.best.config, p.cluster,
                                   extra={"tuning": {"stop_reason": self.stop_reason,
-                                                    "best": self.to_dict()["best"]["side_by_side"]}})
+                                                    "best": self.to_dict()["best"]["side_by_side"]},
+                                         "memory_headroom": self.memory_headroom()})
+
+    def memory_headroom(self) -> dict[str, Any] | None:
+        """How close to the device's memory the pick runs, from its trial's measured need."""
+        if self.best is None:
+            return None
+        prior = self.plan.fits_prior or default_prior(self.plan.cluster.device_spec.kind)
+        return memory_headroom(self.best.memory, prior, measured_need(self.best.memory, self.best.measurement))
 
 
 def tensor_peak_bytes(memory: MemoryEstimate) -> int:
@@ -396,6 +408,7 @@ class Tuner:
         self.sampler = PerfModelSampler(
             candidates, job_key=self.job_key, prior=[r.observation() for r in prior if r.job_key != ""],
             tolerance=self.options.tolerance, seed=self.options.seed, space=self.space,
+            fits_prior=plan.fits_prior or default_prior(plan.cluster.device_spec.kind),
         )
         pruner = IncumbentPruner(self.options.prune_slower) if self.options.prune else None
         self.study = new_study(self.sampler, pruner)

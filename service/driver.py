@@ -29,9 +29,8 @@ from sqlalchemy.orm import Session
 from pipette.cluster import ClusterProfile
 from pipette.clusterfile import cluster_from_dict
 from pipette.errors import PipetteError
-from pipette.memory import SAFETY_MARGIN
 from pipette.model import ModelSpec
-from pipette.plan import make_plan
+from pipette.plan import DEFAULT_MARGIN, make_plan
 from pipette.training import TrainingSpec
 from pipette.tuner import TrialRecord, Tuner
 from service.db import Database
@@ -139,7 +138,7 @@ class JobDriver:
                                 node_wait_s=self.settings.node_wait_s, on_wait=self.on_wait,
                                 script=script, ship_workdir=script is not None and script.workdir is not None)
         start = time.perf_counter()
-        margin = SAFETY_MARGIN if options.get("margin") is None else float(options["margin"])
+        margin = DEFAULT_MARGIN if options.get("margin") is None else float(options["margin"])
         plan = make_plan(model, training, cluster, margin=margin, seed=int(options.get("seed", 0)))
         planned = plan_dict(plan, planning_seconds=time.perf_counter() - start, refusals=runner.refusals)
 

@@ -159,7 +159,9 @@ class BudgetIn(StrictTypes):
                               "within the tolerance of the best tried")
     steps: int = Field(8, ge=1, le=1000, description="timed steps per trial at most")
     trial_timeout_s: float | None = Field(None, gt=0, le=86400, description="default: the service's")
-    margin: float | None = Field(None, ge=0, lt=1, description="memory safety margin (default: the estimator's)")
+    margin: float | None = Field(None, ge=0, lt=1,
+                                 description="device memory to keep free, as a fraction of the predicted peak "
+                                             "(default 0)")
 
 
 if TYPE_CHECKING:

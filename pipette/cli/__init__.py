@@ -101,7 +101,9 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--model", required=True, help="a preset name or a Hugging Face config.json path")
     plan.add_argument("--cluster", required=True, help="a cluster file (YAML or JSON)")
     add_recipe_flags(plan)
-    plan.add_argument("--margin", type=float, help="memory safety margin (fraction, default: the estimator's)")
+    plan.add_argument("--margin", type=float,
+                      help="device memory to keep free, as a fraction of the predicted peak (default 0: "
+                           "the chance to fit already prices the estimator's error)")
     plan.add_argument("--top", type=int, default=10, help="how many candidates to show (default 10)")
     plan.add_argument("--out", default="pipette-plan", help="where to write the best candidate's launch files")
     plan.add_argument("--no-files", action="store_true", help="do not write launch files")
@@ -206,13 +208,13 @@ def _csv(raw: str, kind: type, flag: str) -> list[Any]:
 def _cmd_plan(args: argparse.Namespace) -> int:
     from pipette.clusterfile import load_cluster
     from pipette.emit import launch_command, write_launch_files
-    from pipette.memory import SAFETY_MARGIN
-    from pipette.plan import make_plan
+    from pipette.fits import default_prior, memory_headroom
+    from pipette.plan import DEFAULT_MARGIN, make_plan
 
     # Every input is checked, cheapest first, and the first real error is the one reported.
     if args.top < 1:
         raise SpecError(f"is {args.top}", field="--top", fix="show at least 1 candidate")
-    margin = SAFETY_MARGIN if args.margin is None else args.margin
+    margin = DEFAULT_MARGIN if args.margin is None else args.margin
     if not 0 <= margin < 1:
         raise SpecError(f"is {margin}", field="--margin", fix="give a fraction between 0 and 1, e.g. 0.05")
     cluster = load_cluster(args.cluster)
@@ -226,7 +228,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         try:
             written = write_launch_files(
                 args.out, model, training, plan.best.config, cluster,
-                extra={"predicted": plan.best.to_dict()},
+                extra={"predicted": plan.best.to_dict(),
+                       "memory_headroom": memory_headroom(plan.best.memory, plan.fits_prior or default_prior(
+                           plan.cluster.device_spec.kind))},
             )
         except OSError as e:
             raise SpecError(
@@ -248,6 +252,24 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def fits_sentence(planned: Any, prior: Any) -> str:
+    """How close to the memory limit a candidate runs, in words: its chance to fit and the
+    headroom to expect (what a longer sequence or a larger micro-batch would eat)."""
+    headroom = prior.headroom_bytes(planned.memory)
+    capacity = planned.memory.capacity_bytes
+    room = (f"{headroom / GiB:.1f} GiB ({headroom / capacity:.0%}) expected to stay free" if headroom >= 0 else
+            f"expected {-headroom / GiB:.1f} GiB ({-headroom / capacity:.0%}) short")
+    sure = "sure to fit" if planned.sure_to_fit else "not sure to fit"
+    return f"chance to fit: {_chance(planned.chance_to_fit)} ({sure}); {room} of {capacity / GiB:.1f} GiB"
+
+
+def _chance(p: float) -> str:
+    """A chance to fit as shown: '>99%' rather than a rounded 100% that is not certain."""
+    if p >= 0.995:
+        return ">99%"
+    return f"{p:.0%}"
+
+
 def _print_plan(plan: Any, top: int, elapsed: float) -> None:
     from pipette.estimates import MEMORY_PARTS, TIME_PARTS
     from pipette.plan import DROP_REASONS
@@ -260,12 +282,17 @@ def _print_plan(plan: Any, top: int, elapsed: float) -> None:
     )
     print(f"cluster {c.name}: {len(c.nodes)} nodes, {c.world} x {c.device_spec.name}")
     dropped = sum(plan.dropped.values())
+    sure = sum(p.sure_to_fit for p in plan.ranked)
+    kept_free = f", {plan.margin:.0%} of memory kept free" if plan.margin else ""
     print(
-        f"{plan.enumerated} candidates, {len(plan.ranked)} fit, {dropped} dropped "
-        f"(planned in {elapsed:.2f} s, memory margin {plan.margin:.0%})\n"
+        f"{plan.enumerated} candidates, {len(plan.ranked)} may fit ({sure} sure to fit), {dropped} dropped "
+        f"(planned in {elapsed:.2f} s{kept_free})"
     )
+    if plan.fits_prior is not None:
+        print(f"fit: the chance to fit in memory, from the estimator's measured error ({plan.fits_prior.name}: "
+              f"{plan.fits_prior.source}); ranked by the step time to expect from trying each\n")
     header = f"{'#':>3} {'tp':>3} {'pp':>3} {'dp':>4} {'mbs':>3} {'zero':>4} {'recompute':>9} {'schedule':>8} " \
-             f"{'step s':>9} {'tokens/s':>11} {'MFU':>6} {'HFU':>6} {'peak GiB':>15}"
+             f"{'step s':>9} {'tokens/s':>11} {'MFU':>6} {'HFU':>6} {'peak GiB':>15} {'fit':>5}"
     print(header)
     for i, p in enumerate(plan.ranked[:top], 1):
         cfg = p.config
@@ -274,7 +301,7 @@ def _print_plan(plan: Any, top: int, elapsed: float) -> None:
         print(
             f"{i:>3} {cfg.tp:>3} {cfg.pp:>3} {cfg.dp:>4} {cfg.mbs:>3} {cfg.zero_stage:>4} "
             f"{cfg.recompute:>9} {sched:>8} {p.perf.step_time:>9.3f} {p.perf.tokens_per_s:>11,.0f} "
-            f"{p.perf.mfu:>6.1%} {p.perf.hfu:>6.1%} {mem:>15}"
+            f"{p.perf.mfu:>6.1%} {p.perf.hfu:>6.1%} {mem:>15} {_chance(p.chance_to_fit):>5}"
         )
     print("\ndropped:" if dropped else "\ndropped: none")
     for code, count in plan.dropped.most_common():
@@ -294,6 +321,13 @@ def _print_plan(plan: Any, top: int, elapsed: float) -> None:
         if value > 0:
             print(f"    {part:<15} {value / GiB:>9.2f} GiB")
     print(f"    {'total':<15} {best.memory.peak_bytes / GiB:>9.2f} GiB of {best.memory.capacity_bytes / GiB:.1f} GiB")
+    if plan.fits_prior is not None:
+        print(f"  {fits_sentence(best, plan.fits_prior)}")
+        if not best.sure_to_fit:
+            sure = next((p for p in plan.ranked if p.sure_to_fit), None)
+            if sure is not None:
+                print(f"  if it runs out of memory: {sure.config.label}, sure to fit, predicted "
+                      f"{sure.perf.step_time:.3f} s a step (`pipette tune` tries both)")
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -524,6 +524,9 @@ def _print_result(result: Any, out: str, files: dict[str, str]) -> None:
         rss = m.extra.get("peak_rss_bytes")
         if rss:
             print(f"  {'peak RSS (MiB)':<18}{'':>12}{max(rss) / 2**20:>12,.0f}")
+    headroom = result.memory_headroom()
+    if headroom is not None:
+        print(f"  {'memory':<18}{headroom['text']}")
     print(f"  {what_happened(result)}")
     for line in confidence_lines(result):
         print(f"  {line}")

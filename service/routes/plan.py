@@ -9,8 +9,7 @@ from fastapi import APIRouter
 
 from pipette.cluster import ClusterProfile
 from pipette.clusterfile import cluster_from_dict
-from pipette.memory import SAFETY_MARGIN
-from pipette.plan import check_recipe, make_plan
+from pipette.plan import DEFAULT_MARGIN, check_recipe, make_plan
 from service.deps import Caller, State
 from service.errors import NotFoundError
 from service.planning import plan_dict
@@ -24,12 +23,12 @@ router = APIRouter(prefix="/v1", tags=["planning"])
 
 @router.post("/plan", response_model=PlanOut, responses=errors(*AUTHED, 404))
 def what_if(body: PlanIn, state: State, caller: Caller) -> PlanOut:
-    """Rank every memory-feasible candidate by predicted step time; say why the others drop."""
+    """Rank every candidate likely enough to fit by the step time to expect; say why the others drop."""
     model = model_spec(body.model)
     training = training_spec(body.training)
     check_recipe(model, training)
     cluster = _cluster(body, state, caller.tenant)
-    margin = SAFETY_MARGIN if body.margin is None else body.margin
+    margin = DEFAULT_MARGIN if body.margin is None else body.margin
     start = time.perf_counter()
     plan = make_plan(model, training, cluster, margin=margin)
     return PlanOut(**plan_dict(plan, top=body.top, planning_seconds=time.perf_counter() - start))

@@ -98,6 +98,7 @@ from optuna.distributions import BaseDistribution, CategoricalDistribution  # no
 
 from pipette.config import ParallelConfig  # noqa: E402
 from pipette.errors import PipetteError, SpecError  # noqa: E402
+from pipette.fits import NANOTRON_GPU  # noqa: E402
 from pipette.measurement import Measurement  # noqa: E402
 from pipette.memory import MEGATRON_OPTIONS, estimate_memory  # noqa: E402
 from pipette.perf import MEGATRON_CONSTANTS  # noqa: E402
@@ -200,7 +201,9 @@ def build_group(source: str, rows: Sequence[Row], distort: int | None = None) ->
         schedules=("1f1b",),
     )
     # the set's own framework (Megatron-LM, nanotron): its constants, not Pipette's stack's
-    plan = make_plan(r0.model, training, r0.cluster, constants=MEGATRON_CONSTANTS, memory_options=MEGATRON_OPTIONS)
+    # and its memory error (pipette.fits: fitted on Ultra-Scale with these options)
+    plan = make_plan(r0.model, training, r0.cluster, constants=MEGATRON_CONSTANTS, memory_options=MEGATRON_OPTIONS,
+                     fits_prior=NANOTRON_GPU if source == "ultrascale" else None)
     if distort is not None:
         plan = distort_plan(plan, distort)
     by_key: dict[Key, list[Row]] = {}

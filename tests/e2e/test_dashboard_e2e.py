@@ -333,7 +333,8 @@ def test_candidate_map_shows_measured_or_learned_never_analytic(browser: Browser
     def planned(tp: int, pp: int, tokens: float) -> dict[str, Any]:
         return {"config": {"tp": tp, "pp": pp}, "perf": {"tokens_per_s": tokens}}
 
-    plan = {"ranked": [planned(1, 1, 30_000), planned(2, 1, 28_000), planned(1, 2, 25_000)],
+    plan = {"ranked": [planned(1, 1, 30_000), planned(2, 1, 28_000), planned(1, 2, 25_000),
+                       {**planned(1, 2, 27_000), "chance_to_fit": 0.43, "sure_to_fit": False}],
             "out_of_memory": [{"config": {"tp": 4, "pp": 1}}]}
     trials = [
         {"number": 0, "state": "ok", "config": {"tp": 1, "pp": 1}, "predicted_step_time": 128 / 6000,
@@ -352,6 +353,8 @@ def test_candidate_map_shows_measured_or_learned_never_analytic(browser: Browser
     drawn = {key: page.eval_on_selector(f'g.cell[data-tp="{key[0]}"][data-pp="{key[1]}"]', texts) for key in cells}
     assert "5500 tok/s" in drawn[(1, 1)] and "pred 5000" in drawn[(2, 1)] and "learned" in drawn[(2, 1)]
     assert "not tried" in drawn[(1, 2)]
+    # a candidate next to the memory limit is kept with its chance to fit (pipette.fits)
+    assert "1 may not fit" in drawn[(1, 2)] and "least likely 43%" in cells[(1, 2)][2]
     for analytic in (30_000, 28_000, 25_000):  # only in the tooltips, said to be analytic
         assert not any(rate(analytic) in text for text in drawn.values()), drawn
     assert "analytic" in cells[(1, 2)][2]

@@ -106,8 +106,10 @@ def test_recipe_no_configuration_satisfies() -> None:
 
 def test_nothing_fits_says_by_how_much_and_what_helps() -> None:
     r = pipette("plan", "--model", "llama2-70b", "--cluster", str(CLUSTERS / "a100-2x8.yaml"),
-                "--global-batch", "16", "--seq-len", "4096", "--zero", "0,1", "--recompute", "none")
-    _assert_one_line_error(r, "nothing fits", "short by", "GiB", "more devices", "LoRA", "ZeRO-3", "recomputation")
+                "--global-batch", "16", "--seq-len", "4096", "--zero", "0", "--recompute", "none",
+                "--micro-batches", "2,4")
+    _assert_one_line_error(r, "nothing fits", "2% chance", "short by", "GiB", "more devices", "LoRA", "ZeRO-3",
+                           "recomputation")
 
 
 @pytest.mark.parametrize("flag", [["--top", "0"], ["--margin", "1.5"], ["--zero", "one"]])

@@ -9,6 +9,7 @@ import pytest
 from pipette.clusterfile import homogeneous_cluster, load_cluster
 from pipette.emit import deepspeed_config, hostfile, rank_map
 from pipette.errors import InfeasibleError
+from pipette.fits import KEEP_THRESHOLD
 from pipette.model import ModelSpec
 from pipette.plan import OUT_OF_MEMORY, make_plan
 from pipette.training import TrainingSpec
@@ -21,12 +22,14 @@ def test_plan_ranks_feasible_candidates_and_counts_the_rest() -> None:
     training = TrainingSpec(global_batch=32, seq_len=4096)
     cluster = homogeneous_cluster("A100-80GB", 2, 8, 300e9, 25e9)
     plan = make_plan(model, training, cluster, optimize_top=5)
-    times = [p.perf.step_time for p in plan.ranked]
-    assert times == sorted(times)
-    assert all(p.memory.fits(plan.margin) for p in plan.ranked)
+    expected = [p.expected_step_time for p in plan.ranked]
+    assert expected == sorted(expected)
+    # the expectation weighs a candidate's own time by its chance to fit, never below it
+    assert all(p.expected_step_time >= p.perf.step_time * (1 - 1e-12) for p in plan.ranked)
+    assert all(p.chance_to_fit >= KEEP_THRESHOLD for p in plan.ranked)
     assert plan.dropped[OUT_OF_MEMORY] == len(plan.out_of_memory) > 0
     assert len(plan.ranked) + sum(plan.dropped.values()) == plan.enumerated
-    assert all(not d.memory.fits(plan.margin) for d in plan.out_of_memory)
+    assert all(d.chance_to_fit < KEEP_THRESHOLD and not d.memory.fits() for d in plan.out_of_memory)
     assert all(p.config.placement is not None and sorted(p.config.placement) == list(range(16)) for p in plan.ranked)
 
 

@@ -46,7 +46,7 @@ def test_the_result_says_how_many_trials_timed_out_not_just_found_in_n(cpu_plan:
     """Was: "found in 7 trials of 40 candidates that fit" where 6 of the 7 timed out."""
     result = _run(cpu_plan, ["timeout"] * 3 + ["ok"] + ["timeout"] * 3)
     text = "\n".join(summary_lines(result))
-    assert f"7 trials of {len(cpu_plan.ranked)} candidates that fit: 6 timed out, 1 ran ok" in text, text
+    assert f"7 trials of {len(cpu_plan.ranked)} candidates planned: 6 timed out, 1 ran ok" in text, text
     assert "--trial-timeout" in text
     assert result.to_dict()["outcomes"] == {"ok": 1, "timeout": 6}
 

@@ -19,7 +19,8 @@ import pytest
 from pipette.clusterfile import homogeneous_cluster
 from pipette.config import ParallelConfig
 from pipette.errors import InfeasibleError, SpecError
-from pipette.feasibility import RUNS_PRIOR, p_fit_prior
+from pipette.feasibility import RUNS_PRIOR
+from pipette.fits import PIPETTE_GPU
 from pipette.learned import HYPER_MASS, NOISE_FLOOR_SD, LearnedModel, Observation
 from pipette.measurement import Measurement
 from pipette.model import ModelSpec
@@ -184,7 +185,7 @@ def test_the_chance_to_beat_is_the_mixtures_own_tail(plan: Plan) -> None:
     # an incumbent that tp 4 beats by more than 2% only at 0.3x its analytic time
     target = math.log(0.3 * tp4.perf.step_time)
     scored = score([tp4], learned, (target - math.log(0.98), 1), 0.02)[0]
-    taught = min(1.0, scored.p_fit / p_fit_prior([tp4.memory])[0]) * min(1.0, scored.p_runs / RUNS_PRIOR)
+    taught = scored.p_fit * min(1.0, scored.p_runs / RUNS_PRIOR)
     noise = learned.trial_noise_sd
     mixture = float(weights @ norm.cdf((target - math.log(tp4.perf.step_time) - means[:, 0])
                                        / np.hypot(sds[:, 0], noise)))
@@ -287,19 +288,22 @@ def test_an_oom_excludes_its_neighbours_not_other_families(plan: Plan) -> None:
     top = next(p for p in plan.ranked if siblings(p.config))  # an OOM with larger micro-batches of its layout
     oom = TrialRecord(0, top.config, Measurement("oom", error="rank 0 ran out of memory"), top.perf, top.memory,
                       top.perf.step_time)
-    learned = LearnedModel([oom.observation()])
+    learned = LearnedModel([oom.observation()], fits_prior=plan.fits_prior or PIPETTE_GPU)
     same = siblings(top.config)
+    # other families predicted larger, that the plan was sure would fit
     other = [p for p in plan.ranked if p.config.tp != top.config.tp and p.config.zero_stage != top.config.zero_stage
-             and p.config.recompute != top.config.recompute and p.memory.peak_bytes > top.memory.peak_bytes]
+             and p.config.recompute != top.config.recompute and p.memory.peak_bytes > top.memory.peak_bytes
+             and p.sure_to_fit]
     assert same and other
     fit_same = learned.feasibility([p.config for p in same], [p.memory for p in same])
     fit_other = learned.feasibility([p.config for p in other], [p.memory for p in other])
     assert all(f < 0.25 for f, _ in fit_same), fit_same  # larger micro-batch of the OOM's layout: excluded
-    assert all(not learned.fits(p.config, p.memory) for p in same)
+    assert not {s.planned.config.label for s in score(same, learned, None, 0.02)}
     kept = [p for p, (f, _) in zip(other, fit_other, strict=True) if f >= 0.25]
     assert len(kept) >= 0.8 * len(other)  # other families predicted larger still stand
-    # before any trial, every planned candidate is kept (the plan's margin already filtered)
-    assert all(LearnedModel().fits(p.config, p.memory) for p in plan.ranked)
+    # before any trial, every planned candidate is kept, however low its chance to fit
+    fresh = LearnedModel(fits_prior=plan.fits_prior or PIPETTE_GPU)
+    assert len(score(plan.ranked, fresh, None, 0.02)) == len(plan.ranked)
 
 
 def test_a_measured_peak_moves_its_neighbours_prediction(plan: Plan) -> None:

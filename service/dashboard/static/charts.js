@@ -303,7 +303,7 @@ export function candidateMap(plan, trials, tokensPerStep) {
   const cells = new Map();
   const cell = (c) => {
     const key = `${c.tp}x${c.pp}`;
-    if (!cells.has(key)) cells.set(key, { tp: c.tp, pp: c.pp, analytic: null, candidates: 0, oomPred: 0, measured: null, learned: null, trials: 0, oomMeasured: 0 });
+    if (!cells.has(key)) cells.set(key, { tp: c.tp, pp: c.pp, analytic: null, candidates: 0, oomPred: 0, measured: null, learned: null, trials: 0, oomMeasured: 0, notSure: 0, leastChance: 1 });
     return cells.get(key);
   };
   const better = (a, b) => (b && (a === null || b > a) ? b : a);
@@ -311,6 +311,8 @@ export function candidateMap(plan, trials, tokensPerStep) {
     const c = cell(p.config);
     c.candidates++;
     c.analytic = better(c.analytic, p.perf.tokens_per_s);
+    // the plan keeps a candidate next to the memory limit with its chance to fit (pipette.fits)
+    if (p.sure_to_fit === false) { c.notSure++; c.leastChance = Math.min(c.leastChance, p.chance_to_fit); }
   }
   for (const d of (plan && plan.out_of_memory) || []) cell(d.config).oomPred++;
   for (const t of trials) {
@@ -344,14 +346,17 @@ export function candidateMap(plan, trials, tokensPerStep) {
     } else if (c.trials) {
       kind = 'no-result'; line1 = 'no result'; line2 = `${plural(c.trials, 'trial')}, none ok`;
     } else if (c.candidates) {
-      kind = 'untried'; line1 = 'not tried'; line2 = plural(c.candidates, 'candidate');
+      kind = 'untried'; line1 = 'not tried';
+      line2 = plural(c.candidates, 'candidate') + (c.notSure ? `, ${c.notSure} may not fit` : '');
     } else if (c.oomPred) {
       kind = 'oom-pred'; line1 = 'OOM'; line2 = `predicted (${c.oomPred})`;
     } else {
       kind = 'empty'; line1 = '–'; line2 = '';
     }
     const dark = kind === 'measured' && c.measured / maxMeasured > 0.55;
-    const tip = `tp ${c.tp} x pp ${c.pp}: ${c.candidates} candidates fit, ${c.oomPred} predicted OOM, ${c.trials} trials` +
+    const tip = `tp ${c.tp} x pp ${c.pp}: ${c.candidates} candidates may fit` +
+      (c.notSure ? ` (${c.notSure} not sure to fit, the least likely ${Math.round(c.leastChance * 100)}%)` : '') +
+      `, ${c.oomPred} predicted OOM, ${c.trials} trials` +
       (c.measured !== null ? `, best measured ${fmt.rate(c.measured)} tokens/s` : '') +
       (c.learned !== null ? `, best learned prediction of its trials ${fmt.rate(c.learned)} tokens/s` : '') +
       (c.analytic !== null ? `, best analytic estimate ${fmt.rate(c.analytic)} tokens/s (not corrected by the trials)` : '') +

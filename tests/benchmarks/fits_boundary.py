@@ -1,0 +1,286 @@
+"""The fits boundary (``pipette.fits``): fit each stack's memory-error prior and score the
+chance to fit on the runs that ran and the runs that ran out of memory.
+
+    PIPETTE_CALIBRATION_DIR=... python tests/benchmarks/fits_boundary.py [--fit] [--check]
+
+Sets:
+* Pipette's runner on one H100 (``h100_single_gpu.csv``): what the device needed is the
+  allocator's peak reserved bytes plus the memory outside it, from the same rows re-run with
+  the allocator's figures (``results/h100-2026-11-23/trials.json``; outside the allocator:
+  1.68 GiB, measured on 2026-11-27 with the same torch and CUDA). The fitted set.
+* Llama-3-8B LoRA on one H100 (``results/h100-2026-11-27``, ``gpu_memory.py``): the same
+  stack on runs the prior was not fitted on.
+* nanotron (``ultrascale_h100_1b_3b_8b.csv``): its logged peak; failures are crashes or OOM
+  (only the ones nothing else explains count, ``memory_accuracy.memory_plausible_failures``).
+
+Per set: how many runs that ran fall below ``KEEP_THRESHOLD`` (dropped; target <= 2%, 0 on
+the H100 runs) and how many that failed are ``SURE_TO_FIT`` (target <= 5%, 0 on the H100).
+``--fit`` prints the maximum-likelihood (mu, sd) of each set, OOM runs right-censored.
+
+Then a replay of each single-GPU job (the four H100 groups: the plan of the job on one H100,
+searched over the configurations that were measured, each trial returning the measured step
+time or the OOM): the tuner's pick at its stop against the measured best, and the OOM trials
+it spent (target: the measured best, <= 1 OOM trial per job on average).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+from scipy.optimize import minimize
+from scipy.stats import norm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from pipette.config import ParallelConfig
+from pipette.fits import KEEP_THRESHOLD, NANOTRON_GPU, PIPETTE_GPU, SURE_TO_FIT, FitsPrior
+from pipette.memory import MEGATRON_OPTIONS, estimate_memory
+from pipette.model import ModelSpec
+from pipette.training import LoraSpec, TrainingSpec
+from tests.benchmarks.calibration import calibration_dir, load_h100_single_gpu, load_ultrascale
+
+RESULTS = Path(__file__).resolve().parent / "results"
+H100_BYTES = 81559 * 2**20
+GiB = 2**30
+#: CUDA context and workspaces outside the caching allocator on the H100 (torch 2.11, CUDA 13):
+#: 1.68 GiB in every run of results/h100-2026-11-27 that ran (1.61 at an OOM).
+OUTSIDE_ALLOCATOR_BYTES = int(1.68 * GiB)
+
+
+@dataclass(frozen=True)
+class Point:
+    """One run: the log of capacity over the predicted peak, and what it needed (None: OOM)."""
+
+    label: str
+    headroom: float  # log(capacity / predicted)
+    error: float | None  # log(needed / predicted); None for a run that ran out of memory
+
+    @property
+    def ran(self) -> bool:
+        return self.error is not None
+
+
+def h100_points(directory: Path) -> list[Point]:
+    reserved = {r["label"]: r for r in json.loads((RESULTS / "h100-2026-11-23" / "trials.json").read_text())["rows"]}
+    out = []
+    for r in load_h100_single_gpu(directory):
+        if r.runner != "deepspeed-trial":
+            continue
+        est = estimate_memory(r.model, r.training, r.config, H100_BYTES)
+        headroom = math.log(H100_BYTES / est.peak_bytes)
+        if r.status == "oom":
+            out.append(Point(r.label, headroom, None))
+            continue
+        need = reserved[r.label]["reserved_gib"] * GiB + OUTSIDE_ALLOCATOR_BYTES
+        out.append(Point(r.label, headroom, math.log(need / est.peak_bytes)))
+    return out
+
+
+def llama8b_points() -> list[Point]:
+    model = ModelSpec.preset("llama3-8b")
+    lora = LoraSpec(rank=16, alpha=32.0, targets=("q_proj", "k_proj", "v_proj", "o_proj"))
+    training = TrainingSpec(global_batch=8, seq_len=4096, dtype="bf16", optimizer="adamw", method="lora", lora=lora)
+    out = []
+    folder = RESULTS / "h100-2026-11-27"
+    for name in ("gpu_memory_8b.csv", "gpu_memory_8b_more.csv"):
+        with open(folder / name, newline="") as f:
+            for row in csv.DictReader(f):
+                mbs = int(row["label"].split(" mbs")[1].split()[0])
+                recompute = row["label"].split("rc:")[1]
+                config = ParallelConfig(tp=1, pp=1, dp=1, mbs=mbs, global_batch=8, zero_stage=0,
+                                        recompute=recompute)  # type: ignore[arg-type]
+                est = estimate_memory(model, training, config, H100_BYTES)
+                headroom = math.log(H100_BYTES / est.peak_bytes)
+                if row["status"] == "oom":
+                    out.append(Point(row["label"], headroom, None))
+                else:
+                    need = (float(row["peak_reserved_gib"]) + float(row["outside_allocator_gib"])) * GiB
+                    out.append(Point(row["label"], headroom, math.log(need / est.peak_bytes)))
+    return out
+
+
+def nanotron_points(directory: Path) -> tuple[list[Point], list[Point]]:
+    """(runs that ran, failures nothing but memory explains), planned as the plan plans
+    nanotron and Megatron runs (``MEGATRON_OPTIONS``: what the replay benchmark uses)."""
+    from tests.benchmarks.memory_accuracy import memory_plausible_failures
+
+    rows = load_ultrascale(directory)
+    ran, failed = [], []
+    for r in rows:
+        capacity = r.cluster.device_spec.memory_bytes
+        est = estimate_memory(r.model, r.training, r.config, capacity, options=MEGATRON_OPTIONS)
+        if r.ok and r.peak_memory:
+            # nanotron logs rank 0's peak; the heaviest stage is what must fit
+            ran.append(Point(r.model.name, math.log(capacity / est.peak_bytes),
+                             math.log(float(r.peak_memory) / est.peak_bytes)))
+    for r in memory_plausible_failures(rows):
+        capacity = r.cluster.device_spec.memory_bytes
+        est = estimate_memory(r.model, r.training, r.config, capacity, options=MEGATRON_OPTIONS)
+        failed.append(Point(r.model.name, math.log(capacity / est.peak_bytes), None))
+    return ran, failed
+
+
+@dataclass(frozen=True)
+class Job:
+    """One single-GPU job: its recipe and what each measured configuration did."""
+
+    name: str
+    model: ModelSpec
+    training: TrainingSpec
+    #: label -> (status, step time)
+    measured: dict[str, tuple[str, float | None]]
+
+
+def single_gpu_jobs(directory: Path) -> list[Job]:
+    groups: dict[str, list[tuple[ParallelConfig, str, float | None]]] = {}
+    specs: dict[str, tuple[ModelSpec, TrainingSpec]] = {}
+    for r in load_h100_single_gpu(directory):
+        if r.runner != "deepspeed-trial":
+            continue
+        name = f"{r.model.name} {r.training.method} seq{r.training.seq_len}"
+        specs[name] = (r.model, r.training)
+        groups.setdefault(name, []).append((r.config, r.status, r.step_time))
+    model = ModelSpec.preset("llama3-8b")
+    lora = LoraSpec(rank=16, alpha=32.0, targets=("q_proj", "k_proj", "v_proj", "o_proj"))
+    training = TrainingSpec(global_batch=8, seq_len=4096, dtype="bf16", optimizer="adamw", method="lora", lora=lora)
+    specs["llama3-8b lora seq4096 (not fitted)"] = (model, training)
+    for name in ("gpu_memory_8b.csv", "gpu_memory_8b_more.csv"):
+        with open(RESULTS / "h100-2026-11-27" / name, newline="") as f:
+            for row in csv.DictReader(f):
+                mbs = int(row["label"].split(" mbs")[1].split()[0])
+                config = ParallelConfig(tp=1, pp=1, dp=1, mbs=mbs, global_batch=8, zero_stage=0,
+                                        recompute=row["label"].split("rc:")[1])  # type: ignore[arg-type]
+                step = float(row["step_s"]) if row["step_s"] else None
+                groups.setdefault("llama3-8b lora seq4096 (not fitted)", []).append((config, row["status"], step))
+    jobs = []
+    for name, rows in groups.items():
+        base_model, base_training = specs[name]
+        recipe = replace(base_training, micro_batches=tuple(sorted({c.mbs for c, _, _ in rows})),
+                         recompute=tuple(sorted({c.recompute for c, _, _ in rows})),  # type: ignore[arg-type]
+                         zero_stages=(0,), schedules=("1f1b",))
+        jobs.append(Job(name, base_model, recipe, {c.label: (status, t) for c, status, t in rows}))
+    return jobs
+
+
+def replay_job(job: Job) -> dict[str, object]:
+    """The tuner on one job, every trial answered from the measurements (module docstring)."""
+    from pipette.clusterfile import homogeneous_cluster
+    from pipette.measurement import Measurement
+    from pipette.plan import make_plan
+    from pipette.tuner import StepProgress, TuneOptions, Tuner
+
+    cluster = homogeneous_cluster("H100-80GB", nodes=1, devices_per_node=1, intra_bandwidth=450e9,
+                                  inter_bandwidth=50e9)
+    plan = make_plan(job.model, job.training, cluster)
+    tokens = job.training.tokens_per_step
+    trials: list[str] = []
+
+    def runner(config: ParallelConfig, on_step: object) -> Measurement:
+        status, step = job.measured[config.label]
+        trials.append(status)
+        if status != "ok" or step is None:
+            return Measurement("oom", tokens_per_step=tokens, error="rank 0 ran out of device memory")
+        for i in range(4):
+            if on_step(StepProgress(i, step, False)):  # type: ignore[operator]
+                return Measurement("pruned", (step,) * (i + 1), tokens)
+        return Measurement("ok", (step,) * 4, tokens)
+
+    def runnable(config: ParallelConfig) -> list[str]:
+        return [] if config.label in job.measured else ["no measured run"]
+
+    ran = {k: t for k, (s, t) in job.measured.items() if s == "ok" and t is not None}
+    best = min(ran, key=ran.__getitem__)
+    dropped = [k for k in ran if k not in {p.config.label for p in plan.ranked}]
+    result = Tuner(plan, TuneOptions(max_trials=len(job.measured)), runnable=runnable).run(runner)
+    pick = result.best.label if result.best else None
+    return {"job": job.name, "pick": pick, "best": best, "pick_is_best": pick == best,
+            "regret": (ran[pick] / ran[best] - 1) if pick in ran else None, "trials": len(trials),
+            "oom_trials": trials.count("oom"), "ran_but_dropped": dropped}
+
+
+def fit(points: list[Point]) -> tuple[float, float]:
+    """Maximum-likelihood (mu, sd) of the log error, OOM runs right-censored at their headroom."""
+    ran = np.array([p.error for p in points if p.error is not None])
+    cens = np.array([p.headroom for p in points if p.error is None])
+
+    def nll(theta: np.ndarray) -> float:
+        mu, log_sd = float(theta[0]), float(theta[1])
+        sd = math.exp(log_sd)
+        out = -norm.logpdf(ran, mu, sd).sum()
+        if cens.size:
+            out -= norm.logsf(cens, mu, sd).sum()
+        return float(out)
+
+    start = np.array([float(ran.mean()), math.log(max(float(ran.std()), 0.01))])
+    res = minimize(nll, start, method="Nelder-Mead")
+    return float(res.x[0]), float(math.exp(res.x[1]))
+
+
+def score(name: str, prior: FitsPrior, ran: list[Point], failed: list[Point], verbose: bool) -> dict[str, float]:
+    def p(pt: Point) -> float:
+        return float(norm.cdf((pt.headroom - prior.mu) / prior.sd))
+
+    dropped = [pt for pt in ran if p(pt) < KEEP_THRESHOLD]
+    sure = [pt for pt in failed if p(pt) >= SURE_TO_FIT]
+    if verbose:
+        for pt in ran + failed:
+            print(f"  {pt.label:50s} {'ran' if pt.ran else 'OOM':3s} predicted/capacity "
+                  f"{math.exp(-pt.headroom):5.2f}  chance to fit {p(pt):6.1%}")
+    out = {"ran": len(ran), "dropped": len(dropped), "dropped_pct": 100 * len(dropped) / max(1, len(ran)),
+           "failed": len(failed), "sure": len(sure), "sure_pct": 100 * len(sure) / max(1, len(failed))}
+    print(f"{name} with {prior.name} (mu {prior.mu:+.3f}, sd {prior.sd:.3f}): {out['dropped']} of {out['ran']} that "
+          f"ran dropped ({out['dropped_pct']:.1f}%; keep threshold {KEEP_THRESHOLD:.0%}), {out['sure']} of "
+          f"{out['failed']} that failed sure to fit ({out['sure_pct']:.1f}%; sure >= {SURE_TO_FIT:.0%})")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--fit", action="store_true", help="print each set's maximum-likelihood prior")
+    ap.add_argument("--check", action="store_true", help="exit 1 when a target is missed")
+    ap.add_argument("--quiet", action="store_true", help="no per-run lines")
+    args = ap.parse_args(argv)
+    directory = calibration_dir()
+    if directory is None:
+        print("skipped: no calibration data (set PIPETTE_CALIBRATION_DIR)")
+        return 0
+    h100 = h100_points(directory)
+    b8 = llama8b_points()
+    nano_ran, nano_failed = nanotron_points(directory)
+    if args.fit:
+        for name, pts in (("h100_single_gpu (fit set)", h100), ("llama3-8b table (check set)", b8),
+                          ("ultrascale", nano_ran)):
+            mu, sd = fit(pts)
+            print(f"fit {name}: mu {mu:+.3f} sd {sd:.3f} ({sum(p.ran for p in pts)} ran, "
+                  f"{sum(not p.ran for p in pts)} OOM)")
+    missed = False
+    for name, prior, pts, verbose in (("h100_single_gpu", PIPETTE_GPU, h100, not args.quiet),
+                                      ("llama3-8b LoRA H100 (not fitted)", PIPETTE_GPU, b8, not args.quiet)):
+        out = score(name, prior, [p for p in pts if p.ran], [p for p in pts if not p.ran], verbose)
+        missed |= out["dropped"] > 0 or out["sure"] > 0
+    out = score("ultrascale (nanotron)", NANOTRON_GPU, nano_ran, nano_failed, False)
+    missed |= out["dropped_pct"] > 2.0 or out["sure_pct"] > 5.0
+    replays = [replay_job(job) for job in single_gpu_jobs(directory)]
+    for r in replays:
+        print(f"replay {r['job']}: pick {r['pick']} ({'the measured best' if r['pick_is_best'] else 'NOT the best: '}"
+              f"{'' if r['pick_is_best'] else r['best']}), {r['trials']} trials, {r['oom_trials']} out of memory; "
+              f"ran but dropped by the plan: {r['ran_but_dropped'] or 'none'}")
+    ooms = sum(int(r["oom_trials"]) for r in replays) / max(1, len(replays))  # type: ignore[call-overload]
+    print(f"single-GPU replays: {sum(bool(r['pick_is_best']) for r in replays)} of {len(replays)} picks are the "
+          f"measured best; {ooms:.2f} OOM trials per job (target <= 1)")
+    missed |= not all(r["pick_is_best"] for r in replays) or ooms > 1.0
+    if args.check and missed:
+        print("target missed")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
