@@ -71,13 +71,21 @@ def what_happened(result: TuneResult) -> str:
     n = sum(search.values())
     how = ", ".join(f"{v} {STATUS_WORDS.get(k, k)}" for k, v in sorted(search.items(), key=lambda kv: -kv[1]))
     attempts = len(result.trials) - n - retime
-    text = (f"{n} trials of {len(result.plan.ranked)} candidates planned: {how}"
-            + (f" (and {attempts} retries)" if attempts > 0 else ""))
+    text = (f"{_n(n, 'trial')} of {_n(_runnable(result), 'candidate')} runnable: {how}"
+            + (f" (and {_n(attempts, 'retry', 'retries')})" if attempts > 0 else ""))
     if retime:
-        text += f"; then {retime} re-timing trials of the best"
+        text += f"; then {_n(retime, 're-timing trial')} of the best"
     if search.get("timeout"):
         text += "; a timeout is the candidate's only if it hangs: a longer --trial-timeout gives slow starts room"
     return text
+
+
+def _n(count: int, word: str, plural: str | None = None) -> str:
+    return f"{count} {word if count == 1 else plural or word + 's'}"
+
+
+def _runnable(result: TuneResult) -> int:
+    return result.runnable or len(result.plan.ranked)
 
 
 def confidence_lines(result: TuneResult) -> list[str]:
@@ -88,12 +96,16 @@ def confidence_lines(result: TuneResult) -> list[str]:
     tol = f"{result.tolerance:.0%}"
     tried = len({t.label for t in result.trials if t.measurement.status == "ok"})
     noise = float(result.learned.get("trial_noise_sd", 0.0))
-    lines = [f"among the {tried} candidates that ran ok: {result.confidence:.0%} sure the pick is within {tol} of "
-             f"the fastest (trial-to-trial noise {noise:.1%}{interference_words(result.interference)})"]
-    untried = len(result.plan.ranked) - len({t.label for t in result.trials})
+    noise_text = f"trial-to-trial noise {noise:.1%}{interference_words(result.interference)}"
+    if tried == 1:
+        lines = [f"only the pick ran ok: no measured candidate to compare it with ({noise_text})"]
+    else:
+        lines = [f"among the {tried} candidates that ran ok: {result.confidence:.0%} sure the pick is within {tol} "
+                 f"of the fastest ({noise_text})"]
+    untried = _runnable(result) - len({t.label for t in result.trials})
     if result.confidence_overall is not None and untried > 0:
         beaten = 1.0 - result.confidence_overall / result.confidence if result.confidence > 0 else 1.0
-        lines.append(f"the {untried} candidates never tried were not measured: the learned model gives one of them "
+        lines.append(f"{_n(untried, 'candidate')} never tried, so not measured: the learned model gives one of them "
                      f"a {beaten:.0%} chance to be more than {tol} faster, so with them the pick is "
                      f"{result.confidence_overall:.0%} sure"
                      + (" (a prediction, not a measurement: more trials would tell)" if beaten >= 0.05 else ""))

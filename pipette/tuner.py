@@ -279,8 +279,10 @@ class TuneResult:
     #: per contender the pick is not yet ``confidence_asked`` sure against: more trials of each
     #: that would decide it at the noise measured (``Tuner.trials_to_decide``; None: none would)
     to_decide: dict[str, int | None] = field(default_factory=dict)
-    #: what else ran on the machine during the trials (the CLI's load averages; ``interference``)
+    #: what else ran on the machine during the trials (``pipette.cli.interference``)
     interference: dict[str, Any] = field(default_factory=dict)
+    #: the candidates the trial backend (or the script) can run: those the search chose from
+    runnable: int = 0
 
     @property
     def decided(self) -> bool:
@@ -571,7 +573,8 @@ class Tuner:
         return TuneResult(self.plan, tuple(self.records), stop_reason, pick, interrupted, self.unrunnable,
                           self.confidence(), self.confidence_overall(), self.sampler.learned(self.study).summary(),
                           self.options.tolerance, self.options.confidence,
-                          math.exp(mean[0]) if mean else None, mean[1] if mean else 0, self.trials_to_decide())
+                          math.exp(mean[0]) if mean else None, mean[1] if mean else 0, self.trials_to_decide(),
+                          runnable=len(self.candidates))
 
     def trials_to_decide(self) -> dict[str, int | None]:
         """Per tried candidate the pick is not yet ``confidence`` sure to be within the tolerance

@@ -46,7 +46,8 @@ def test_the_result_says_how_many_trials_timed_out_not_just_found_in_n(cpu_plan:
     """Was: "found in 7 trials of 40 candidates that fit" where 6 of the 7 timed out."""
     result = _run(cpu_plan, ["timeout"] * 3 + ["ok"] + ["timeout"] * 3)
     text = "\n".join(summary_lines(result))
-    assert f"7 trials of {len(cpu_plan.ranked)} candidates planned: 6 timed out, 1 ran ok" in text, text
+    assert f"7 trials of {result.runnable} candidates runnable: 6 timed out, 1 ran ok" in text, text
+    assert 0 < result.runnable <= len(cpu_plan.ranked)
     assert "--trial-timeout" in text
     assert result.to_dict()["outcomes"] == {"ok": 1, "timeout": 6}
 
@@ -57,9 +58,11 @@ def test_the_two_confidences_are_said_in_words_that_do_not_contradict(cpu_plan: 
     lines = summary_lines(result)
     tried = next(x for x in lines if x.startswith("among the 2 candidates that ran ok"))
     assert "sure the pick is within 2% of the fastest" in tried
-    untried = next(x for x in lines if "never tried were not measured" in x)
+    untried = next(x for x in lines if "never tried, so not measured" in x)
     assert "the learned model gives one of them" in untried and "a prediction, not a measurement" in untried
     assert not any("sure to be within 2% of every candidate" in x for x in lines)
+    alone = summary_lines(_run(cpu_plan, ["ok"]))  # one candidate measured: nothing to be sure of among them
+    assert any(x.startswith("only the pick ran ok: no measured candidate to compare it with") for x in alone), alone
 
 
 def test_a_placement_permutation_is_explained(cpu_plan: Plan) -> None:
