@@ -1,6 +1,6 @@
 """Read a cluster file (YAML or JSON) into a ``ClusterProfile``.
 
-Two forms, documented with examples in README.md and ``examples/clusters/``:
+Two forms, documented with examples in docs/inputs.md and ``examples/clusters/``:
 
 * **nodes x devices**: ``nodes``, ``devices_per_node``, ``intra_node`` and ``inter_node``
   link figures, and optional ``slow_links`` that degrade chosen node or device pairs;

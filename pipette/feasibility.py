@@ -40,18 +40,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import numpy.typing as npt
 from scipy.stats import norm
 
+from pipette import gp
 from pipette.config import ParallelConfig
 from pipette.estimates import MEMORY_PARTS, MemoryEstimate
 from pipette.fits import CPU, FitsPrior
 from pipette.measurement import Measurement
 
-FloatArray = npt.NDArray[np.float64]
+FloatArray = gp.FloatArray
 
 #: Prior sd of the estimator's common log error on a cluster (its MAPE is 4.6% on the H100
-#: set, 11.5% on Ultra-Scale; README, "Peak memory and fits").
+#: set, 11.5% on Ultra-Scale; docs/results.md, "Peak memory and fits").
 MEMORY_OFFSET_SD = 0.1
 #: Prior sd of a family's own log error (Ultra-Scale: measured / predicted 0.5-2.1x).
 MEMORY_RESIDUAL_SD = 0.2
@@ -83,7 +83,7 @@ RUNS_LENGTH_SCALE = 1.0
 #: nodes: with the RBF alone and a retried crash counted once, 6 pp-16 candidates crashed one
 #: after another, 12 attempts, to the end of the budget). With the attempts counted, replay
 #: failed+OOM trials per run 0.47 -> 0.44 (visible), 0.51 -> 0.48 and 0.46 -> 0.44 (distorted
-#: 1, 2); the same-pp weight without the attempts changed nothing (README, 2026-11-25).
+#: 1, 2); the same-pp weight without the attempts changed nothing (docs/results.md, 2026-11-25).
 RUNS_SAME_PP_WEIGHT = 1.0
 
 _RECOMPUTE = {"none": 0.0, "selective": 0.5, "full": 1.0}
@@ -117,11 +117,6 @@ class MemoryPoint:
     config: ParallelConfig
     memory: MemoryEstimate
     measurement: Measurement
-
-
-def _rbf(xa: FloatArray, xb: FloatArray, ell: float) -> FloatArray:
-    d2 = ((xa[:, None, :] - xb[None, :, :]) ** 2).sum(-1)
-    return np.asarray(np.exp(-d2 / (2 * ell**2)), dtype=np.float64)
 
 
 def measured_need(memory: MemoryEstimate, m: Measurement) -> int | None:
@@ -162,26 +157,15 @@ class MemoryModel:
         if self.n >= MEMORY_MIN_FOR_FIT:
             self.offset_sd, self.residual_sd = max(
                 ((b, s) for b in MEMORY_OFFSET_GRID for s in MEMORY_RESIDUAL_GRID),
-                key=lambda h: self._log_marginal_likelihood(*h),
+                key=lambda h: self._factor(*h).log_marginal_likelihood(),
             )
-        self._chol: FloatArray | None = None
-        self._alpha: FloatArray | None = None
-        if self.n:
-            self._chol, self._alpha = self._factor(self.offset_sd, self.residual_sd)
+        self._fit = self._factor(self.offset_sd, self.residual_sd) if self.n else None
 
     def _k(self, xa: FloatArray, xb: FloatArray, b: float, s: float) -> FloatArray:
-        return np.asarray(b**2 + s**2 * _rbf(xa, xb, MEMORY_LENGTH_SCALE), dtype=np.float64)
+        return np.asarray(b**2 + s**2 * gp.rbf(xa, xb, MEMORY_LENGTH_SCALE), dtype=np.float64)
 
-    def _factor(self, b: float, s: float) -> tuple[FloatArray, FloatArray]:
-        k = self._k(self._x, self._x, b, s) + np.diag(self._noise2)
-        chol = np.asarray(np.linalg.cholesky(k), dtype=np.float64)
-        alpha = np.asarray(np.linalg.solve(chol.T, np.linalg.solve(chol, self._y)), dtype=np.float64)
-        return chol, alpha
-
-    def _log_marginal_likelihood(self, b: float, s: float) -> float:
-        """Rasmussen & Williams eq. 2.30."""
-        chol, alpha = self._factor(b, s)
-        return float(-0.5 * self._y @ alpha - np.log(np.diag(chol)).sum() - 0.5 * self.n * math.log(2 * math.pi))
+    def _factor(self, b: float, s: float) -> gp.Factor:
+        return gp.factor(self._k(self._x, self._x, b, s) + np.diag(self._noise2), self._y)
 
     def error(
         self, configs: Sequence[ParallelConfig], memories: Sequence[MemoryEstimate]
@@ -190,14 +174,12 @@ class MemoryModel:
         prior = self.offset_sd**2 + self.residual_sd**2
         if not configs:
             return np.zeros(0), np.zeros(0)
-        if self.n == 0 or self._chol is None or self._alpha is None:
+        if self._fit is None:
             return np.full(len(configs), self.prior.mu), np.full(len(configs), math.sqrt(prior + PEAK_NOISE_SD**2))
         x = np.array([memory_features(c, m) for c, m in zip(configs, memories, strict=True)])
         ks = self._k(x, self._x, self.offset_sd, self.residual_sd)
-        mean = ks @ self._alpha + self.prior.mu
-        v = np.linalg.solve(self._chol, ks.T)
-        var = np.maximum(prior - (v * v).sum(0), 1e-8)
-        return np.asarray(mean, dtype=np.float64), np.sqrt(var + PEAK_NOISE_SD**2)
+        var = self._fit.variance(ks, prior)
+        return self._fit.mean(ks) + self.prior.mu, np.sqrt(var + PEAK_NOISE_SD**2)
 
     def p_fit(self, configs: Sequence[ParallelConfig], memories: Sequence[MemoryEstimate]) -> list[float]:
         """The chance that each candidate's true peak is within its capacity."""
@@ -262,7 +244,7 @@ class RunsModel:
     def p_runs(self, configs: Sequence[ParallelConfig]) -> list[float]:
         if self.n_failed == 0 or not configs:
             return [RUNS_PRIOR] * len(configs)
-        w = _rbf(np.array([layout_features(c) for c in configs], dtype=np.float64), self._x, RUNS_LENGTH_SCALE)
+        w = gp.rbf(np.array([layout_features(c) for c in configs], dtype=np.float64), self._x, RUNS_LENGTH_SCALE)
         same_pp = np.equal.outer(np.array([c.pp for c in configs], dtype=np.int64), self._pp)
         w = np.maximum(w, RUNS_SAME_PP_WEIGHT * same_pp) * self._weight
         ran = w @ self._ran

@@ -53,21 +53,21 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import numpy.typing as npt
 
+from pipette import gp
 from pipette.config import ParallelConfig
 from pipette.estimates import TIME_PARTS, MemoryEstimate, PerfEstimate
 from pipette.feasibility import MemoryModel, MemoryPoint, RunsModel, layout_features
 from pipette.fits import CPU, FitsPrior
 from pipette.measurement import Measurement
 
-FloatArray = npt.NDArray[np.float64]
-IntArray = npt.NDArray[np.int64]
+FloatArray = gp.FloatArray
+IntArray = np.typing.NDArray[np.int64]
 
 #: Prior standard deviation of the common log offset (a factor of e^1 either way).
 PRIOR_OFFSET_SD = 1.0
 #: Prior standard deviation of the candidate-specific log correction: about the analytic
-#: model's measured error (vTrain MAPE 7.5%, Ultra-Scale healthy rows 34%; README).
+#: model's measured error (vTrain MAPE 7.5%, Ultra-Scale healthy rows 34%; docs/results.md).
 PRIOR_RESIDUAL_SD = 0.3
 #: RBF length scale over the features below (each is O(1) per doubling or per mode).
 LENGTH_SCALE = 1.5
@@ -92,7 +92,7 @@ LENGTH_SCALE_GRID = (0.75, 1.5, 3.0)
 #:   chose a = 0 whenever the trials' regimes agreed, and the model was then sure of regimes it
 #:   had not tried (replay, distorted prior, seed 1: a vTrain group stopped with 27% regret, the
 #:   best at an untried tp): regret at stop 4.19% -> 3.35% (seed 1), 4.51% -> 4.48% (seed 2),
-#:   visible 0.42% -> 0.44% (README, 2026-11-25).
+#:   visible 0.42% -> 0.44% (docs/results.md, 2026-11-25).
 #: - For a = 1 over a = 0.5, 8 : 1. Four regimes share a^2, so each regime's own factor has an
 #:   sd of a / 2: 0.25 at a = 0.5, a factor of 1.3, where the 80B runs were 2-7x slow per regime
 #:   (log 0.7-1.9; issue 15). With 4-5 trials whose residuals agree the likelihood prefers the
@@ -105,18 +105,18 @@ LENGTH_SCALE_GRID = (0.75, 1.5, 3.0)
 #:   2.76 / 0.40 / 1.06 / 0.78%; "90% sure against every candidate" right in 95.5 / 90.8 / 87.4 /
 #:   93.5 / 99.1 / 98.9% -> 98.0 / 96.2 / 92.0 / 97.6 / 98.9 / 98.9% of runs; visible 0.17 -> 0.12%.
 #:   4 : 1 did a little less (seeds 2, 3: 1.42, 2.87%); a = 1 alone (no 0.5 in the grid) worse
-#:   (3.31%, 88.1% on seed 3) (README, 2026-11-25).
+#:   (3.31%, 88.1% on seed 3) (docs/results.md, 2026-11-25).
 REGIME_SD_PRIOR: dict[float, float] = {0.0: 0.25, 0.5: 1.0, 1.0: 8.0}
 REGIME_SD_GRID = tuple(REGIME_SD_PRIOR)
 #: The hyperparameters are averaged over their posterior on the grid, not fixed at its mode:
 #: the settings that carry this much of it (module docstring). Replay, regret of the pick at
 #: the tuner's own stop: 0.44 -> 0.17% on the visible tables, 3.35 -> 2.91% and 4.48 -> 3.95%
-#: with the prior distorted by seeds 1 and 2 (README, 2026-11-25). At first no more than the
+#: with the prior distorted by seeds 1 and 2 (docs/results.md, 2026-11-25). At first no more than the
 #: 12 likeliest settings were kept: with a few trials the posterior is flat over the residual
 #: sd and length scale, and those 12 carried as little as 60% of it, every one with the same
 #: regime sd, so the wider regime settings were dropped. Every setting up to the mass: 2.10 ->
 #: 1.75%, 2.68 -> 1.78% (seeds 1, 2), held out 4.48 -> 3.26%, 2.22 -> 0.64% (seeds 3, 4),
-#: visible 0.16 -> 0.17%, for 7% more replay time (README, 2026-11-25).
+#: visible 0.16 -> 0.17%, for 7% more replay time (docs/results.md, 2026-11-25).
 HYPER_MASS = 0.99
 #: Correlation of the candidate-specific correction between two different jobs.
 CROSS_JOB_CORRELATION = 0.5
@@ -191,8 +191,8 @@ class LearnedModel:
                 if dist > OUTLIER_LOG:
                     self._noise[i] = max(self._noise[i], dist)
         self.residual_sd, self.length_scale, self.regime_sd = PRIOR_RESIDUAL_SD, LENGTH_SCALE, PRIOR_REGIME_SD
-        #: (weight, (s, ell, a), Cholesky factor, alpha) per hyperparameter setting averaged over
-        self._mixture: list[tuple[float, tuple[float, float, float], FloatArray, FloatArray]] = []
+        #: (weight, (s, ell, a), the GP's factor) per hyperparameter setting averaged over
+        self._mixture: list[tuple[float, tuple[float, float, float], gp.Factor]] = []
         #: the share of the hyperparameters' posterior the mixture kept (1: a single setting)
         self.hyper_mass = 1.0
         if timed:
@@ -201,42 +201,36 @@ class LearnedModel:
                 grid = [(s, ell, a) for s in RESIDUAL_SD_GRID for ell in LENGTH_SCALE_GRID for a in REGIME_SD_GRID]
             self._mixture = self._posterior(grid)
             self.residual_sd, self.length_scale, self.regime_sd = (
-                sum(w * h[i] for w, h, _, _ in self._mixture) for i in range(3))
+                sum(w * h[i] for w, h, _ in self._mixture) for i in range(3))
         own = [o for o in self.observations if o.job_key == job_key]  # another job's memory teaches nothing here
         self.memory = MemoryModel([MemoryPoint(o.config, o.memory, o.measurement) for o in own], fits_prior)
         self.runs = RunsModel([(o.config, o.measurement, o.attempts) for o in own])
 
-    def _factor(self, s: float, ell: float, a: float) -> tuple[FloatArray, FloatArray]:
+    def _factor(self, s: float, ell: float, a: float) -> gp.Factor:
         k = self._kernel(self._x, self._r, self._keys, self._x, self._r, self._keys, s, ell, a)
-        k += np.diag(self._noise**2)
-        chol = np.asarray(np.linalg.cholesky(k), dtype=np.float64)
-        return chol, _solve_chol(chol, self._y)
-
-    def _log_marginal_likelihood(self, chol: FloatArray, alpha: FloatArray) -> float:
-        """Rasmussen & Williams eq. 2.30, from the factor and ``alpha`` of one setting."""
-        return float(-0.5 * self._y @ alpha - np.log(np.diag(chol)).sum() - 0.5 * len(self._y) * math.log(2 * math.pi))
+        return gp.factor(k + np.diag(self._noise**2), self._y)
 
     def _posterior(
         self, grid: Sequence[tuple[float, float, float]]
-    ) -> list[tuple[float, tuple[float, float, float], FloatArray, FloatArray]]:
+    ) -> list[tuple[float, tuple[float, float, float], gp.Factor]]:
         """The hyperparameter settings of ``grid`` weighted by their posterior (marginal
         likelihood times ``_log_hyperprior``), the likeliest first, as many as carry
         ``HYPER_MASS`` of it, weights renormalised (``hyper_mass``: the share kept)."""
         scored = []
         for h in grid:
-            chol, alpha = self._factor(*h)
-            scored.append((self._log_marginal_likelihood(chol, alpha) + _log_hyperprior(*h), h, chol, alpha))
+            fit = self._factor(*h)
+            scored.append((fit.log_marginal_likelihood() + _log_hyperprior(*h), h, fit))
         scored.sort(key=lambda t: -t[0])  # stable: ties keep the grid's order
         weights = np.exp(np.array([t[0] for t in scored]) - scored[0][0])
         weights /= weights.sum()
         kept, mass = [], 0.0
-        for w, (_, h, chol, alpha) in zip(weights, scored, strict=True):
-            kept.append((float(w), h, chol, alpha))
+        for w, (_, h, fit) in zip(weights, scored, strict=True):
+            kept.append((float(w), h, fit))
             mass += float(w)
             if mass >= HYPER_MASS:
                 break
         self.hyper_mass = mass
-        return [(w / mass, h, chol, alpha) for w, h, chol, alpha in kept]
+        return [(w / mass, h, fit) for w, h, fit in kept]
 
     @property
     def n_timed(self) -> int:
@@ -246,7 +240,7 @@ class LearnedModel:
         self, xa: FloatArray, ra: IntArray, ka: list[bool], xb: FloatArray, rb: IntArray, kb: list[bool],
         s: float, ell: float, a: float,
     ) -> FloatArray:
-        d2 = ((xa[:, None, :] - xb[None, :, :]) ** 2).sum(-1)
+        d2 = gp.squared_distances(xa, xb)
         shared = (ra[:, None, :] == rb[None, :, :]).mean(-1)  # share of the regimes two candidates share
         same = np.equal.outer(np.array(ka), np.array(kb))
         rho = np.where(same, 1.0, CROSS_JOB_CORRELATION)
@@ -266,12 +260,11 @@ class LearnedModel:
         x = np.array([features(c, p) for c, p in zip(configs, perfs, strict=True)])
         r = np.array([regimes(c) for c in configs], dtype=np.int64)
         weights, means, sds = [], [], []
-        for w, (s, ell, a), chol, alpha in self._mixture:
+        for w, (s, ell, a), fit in self._mixture:
             ks = self._kernel(x, r, [True] * n, self._x, self._r, self._keys, s, ell, a)
-            v = np.linalg.solve(chol, ks.T)
             weights.append(w)
-            means.append(ks @ alpha)
-            sds.append(np.sqrt(np.maximum(PRIOR_OFFSET_SD**2 + s**2 + a**2 - (v * v).sum(0), 1e-8)))
+            means.append(fit.mean(ks))
+            sds.append(np.sqrt(fit.variance(ks, PRIOR_OFFSET_SD**2 + s**2 + a**2)))
         return np.array(weights), np.array(means), np.array(sds)
 
     def predict_many(self, configs: Sequence[ParallelConfig], perfs: Sequence[PerfEstimate]) -> list[Prediction]:
@@ -354,8 +347,3 @@ def _log_hyperprior(s: float, ell: float, a: float) -> float:
     """The log prior of the hyperparameters, up to a constant (``REGIME_SD_PRIOR``; flat over
     the residual sd and the length scale)."""
     return math.log(REGIME_SD_PRIOR[a])
-
-
-def _solve_chol(chol: FloatArray, b: FloatArray) -> FloatArray:
-    """Solve ``(L L^T) x = b`` given the lower Cholesky factor ``L``."""
-    return np.asarray(np.linalg.solve(chol.T, np.linalg.solve(chol, b)), dtype=np.float64)

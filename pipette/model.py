@@ -361,7 +361,7 @@ def preset_fix(name: str, otherwise: str) -> str:
     """A fix for an unknown preset: the closest names, and where every name is listed."""
     close = closest_presets(name)
     head = f"did you mean {', '.join(close)}? " if close else ""
-    return f"{head}Give a preset ({len(MODEL_PRESETS)} of them: README, Input formats, Model), {otherwise}"
+    return f"{head}Give a preset ({len(MODEL_PRESETS)} of them: docs/inputs.md, Model), {otherwise}"
 
 
 _DEFAULTED = {"tied_embeddings", "arch"}

@@ -185,7 +185,7 @@ def score(
         # tails than that Gaussian, and the stop rule and ``Tuner.confidence_overall`` are
         # about the tails: a candidate that beats the incumbent only if the model is far off.
         # Replay, distorted prior, regret at the tuner's own stop: seeds 1 / 2 / 3 1.07 / 1.27 /
-        # 2.76% -> 1.07 / 1.21 / 1.71%; visible 0.12 -> 0.11% (README, 2026-11-26). The EI
+        # 2.76% -> 1.07 / 1.21 / 1.71%; visible 0.12 -> 0.11% (docs/results.md, 2026-11-26). The EI
         # (which candidate next) stays on the one Gaussian: integrated too, 19 of the 432 vTrain
         # runs found their best one trial later, none earlier (visible regret at stop 0.12 -> 0.21%).
         gap = y_star + math.log(1.0 - tolerance) - math.log(p.analytic) - means[:, i]

@@ -93,7 +93,7 @@ RETRY_MIN_CHANCE = 0.5
 #: three ok trials in two tp regimes still called an untried one hopeless (vTrain groups on
 #: 8 GPUs stopped with 8-27% regret, the best at the untried tp 4);
 #: regret at stop 2.91 -> 2.11% and 3.95 -> 2.68% (seeds 1, 2), 0.17 -> 0.16% on the visible
-#: tables, for one more trial at the median (README, 2026-11-25).
+#: tables, for one more trial at the median (docs/results.md, 2026-11-25).
 MIN_OK_TO_CONVERGE = 4
 
 

@@ -1,4 +1,4 @@
-"""The API's request and response shapes (pydantic), documented in README.md "The API".
+"""The API's request and response shapes (pydantic), documented in docs/service.md "The API".
 
 Requests are checked twice: here for types and ranges (so a bad field answers 422 naming it
 before anything runs), then by the core (``TrainingSpec.from_dict``, ``ModelSpec``,
@@ -317,7 +317,7 @@ class PlanIn(Strict):
     model: ModelIn
     training: TrainingIn
     cluster: Annotated[str, Field(pattern=NAME_PATTERN, max_length=100)] | dict[str, Any] = Field(
-        description="a cluster file as an object (see README, Cluster file), or a registered cluster's "
+        description="a cluster file as an object (see docs/inputs.md, Cluster file), or a registered cluster's "
                     "id or name (its latest profile)")
     margin: float | None = Field(None, ge=0, lt=1)
     top: int = Field(20, ge=1, le=1000, description="how many ranked candidates to return")

@@ -20,7 +20,7 @@ from pipette.tuner import TuneOptions
 from service.schemas import ModelIn, TrainingIn
 
 #: The largest cluster a what-if plan may describe: 128 nodes x 8 devices, the size the
-#: planning-speed benchmark plans in about a second (README, "Planning speed").
+#: planning-speed benchmark plans in about a second (docs/results.md, "Planning speed").
 MAX_PLAN_DEVICES = 1024
 
 T = TypeVar("T")
@@ -62,7 +62,7 @@ def tune_options(options: dict[str, Any], used_s: float = 0.0) -> TuneOptions:
 
 
 def cluster_file(data: dict[str, Any]) -> ClusterProfile:
-    """A cluster file given as an object (either form of README's "Cluster file")."""
+    """A cluster file given as an object (either form of docs/inputs.md's "Cluster file")."""
     devices = declared_devices(data)
     if devices > MAX_PLAN_DEVICES:
         raise SpecError(
@@ -70,7 +70,7 @@ def cluster_file(data: dict[str, Any]) -> ClusterProfile:
             field="cluster.nodes", fix=f"describe at most {MAX_PLAN_DEVICES} devices, or run `pipette plan` locally",
         )
     cluster = _guard(lambda: cluster_from_dict(data, default_name="what-if"), "cluster",
-                     "see README, Cluster file, for the two forms")
+                     "see docs/inputs.md, Cluster file, for the two forms")
     if cluster.world > MAX_PLAN_DEVICES:
         raise SpecError(f"describes {cluster.world} devices", field="cluster.nodes",
                         fix=f"describe at most {MAX_PLAN_DEVICES} devices")

@@ -1,4 +1,4 @@
-"""The client commands of ``pipette``: they talk to the service's REST API (see README, "CLI
+"""The client commands of ``pipette``: they talk to the service's REST API (see docs/cli-and-dashboard.md, "CLI
 and dashboard"). ``add_parsers`` registers them next to the offline ``plan`` and ``tune``.
 
 Conventions (like ``gh`` and ``kubectl``): tables for people, ``--json`` for scripts, one line

@@ -32,7 +32,7 @@ DEFAULT_URL = "http://127.0.0.1:8000"
 TIMEOUT_S = 30.0
 STREAM_TIMEOUT_S = 60.0
 
-# Exit codes (documented in README "CLI and dashboard" and in ``pipette --help``).
+# Exit codes (documented in docs/cli-and-dashboard.md and in ``pipette --help``).
 EXIT_OK = 0
 EXIT_ERROR = 1  # bad input, or the service refused the request (4xx)
 EXIT_USAGE = 2  # a bad command line (argparse)

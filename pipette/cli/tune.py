@@ -167,7 +167,9 @@ def cmd_tune(args: argparse.Namespace) -> int:
     prior = _read_records(store) if store is not None else []
     tuner = Tuner(plan, options, prior=prior, runnable=runner.refusals)
     runs = "your script" if script is not None else "the backend"
-    ui.say(f"{plan.enumerated} candidates, {len(plan.ranked)} fit, {len(tuner.candidates)} runnable by {runs}"
+    unsure = sum(not p.sure_to_fit for p in tuner.candidates)
+    near = f" ({unsure} next to the memory limit, tried as their chance to fit earns)" if unsure else ""
+    ui.say(f"{plan.enumerated} candidates, {len(plan.ranked)} may fit, {len(tuner.candidates)} runnable by {runs}{near}"
            + (f"; learning from {len(prior)} earlier trials on this cluster" if prior else ""))
     ui.header()
     terminate_like_interrupt()  # ensure_ray installed Ray's handler (exit 15, silently)

@@ -36,12 +36,12 @@ pytestmark = [pytest.mark.slow]
 #: the probe's bandwidth may differ from the shaped rate by this much: TCP and HTB overheads,
 #: and at 1 Gbit/s the busy cores themselves (766 of 1000 once, at load ~15)
 PROBE_TOLERANCE = 0.25
-#: the step-time model's stated error (README, "What was measured": throughput MAPE 33.9% on the
+#: the step-time model's stated error (docs/results.md: throughput MAPE 33.9% on the
 #: Ultra-Scale "healthy" rows, its widest stated figure). It is asserted on what a placement
 #: changes, the time the chosen placement saves over rank order; the absolute step times are
 #: printed against it but not asserted: CPU ranks sharing 2 cores with other jobs carry a
 #: load-dependent overhead the analytic model does not price (-20% to -56% over five runs, see
-#: README "Multi-node and deployment"), which the tuner's learned correction absorbs.
+#: docs/deployment.md), which the tuner's learned correction absorbs.
 STATED_ERROR = 0.339
 #: chosen vs rank order must differ by at least this factor to count as "measurably faster"
 MIN_SPEEDUP = 1.5

@@ -112,7 +112,7 @@ def test_cluster_add_list_show(logged_in: Service, cluster: dict[str, object]) -
     (TINY_JOB.replace("seq_len: 32", "seq_len: -5"), 1, ["training.seq_len", "at least 1"]),
     # the closest presets and where every one is listed, not all 32 in one line (issue 17, item 11)
     (TINY_JOB.replace("model: tiny-llama", "model: tiny-lama"), 1,
-     ["model", "unknown model preset", "did you mean tiny-llama", "README, Input formats, Model"]),
+     ["model", "unknown model preset", "did you mean tiny-llama", "docs/inputs.md, Model"]),
     (TINY_JOB.replace("cluster: local", "cluster: nowhere"), 5, ["nowhere"]),
     (TINY_JOB + "colour: blue\n", 1, ["colour", "drop it"]),
     (TINY_JOB.replace("max_trials: 2", "max_trials: lots"), 1, ["budget.max_trials", "whole number"]),

@@ -3,7 +3,7 @@ real GPU, without Ray. Every test here is marked ``gpu`` and skipped where CUDA 
 collects it, so it cannot rot unnoticed, and skips it); it never runs on a CPU.
 
 On a GPU machine with nothing but this checkout and the wheels ``scripts/gpu-wheels`` fetched
-(the machine needs no package index): ``scripts/gpu-suite`` (see the README).
+(the machine needs no package index): ``scripts/gpu-suite`` (see docs/workers.md).
 """
 
 from __future__ import annotations

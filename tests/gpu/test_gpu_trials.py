@@ -56,6 +56,21 @@ def test_an_allocation_past_the_cap_ends_oom() -> None:
     m = run_local(spec, timeout_s=300)
     assert m.status == "oom", f"{m.status}: {m.error}\n{m.extra.get('output_tail')}"
     assert m.extra["oom_bytes"] > 0 and "out of memory" in m.error.lower()
+    # the allocator's figures at the OOM (workers.memory.allocator_record): the fits boundary's data
+    assert m.extra["allocator_ooms"][0] >= 1 and m.extra["outside_allocator_bytes"][0] > 0
+
+
+def test_a_gpu_trial_records_what_the_allocator_held() -> None:
+    """Reserved >= allocated, the CUDA context outside the allocator (1.6-1.7 GiB on an H100 with
+    torch 2.11 / CUDA 13), and the live tensors as the trial's peak memory."""
+    spec = trial("tiny-llama", "full", "none", mbs=2, batch=4, seq=128)
+    m = run_local(spec, timeout_s=300)
+    check_ok(m, spec)
+    allocated, reserved = m.extra["peak_allocated_bytes"][0], m.extra["peak_reserved_bytes"][0]
+    assert 0 < allocated <= reserved
+    assert m.peak_memory[0] == allocated
+    assert 100 * 2**20 < m.extra["outside_allocator_bytes"][0] < 8 * 2**30
+    assert m.extra["peak_inactive_split_bytes"][0] >= 0 and m.extra["alloc_retries"][0] == 0
 
 
 # From h100_single_gpu.csv: what ran and what ran out of memory on one H100 80GB.

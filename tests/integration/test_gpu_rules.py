@@ -2,7 +2,7 @@
 run (the batch left on the host, the step agreement broadcast as a host tensor under NCCL, the
 probe timing the CPU, Ray not owning the GPUs), without needing a GPU to fail.
 
-The GPU itself is exercised by ``tests/gpu`` (run on an H100: see the README)."""
+The GPU itself is exercised by ``tests/gpu`` (run on an H100: see docs/workers.md)."""
 
 from __future__ import annotations
 

@@ -72,7 +72,7 @@ def _assert_one_line_error(r: subprocess.CompletedProcess[str], *words: str) -> 
 def test_unknown_preset() -> None:
     r = pipette("plan", "--model", "llama3-8", "--cluster", str(CLUSTERS / "a100-2x8.yaml"),
                 "--global-batch", "8", "--seq-len", "128")
-    _assert_one_line_error(r, "model:", "unknown model preset", "fix: did you mean llama3-8b", "README")
+    _assert_one_line_error(r, "model:", "unknown model preset", "fix: did you mean llama3-8b", "docs/inputs.md")
 
 
 def test_non_square_link_matrix(tmp_path: Path) -> None:

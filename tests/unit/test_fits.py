@@ -145,3 +145,29 @@ def test_the_expected_step_time_weighs_a_failure_by_the_fallback() -> None:
     assert expected_step_time(2.0, 1.0, 3.0) == pytest.approx(2.0)
     assert expected_step_time(2.0, 0.0, 3.0) > 3.0  # an OOM trial costs a little on top
     assert expected_step_time(2.0, 0.5, 3.0) == pytest.approx(0.5 * 2.0 + 0.5 * 3.0 * 1.05)
+
+
+def test_the_allocator_figures_of_every_rank_reach_the_measurement() -> None:
+    """What ``workers.memory.allocator_record`` reports on a GPU rank, in the trial's record:
+    per rank for a trial that ran, the first OOM's rank for one that ran out (CPU-testable: the
+    events are plain dicts)."""
+    from pipette.model import ModelSpec as Model
+    from workers.outcome import ALLOCATOR_FIELDS, Outcome, measurement
+    from workers.spec import TrialSpec
+
+    config = ParallelConfig(tp=1, pp=1, dp=2, mbs=1, global_batch=2)
+    spec = TrialSpec(Model.preset("tiny-llama"), TrainingSpec(global_batch=2, seq_len=16), config)
+    figures = {k: i + 1 for i, k in enumerate(ALLOCATOR_FIELDS)}
+    done = {r: {"step_times": [0.1], "losses": [1.0], "peak_tensor_bytes": 10, "peak_rss_bytes": 20,
+                "trainable_params": 1, "backend": "nccl", **{k: v * (r + 1) for k, v in figures.items()}}
+            for r in range(2)}
+    ok = measurement(spec, Outcome("ok"), [], done, [], 1.0)
+    assert ok.extra["peak_reserved_bytes"] == [figures["peak_reserved_bytes"], 2 * figures["peak_reserved_bytes"]]
+    assert ok.extra["outside_allocator_bytes"] == [figures["outside_allocator_bytes"],
+                                                   2 * figures["outside_allocator_bytes"]]
+    oom = {"rank": 1, "bytes": 5, "where": "device", "phase": "steps", "error": "CUDA out of memory", **figures}
+    failed = measurement(spec, Outcome("oom"), [], {}, [oom], 1.0)
+    assert failed.extra["peak_reserved_bytes"] == [figures["peak_reserved_bytes"]]
+    # a CPU rank reports none of them, and none is made up
+    cpu = {r: {k: v for k, v in d.items() if k not in ALLOCATOR_FIELDS} for r, d in done.items()}
+    assert not set(ALLOCATOR_FIELDS) & set(measurement(spec, Outcome("ok"), [], cpu, [], 1.0).extra)

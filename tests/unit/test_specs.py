@@ -46,10 +46,10 @@ def test_unknown_preset_names_the_closest_ones_not_all() -> None:
         ModelSpec.preset("llama2-7")
     fix = e.value.fix or ""
     assert e.value.field == "model" and fix.startswith("did you mean llama2-7b") and len(fix) < 200, fix
-    assert "README, Input formats, Model" in fix
+    assert "docs/inputs.md, Model" in fix
     with pytest.raises(UnknownPresetError) as e:
         ModelSpec.preset("zzz")
-    assert "did you mean" not in (e.value.fix or "") and "README" in (e.value.fix or "")
+    assert "did you mean" not in (e.value.fix or "") and "docs/inputs.md" in (e.value.fix or "")
 
 
 def test_from_hf_config_reads_llama_and_gpt2(tmp_path: Path) -> None:
