@@ -239,6 +239,7 @@ class ModelSpec:
         if not isinstance(cfg, dict):
             raise SpecError(f"{where} is not a JSON object", field="model", fix="give a config.json")
         name = str(cfg.get("_name_or_path") or cfg.get("model_type") or "hf-model")
+        refuse_unsupported_architecture(cfg, where)
         try:
             if "n_embd" in cfg:  # GPT-2 style
                 hidden = int(cfg["n_embd"])
@@ -289,6 +290,62 @@ class ModelSpec:
                 f"unknown model preset {name!r}", field="model",
                 fix=preset_fix(name, "or a config.json path or a model folder"),
             ) from None
+
+
+#: The ``model_type`` values whose config.json this planner models as they are: dense,
+#: decoder-only, one attention and one MLP per layer (Llama and GPT-2 shapes).
+DENSE_MODEL_TYPES: frozenset[str] = frozenset({"llama", "mistral", "qwen2", "qwen3", "gpt2"})
+
+#: Keys that give a Mixture-of-Experts layer's number of experts, by model family
+#: (Mixtral, Qwen-MoE, DeepSeek, DBRX, OLMoE, ...).
+_EXPERT_KEYS: tuple[str, ...] = (
+    "num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts", "num_experts_per_tok",
+)
+
+
+def refuse_unsupported_architecture(cfg: dict[str, Any], where: str) -> None:
+    """Refuse what the planner would silently plan as something else (issue 32, item 6).
+
+    A Mixtral config.json has Llama's keys; read as such it became a dense 7.24B model
+    with none of its experts, so every estimate was wrong without a word.
+    """
+    what = unsupported_architecture(cfg)
+    if what:
+        raise SpecError(
+            f"{where} describes {what}, which the planner does not model yet", field="model",
+            fix="give a dense decoder-only model (model_type one of "
+            f"{', '.join(sorted(DENSE_MODEL_TYPES))}) or a preset",
+        )
+
+
+def unsupported_architecture(cfg: dict[str, Any]) -> str | None:
+    """What in ``cfg`` is not supported, in words, or None when it is a supported model."""
+    experts = {k: cfg[k] for k in _EXPERT_KEYS if _is_more_than_one(cfg.get(k))}
+    model_type = cfg.get("model_type")
+    if experts or (isinstance(model_type, str) and "moe" in model_type.lower()):
+        counts = ", ".join(f"{k} {v}" for k, v in experts.items())
+        kind = f" ({model_type})" if isinstance(model_type, str) else ""
+        return f"a Mixture-of-Experts model{kind}{': ' + counts if counts else ''}: experts and expert parallelism"
+    if cfg.get("is_encoder_decoder") is True:
+        return f"an encoder-decoder model ({model_type}): only decoder-only models"
+    if isinstance(model_type, str) and model_type.lower() not in DENSE_MODEL_TYPES:
+        return f"model_type {model_type!r}: only Llama- and GPT-2-shaped models"
+    return _head_dim_mismatch(cfg)
+
+
+def _is_more_than_one(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 1
+
+
+def _head_dim_mismatch(cfg: dict[str, Any]) -> str | None:
+    """An explicit ``head_dim`` other than hidden / heads (Mistral-Nemo, Qwen3-0.6B)."""
+    head_dim, hidden, heads = cfg.get("head_dim"), cfg.get("hidden_size"), cfg.get("num_attention_heads")
+    if not (isinstance(head_dim, int) and isinstance(hidden, int) and isinstance(heads, int)) or heads < 1:
+        return None
+    if head_dim == hidden // heads:
+        return None
+    per_head = hidden // heads
+    return f"head_dim {head_dim} other than hidden_size / num_attention_heads ({per_head}): such attention shapes"
 
 
 def closest_presets(name: str, n: int = 3) -> list[str]:

@@ -79,6 +79,8 @@ from pipette.search import (
 from pipette.stacks import DEFAULT_STACK, Stack, get_stack
 from pipette.training import TrainingSpec
 
+#: beyond this many more trials of each, ``trials_to_decide`` says none would decide
+MAX_TRIALS_TO_DECIDE = 50
 #: reruns of one trial that failed because a node was lost (beyond ``TuneOptions.retries``)
 LOST_NODE_RETRIES = 2
 #: a crash is retried when the chance that a retry of its kind runs (``retry_chance``) is at
@@ -219,7 +221,8 @@ class TrialRecord:
             "perf": self.perf.to_dict(), "memory": self.memory.to_dict(),
             "analytic_step_time": self.analytic_step_time,
             "predicted_step_time": self.predicted_step_time, "predicted_sd": self.predicted_sd,
-            "predicted_peak_bytes": self.memory.peak_bytes,
+            # the tensors, as the trial's measured peak counts them (the process overhead apart)
+            "predicted_peak_bytes": tensor_peak_bytes(self.memory),
             # one convention with the API's prediction_error: (measured - predicted) / predicted,
             # positive when the trial ran slower than predicted
             "error_pct": None if m.step_time is None or m.status != "ok"
@@ -270,8 +273,27 @@ class TuneResult:
     #: how much the learned model trusted the analytic prior, and the noise it measured
     learned: dict[str, float | int] = field(default_factory=dict)
     tolerance: float = 0.02
+    #: the confidence asked (``TuneOptions.confidence``): below it the verdict is undecided
+    confidence_asked: float = 0.9
+    #: the pick's measured step time as it was picked: the geometric mean (the mean of the log,
+    #: ``measured_means``) over its ok trials, and how many there were
+    pick_step_time: float | None = None
+    pick_trials: int = 0
+    #: per contender the pick is not yet ``confidence_asked`` sure against: more trials of each
+    #: that would decide it at the noise measured (``Tuner.trials_to_decide``; None: none would)
+    to_decide: dict[str, int | None] = field(default_factory=dict)
+    #: what else ran on the machine during the trials (``pipette.cli.interference``)
+    interference: dict[str, Any] = field(default_factory=dict)
+    #: the candidates the trial backend (or the script) can run: those the search chose from
+    runnable: int = 0
+
+    @property
+    def decided(self) -> bool:
+        return self.confidence is not None and self.confidence >= self.confidence_asked
 
     def to_dict(self) -> dict[str, Any]:
+        from pipette.result_text import summary_lines
+
         best = None
         if self.best is not None:
             b, m = self.best, self.best.measurement
@@ -279,12 +301,19 @@ class TuneResult:
                 **b.to_dict(),
                 "side_by_side": {
                     "step_time_s": {"analytic": b.analytic_step_time, "learned": b.predicted_step_time,
-                                    "measured": m.step_time},
+                                    "measured": self.pick_step_time or m.step_time,
+                                    "measured_trials": self.pick_trials or 1},
                     "tokens_per_s": {"analytic": b.perf.tokens_per_s, "measured": m.tokens_per_s},
-                    "peak_memory_bytes": {"predicted": b.memory.peak_bytes, "measured": m.peak_memory_max},
+                    # like with like: the estimate's tensors against the measured tensor peak; the
+                    # process overhead (interpreter, CUDA context, fragmentation) apart
+                    "peak_memory_bytes": {"predicted": tensor_peak_bytes(b.memory), "measured": m.peak_memory_max,
+                                          "predicted_overhead": b.memory.breakdown.get("overhead", 0)},
                 },
             }
         return {
+            "summary": summary_lines(self), "decided": self.decided, "confidence_asked": self.confidence_asked,
+            "to_decide": dict(self.to_decide), "interference": dict(self.interference),
+            "outcomes": trial_outcomes(self.trials),
             "stop_reason": self.stop_reason, "interrupted": self.interrupted,
             "trials_run": len({t.number for t in self.trials}), "attempts": len(self.trials),
             "candidates": len(self.plan.ranked), "enumerated": self.plan.enumerated,
@@ -318,6 +347,23 @@ class TuneResult:
             return None
         prior = self.plan.fits_prior or default_prior(self.plan.cluster.device_spec.kind)
         return memory_headroom(self.best.memory, prior, measured_need(self.best.memory, self.best.measurement))
+
+
+def tensor_peak_bytes(memory: MemoryEstimate) -> int:
+    """The estimate's tensors alone: what a trial's measured peak counts (the allocator's peak
+    on a GPU). The process overhead (CUDA context and fragmentation, or the 512 MiB of a CPU
+    rank's interpreter) is no tensor: compared with it, estimate and trial were 24x apart."""
+    return memory.peak_bytes - memory.breakdown.get("overhead", 0)
+
+
+def trial_outcomes(trials: Sequence[TrialRecord]) -> dict[str, int]:
+    """Trials by how they ended (the last attempt of each), re-timing trials apart."""
+    last: dict[int, TrialRecord] = {}
+    for r in trials:
+        if r.number not in last or r.attempt >= last[r.number].attempt:
+            last[r.number] = r
+    counts = Counter(("retime " if r.purpose == "retime" else "") + r.measurement.status for r in last.values())
+    return dict(sorted(counts.items()))
 
 
 def job_key(model: ModelSpec, training: TrainingSpec, stack: str | Stack | None = None) -> str:
@@ -384,6 +430,7 @@ class Tuner:
         #: re-timing done by this tuner so far (every ``retime`` call: the verdict names all)
         self._retimed: set[str] = {r.label for r in self.records if r.purpose == "retime"}
         self._rounds = 0
+        self._started = time.monotonic()
 
     # ---- the study, rebuilt from records ------------------------------------------------
     def _replay(self, history: Sequence[TrialRecord]) -> None:
@@ -508,7 +555,7 @@ class Tuner:
             return f"time budget spent ({elapsed_s:.0f} s of {o.time_budget_s:.0f} s)"
         ranked = self.ranking()
         if not ranked:
-            return "every candidate predicted to fit was tried"
+            return self._nothing_left()
         best = self.best
         if best is not None and len(measured_means(self.study)) >= min(MIN_OK_TO_CONVERGE, len(self.candidates)):
             top = max(ranked, key=lambda s: s.p_beat)
@@ -521,10 +568,51 @@ class Tuner:
                 )
         return None
 
+    def _nothing_left(self) -> str:
+        """Why no candidate is left to try: all were tried, or the trials ruled the rest out.
+        It said "every candidate predicted to fit was tried" when 5 of 16 were (issue 32, item 10)."""
+        tried = {r.label for r in self.records} & {p.config.label for p in self.candidates}
+        left = len(self.candidates) - len(tried)
+        if left == 0:
+            return f"every candidate predicted to fit was tried ({len(tried)})"
+        return (f"no untried candidate is left worth a trial: {len(tried)} of {len(self.candidates)} tried; the other "
+                f"{left} ruled out by what the trials taught (likely to run out of memory or fail as tried ones did)")
+
     def result(self, stop_reason: str, interrupted: bool = False) -> TuneResult:
-        return TuneResult(self.plan, tuple(self.records), stop_reason, self.best, interrupted, self.unrunnable,
+        pick = self.best
+        mean = measured_means(self.study).get(pick.label) if pick is not None else None
+        return TuneResult(self.plan, tuple(self.records), stop_reason, pick, interrupted, self.unrunnable,
                           self.confidence(), self.confidence_overall(), self.sampler.learned(self.study).summary(),
-                          self.options.tolerance)
+                          self.options.tolerance, self.options.confidence,
+                          math.exp(mean[0]) if mean else None, mean[1] if mean else 0, self.trials_to_decide(),
+                          runnable=len(self.candidates))
+
+    def trials_to_decide(self) -> dict[str, int | None]:
+        """Per tried candidate the pick is not yet ``confidence`` sure to be within the tolerance
+        of: how many more trials of each (the pick and it alike) would make it so, if the means
+        and the noise stay as measured (the standard error of ``_pairwise`` shrinking as
+        sqrt(1/n_p + 1/n)); None when no number would: its mean is the faster by more than the
+        tolerance, so more trials would move the pick, not confirm it."""
+        pick = self.best
+        if pick is None:
+            return {}
+        means = measured_means(self.study)
+        learned = self.sampler.learned(self.study)
+        noise, dof = learned.trial_noise_sd, NOISE_PRIOR_DOF + learned.noise_dof
+        quantile = float(student_t.ppf(self.options.confidence, dof))
+        mp, n_p = means[pick.label]
+        out: dict[str, int | None] = {}
+        for label, sure in self._pairwise().items():
+            if sure >= self.options.confidence:
+                continue
+            m, n = means[label]
+            margin = m + math.log(1.0 + self.options.tolerance) - mp
+            k = 0
+            while margin > 0 and k <= MAX_TRIALS_TO_DECIDE and \
+                    noise * math.sqrt(1.0 / (n_p + k) + 1.0 / (n + k)) * quantile > margin:
+                k += 1
+            out[label] = k if margin > 0 and k <= MAX_TRIALS_TO_DECIDE else None
+        return out
 
     # ---- the loop -------------------------------------------------------------------
     def run(
@@ -536,7 +624,7 @@ class Tuner:
         """Trial candidates until the stop rule says stop; Ctrl-C stops the running trial
         (the runner cleans up) and returns what was measured, with ``interrupted`` set."""
         emit = on_event or (lambda event: None)
-        start = time.monotonic()
+        start = self._started = time.monotonic()
         reason: str | None = None
         interrupted = False
         try:
@@ -577,7 +665,13 @@ class Tuner:
         verdict; "cancelled" when ``should_stop`` said so."""
         rounds = 0
         first_seen: list[str] = []  # the rounds' order: a contender keeps its place
-        while rounds < self.options.retime_rounds:
+        # Past ``retime_rounds``, rounds go on while the pick is below the confidence asked, the
+        # budget has room and the search would not reopen: a load spike in the last round moved
+        # a real pick to a candidate timed once, and the verdict said "23% sure" with trials
+        # left (issue 32, item 9).
+        while rounds < self.options.retime_rounds or (self._undecided() and self._search_closed()):
+            if self._time_spent():
+                break
             # A round takes the best contenders the budget has room for (the pick first): with
             # the reserve of 2 and 3 contenders, skipping the round left the pick timed once.
             # The pick alone is re-timed in the first round only (its repeat measures the noise).
@@ -604,6 +698,18 @@ class Tuner:
             verdict = f"re-timed {len(self._retimed)} contenders{rounds_text}: " + verdict
         return f"{reason}; {verdict}"
 
+    def _undecided(self) -> bool:
+        confidence = self.confidence()
+        return confidence is not None and confidence < self.options.confidence
+
+    def _search_closed(self) -> bool:
+        """The search would not go on now (its budget spent, converged, nothing left to try)."""
+        return self.stop_reason(time.monotonic() - self._started) is not None
+
+    def _time_spent(self) -> bool:
+        budget = self.options.time_budget_s
+        return budget is not None and time.monotonic() - self._started >= budget
+
     def _retime_trial(
         self, label: str, runner: TrialRunner, emit: Callable[[TuneEvent], None],
         should_stop: Callable[[], bool] | None,
@@ -625,7 +731,7 @@ class Tuner:
             return cancelled
 
         m = runner(planned.config, on_step)
-        if cancelled:
+        if cancelled or (should_stop is not None and should_stop()):  # a runner may stop a trial between steps
             return "cancelled"  # not recorded: a cut-short re-timing says nothing
         record = TrialRecord(number, planned.config, m, planned.perf, planned.memory, prediction.step_time,
                              prediction.sd, 1, self.job_key, "retime", self.stack)
@@ -683,6 +789,8 @@ class Tuner:
                     return self.options.prune and trial.should_prune()
 
                 m = runner(planned.config, on_step)
+                # the runner may have stopped it between steps (a hung trial reports none)
+                cancelled = cancelled or (should_stop is not None and should_stop())
                 if cancelled:
                     m = replace(m, status="pruned", error="cancelled")
                 crashed = not cancelled and m.status in ("failed", "timeout")

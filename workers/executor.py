@@ -85,6 +85,7 @@ def run_trial(
     on_step: OnStep | None = None,
     env: dict[str, str] | None = None,
     ship_workdir: bool = False,
+    should_stop: Callable[[], bool] | None = None,
 ) -> Measurement:
     """Run ``trial`` and return what it measured. Refuses (raises) before starting anything
     when the backends cannot run the candidate or the placement does not fit the cluster.
@@ -128,7 +129,8 @@ def run_trial(
     started = time.monotonic()
     try:
         return _run(trial, slots, [ips[node] for node, _ in slots], actors, timeout_s, on_step, env or {},
-                    None if shipped else trial.script.workdir if trial.script else None, package)
+                    None if shipped else trial.script.workdir if trial.script else None, package,
+                    should_stop=should_stop)
     except ray.exceptions.RayError as e:
         # A node lost while the ranks start (``_poll`` names the rank of one lost later).
         return Measurement("failed", tokens_per_step=trial.tokens_per_step,
@@ -176,11 +178,12 @@ def _run(
     extra_env: dict[str, str],
     workdir: str | None,
     package: bytes | None = None,
+    should_stop: Callable[[], bool] | None = None,
 ) -> Measurement:
     world = len(slots)
     host, port = ray.get(actors[0].address.remote(), timeout=60)
     script = trial.script is not None
-    events = ScriptEvents(world, trial.training.global_batch)
+    events = ScriptEvents(world, trial.training.global_batch, zero_stage=trial.config.zero_stage)
     if trial.script is not None:
         files, argv, script_env = script_launch(trial)
         extra_env = script_env | extra_env
@@ -270,6 +273,9 @@ def _run(
                 codes[rank] = code
         if outcome is not None:
             break
+        if should_stop is not None and should_stop():  # at every poll: a hung trial reports no step
+            outcome = Outcome("pruned", "cancelled")
+            break
         ignored = events.ignored_config() if script else None
         if ignored:
             outcome = Outcome("failed", ignored)
@@ -324,11 +330,25 @@ def _run(
         m = script_measurement(trial, outcome, events, wall, exit_tail)
         if exit_notes:
             m.extra["exit_after_done"] = {str(r): text for r, text in exit_notes.items()}
-        return m
-    m = measurement(trial, outcome, steps, done, ooms, wall)
-    if gpus:
-        m.extra["gpus"] = gpus
+    else:
+        m = measurement(trial, outcome, steps, done, ooms, wall)
+        if gpus:
+            m.extra["gpus"] = gpus
+    if m.status in ("failed", "timeout", "oom"):
+        # what the rank said last, kept in the record: a timed-out script kept nothing
+        m.extra["output_tail"] = (exit_tail or _output_tail(actors[0]))[-OUTPUT_TAIL_CHARS:]
     return m
+
+
+#: the characters of a failed trial's output kept in its record
+OUTPUT_TAIL_CHARS = 4000
+
+
+def _output_tail(actor: Any) -> str:
+    try:
+        return str(ray.get(actor.output_tail.remote(), timeout=30))
+    except ray.exceptions.RayError as e:
+        return f"(its output could not be read: {type(e).__name__})"
 
 
 Polled = list[tuple[list[str], int | None]]

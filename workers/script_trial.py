@@ -57,6 +57,8 @@ class ScriptEvents:
     world: int
     global_batch: int
     by_rank: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
+    #: the candidate's ZeRO stage, checked against the engines the script builds (None: unchecked)
+    zero_stage: int | None = None
     #: the last step index of rank 0 passed on to the caller (a step can come from both sources)
     relayed: int = -1
 
@@ -69,7 +71,30 @@ class ScriptEvents:
         return None
 
     def ignored_config(self) -> str | None:
-        """One line when a rank trains another global batch than the candidate's."""
+        """One line when a rank trains another global batch than the candidate's, or (once it
+        stepped) with another ZeRO stage or no DeepSpeed engine at all."""
+        return self._ignored_batch() or self._ignored_stage()
+
+    def _ignored_stage(self) -> str | None:
+        if self.zero_stage is None:
+            return None
+        for rank, events in sorted(self.by_rank.items()):
+            if not any(e.get("event") in ("step", "ds_step") for e in events):
+                continue  # an engine is built before the first step: judged once the rank stepped
+            stages = [e.get("zero_stage") for e in events if e.get("event") == "ds_engine"]
+            if not stages:
+                return (f"the script trains without a DeepSpeed engine: rank {rank} stepped but built none, so "
+                        f"the candidate's DeepSpeed config (ZeRO-{self.zero_stage}) was ignored (Accelerate on "
+                        "CPU with use_cpu drops DeepSpeed: keep DeepSpeed on CPU as "
+                        "examples/scripts/common.py's deepspeed_on_cpu does, or run on GPUs)")
+            if stages[-1] is not None and int(stages[-1]) != self.zero_stage:
+                return (f"the script ignores the DeepSpeed config's ZeRO stage: rank {rank} built a "
+                        f"ZeRO-{stages[-1]} engine, the candidate's is ZeRO-{self.zero_stage} (pass the config "
+                        "file Pipette gives, its zero_optimization included, to deepspeed.initialize or "
+                        "the Trainer's --deepspeed)")
+        return None
+
+    def _ignored_batch(self) -> str | None:
         for rank, events in sorted(self.by_rank.items()):
             for e in events:
                 samples = e.get("samples")

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from pipette.cli import client, tune
+from pipette.cli.signals import Terminated, exit_code, terminate_like_interrupt
 from pipette.errors import PipetteError, SpecError
 
 EXIT_OK = 0
@@ -40,15 +41,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return EXIT_USAGE
+    terminate_like_interrupt()  # SIGTERM says what it stopped and exits 143, not silently
     try:
         code: int = args.func(args)
         return code
     except PipetteError as e:
         print(f"pipette: error: {as_flags(e) if getattr(args, 'recipe_flags', False) else e}", file=sys.stderr)
         return EXIT_ERROR
-    except KeyboardInterrupt:
-        print("pipette: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        print("pipette: terminated (SIGTERM)" if isinstance(e, Terminated) else "pipette: interrupted",
+              file=sys.stderr)
+        return exit_code(e)
     except BrokenPipeError:  # `pipette plan | head`: the reader left, nothing to say
         sys.stderr.close()
         return EXIT_OK
@@ -106,29 +109,46 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--no-files", action="store_true", help="do not write launch files")
     plan.add_argument("--json", action="store_true", help="machine-readable output on stdout")
     plan.set_defaults(func=_cmd_plan)
-    tune.add_parser(sub, add_recipe_flags)
+    tune.add_parser(sub, lambda p: add_recipe_flags(p, TUNE_RECIPE_DEFAULTS))
     client.add_parsers(sub)  # the service's client: serve, cluster, submit, jobs, watch, ...
     return parser
 
 
-def add_recipe_flags(p: argparse.ArgumentParser) -> None:
+#: What ``tune`` takes where neither a --recipe nor a flag says (``tune._with_defaults``); ``plan``
+#: has no such defaults: its help says "required" where tune's gives the default.
+TUNE_RECIPE_DEFAULTS = {
+    "global_batch": "default 16 without --recipe", "seq_len": "default 128 without --recipe",
+    "dtype": "default: the recipe's, else bf16; fp32 on the embedded CPU cluster (no --cluster)",
+    "method": "default: the recipe's, else lora with --lora-rank 8 --lora-alpha 16",
+}
+
+
+def add_recipe_flags(p: argparse.ArgumentParser, defaults: dict[str, str] | None = None) -> None:
     """The training recipe's flags (``plan`` and ``tune``); they override ``--recipe``. Errors of
-    these commands name the flag (``as_flags``)."""
+    these commands name the flag (``as_flags``). ``defaults``: the command's own default per
+    flag, said in its help instead of "required"."""
+    said = defaults or {}
     p.set_defaults(recipe_flags=True)
-    p.add_argument("--recipe", help="a training recipe file (YAML or JSON); flags override it")
-    p.add_argument("--global-batch", type=int, help="sequences per optimizer step (required, here or in --recipe)")
-    p.add_argument("--seq-len", type=int, help="tokens per sequence (required, here or in --recipe; at most the "
-                   "model's positions)")
-    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"])
-    p.add_argument("--optimizer", choices=["adamw", "adam", "sgd"])
-    p.add_argument("--method", choices=["full", "lora"])
-    p.add_argument("--lora-rank", type=int)
-    p.add_argument("--lora-alpha", type=float)
-    p.add_argument("--lora-targets", help="comma-separated module names (q_proj,v_proj,...)")
-    p.add_argument("--recompute", help="allowed modes, comma-separated: none,selective,full")
-    p.add_argument("--zero", help="allowed ZeRO stages, comma-separated: 0,1,2,3")
-    p.add_argument("--schedules", help="allowed pipeline schedules: 1f1b,interleaved")
-    p.add_argument("--micro-batches", help="allowed micro-batch sizes, comma-separated")
+    p.add_argument("--recipe", help="a training recipe file (YAML or JSON); flags override it "
+                   "(default: none, the flags alone)")
+    p.add_argument("--global-batch", type=int, help="sequences per optimizer step ("
+                   + said.get("global_batch", "required, here or in --recipe") + ")")
+    p.add_argument("--seq-len", type=int, help="tokens per sequence, at most the model's positions ("
+                   + said.get("seq_len", "required, here or in --recipe") + ")")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"],
+                   help="training precision (" + said.get("dtype", "default: the recipe's, else bf16") + ")")
+    p.add_argument("--optimizer", choices=["adamw", "adam", "sgd"], help="default: the recipe's, else adamw")
+    p.add_argument("--method", choices=["full", "lora"],
+                   help="fine-tuning method (" + said.get("method", "default: the recipe's, else full") + ")")
+    p.add_argument("--lora-rank", type=int, help="LoRA rank (default: the recipe's, else 16)")
+    p.add_argument("--lora-alpha", type=float, help="LoRA alpha (default: the recipe's, else 32)")
+    p.add_argument("--lora-targets", help="comma-separated module names (q_proj,v_proj,...; default: the recipe's, "
+                   "else q_proj,k_proj,v_proj,o_proj)")
+    p.add_argument("--recompute", help="allowed modes, comma-separated: none,selective,full (default: all)")
+    p.add_argument("--zero", help="allowed ZeRO stages, comma-separated: 0,1,2,3 (default: all)")
+    p.add_argument("--schedules", help="allowed pipeline schedules: 1f1b,interleaved (default: all)")
+    p.add_argument("--micro-batches", help="allowed micro-batch sizes, comma-separated (default: every power of "
+                   "two up to the batch per replica)")
     p.add_argument("--stack", help="the software that runs the job: pipette (default), hf-deepspeed, megatron, "
                    "fsdp; an option with +: fsdp+compile, megatron+fp8 (docs/stacks.md)")
 

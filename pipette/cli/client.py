@@ -16,7 +16,8 @@ from collections.abc import Callable
 from typing import Any
 
 from pipette.cli import client_admin, client_cluster, client_jobs, client_watch
-from pipette.cli.client_api import EXIT_CODES_HELP, EXIT_ERROR, EXIT_INTERRUPTED, ApiError
+from pipette.cli.client_api import EXIT_CODES_HELP, EXIT_ERROR, ApiError
+from pipette.cli.signals import Terminated, exit_code
 from pipette.errors import PipetteError
 
 Command = Callable[[argparse.Namespace], int]
@@ -42,11 +43,12 @@ def command(fn: Command) -> Command:
         except PipetteError as e:
             print(f"pipette: error: {e}", file=sys.stderr)
             return EXIT_ERROR
-        except KeyboardInterrupt:
-            print("\npipette: interrupted" + (" (the job goes on; `pipette watch` it again)"
+        except KeyboardInterrupt as e:
+            what = "terminated (SIGTERM)" if isinstance(e, Terminated) else "interrupted"
+            print(f"\npipette: {what}" + (" (the job goes on; `pipette watch` it again)"
                                               if fn in (client_watch.cmd_watch, client_jobs.cmd_submit) else ""),
                   file=sys.stderr)
-            return EXIT_INTERRUPTED
+            return exit_code(e)
         except BrokenPipeError:  # `pipette trials JOB | head`: stop quietly, as `cat` does
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             return 0

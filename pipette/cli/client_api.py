@@ -41,14 +41,16 @@ EXIT_AUTH = 4  # no token, or the service does not accept it (401)
 EXIT_NOT_FOUND = 5  # no such job or cluster (404)
 EXIT_JOB_FAILED = 6  # watch: the job ended failed
 EXIT_JOB_CANCELLED = 7  # watch: the job was cancelled
-EXIT_INTERRUPTED = 130  # Ctrl-C
+EXIT_INTERRUPTED = 130  # Ctrl-C (SIGINT)
+EXIT_TERMINATED = 143  # SIGTERM (pipette.cli.signals: the same in every command)
 
 EXIT_CODES_HELP = """\
 exit codes:
   0  success (watch: the job succeeded)     4  not logged in, or the token was refused
   1  bad input, or the service refused it   5  no such job or cluster
   2  bad command line                       6  watch: the job failed
-  3  the service cannot be reached          7  watch: the job was cancelled"""
+  3  the service cannot be reached          7  watch: the job was cancelled
+  130  Ctrl-C (SIGINT)                       143  SIGTERM"""
 
 
 class ApiError(PipetteError):

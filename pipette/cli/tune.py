@@ -14,6 +14,7 @@ next job on the same cluster starts from them.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -21,10 +22,12 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from pipette.cli.signals import Terminated, exit_code, signal_name, terminate_like_interrupt
 from pipette.errors import SpecError
 from pipette.script import KINDS, KNOBS, ScriptSpec
 
@@ -36,7 +39,7 @@ TUNE_EXAMPLES = """\
 examples:
   pipette tune                                   # the embedded default: 4 CPU devices, tiny-llama, LoRA
   pipette tune --max-trials 4 --json > result.json
-  pipette tune --model examples/scripts/tiny-llama/config.json --script-kind hf-trainer \
+  pipette tune --model examples/scripts/tiny-llama/config.json --script-kind hf-trainer \\
       --script python examples/scripts/hf_trainer_lora.py --output_dir /tmp/out --report_to none
   RAY_ADDRESS=head:6380 pipette tune --model llama2-7b --cluster my-a100s.yaml \\
       --recipe examples/recipes/llama2-7b-lora.yaml --out best-7b
@@ -62,7 +65,7 @@ def add_parser(sub: Any, add_recipe_flags: Any) -> None:
     p.add_argument("--time-budget", type=float, default=None, help="seconds of trials at most (default: none)")
     p.add_argument("--tolerance", type=float, default=0.02, help="stop when nothing is likely to beat the best "
                    "by more than this fraction (default 0.02)")
-    p.add_argument("--stop-probability", type=float, default=0.05, help="...with more than this chance (0.05)")
+    p.add_argument("--stop-probability", type=float, default=0.05, help="...with more than this chance (default 0.05)")
     p.add_argument("--retime", type=int, default=3, help="before the verdict, re-time the best this many "
                    "candidates, interleaved (default 3; 0: do not; --reserve trials are kept for it)")
     p.add_argument("--retime-rounds", type=int, default=3, help="re-timing rounds at most (default 3)")
@@ -70,28 +73,36 @@ def add_parser(sub: Any, add_recipe_flags: Any) -> None:
                    "a quarter of --max-trials, at least 2, at most one round of --retime; on a noisy machine "
                    "--retime x --retime-rounds)")
     p.add_argument("--steps", type=int, default=8, help="timed steps per trial at most (default 8)")
-    p.add_argument("--trial-timeout", type=float, default=180.0, help="seconds before a trial is a timeout")
-    p.add_argument("--data", help="a local JSONL of prompt/response pairs (default: synthetic tokens)")
+    p.add_argument("--trial-timeout", type=float, default=180.0, help="seconds before a trial is a timeout "
+                   "(default 180)")
+    p.add_argument("--data", help="a local JSONL of prompt/response pairs, tokenised as raw UTF-8 bytes (modulo "
+                   "the vocabulary), not by the model's tokenizer: the shapes and step times are those of real "
+                   "text, the loss is not (default: synthetic tokens)")
     p.add_argument("--checkpoint", help="a local Hugging Face checkpoint folder (safetensors) to start from; "
                    "each rank reads only its slices (default: seeded random weights)")
-    p.add_argument("--home", default=None, help="where profiles and trial records live (default ~/.pipette)")
+    p.add_argument("--home", default=None, help="where profiles and trial records live (default $PIPETTE_HOME, "
+                   "else ~/.pipette)")
     p.add_argument("--no-memory", action="store_true", help="neither read nor keep past trials of this cluster")
-    p.add_argument("--out", default="pipette-best", help="where to write the best configuration's files")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="pipette-best", help="where to write the best configuration's files "
+                   "(default pipette-best)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the search and of the trials' data (default 0)")
     p.add_argument("--json", action="store_true", help="print the result as JSON on stdout (progress on stderr)")
     s = p.add_argument_group("your own training script", "Tune the script you train with instead of Pipette's "
                              "runner: its trials run it with each candidate's DeepSpeed config and knobs.")
     s.add_argument("--script-kind", choices=sorted(KINDS), help="the stack the script uses: fills its knobs "
-                   "(hf-trainer: --deepspeed, --per_device_train_batch_size, ...; deepspeed: --deepspeed_config)")
+                   "(hf-trainer: --deepspeed, --per_device_train_batch_size, ...; deepspeed: --deepspeed_config; "
+                   "default: none, each knob by --script-knob)")
     s.add_argument("--script-knob", action="append", default=[], metavar="KNOB=FLAG",
-                   help=f"the script's flag for a knob ({', '.join(KNOBS)}); KNOB= clears one; repeatable")
+                   help=f"the script's flag for a knob ({', '.join(KNOBS)}); KNOB= clears one; repeatable (default: "
+                   "--script-kind's)")
     s.add_argument("--script-autotp", action="store_true", help="the script runs DeepSpeed AutoTP (tp > 1)")
     s.add_argument("--script-pipeline", action="store_true", help="the script builds a PipelineModule (pp > 1)")
-    s.add_argument("--script-config", help="your DeepSpeed config (JSON): Pipette's keys overlay it")
+    s.add_argument("--script-config", help="your DeepSpeed config (JSON): Pipette's keys overlay it "
+                   "(default: Pipette's keys alone)")
     s.add_argument("--workdir", help="where the script runs (default: the current directory)")
     s.add_argument("--script", nargs=argparse.REMAINDER, metavar="COMMAND",
                    help="the command that trains, as words, after every other flag: "
-                   "--script python train.py --output_dir out")
+                   "--script python train.py --output_dir out (default: Pipette's own runner)")
     p.set_defaults(func=cmd_tune)
 
 
@@ -146,10 +157,11 @@ def cmd_tune(args: argparse.Namespace) -> int:
     check_devices(cluster)  # GPUs in the file where Ray has none (or the reverse): refused before any trial
     # Every rank of this job carries a tag, so an operator (or a test) can find them: `ps e`.
     tag = os.environ.get("PIPETTE_RANK_TAG") or f"tune-{uuid.uuid4().hex[:12]}"
+    stop = StopSignal(ui)
     runner = RayTrialRunner(model, training, cluster, device_kind=device_kind, timeout_s=args.trial_timeout,
                             max_steps=args.steps, seed=args.seed, data=args.data, checkpoint=args.checkpoint,
                             script=script, ship_workdir=bool(os.environ.get("RAY_ADDRESS")),
-                            env={"PIPETTE_RANK_TAG": tag})
+                            env={"PIPETTE_RANK_TAG": tag}, cancelled=stop.is_set)
     # A script's trials measure the script: they are kept apart from the runner's.
     suffix = f"-script-{_script_key(script)}" if script is not None else ""
     store = None if args.no_memory else home / "trials" / f"{cluster_key(plan)}{suffix}.jsonl"
@@ -161,25 +173,19 @@ def cmd_tune(args: argparse.Namespace) -> int:
     ui.say(f"{plan.enumerated} candidates, {len(plan.ranked)} may fit, {len(tuner.candidates)} runnable by {runs}{near}"
            + (f"; learning from {len(prior)} earlier trials on this cluster" if prior else ""))
     ui.header()
-    # Ctrl-C asks the tuner to stop: the running trial is stopped at its next step and kept
-    # (as pruned), then the best so far is written. A flag, not an exception, so that no
-    # library between here and the trial can swallow it; a second Ctrl-C abandons at once.
-    stop = threading.Event()
+    terminate_like_interrupt()  # ensure_ray installed Ray's handler (exit 15, silently)
+    from pipette.cli.interference import Interference
 
-    def on_sigint(signum: int, frame: Any) -> None:
-        if stop.is_set():
-            raise KeyboardInterrupt
-        stop.set()
-        ui.say("interrupted (Ctrl-C): stopping the running trial; Ctrl-C again to abandon it")
-
-    previous = signal.signal(signal.SIGINT, on_sigint)
-    try:
-        result = tuner.run(runner, on_event=lambda e: _on_event(e, ui, store), should_stop=stop.is_set)
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    if stop.is_set():
+    interference = Interference(tag)
+    with stop.installed():
+        result = tuner.run(runner, on_event=lambda e: _on_event(e, ui, store, interference), should_stop=stop.is_set)
+    result.interference = interference.summary()
+    if stop.signum is not None:
+        abandoned = result.interrupted  # a second signal: the tuner dropped the running trial
         result.interrupted = True
-        result.stop_reason = "interrupted (Ctrl-C); the running trial was stopped, what it measured is kept"
+        result.stop_reason = f"interrupted ({signal_name(stop.signum)}); " + (
+            "the running trial was abandoned, not recorded" if abandoned else
+            "the running trial was stopped, what it measured is kept")
     ui.done(result.stop_reason)
     files: dict[str, str] = {}
     if result.best is not None:
@@ -206,8 +212,40 @@ def cmd_tune(args: argparse.Namespace) -> int:
     else:
         _print_result(result, args.out, files)
     if result.interrupted:
-        return 130
+        return exit_code(stop.signum if stop.signum is not None else signal.SIGINT)
     return 0 if result.best is not None else 1
+
+
+class StopSignal:
+    """Ctrl-C or SIGTERM during the trials asks the tuner to stop: the running trial is stopped
+    and kept (as pruned), then the best so far and its files (the JSON with ``--json``) are
+    written. A flag, not an exception, so that no library between here and the trial can
+    swallow it; a second signal abandons at once."""
+
+    def __init__(self, ui: Progress) -> None:
+        self.ui = ui
+        self.signum: int | None = None
+        self.event = threading.Event()
+
+    def is_set(self) -> bool:
+        return self.event.is_set()
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        if self.event.is_set():
+            raise Terminated if signum == signal.SIGTERM else KeyboardInterrupt
+        self.signum = signum
+        self.event.set()
+        self.ui.say(f"interrupted ({signal_name(signum)}): stopping the running trial; "
+                    f"{signal_name(signum)} again to abandon it")
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        previous = {s: signal.signal(s, self) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
 
 
 def _script(args: argparse.Namespace) -> ScriptSpec | None:
@@ -222,6 +260,7 @@ def _script(args: argparse.Namespace) -> ScriptSpec | None:
         return None
     if not args.script:
         raise SpecError("is empty", field="--script", fix="give the command that trains: --script python train.py")
+    _warn_of_pipette_flags(args.script)
     knobs: dict[str, str] = {}
     for item in args.script_knob:
         name, sep, flag = item.partition("=")
@@ -248,6 +287,27 @@ def _stack(args: argparse.Namespace, script: ScriptSpec | None) -> Any:
 
     return stack_to_tune(args.stack, script=script is not None, script_kind=script.kind if script else None,
                          field="--stack")
+
+
+def pipette_flags_in(words: list[str]) -> list[str]:
+    """The words after ``--script`` that are ``pipette tune``'s own flags (``--flag`` or
+    ``--flag=value``): they go to the script, not to Pipette."""
+    from pipette.cli import _parser
+
+    sub = next(a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction))
+    ours = set(sub.choices["tune"]._option_string_actions) - {"-h", "--help"}
+    return [w for w in words if w.split("=", 1)[0] in ours]
+
+
+def _warn_of_pipette_flags(words: list[str]) -> None:
+    """Pipette's flags written after ``--script`` went silently to the script: a job of 7.6
+    minutes on the defaults, every trial failed (issue 32, item 10). A script may take a flag
+    of the same name (--seed), so this warns, and says how to give them to Pipette."""
+    found = pipette_flags_in(words)
+    if found:
+        print(f"pipette: warning: {', '.join(found)} after --script go to your script, not to Pipette "
+              "(everything after --script is the script's command); if they are Pipette's, put them before "
+              "--script", file=sys.stderr, flush=True)
 
 
 def _script_key(script: ScriptSpec) -> str:
@@ -278,6 +338,7 @@ def _cluster(args: argparse.Namespace, home: Path, ui: Progress, model: Any) -> 
         return load_cluster(args.cluster)  # Ray starts after planning: a job that fits nowhere needs none
     path = home / "profiles" / f"local-cpu-{args.devices}.json"
     ensure_ray()
+    terminate_like_interrupt()  # Ray's own handler exits 15 without a word
     if path.exists() and not args.reprofile:
         try:
             data = json.loads(path.read_text())
@@ -323,17 +384,48 @@ def _read_records(path: Path) -> list[Any]:
     return out
 
 
-def _on_event(event: Any, ui: Progress, store: Path | None) -> None:
+def _on_event(event: Any, ui: Progress, store: Path | None, interference: Any = None) -> None:
     if event.kind == "trial_started":
         ui.start(event.trial, event.data)
+        if interference is not None:
+            interference.start()
     elif event.kind == "trial_step":
         ui.step(event.data)
     elif event.kind == "trial_ended":
+        if interference is not None:
+            interference.end()
         ui.end(event.data)
         if store is not None:
             store.parent.mkdir(parents=True, exist_ok=True)
             with store.open("a") as f:
                 f.write(json.dumps(event.data) + "\n")
+
+
+#: lines of a failed trial's reason shown under its line (the whole of it is in the record)
+REASON_LINES = 40
+
+
+def _reason_lines(m: dict[str, Any]) -> list[str]:
+    """The whole reason a trial failed, not its first line cut at 160 characters; and the end
+    of what its rank said, where the reason does not already hold it (a timeout)."""
+    lines = [x for x in m["error"].splitlines() if x.strip()]
+    tail = str(m.get("extra", {}).get("output_tail") or "")
+    said = [x for x in tail.splitlines() if x.strip()]
+    if said and said[-1] not in m["error"]:
+        lines += ["its output ended with:", *("  " + x for x in said[-10:])]
+    if len(lines) > REASON_LINES:
+        cut = len(lines) - REASON_LINES
+        lines = [lines[0], f"... {cut} lines more in the trial's record (--home trials/*.jsonl) ...",
+                 *lines[cut + 1:]]
+    return lines
+
+
+def _peak_text(m: dict[str, Any]) -> str:
+    """The tensors' peak in MiB; a script trial on CPU has none, its ranks' peak RSS stands in."""
+    if m["peak_memory"]:
+        return f"{max(m['peak_memory']) / 2**20:.0f}"
+    rss = [int(x) for x in m.get("extra", {}).get("peak_rss_bytes") or () if x]
+    return f"{max(rss) / 2**20:.0f} RSS" if rss else "-"
 
 
 class Progress:
@@ -358,7 +450,8 @@ class Progress:
 
     def header(self) -> None:
         # "vs pred": (measured - predicted) / predicted, + when slower than predicted (the API's
-        # prediction_error); "peak MiB": the tensors' peak (the allocator's on a GPU)
+        # prediction_error); "peak MiB": the tensors' peak (the allocator's on a GPU), or "N RSS":
+        # a CPU script trial's resident peak, where no tensor peak is measured
         self.say(f"{'trial':>5}  {'candidate':<38} {'status':<8} {'predicted':>10} {'measured':>10} "
                  f"{'vs pred':>7} {'peak MiB':>9}")
 
@@ -378,7 +471,7 @@ class Progress:
         colour = {"ok": "32", "oom": "31", "failed": "31", "timeout": "33", "pruned": "33"}.get(status, "0")
         measured = f"{m['step_time']:.3f} s" if m["step_time"] else "-"
         error = f"{r['error_pct']:+.0f}%" if r["error_pct"] is not None else ""
-        peak = f"{max(m['peak_memory']) / 2**20:.0f}" if m["peak_memory"] else "-"
+        peak = _peak_text(m)
         if status == "ok" and (self.best is None or m["step_time"] < self.best):
             self.best, self.best_label = m["step_time"], r["label"]
         self.done_trials = r["number"] + 1
@@ -387,9 +480,10 @@ class Progress:
         self.say(f"{'#' + str(r['number']):>5}  {label:<38} {self._c(f'{status:<8}', colour)} "
                  f"{r['predicted_step_time']:>8.3f} s {measured:>10} {error:>7} {peak:>9}")
         if status not in ("ok", "pruned") and m["error"]:
-            self.say(f"       {m['error'].splitlines()[0][:160]}")
+            for line in _reason_lines(m):
+                self.say(f"       {line}")
         if m.get("extra", {}).get("not_retried"):
-            self.say(f"       not retried: {m['extra']['not_retried'][:200]}")
+            self.say(f"       not retried: {m['extra']['not_retried']}")
 
     def done(self, reason: str) -> None:
         self.say(f"stopped after {time.monotonic() - self.start_time:.0f} s: {reason}")
@@ -411,24 +505,34 @@ class Progress:
 
 
 def _print_result(result: Any, out: str, files: dict[str, str]) -> None:
+    from pipette.result_text import confidence_lines, placement_line, precision_line, verdict_first, what_happened
+    from pipette.tuner import tensor_peak_bytes
+
     print()
     if result.best is None:
         print(f"no configuration succeeded ({result.stop_reason}); see the trials' errors above")
+        print(f"  {what_happened(result)}")
         return
+    for line in verdict_first(result):  # an undecided verdict first: it must not read like a result
+        print(line)
     b = result.best
     m = b.measurement
     cfg = b.config
-    print(f"best: {b.label}   placement {list(cfg.devices())}")
+    print(f"{'best so far' if not result.decided else 'best'}: {b.label}")
     print(f"  tp={cfg.tp} pp={cfg.pp} dp={cfg.dp} micro-batch={cfg.mbs} grad-accum={cfg.grad_accum} "
           f"ZeRO-{cfg.zero_stage} recompute={cfg.recompute} schedule={cfg.schedule}")
+    print(f"  {placement_line(cfg)}")
+    n = result.pick_trials or 1
+    measured = result.pick_step_time or m.step_time
     print(f"  {'':<18}{'predicted':>12}{'measured':>12}")
-    print(f"  {'step time (s)':<18}{b.predicted_step_time:>12.4f}{m.step_time:>12.4f}")
+    print(f"  {'step time (s)':<18}{b.predicted_step_time:>12.4f}{measured:>12.4f}"
+          + (f"   (geometric mean of its {n} ok trials, as it was picked)" if n > 1 else ""))
     print(f"  {'tokens/s':<18}{b.perf.tokens_per_s * b.perf.step_time / b.predicted_step_time:>12,.0f}"
-          f"{m.tokens_per_s:>12,.0f}")
+          f"{result.plan.training.tokens_per_step / measured:>12,.0f}")
     if m.peak_memory:
         # Like with like: the tensors the estimator counts against the tensors the trial held;
         # the process's resident size (interpreter, libraries) beside them.
-        tensors = b.memory.peak_bytes - b.memory.breakdown.get("overhead", 0)
+        tensors = tensor_peak_bytes(b.memory)
         print(f"  {'peak tensors (MiB)':<18}{tensors / 2**20:>12,.0f}{max(m.peak_memory) / 2**20:>12,.0f}")
         rss = m.extra.get("peak_rss_bytes")
         if rss:
@@ -436,16 +540,12 @@ def _print_result(result: Any, out: str, files: dict[str, str]) -> None:
     headroom = result.memory_headroom()
     if headroom is not None:
         print(f"  {'memory':<18}{headroom['text']}")
-    ran = len({t.number for t in result.trials if t.purpose == "search"})
-    retimed = len({t.number for t in result.trials if t.purpose == "retime"})
-    print(f"  found in {ran} trials of {len(result.plan.ranked)} candidates that fit"
-          + (f", then {retimed} re-timing trials of the best" if retimed else ""))
-    if result.confidence is not None:
-        print(f"  {result.confidence:.0%} sure to be within {result.tolerance:.0%} of the best candidate tried "
-              f"(trial-to-trial noise {result.learned.get('trial_noise_sd', 0.0):.1%})")
-    if result.confidence_overall is not None:
-        print(f"  {result.confidence_overall:.0%} sure to be within {result.tolerance:.0%} of every candidate, "
-              "the untried ones as the learned model predicts them")
+    print(f"  {what_happened(result)}")
+    for line in confidence_lines(result):
+        print(f"  {line}")
+    precision = precision_line(result)
+    if precision:
+        print(f"  {precision}")
     if files:
         print(f"\nfiles in {out}/: {', '.join(sorted(Path(f).name for f in files.values()))}")
         if "launch.sh" in files:

@@ -84,6 +84,20 @@ def test_a_script_that_ignores_the_deepspeed_config_fails_with_one_line_saying_s
                     r"the candidate's global batch is 8 \(", m.error), m.error
 
 
+@pytest.mark.parametrize(("flags", "said"), [
+    (["--own-zero", "0"], "the script ignores the DeepSpeed config's ZeRO stage: rank [01] built a ZeRO-0 engine, "
+                          "the candidate's is ZeRO-1 \\("),
+    (["--no-engine"], "the script trains without a DeepSpeed engine: rank [01] stepped but built none, so the "
+                      "candidate's DeepSpeed config \\(ZeRO-1\\) was ignored \\(Accelerate on CPU with use_cpu"),
+], ids=["another-stage", "no-engine"])
+def test_a_script_that_ignores_the_zero_stage_fails_with_one_line_saying_so(flags: list[str], said: str) -> None:
+    """Issue 32, item 10: only an ignored batch size was detected; Accelerate on CPU (use_cpu)
+    drops DeepSpeed and every ZeRO stage measured the same run."""
+    m = run_trial(_trial(["python", "ds_tiny.py", *flags]), timeout_s=240)
+    assert m.status == "failed"
+    assert re.match(said, m.error), m.error
+
+
 def test_a_script_that_exits_before_its_first_step_fails_naming_its_error() -> None:
     m = run_trial(_trial(["python", "ds_tiny.py", "--crash-at", "0"]), timeout_s=240)
     assert m.status == "failed"

@@ -101,3 +101,40 @@ def test_bad_scripts_are_refused_before_profiling(tmp_path: Path) -> None:
         lines = [ln for ln in done.stderr.splitlines() if ln.strip()]
         assert len(lines) == 1 and expected in lines[0], (extra, done.stderr)
         assert "measuring" not in done.stderr and "Traceback" not in done.stderr
+
+
+def _hung_tune(tmp: Path, timeout_s: int) -> list[str]:
+    return [sys.executable, "-m", "pipette.cli", "tune", "--cluster", str(ROOT / "examples/clusters/cpu-4.yaml"),
+            "--model", str(MODEL), "--global-batch", "8", "--seq-len", "64", "--dtype", "fp32", "--steps", "3",
+            "--max-trials", "1", "--retime", "0", "--trial-timeout", str(timeout_s), "--home", str(tmp / "home"),
+            "--out", str(tmp / "best"), "--workdir", str(ROOT / "tests" / "integration" / "scripts"),
+            "--script-kind", "deepspeed", "--script", "python", "hangs.py"]
+
+
+def test_a_hung_scripts_timeout_keeps_its_output_and_ctrl_c_stops_it_at_once(tmp_path: Path) -> None:
+    """Issue 32, item 10: nothing was kept of a timed-out script's output, and Ctrl-C during a
+    hung trial waited for its timeout (2 min 40 s)."""
+    import signal
+    import time
+
+    done = subprocess.run(_hung_tune(tmp_path, 25), capture_output=True, text=True, env=_env(), timeout=600,
+                          cwd=tmp_path)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "its output ended with:" in done.stderr and "waiting for a lock that never comes" in done.stderr
+    record = json.loads(next((tmp_path / "home" / "trials").glob("*.jsonl")).read_text().splitlines()[0])
+    assert record["measurement"]["status"] == "timeout"
+    assert "waiting for a lock that never comes" in record["measurement"]["extra"]["output_tail"]
+
+    proc = subprocess.Popen(_hung_tune(tmp_path, 600), stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                            text=True, env=_env(), cwd=tmp_path)
+    assert proc.stderr is not None
+    for line in proc.stderr:  # the trials' header: the first trial starts now
+        if line.lstrip().startswith("trial"):
+            break
+    time.sleep(20)  # its ranks are up and hang
+    proc.send_signal(signal.SIGINT)
+    signalled = time.monotonic()
+    _, err = proc.communicate(timeout=120)
+    took = time.monotonic() - signalled
+    assert proc.returncode == 130, err[-3000:]
+    assert took < 30, f"Ctrl-C took {took:.0f} s to stop a hung trial"

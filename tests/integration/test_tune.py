@@ -114,3 +114,30 @@ def test_a_model_that_fits_nowhere_ends_at_planning(tmp_path: Path) -> None:
     assert "Traceback" not in done.stderr
     assert not (tmp_path / "trials").exists()
     assert time.monotonic() - start < 60
+
+
+def test_sigterm_of_tune_json_prints_the_best_so_far_and_exits_143(tmp_path: Path) -> None:
+    """Issue 32, item 7: SIGTERM of `pipette tune --json` printed nothing (Ray's handler exited 15)."""
+    proc = subprocess.Popen(_tune(tmp_path, "--max-trials", "8", "--stop-probability", "0", "--json"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+    assert proc.stderr is not None
+    lines: list[str] = []
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:  # the first trial ended, the second is running: SIGTERM
+        line = proc.stderr.readline()
+        if not line:
+            break
+        lines.append(line)
+        if line.strip().startswith("#0"):
+            time.sleep(8)
+            proc.send_signal(signal.SIGTERM)
+            break
+    out, err = proc.communicate(timeout=120)
+    text = "".join(lines) + err
+    assert proc.returncode == 143, text[-3000:]
+    assert "interrupted (SIGTERM): stopping the running trial" in text
+    result = json.loads(out)
+    assert result["interrupted"] and result["stop_reason"].startswith("interrupted (SIGTERM)")
+    assert result["trials"] and result["trials"][0]["number"] == 0
+    time.sleep(2)
+    assert _no_rank_left()

@@ -73,3 +73,31 @@ def test_serve_and_worker_refuse_a_missing_or_unmigrated_database_in_one_line(tm
             lines = done.stderr.strip().splitlines()
             assert done.returncode == 1 and len(lines) == 1, done.stderr
             assert "is at schema none (empty)" in lines[0] and "pipette-admin migrate" in lines[0]
+
+
+def test_serve_exits_130_at_ctrl_c_and_143_at_sigterm_like_tune(tmp_path: Path) -> None:
+    """Issue 32, item 7: the same exit codes across `tune` and `serve`. uvicorn re-raised the
+    signal, so `pipette serve` died by SIGTERM (-15) with nothing said."""
+    import signal
+    import time
+
+    import httpx
+
+    from tests.service.processes import free_port
+
+    for signum, code, said in ((signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated (SIGTERM)")):
+        port = free_port()
+        env = {**os.environ, "PIPETTE_HOME": str(tmp_path), "PYTHONPATH": str(ROOT), "PIPETTE_SCHEDULER": "0",
+               "PIPETTE_DATABASE_URL": f"sqlite:///{tmp_path / 'serve.db'}"}
+        proc = subprocess.Popen([sys.executable, "-m", "pipette.cli", "serve", "--port", str(port)], env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.3)
+        proc.send_signal(signum)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == code and f"pipette: {said}" in err, (signum, proc.returncode, err[-2000:])

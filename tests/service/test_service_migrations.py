@@ -111,7 +111,7 @@ def test_0002_fills_the_trial_figures_of_stored_records(backend: str, tmp_path: 
                 row = conn.execute(text("SELECT analytic_step_time, predicted_peak_bytes, tokens_per_s, "
                                         "peak_memory_bytes, error, attempt FROM trials")).one()
             assert row.analytic_step_time == pytest.approx(planned.perf.step_time)
-            assert row.predicted_peak_bytes == planned.memory.peak_bytes
+            assert row.predicted_peak_bytes == planned.memory.peak_bytes - planned.memory.breakdown["overhead"]
             assert row.tokens_per_s == pytest.approx(training.tokens_per_step / 0.31)
             assert (row.peak_memory_bytes, row.error, row.attempt) == (2**28, None, 2)
             downgrade(url, "0001")

@@ -5,6 +5,7 @@ Bad input must exit non-zero with one line naming the field and the fix, never a
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -170,3 +171,110 @@ def test_a_reader_that_leaves_early_gets_no_traceback() -> None:
     proc.stdout.close()  # as `| head -1` does
     _, err = proc.communicate(timeout=60)
     assert "Traceback" not in err and "BrokenPipe" not in err
+
+
+def test_a_mixtral_folder_is_refused_in_one_line(tmp_path: Path) -> None:
+    """Issue 32, item 6: Mixtral's config.json was planned silently as a dense 7.24B model."""
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "mixtral", "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 32000, "num_local_experts": 8,
+        "num_experts_per_tok": 2, "max_position_embeddings": 32768}))
+    r = pipette("plan", "--model", str(tmp_path), "--cluster", str(CLUSTERS / "a100-2x8.yaml"),
+                "--global-batch", "16", "--seq-len", "4096", "--no-files")
+    _assert_one_line_error(r, "--model:", "Mixture-of-Experts model (mixtral): num_local_experts 8",
+                           "experts and expert parallelism", "does not model yet")
+
+
+@pytest.mark.parametrize(("signum", "code", "said"), [
+    (2, 130, "pipette: interrupted"), (15, 143, "pipette: terminated (SIGTERM)"),
+])
+def test_a_signal_ends_a_command_with_the_shells_code_and_a_word(tmp_path: Path, signum: int, code: int,
+                                                                  said: str) -> None:
+    """Issue 32, item 7: SIGTERM ended a command silently (Ray's handler: exit 15, or none)."""
+    import os
+    import time
+
+    env = {**os.environ, "HOME": str(tmp_path), "PIPETTE_CONFIG": str(tmp_path / "c.json")}
+    env.pop("PIPETTE_TOKEN", None)
+    # `login --with-token` waits on stdin: a command blocked where the user might stop it
+    proc = subprocess.Popen([sys.executable, "-m", "pipette.cli", "login", "--with-token"], stdin=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+    time.sleep(3)  # the interpreter and the CLI's imports
+    proc.send_signal(signum)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == code and said in err and "Traceback" not in err, (proc.returncode, err)
+
+
+def _tune_parser() -> argparse.ArgumentParser:
+    from pipette.cli import _parser
+
+    sub = next(a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction))
+    parser: argparse.ArgumentParser = sub.choices["tune"]
+    return parser
+
+
+def test_tune_help_gives_every_default_and_calls_nothing_required() -> None:
+    """Issue 32, item 8: --global-batch said "required" though tune defaults it to 16, and
+    --trial-timeout showed no default."""
+    for action in _tune_parser()._actions:
+        if action.help in (None, argparse.SUPPRESS) or action.nargs == 0:
+            continue  # -h and on/off flags
+        flag = action.option_strings[0]
+        assert "default" in action.help, f"{flag}: {action.help}"
+        assert "required" not in action.help, f"{flag}: {action.help}"
+        if isinstance(action.default, int | float) and not isinstance(action.default, bool):
+            assert f"{action.default:g}" in action.help, f"{flag} defaults to {action.default}: {action.help}"
+
+
+def test_tune_help_examples_are_whole_command_lines() -> None:
+    """A continuation line lost its backslash (a Python escape ate it): the example ran as two
+    commands. Each example is read back as one command line by tune's own parser."""
+    import shlex
+
+    from pipette.cli.tune import TUNE_EXAMPLES
+
+    shown = TUNE_EXAMPLES.split("examples:\n", 1)[1]
+    for physical in shown.splitlines():  # was: "hf-trainer       --script ...", 150 characters
+        assert "   " not in physical.split("#")[0].strip() and len(physical) <= 110, physical
+    text = shown.replace("\\\n", " ")
+    lines = [line.split("#")[0].split(">")[0].strip() for line in text.splitlines() if line.strip()]
+    assert len(lines) == 4, lines
+    for line in lines:
+        words = [w for w in shlex.split(line) if "=" not in w.split("-")[0] or w.startswith("-")]
+        assert words[:2] == ["pipette", "tune"], line
+        _tune_parser().parse_args(words[2:])  # exits 2 on a word it does not know
+
+
+def test_data_help_says_it_is_tokenised_as_bytes() -> None:
+    r = pipette("tune", "--help")
+    assert "tokenised as raw UTF-8 bytes" in " ".join(r.stdout.split())
+
+
+def test_pipettes_flags_after_script_are_warned_of(tmp_path: Path) -> None:
+    """Issue 32, item 10: `--global-batch 16 --devices 2 --script-kind deepspeed` after --script
+    went silently to the script (7.6 minutes on the defaults, every trial failed)."""
+    r = pipette("tune", "--home", str(tmp_path), "--script", "python", "nothere.py", "--global-batch", "16",
+                "--devices=2", "--script-kind", "deepspeed", "--lr", "3e-4", cwd=tmp_path)
+    assert "pipette: warning: --global-batch, --devices=2, --script-kind after --script go to your script" in r.stderr
+    assert "put them before --script" in r.stderr and "--lr" not in r.stderr.split("warning:")[1].split("\n")[0]
+    r = pipette("tune", "--home", str(tmp_path), "--script", "python", "nothere.py", "--lr", "3e-4", cwd=tmp_path)
+    assert "warning" not in r.stderr
+
+
+def test_a_failed_trials_whole_reason_and_output_are_shown() -> None:
+    """Issue 32, item 10: trial lines were cut at 160 characters and to their first line, and a
+    timed-out script's output was not kept."""
+    from pipette.cli.tune import _peak_text, _reason_lines
+
+    long = "RuntimeError: " + "x" * 300
+    error = f"rank 1 exited with status 1\nTraceback (most recent call last):\n  File \"t.py\", line 3\n{long}"
+    lines = _reason_lines({"error": error, "extra": {}})
+    assert lines == error.splitlines(), lines
+    timeout = {"error": "the script reported no step in 180 s", "extra": {"output_tail": "loading\nwaiting for a lock"}}
+    assert _reason_lines(timeout)[-3:] == ["its output ended with:", "  loading", "  waiting for a lock"]
+    many = {"error": "\n".join(f"line {i}" for i in range(100)), "extra": {}}
+    shown = _reason_lines(many)
+    assert len(shown) <= 41 and shown[0] == "line 0" and shown[-1] == "line 99" and "in the trial's record" in shown[1]
+    # a CPU script trial has no tensor peak: its peak RSS stands in, marked as such
+    assert _peak_text({"peak_memory": [], "extra": {"peak_rss_bytes": [600 * 2**20, 812 * 2**20]}}) == "812 RSS"
+    assert _peak_text({"peak_memory": [2**20 * 40], "extra": {}}) == "40"

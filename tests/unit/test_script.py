@@ -186,3 +186,30 @@ def test_only_a_rank_that_exits_before_any_rank_stepped_makes_the_script_stopped
     quiet = ScriptEvents(world=2, global_batch=8)
     m = script_measurement(trial, Outcome("failed", "rank 0 exited 1"), quiet, 1.0, tail)
     assert m.error == "the script stopped before its first step: ValueError: no such dataset\nrank 0 exited 1"
+
+
+def test_a_script_that_drops_the_zero_stage_is_caught_once_it_steps() -> None:
+    """Issue 32, item 10: only an ignored batch was detected; a script that built another ZeRO
+    stage, or no DeepSpeed engine at all (Accelerate on CPU with use_cpu), went unseen."""
+    from workers.script_trial import ScriptEvents
+
+    step = {"event": "step", "step": 0, "time": 0.1, "samples": 8}
+    fine = ScriptEvents(world=2, global_batch=8, zero_stage=3)
+    fine.add(0, {"event": "ds_engine", "zero_stage": 3})
+    fine.add(0, step)
+    fine.add(1, {"event": "ds_engine", "zero_stage": 3})  # rank 1 built it, has not stepped yet
+    assert fine.ignored_config() is None
+    other = ScriptEvents(world=2, global_batch=8, zero_stage=3)
+    other.add(1, {"event": "ds_engine", "zero_stage": 1})
+    other.add(1, step)
+    assert (other.ignored_config() or "").startswith(
+        "the script ignores the DeepSpeed config's ZeRO stage: rank 1 built a ZeRO-1 engine, the candidate's is ZeRO-3")
+    none = ScriptEvents(world=2, global_batch=8, zero_stage=2)
+    none.add(0, {"event": "ds_engine", "zero_stage": None})  # a DeepSpeed that would not say: not judged
+    none.add(0, step)
+    assert none.ignored_config() is None
+    none.add(1, step)
+    assert (none.ignored_config() or "").startswith("the script trains without a DeepSpeed engine: rank 1 stepped")
+    unchecked = ScriptEvents(world=2, global_batch=8)  # no stage given: as before, the batch alone
+    unchecked.add(0, step)
+    assert unchecked.ignored_config() is None

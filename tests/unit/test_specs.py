@@ -129,3 +129,40 @@ def test_parallel_config_validation() -> None:
         ParallelConfig(tp=2, pp=1, dp=1, mbs=1, global_batch=1, placement=(0, 0))
     with pytest.raises(SpecError, match="interleaved"):
         ParallelConfig(tp=1, pp=2, dp=1, mbs=1, global_batch=2, virtual_stages=2)
+
+
+#: Mixtral-8x7B's released config.json (the keys the planner reads, and its experts).
+MIXTRAL = {
+    "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 4096,
+    "intermediate_size": 14336, "num_attention_heads": 32, "num_hidden_layers": 32,
+    "num_key_value_heads": 8, "num_local_experts": 8, "num_experts_per_tok": 2,
+    "vocab_size": 32000, "max_position_embeddings": 32768,
+}
+
+
+@pytest.mark.parametrize(("cfg", "named"), [
+    (MIXTRAL, "Mixture-of-Experts model (mixtral): num_local_experts 8, num_experts_per_tok 2"),
+    # The same experts under a Llama model_type: the keys decide, not the name.
+    ({**MIXTRAL, "model_type": "llama"}, "Mixture-of-Experts model (llama): num_local_experts 8"),
+    ({**MIXTRAL, "model_type": "qwen2_moe", "num_local_experts": 0}, "Mixture-of-Experts model (qwen2_moe)"),
+    ({"model_type": "t5", "is_encoder_decoder": True, "d_model": 512}, "an encoder-decoder model (t5)"),
+    ({**MIXTRAL, "model_type": "gemma", "num_local_experts": 1, "num_experts_per_tok": 1}, "model_type 'gemma'"),
+    ({**MIXTRAL, "model_type": "mistral", "num_local_experts": 1, "num_experts_per_tok": 1, "hidden_size": 5120,
+      "head_dim": 128}, "head_dim 128 other than hidden_size / num_attention_heads (160)"),
+])
+def test_an_unsupported_architecture_is_refused_in_one_line(tmp_path: Path, cfg: dict[str, object],
+                                                            named: str) -> None:
+    """Issue 32, item 6: Mixtral was planned silently as a dense 7.24B model."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    with pytest.raises(SpecError) as e:
+        ModelSpec.from_hf_config(path)
+    line = str(e.value)
+    assert named in line and "does not model yet" in line and "\n" not in line, line
+    assert "fix: give a dense decoder-only model" in line
+
+
+def test_a_dense_config_with_moe_keys_at_one_expert_is_planned() -> None:
+    """num_experts 1 (or 0) is a dense model; Mistral's head_dim equal to hidden/heads is fine."""
+    dense = {**MIXTRAL, "model_type": "mistral", "num_local_experts": 1, "num_experts_per_tok": 1, "head_dim": 128}
+    assert ModelSpec.from_hf_config(dense).total_params() > 7e9

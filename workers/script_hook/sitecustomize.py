@@ -103,6 +103,51 @@ def _patch(module: Any, steps: _Steps) -> None:
     timer_class.stop = stop
 
 
+def _patch_engine(module: Any) -> None:
+    """Say which ZeRO stage each DeepSpeed engine the script builds runs: a script that drops
+    the candidate's config (Accelerate on CPU with ``use_cpu`` builds no engine at all) measured
+    another configuration than the candidate's, unseen (issue 32, item 10)."""
+    engine_class = module.DeepSpeedEngine
+    original = engine_class.__init__
+
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        try:
+            stage: int | None = int(self.zero_optimization_stage())
+        except Exception:  # an engine of another DeepSpeed version: say nothing rather than fail
+            stage = None
+        _emit({"event": "ds_engine", "rank": int(os.environ.get("RANK", "0")), "zero_stage": stage})
+
+    engine_class.__init__ = init
+
+
+class _EngineFinder(importlib.abc.MetaPathFinder):
+    """Patches ``deepspeed.runtime.engine`` as it is imported (``_patch_engine``)."""
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        if name != "deepspeed.runtime.engine":
+            return None
+        sys.meta_path.remove(self)
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            sys.meta_path.insert(0, self)
+        if spec is None or spec.loader is None:
+            return None
+        loader = spec.loader
+
+        class Loader(importlib.abc.Loader):
+            def create_module(self, spec: Any) -> Any:
+                return loader.create_module(spec)
+
+            def exec_module(self, module: Any) -> None:
+                loader.exec_module(module)
+                _patch_engine(module)
+
+        spec.loader = Loader()
+        return spec
+
+
 class _Finder(importlib.abc.MetaPathFinder):
     def __init__(self, steps: _Steps) -> None:
         self.steps = steps
@@ -140,6 +185,7 @@ def _install() -> None:
     except ValueError:
         return
     sys.meta_path.insert(0, _Finder(_Steps(trial)))
+    sys.meta_path.insert(0, _EngineFinder())
 
 
 _install()

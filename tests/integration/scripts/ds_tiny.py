@@ -1,7 +1,8 @@
 """A small DeepSpeed training loop for the script-trial tests: an MLP on a learnable target.
 
     ds_tiny.py --deepspeed_config CFG [--steps N] [--no-report] [--own-batch B] [--crash-at S]
-               [--abort-after-done R] [--linger-after-done R] [--report-late R]
+               [--abort-after-done R] [--linger-after-done R] [--report-late R] [--own-zero S]
+               [--no-engine]
 
 --no-report: never calls pipette.report (timed by its DeepSpeed engine only);
 --own-batch: ignores the config's batch sizes and trains B sequences a step;
@@ -10,7 +11,10 @@
   (as CI saw this script's rank 0 abort at exit, which skips ``destroy_process_group``);
 --linger-after-done: rank R sleeps an hour once it reported its end (a teardown that hangs);
 --report-late: rank R's output (its events) is held back for 5 s, so that the other ranks' events
-  arrive first (a race CI once lost).
+  arrive first (a race CI once lost);
+--own-zero: builds its engine with ZeRO stage S, whatever the config says;
+--no-engine: trains with plain torch, no DeepSpeed engine (as Accelerate on CPU with use_cpu does),
+  its steps reported with the config's batch.
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ parser.add_argument("--crash-at", type=int, default=None)
 parser.add_argument("--abort-after-done", type=int, default=None)
 parser.add_argument("--linger-after-done", type=int, default=None)
 parser.add_argument("--report-late", type=int, default=None)
+parser.add_argument("--own-zero", type=int, default=None)
+parser.add_argument("--no-engine", action="store_true")
 parser.add_argument("--local_rank", type=int, default=-1)
 args = parser.parse_args()
 
@@ -47,8 +53,24 @@ if args.own_batch:
     world = torch.distributed.get_world_size()
     config |= {"train_batch_size": args.own_batch * world, "train_micro_batch_size_per_gpu": args.own_batch,
                "gradient_accumulation_steps": 1}
+if args.own_zero is not None:
+    config["zero_optimization"] = {"stage": args.own_zero}
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))
+if args.no_engine:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    reporter = Reporter()
+    reporter.begin()
+    for _ in range(args.steps):
+        x = torch.randn(config["train_micro_batch_size_per_gpu"], 64)
+        loss = torch.nn.functional.mse_loss(model(x), x)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if reporter.step(loss=float(loss), samples=config["train_batch_size"]):
+            break
+    reporter.done()
+    sys.exit(0)
 engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
                                   config=config)
 
