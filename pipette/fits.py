@@ -81,11 +81,15 @@ PIPETTE_GPU = FitsPrior("pipette-gpu", mu=-0.019, sd=0.105,
 #: nanotron (the Ultra-Scale H100 set: rank 0's logged peak against the estimate with
 #: ``MEGATRON_OPTIONS``, how the plan prices nanotron and Megatron runs; 1620 runs that ran).
 NANOTRON_GPU = FitsPrior("nanotron-gpu", mu=0.216, sd=0.212, source="ultrascale_h100_1b_3b_8b.csv, 1620 runs")
+#: PyTorch FSDP2 (torchtitan's H100 runs: peak reserved, max over ranks, against the estimate
+#: with the ``fsdp`` stack's options; 14 runs with memory, none out of memory). Wide: the
+#: estimator does not yet model FSDP2's per-layer gathers and per-op recomputation (docs/stacks.md).
+FSDP_GPU = FitsPrior("fsdp-gpu", mu=-0.273, sd=0.600, source="torchtitan_h100_fsdp2.csv, 14 runs with memory")
 #: CPU devices: no calibration runs (the runner's RSS is recorded by every CPU trial); the
 #: learned memory model's default prior (``pipette.feasibility``), centred.
 CPU = FitsPrior("cpu", mu=0.0, sd=0.226, source="no calibration runs: the learned model's default prior")
 
-PRIORS = {p.name: p for p in (PIPETTE_GPU, NANOTRON_GPU, CPU)}
+PRIORS = {p.name: p for p in (PIPETTE_GPU, NANOTRON_GPU, FSDP_GPU, CPU)}
 
 
 def default_prior(device_kind: str) -> FitsPrior:
@@ -117,6 +121,6 @@ def expected_step_time(step_time: float, p_fit: float, fallback_step_time: float
 
 
 __all__ = [
-    "CPU", "FAILED_TRIAL_COST", "KEEP_THRESHOLD", "NANOTRON_GPU", "PIPETTE_GPU", "PRIORS", "SURE_TO_FIT",
+    "CPU", "FAILED_TRIAL_COST", "FSDP_GPU", "KEEP_THRESHOLD", "NANOTRON_GPU", "PIPETTE_GPU", "PRIORS", "SURE_TO_FIT",
     "FitsPrior", "default_prior", "expected_step_time", "memory_headroom",
 ]

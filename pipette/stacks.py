@@ -20,7 +20,7 @@ from typing import Any
 
 from pipette.config import ParallelConfig
 from pipette.errors import SpecError
-from pipette.fits import CPU, NANOTRON_GPU, PIPETTE_GPU, FitsPrior
+from pipette.fits import CPU, FSDP_GPU, NANOTRON_GPU, PIPETTE_GPU, FitsPrior
 from pipette.memory import DEFAULT_OPTIONS, MEGATRON_OPTIONS, MemoryOptions
 from pipette.perf import HF_DEEPSPEED_CONSTANTS, MEGATRON_CONSTANTS, PerfConstants
 
@@ -141,7 +141,7 @@ FSDP = Stack(
     name="fsdp", frameworks="PyTorch FSDP/FSDP2: torchtitan, Accelerate FSDP, llm-foundry",
     description="FULL_SHARD/SHARD_GRAD_OP/NO_SHARD; Megatron constants with fused attention, fp32 gradients",
     constants=replace(MEGATRON_CONSTANTS, flash_attention=True),
-    memory_options=replace(MEGATRON_OPTIONS, grad_accum_fp32=True), gpu_fits_prior=NANOTRON_GPU,
+    memory_options=replace(MEGATRON_OPTIONS, grad_accum_fp32=True), gpu_fits_prior=FSDP_GPU,
     tensor_parallel=True, pipeline_parallel=True, zero_stages=(0, 2, 3), schedules=("1f1b", "interleaved"),
     recompute=("none", "selective", "full"), launch_files=CANDIDATE_FILES, available_options=("compile", "fp8"),
 )

@@ -43,6 +43,7 @@ from pipette.config import ParallelConfig
 from pipette.fits import KEEP_THRESHOLD, NANOTRON_GPU, PIPETTE_GPU, SURE_TO_FIT, FitsPrior
 from pipette.memory import MEGATRON_OPTIONS, estimate_memory
 from pipette.model import ModelSpec
+from pipette.stacks import get_stack
 from pipette.training import LoraSpec, TrainingSpec
 from tests.benchmarks.calibration import calibration_dir, load_h100_single_gpu, load_ultrascale
 
@@ -127,6 +128,21 @@ def nanotron_points(directory: Path) -> tuple[list[Point], list[Point]]:
     return ran, failed
 
 
+def stack_points(directory: Path, name: str) -> list[Point]:
+    """The runs of one stack set (``calibration.load_stack_set``) that measured memory, or all of
+    them as runs that ran (error None is an OOM: never here) with ``error`` 0 where it did not:
+    every row of these sets ran. Predicted with the set's own stack's memory options."""
+    from tests.benchmarks.calibration import load_stack_set
+
+    out = []
+    for r in load_stack_set(directory, name).rows:
+        capacity = r.cluster.device_spec.memory_bytes
+        est = estimate_memory(r.model, r.training, r.config, capacity, stack=r.stack.split("+")[0])
+        error = math.log(float(r.peak_memory) / est.peak_bytes) if r.peak_memory else math.nan
+        out.append(Point(f"{r.model.name} {r.config.label} {r.stack}", math.log(capacity / est.peak_bytes), error))
+    return out
+
+
 @dataclass(frozen=True)
 class Job:
     """One single-GPU job: its recipe and what each measured configuration did."""
@@ -205,6 +221,10 @@ def replay_job(job: Job) -> dict[str, object]:
             "oom_trials": trials.count("oom"), "ran_but_dropped": dropped}
 
 
+def _measured(points: list[Point]) -> list[Point]:
+    return [p for p in points if p.error is None or not math.isnan(p.error)]
+
+
 def fit(points: list[Point]) -> tuple[float, float]:
     """Maximum-likelihood (mu, sd) of the log error, OOM runs right-censored at their headroom."""
     ran = np.array([p.error for p in points if p.error is not None])
@@ -254,9 +274,13 @@ def main(argv: list[str] | None = None) -> int:
     h100 = h100_points(directory)
     b8 = llama8b_points()
     nano_ran, nano_failed = nanotron_points(directory)
+    titan = stack_points(directory, "torchtitan_h100_fsdp2.csv")
+    foundry = stack_points(directory, "llmfoundry_h100_fsdp.csv")
+    simumax = stack_points(directory, "simumax_b200_megatron.csv")
     if args.fit:
         for name, pts in (("h100_single_gpu (fit set)", h100), ("llama3-8b table (check set)", b8),
-                          ("ultrascale", nano_ran)):
+                          ("ultrascale", nano_ran), ("torchtitan (fsdp, reserved)", _measured(titan)),
+                          ("simumax (megatron on B200, allocated)", _measured(simumax))):
             mu, sd = fit(pts)
             print(f"fit {name}: mu {mu:+.3f} sd {sd:.3f} ({sum(p.ran for p in pts)} ran, "
                   f"{sum(not p.ran for p in pts)} OOM)")
@@ -267,6 +291,10 @@ def main(argv: list[str] | None = None) -> int:
         missed |= out["dropped"] > 0 or out["sure"] > 0
     out = score("ultrascale (nanotron)", NANOTRON_GPU, nano_ran, nano_failed, False)
     missed |= out["dropped_pct"] > 2.0 or out["sure_pct"] > 5.0
+    for name, stack, pts in (("torchtitan (fsdp, fitted)", "fsdp", titan), ("llm-foundry (fsdp, not fitted)", "fsdp",
+                             foundry), ("simumax B200 (megatron, not fitted)", "megatron", simumax)):
+        out = score(name, get_stack(stack).gpu_fits_prior, pts, [], False)
+        missed |= out["dropped_pct"] > 2.0
     replays = [replay_job(job) for job in single_gpu_jobs(directory)]
     for r in replays:
         print(f"replay {r['job']}: pick {r['pick']} ({'the measured best' if r['pick_is_best'] else 'NOT the best: '}"

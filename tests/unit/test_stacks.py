@@ -15,7 +15,7 @@ from pipette.clusterfile import homogeneous_cluster
 from pipette.config import ParallelConfig
 from pipette.emit import write_launch_files
 from pipette.errors import InfeasibleError, SpecError
-from pipette.fits import CPU, NANOTRON_GPU, PIPETTE_GPU
+from pipette.fits import CPU, FSDP_GPU, NANOTRON_GPU, PIPETTE_GPU
 from pipette.measurement import Measurement
 from pipette.memory import DEFAULT_OPTIONS, MEGATRON_OPTIONS, estimate_memory
 from pipette.model import ModelSpec
@@ -40,6 +40,7 @@ def test_the_registry_holds_the_four_stacks_with_their_own_models() -> None:
     assert PIPETTE.constants is HF_DEEPSPEED_CONSTANTS and PIPETTE.memory_options is DEFAULT_OPTIONS
     assert MEGATRON.constants is MEGATRON_CONSTANTS and MEGATRON.memory_options is MEGATRON_OPTIONS
     assert PIPETTE.fits_prior("gpu") is PIPETTE_GPU and MEGATRON.fits_prior("gpu") is NANOTRON_GPU
+    assert FSDP.fits_prior("gpu") is FSDP_GPU  # fitted on torchtitan (docs/models.md)
     assert all(s.fits_prior("cpu") is CPU for s in STACKS.values())
     assert runner_stacks() == ["pipette"]
     assert get_stack(FSDP) is FSDP  # an object is taken as is
