@@ -18,7 +18,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import ray
@@ -30,6 +30,7 @@ from pipette.emit import RANK_ENV
 from pipette.errors import PipetteError, SpecError
 from pipette.measurement import Measurement, last_error_line
 from workers.outcome import Outcome, measurement
+from workers.phases import WORDS, earliest
 from workers.rank_process import RankProcess
 from workers.ray_cluster import (
     assign_gpus,
@@ -75,6 +76,11 @@ class StepReport:
 
 #: Called after every step; returning True prunes the trial (stopped within a poll interval).
 OnStep = Callable[[StepReport], bool | None]
+#: Called with the phase the trial's ranks are in (the one furthest behind: ``workers.phases``)
+#: and the seconds since they started, when it changes and about once a second.
+OnPhase = Callable[[str, float], None]
+#: how often ``OnPhase`` hears the elapsed time while the phase stays
+PHASE_TICK_S = 1.0
 
 
 def run_trial(
@@ -85,6 +91,7 @@ def run_trial(
     on_step: OnStep | None = None,
     env: dict[str, str] | None = None,
     ship_workdir: bool = False,
+    on_phase: OnPhase | None = None,
 ) -> Measurement:
     """Run ``trial`` and return what it measured. Refuses (raises) before starting anything
     when the backends cannot run the candidate or the placement does not fit the cluster.
@@ -128,7 +135,7 @@ def run_trial(
     started = time.monotonic()
     try:
         return _run(trial, slots, [ips[node] for node, _ in slots], actors, timeout_s, on_step, env or {},
-                    None if shipped else trial.script.workdir if trial.script else None, package)
+                    None if shipped else trial.script.workdir if trial.script else None, package, on_phase)
     except ray.exceptions.RayError as e:
         # A node lost while the ranks start (``_poll`` names the rank of one lost later).
         return Measurement("failed", tokens_per_step=trial.tokens_per_step,
@@ -176,6 +183,7 @@ def _run(
     extra_env: dict[str, str],
     workdir: str | None,
     package: bytes | None = None,
+    on_phase: OnPhase | None = None,
 ) -> Measurement:
     world = len(slots)
     host, port = ray.get(actors[0].address.remote(), timeout=60)
@@ -221,6 +229,7 @@ def _run(
         return script and events.rank_done(rank)
 
     steps: list[dict[str, Any]] = []
+    phases = Progress(world, on_phase)
     done: dict[int, dict[str, Any]] = {}
     ooms: list[dict[str, Any]] = []
     codes: dict[int, int] = {}
@@ -242,6 +251,9 @@ def _run(
             for line in lines:
                 event = json.loads(line)
                 kind = event.get("event")
+                if kind == "phase":
+                    phases.enter(rank, str(event["phase"]))
+                    continue
                 if script:
                     relay = events.add(rank, event)
                     if relay is not None:
@@ -270,6 +282,7 @@ def _run(
                 codes[rank] = code
         if outcome is not None:
             break
+        phases.tick(time.monotonic() - start)
         ignored = events.ignored_config() if script else None
         if ignored:
             outcome = Outcome("failed", ignored)
@@ -298,7 +311,7 @@ def _run(
                 # the cause is a rank that failed before its end, not one that aborted after it
                 rank, code = _root_cause({r: c for r, c in codes.items() if not ended(r)})
                 tail = exit_tail = ray.get(actors[rank].output_tail.remote(), timeout=30)
-                head = f"{where(rank)} {_exit_text(code)}"
+                head = f"{where(rank)} {_exit_text(code)}{phases.during(rank)}"
                 if script and SCRIPT_OOM.search(tail):
                     outcome = Outcome("oom", f"{head}: {last_error_line(tail)}")
                     break
@@ -310,16 +323,17 @@ def _run(
         elif len(codes) == world and (script or len(done) == world):
             outcome = Outcome("ok")
         elif time.monotonic() - start > timeout_s:
-            last = steps[-1]["step"] if steps else None
+            last = int(steps[-1]["step"]) if steps else None
             if script and last is None:
-                outcome = Outcome("timeout", f"the script reported no step in {timeout_s:g} s: it hangs, or it neither "
-                                             "reports through pipette.report nor trains through a DeepSpeed engine")
+                said = last_error_line(ray.get(actors[0].output_tail.remote(), timeout=30))
+                outcome = Outcome("timeout", script_timeout_text(timeout_s, said))
             else:
-                outcome = Outcome("timeout",
-                                  f"trial ran past its {timeout_s:g} s timeout (last step of rank 0: {last})")
+                outcome = Outcome("timeout", timeout_text(timeout_s, phases.behind(), last))
         else:
             time.sleep(POLL_S)
     wall = time.monotonic() - start
+    if outcome.status in ("timeout", "failed") and phases.behind() is not None:
+        outcome = replace(outcome, phase=phases.behind())
     if script:
         m = script_measurement(trial, outcome, events, wall, exit_tail)
         if exit_notes:
@@ -332,6 +346,52 @@ def _run(
 
 
 Polled = list[tuple[list[str], int | None]]
+
+
+class Progress:
+    """The phase each rank is in (its ``phase`` events), told to ``on_phase`` as it changes."""
+
+    def __init__(self, world: int, on_phase: OnPhase | None) -> None:
+        self.of: dict[int, str] = {}
+        self.world, self.on_phase = world, on_phase
+        self.told: tuple[str, float] | None = None
+
+    def enter(self, rank: int, phase: str) -> None:
+        self.of[rank] = phase
+
+    def behind(self) -> str | None:
+        """The phase of the rank furthest behind (a rank not heard from yet: ``start``)."""
+        return earliest([self.of.get(r, "start") for r in range(self.world)]) if self.of else None
+
+    def during(self, rank: int) -> str:
+        """" in its <phase>" for a line about ``rank`` (empty when it said none)."""
+        phase = self.of.get(rank)
+        return f" in its {WORDS.get(phase, phase)}" if phase else ""
+
+    def tick(self, elapsed: float) -> None:
+        phase = self.behind() or "start"
+        if self.on_phase is None:
+            return
+        if self.told is None or self.told[0] != phase or elapsed - self.told[1] >= PHASE_TICK_S:
+            self.told = (phase, elapsed)
+            self.on_phase(phase, elapsed)
+
+
+def timeout_text(timeout_s: float, phase: str | None, last_step: int | None) -> str:
+    """What a timed-out trial of Pipette's runner tells the user: where it was, and the fix."""
+    where = f" in its {WORDS.get(phase, phase)}" if phase else ""
+    steps = f"; the last step rank 0 finished was {last_step}" if last_step is not None else \
+        "; no step had finished"
+    return (f"the trial ran past its {timeout_s:g} s timeout{where}{steps}: give it more time with "
+            f"--trial-timeout {2 * timeout_s:g} (the service: the job's trial_timeout_s)")
+
+
+def script_timeout_text(timeout_s: float, said: str) -> str:
+    """What a script trial that reported no step before its timeout tells the user."""
+    last = f" (its last line: {said[:300]})" if said else " (it printed nothing)"
+    return (f"the script reported no step in {timeout_s:g} s{last}: it is still starting (imports, loading the "
+            "model), it hangs, or it neither reports through pipette.report nor trains through a DeepSpeed "
+            f"engine; give it more time with --trial-timeout {2 * timeout_s:g}")
 
 
 def _poll(actors: list[Any], unavailable: dict[int, float]) -> tuple[Polled, dict[int, str]]:

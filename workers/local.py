@@ -23,6 +23,7 @@ from typing import Any
 
 from pipette.emit import RANK_ENV
 from pipette.measurement import Measurement
+from workers.ops import kill_session
 from workers.outcome import Outcome, measurement
 from workers.spec import TrialSpec
 from workers.support import check_inputs, check_runnable
@@ -85,11 +86,7 @@ def run_local(trial: TrialSpec, timeout_s: float = 600.0, env: dict[str, str] | 
                 time.sleep(0.1)
     finally:
         for p in procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            kill_session(p.pid)  # the rank and its op build's compilers (their own groups)
             p.wait()
     wall = time.monotonic() - start
     steps = [e for e in _parsed(lines[0]) if e.get("event") == "step"]
