@@ -14,7 +14,6 @@ runs this same command with ``RANK`` already the candidate's rank.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import sys
@@ -22,7 +21,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from pipette.emit import RANK_ENV
+from pipette.emit import RANK_ENV, extensions_dir
 from pipette.errors import PipetteError, SpecError
 
 
@@ -60,11 +59,7 @@ def build_environment() -> dict[str, str]:
     path = os.environ.get("PATH", "")
     if path.split(os.pathsep)[0] != bindir:
         path = bindir + os.pathsep + path if path else bindir
-    cache = os.environ.get("TORCH_EXTENSIONS_DIR")
-    if not cache:
-        tag = hashlib.sha1(sys.prefix.encode()).hexdigest()[:10]
-        root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        cache = os.path.join(root, "pipette", f"torch_extensions-{tag}")
+    cache = os.environ.get("TORCH_EXTENSIONS_DIR") or extensions_dir()  # the emitted launches' too
     return {"PATH": path, "TORCH_EXTENSIONS_DIR": cache}
 
 

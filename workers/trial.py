@@ -228,10 +228,6 @@ def run_rank(trial: TrialSpec, ds_config: dict[str, Any], rank: int, world: int,
 
     deepspeed.init_distributed(dist_backend=backend)  # adopts the process group above
     PHASES.mark("ops")
-    if os.environ.get("PIPETTE_DUMP_ENV"):  # TEMP experiment
-        import pathlib
-        tag = "zyg" if os.environ.get("PIPETTE_SPAWNED_AT") else "launch"
-        pathlib.Path(os.environ["PIPETTE_DUMP_ENV"], f"env-{tag}-{rank}.json").write_text(json.dumps({"env": dict(os.environ), "threads": torch.get_num_threads(), "interop": torch.get_num_interop_threads(), "affinity": sorted(os.sched_getaffinity(0)), "config": torch.__config__.parallel_info()}))
     try:
         if trial.memory_cap_bytes is not None:
             apply_memory_cap(trial.memory_cap_bytes, device)
