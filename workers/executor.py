@@ -18,7 +18,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -30,7 +30,7 @@ from pipette.emit import RANK_ENV
 from pipette.errors import PipetteError, SpecError
 from pipette.measurement import Measurement, last_error_line
 from workers.outcome import Outcome, measurement
-from workers.phases import WORDS, earliest
+from workers.phases import WORDS, earliest, script_timeout_text, timeout_text
 from workers.rank_process import RankProcess
 from workers.ray_cluster import (
     assign_gpus,
@@ -229,7 +229,7 @@ def _run(
         return script and events.rank_done(rank)
 
     steps: list[dict[str, Any]] = []
-    phases = Progress(world, on_phase)
+    phases = RankPhases(world, on_phase)
     done: dict[int, dict[str, Any]] = {}
     ooms: list[dict[str, Any]] = []
     codes: dict[int, int] = {}
@@ -319,7 +319,7 @@ def _run(
                     gone = ", ".join(where(r) for r in sorted(unavailable))
                     head = f"{gone} became unreachable (node down?); then {head}"
                 outcome = Outcome("failed", f"{head}\n{tail[-4000:]}",
-                                   lost=tuple(sorted({hosts[r] for r in unavailable})))
+                                   lost=tuple(sorted({hosts[r] for r in unavailable})), phase=phases.of.get(rank))
         elif len(codes) == world and (script or len(done) == world):
             outcome = Outcome("ok")
         elif time.monotonic() - start > timeout_s:
@@ -328,12 +328,10 @@ def _run(
                 said = last_error_line(ray.get(actors[0].output_tail.remote(), timeout=30))
                 outcome = Outcome("timeout", script_timeout_text(timeout_s, said))
             else:
-                outcome = Outcome("timeout", timeout_text(timeout_s, phases.behind(), last))
+                outcome = Outcome("timeout", timeout_text(timeout_s, phases.behind(), last), phase=phases.behind())
         else:
             time.sleep(POLL_S)
     wall = time.monotonic() - start
-    if outcome.status in ("timeout", "failed") and phases.behind() is not None:
-        outcome = replace(outcome, phase=phases.behind())
     if script:
         m = script_measurement(trial, outcome, events, wall, exit_tail)
         if exit_notes:
@@ -348,7 +346,7 @@ def _run(
 Polled = list[tuple[list[str], int | None]]
 
 
-class Progress:
+class RankPhases:
     """The phase each rank is in (its ``phase`` events), told to ``on_phase`` as it changes."""
 
     def __init__(self, world: int, on_phase: OnPhase | None) -> None:
@@ -376,22 +374,6 @@ class Progress:
             self.told = (phase, elapsed)
             self.on_phase(phase, elapsed)
 
-
-def timeout_text(timeout_s: float, phase: str | None, last_step: int | None) -> str:
-    """What a timed-out trial of Pipette's runner tells the user: where it was, and the fix."""
-    where = f" in its {WORDS.get(phase, phase)}" if phase else ""
-    steps = f"; the last step rank 0 finished was {last_step}" if last_step is not None else \
-        "; no step had finished"
-    return (f"the trial ran past its {timeout_s:g} s timeout{where}{steps}: give it more time with "
-            f"--trial-timeout {2 * timeout_s:g} (the service: the job's trial_timeout_s)")
-
-
-def script_timeout_text(timeout_s: float, said: str) -> str:
-    """What a script trial that reported no step before its timeout tells the user."""
-    last = f" (its last line: {said[:300]})" if said else " (it printed nothing)"
-    return (f"the script reported no step in {timeout_s:g} s{last}: it is still starting (imports, loading the "
-            "model), it hangs, or it neither reports through pipette.report nor trains through a DeepSpeed "
-            f"engine; give it more time with --trial-timeout {2 * timeout_s:g}")
 
 
 def _poll(actors: list[Any], unavailable: dict[int, float]) -> tuple[Polled, dict[int, str]]:

@@ -150,6 +150,8 @@ def kill_session(sid: int) -> int:
     process group, and the groups ninja gives each compiler, which ``killpg`` misses);
     returns how many were signalled."""
     killed = 0
+    if sid <= 1 or sid == os.getsid(0):
+        return 0  # never this process's own session (nor init's)
     for _ in range(3):  # a process forked while signalling is caught on the next round
         members = [p for p in _pids() if session_of(p) == sid]
         if not members:
