@@ -38,7 +38,7 @@ def build_on_nodes(ips: list[str], env: dict[str, str], note: Callable[[str], No
     missing = [ip for ip, ok in zip(ips, built, strict=True) if not ok]
     if missing:
         note(f"building {WHAT} on {', '.join(missing)}: once per environment, before the first trial and "
-             "outside its timeout (1-4 min on a 2-core machine) ...")
+             "outside its timeout (half a minute to a few minutes) ...")
     results = ray.get([_build.options(**_on(ip)).remote(env) for ip in ips])
     for ip, r in zip(ips, results, strict=True):
         if "error" in r:
