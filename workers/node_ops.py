@@ -30,17 +30,21 @@ def _on(ip: str) -> dict[str, Any]:
     return {"resources": {f"node:{ip}": 0.001}}
 
 
-def build_on_nodes(ips: list[str], env: dict[str, str], note: Callable[[str], None]) -> dict[str, Any]:
-    """Build (or load and check) the op on every node at ``ips``, the ranks' environment ``env``
+def build_on_nodes(ips: list[str], env: dict[str, str], note: Callable[[str], None],
+                   force: bool = False) -> dict[str, Any]:
+    """Build the op on every node at ``ips`` where it is not built (``force``: load it on every
+    node, which rebuilds it where PyTorch finds it stale), in the ranks' environment ``env``
     (its TORCH_EXTENSIONS_DIR); says when it builds and how long it took. Raises
     ``OpsBuildError`` naming the node where it failed."""
     built = ray.get([_built.options(**_on(ip)).remote(env) for ip in ips], timeout=120)
     missing = [ip for ip, ok in zip(ips, built, strict=True) if not ok]
+    if not missing and not force:
+        return {"nodes": len(ips), "built": 0, "seconds": 0.0}
     if missing:
         note(f"building {WHAT} on {', '.join(missing)}: once per environment, before the first trial and "
              "outside its timeout (half a minute to a few minutes) ...")
-    results = ray.get([_build.options(**_on(ip)).remote(env) for ip in ips])
-    for ip, r in zip(ips, results, strict=True):
+    results = ray.get([_build.options(**_on(ip)).remote(env) for ip in (ips if force else missing)])
+    for ip, r in zip(ips if force else missing, results, strict=True):
         if "error" in r:
             raise OpsBuildError(f"on {ip}: {r['error']}", field="environment", fix=r["fix"])
     compiled = [r for r in results if r.get("built")]

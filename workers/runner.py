@@ -91,17 +91,17 @@ class RayTrialRunner:
             return refusals_for(self.model, self.training, config, self.device_kind, self.script, nodes)
         return refusals(self.trial(config))
 
-    def prepare(self) -> None:
+    def prepare(self, force: bool = False) -> None:
         """Build DeepSpeed's CPU op on every node once, before the first trial of either kind
         (Pipette's runner or the user's script), outside any trial's timeout: built inside one,
         it timed out trial after trial on a fresh environment, charged to the candidates."""
-        if self._prepared or self.device_kind != "cpu":
+        if (self._prepared and not force) or self.device_kind != "cpu":
             return
         from workers.node_ops import build_on_nodes
         from workers.ray_cluster import ensure_ray, ray_node_ips
 
         ensure_ray()
-        build_on_nodes(ray_node_ips(self.cluster), self.env, self.on_note or _log)
+        build_on_nodes(ray_node_ips(self.cluster), self.env, self.on_note or _log, force=force)
         self._prepared = True
 
     def __call__(self, config: ParallelConfig, on_step: OnStep) -> Measurement:
@@ -121,8 +121,7 @@ class RayTrialRunner:
         if m.status in ("failed", "timeout") and m.extra.get("phase") == "ops" and self.device_kind == "cpu":
             # Caught building the op after all (the environment changed under the job): the
             # environment's failure, not the candidate's. Build it outside the trial, run again.
-            self._prepared = False
-            self.prepare()
+            self.prepare(force=True)
             m = run_trial(spec, self.cluster, timeout_s=self.timeout_s, on_step=relay, env=self.env,
                           ship_workdir=self.ship_workdir, on_phase=self.on_phase)
             if m.status in ("failed", "timeout") and m.extra.get("phase") == "ops":
