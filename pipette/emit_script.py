@@ -25,7 +25,7 @@ from typing import Any
 
 from pipette.cluster import ClusterProfile
 from pipette.config import ParallelConfig
-from pipette.emit import PYTHON_VAR, RANK_ENV, deepspeed_config, rank_map
+from pipette.emit import PYTHON_VAR, RANK_ENV, build_tool_lines, deepspeed_config, rank_map
 from pipette.model import ModelSpec
 from pipette.script import ScriptSpec, script_ds_config
 from pipette.training import TrainingSpec
@@ -126,6 +126,7 @@ def launch_torchrun(config: ParallelConfig, cluster: ClusterProfile, training: T
                     script: ScriptSpec, python: str | None = None) -> str:
     blocks = node_blocks(config, cluster)
     lines = _header(config, cluster, script, "torchrun") + _finder(("torch",), "torch", python)
+    lines += build_tool_lines()
     lines += _node_selection(blocks, cluster)
     lines.append(
         f'"${PYTHON_VAR}" -m torch.distributed.run --nnodes {len(blocks)} --nproc_per_node "$NPROC" '
@@ -139,6 +140,7 @@ def launch_accelerate(config: ParallelConfig, cluster: ClusterProfile, training:
     blocks = node_blocks(config, cluster)
     lines = _header(config, cluster, script, "accelerate launch")
     lines += _finder(("accelerate", "deepspeed"), "accelerate and deepspeed", python)
+    lines += build_tool_lines()
     lines += _node_selection(blocks, cluster)
     lines.append(
         f'"${PYTHON_VAR}" -m accelerate.commands.launch --config_file "$HERE/accelerate_config.yaml" '
@@ -154,6 +156,7 @@ def launch_deepspeed(config: ParallelConfig, cluster: ClusterProfile, training: 
     include = "@".join(f"{_host(cluster, n)}:{','.join(map(str, ds))}" for n, ds in blocks)
     lines = _header(config, cluster, script, "the deepspeed launcher")
     lines += _finder(("deepspeed",), "deepspeed", python)
+    lines += build_tool_lines()
     parts = [f'"${PYTHON_VAR}" -m deepspeed.launcher.runner', '--hostfile "$HERE/hostfile"',
              '--master_port "${MASTER_PORT:-29500}"']
     if len(blocks) == 1:  # one node: no ssh (deepspeed/launcher/runner.py asks the host over ssh otherwise)

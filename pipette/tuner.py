@@ -805,7 +805,8 @@ class Tuner:
                     if chance < RETRY_MIN_CHANCE:
                         retry = False  # said in the record, so the user sees why a retry was left out
                         record = replace(record, measurement=replace(m, extra={**m.extra, "not_retried": (
-                            f"a retry of this kind of crash ({kind}) ran with chance {chance:.0%} "
+                            f"a retry of this kind of crash ({m.status}: {last_error_line(m.error or '')[:200]}) "
+                            f"ran with chance {chance:.0%} "
                             f"in this job (< {RETRY_MIN_CHANCE:.0%}): its earlier retries crashed again")}))
                 self.records.append(record)
                 emit(TuneEvent("trial_ended", trial.number, record.to_dict()))

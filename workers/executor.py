@@ -30,6 +30,7 @@ from pipette.emit import RANK_ENV
 from pipette.errors import PipetteError, SpecError
 from pipette.measurement import Measurement, last_error_line
 from workers.outcome import Outcome, measurement
+from workers.phases import WORDS, earliest, script_timeout_text, timeout_text
 from workers.rank_process import RankProcess
 from workers.ray_cluster import (
     assign_gpus,
@@ -75,6 +76,11 @@ class StepReport:
 
 #: Called after every step; returning True prunes the trial (stopped within a poll interval).
 OnStep = Callable[[StepReport], bool | None]
+#: Called with the phase the trial's ranks are in (the one furthest behind: ``workers.phases``)
+#: and the seconds since they started, when it changes and about once a second.
+OnPhase = Callable[[str, float], None]
+#: how often ``OnPhase`` hears the elapsed time while the phase stays
+PHASE_TICK_S = 1.0
 
 
 def run_trial(
@@ -86,6 +92,7 @@ def run_trial(
     env: dict[str, str] | None = None,
     ship_workdir: bool = False,
     should_stop: Callable[[], bool] | None = None,
+    on_phase: OnPhase | None = None,
 ) -> Measurement:
     """Run ``trial`` and return what it measured. Refuses (raises) before starting anything
     when the backends cannot run the candidate or the placement does not fit the cluster.
@@ -130,7 +137,7 @@ def run_trial(
     try:
         return _run(trial, slots, [ips[node] for node, _ in slots], actors, timeout_s, on_step, env or {},
                     None if shipped else trial.script.workdir if trial.script else None, package,
-                    should_stop=should_stop)
+                    should_stop=should_stop, on_phase=on_phase)
     except ray.exceptions.RayError as e:
         # A node lost while the ranks start (``_poll`` names the rank of one lost later).
         return Measurement("failed", tokens_per_step=trial.tokens_per_step,
@@ -179,6 +186,7 @@ def _run(
     workdir: str | None,
     package: bytes | None = None,
     should_stop: Callable[[], bool] | None = None,
+    on_phase: OnPhase | None = None,
 ) -> Measurement:
     world = len(slots)
     host, port = ray.get(actors[0].address.remote(), timeout=60)
@@ -224,6 +232,7 @@ def _run(
         return script and events.rank_done(rank)
 
     steps: list[dict[str, Any]] = []
+    phases = RankPhases(world, on_phase)
     done: dict[int, dict[str, Any]] = {}
     ooms: list[dict[str, Any]] = []
     codes: dict[int, int] = {}
@@ -245,6 +254,9 @@ def _run(
             for line in lines:
                 event = json.loads(line)
                 kind = event.get("event")
+                if kind == "phase":
+                    phases.enter(rank, str(event["phase"]))
+                    continue
                 if script:
                     relay = events.add(rank, event)
                     if relay is not None:
@@ -276,6 +288,7 @@ def _run(
         if should_stop is not None and should_stop():  # at every poll: a hung trial reports no step
             outcome = Outcome("pruned", "cancelled")
             break
+        phases.tick(time.monotonic() - start)
         ignored = events.ignored_config() if script else None
         if ignored:
             outcome = Outcome("failed", ignored)
@@ -304,7 +317,7 @@ def _run(
                 # the cause is a rank that failed before its end, not one that aborted after it
                 rank, code = _root_cause({r: c for r, c in codes.items() if not ended(r)})
                 tail = exit_tail = ray.get(actors[rank].output_tail.remote(), timeout=30)
-                head = f"{where(rank)} {_exit_text(code)}"
+                head = f"{where(rank)} {_exit_text(code)}{phases.during(rank)}"
                 if script and SCRIPT_OOM.search(tail):
                     outcome = Outcome("oom", f"{head}: {last_error_line(tail)}")
                     break
@@ -312,17 +325,16 @@ def _run(
                     gone = ", ".join(where(r) for r in sorted(unavailable))
                     head = f"{gone} became unreachable (node down?); then {head}"
                 outcome = Outcome("failed", f"{head}\n{tail[-4000:]}",
-                                   lost=tuple(sorted({hosts[r] for r in unavailable})))
+                                   lost=tuple(sorted({hosts[r] for r in unavailable})), phase=phases.of.get(rank))
         elif len(codes) == world and (script or len(done) == world):
             outcome = Outcome("ok")
         elif time.monotonic() - start > timeout_s:
-            last = steps[-1]["step"] if steps else None
+            last = int(steps[-1]["step"]) if steps else None
             if script and last is None:
-                outcome = Outcome("timeout", f"the script reported no step in {timeout_s:g} s: it hangs, or it neither "
-                                             "reports through pipette.report nor trains through a DeepSpeed engine")
+                said = last_error_line(ray.get(actors[0].output_tail.remote(), timeout=30))
+                outcome = Outcome("timeout", script_timeout_text(timeout_s, said))
             else:
-                outcome = Outcome("timeout",
-                                  f"trial ran past its {timeout_s:g} s timeout (last step of rank 0: {last})")
+                outcome = Outcome("timeout", timeout_text(timeout_s, phases.behind(), last), phase=phases.behind())
         else:
             time.sleep(POLL_S)
     wall = time.monotonic() - start
@@ -352,6 +364,36 @@ def _output_tail(actor: Any) -> str:
 
 
 Polled = list[tuple[list[str], int | None]]
+
+
+class RankPhases:
+    """The phase each rank is in (its ``phase`` events), told to ``on_phase`` as it changes."""
+
+    def __init__(self, world: int, on_phase: OnPhase | None) -> None:
+        self.of: dict[int, str] = {}
+        self.world, self.on_phase = world, on_phase
+        self.told: tuple[str, float] | None = None
+
+    def enter(self, rank: int, phase: str) -> None:
+        self.of[rank] = phase
+
+    def behind(self) -> str | None:
+        """The phase of the rank furthest behind (a rank not heard from yet: ``start``)."""
+        return earliest([self.of.get(r, "start") for r in range(self.world)]) if self.of else None
+
+    def during(self, rank: int) -> str:
+        """" in its <phase>" for a line about ``rank`` (empty when it said none)."""
+        phase = self.of.get(rank)
+        return f" in its {WORDS.get(phase, phase)}" if phase else ""
+
+    def tick(self, elapsed: float) -> None:
+        phase = self.behind() or "start"
+        if self.on_phase is None:
+            return
+        if self.told is None or self.told[0] != phase or elapsed - self.told[1] >= PHASE_TICK_S:
+            self.told = (phase, elapsed)
+            self.on_phase(phase, elapsed)
+
 
 
 def _poll(actors: list[Any], unavailable: dict[int, float]) -> tuple[Polled, dict[int, str]]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -23,7 +22,9 @@ from typing import Any
 
 from pipette.emit import RANK_ENV
 from pipette.measurement import Measurement
+from workers.ops import kill_session
 from workers.outcome import Outcome, measurement
+from workers.phases import earliest, timeout_text
 from workers.spec import TrialSpec
 from workers.support import check_inputs, check_runnable
 
@@ -80,16 +81,15 @@ def run_local(trial: TrialSpec, timeout_s: float = 600.0, env: dict[str, str] | 
                 time.sleep(0.1)  # the reader threads drain the pipes
                 outcome = Outcome("ok")
             elif time.monotonic() - start > timeout_s:
-                outcome = Outcome("timeout", f"trial ran past its {timeout_s:g} s timeout")
+                steps = [e for e in _parsed(lines[0]) if e.get("event") == "step"]
+                behind = earliest([_phase(rank_lines) for rank_lines in lines])
+                outcome = Outcome("timeout", timeout_text(timeout_s, behind, int(steps[-1]["step"]) if steps else None),
+                                  phase=behind)
             else:
                 time.sleep(0.1)
     finally:
         for p in procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            kill_session(p.pid)  # the rank and its op build's compilers (their own groups)
             p.wait()
     wall = time.monotonic() - start
     steps = [e for e in _parsed(lines[0]) if e.get("event") == "step"]
@@ -110,6 +110,12 @@ def _read(proc: subprocess.Popen[str], events: list[str], tail: list[str]) -> No
         else:
             tail.append(line.rstrip("\n"))
             del tail[:-200]
+
+
+def _phase(lines: list[str]) -> str:
+    """The phase a rank said it entered last (``start`` before it said any)."""
+    said = [e["phase"] for e in _parsed(lines) if e.get("event") == "phase"]
+    return str(said[-1]) if said else "start"
 
 
 def _parsed(lines: list[str]) -> list[dict[str, Any]]:

@@ -18,6 +18,9 @@ class Outcome:
     #: the addresses of the Ray nodes lost during the trial (the failure is the cluster's, not
     #: the candidate's: the runner waits for them before the next attempt)
     lost: tuple[str, ...] = ()
+    #: the phase the ranks were in when it timed out or failed (``workers.phases``; the one
+    #: furthest behind), None where they said none
+    phase: str | None = None
 
 
 def measurement(
@@ -61,6 +64,8 @@ def measurement(
         )
     if outcome.lost:
         extra["lost_nodes"] = list(outcome.lost)
+    if outcome.phase is not None:
+        extra["phase"] = outcome.phase
     timed = tuple(float(s["time"]) for s in steps if not s["warmup"])
     losses = tuple(float(s["loss"]) for s in steps)
     error = outcome.error

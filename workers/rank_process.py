@@ -22,6 +22,7 @@ from pathlib import Path
 import ray
 
 from workers.cpu_isa import cpu_isa_env
+from workers.ops import kill_session
 from workers.script_env import script_environment, script_path, with_hook
 from workers.zygote import ZygoteChild, ensure_zygote
 
@@ -160,11 +161,10 @@ class RankProcess:
     def kill(self) -> None:
         if self.child is not None:
             self.child.kill()
-        if self.proc is not None and self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        if self.proc is not None:
+            # The rank's whole session: ninja gives each compiler of an op build a process group
+            # of its own, which a killpg of the rank's misses (they ran on, orphaned: issue 32).
+            kill_session(self.proc.pid)
             self.proc.wait()
 
 

@@ -16,6 +16,7 @@ so the rerun does not start on a node Ray has not yet noticed is dead.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -68,7 +69,12 @@ class RayTrialRunner:
     #: lists it alive (Ray notices a killed node only after a while: in a shaped-cluster run a
     #: trial started after the loss still found it listed); a blip that outlives this is over
     suspect_s: float = 90.0
+    #: told what the runner does outside the trials (DeepSpeed's op build: ``prepare``)
+    on_note: Callable[[str], None] | None = None
+    #: told the phase the running trial's ranks are in and its elapsed seconds (``workers.executor``)
+    on_phase: Callable[[str, float], None] | None = None
     _suspects: dict[str, float] = field(default_factory=dict, repr=False)
+    _prepared: bool = field(default=False, repr=False)
 
     def trial(self, config: ParallelConfig) -> TrialSpec:
         cap = self.cluster.min_usable_memory if self.device_kind == "cpu" else None
@@ -88,6 +94,19 @@ class RayTrialRunner:
             return refusals_for(self.model, self.training, config, self.device_kind, self.script, nodes)
         return refusals(self.trial(config))
 
+    def prepare(self, force: bool = False) -> None:
+        """Build DeepSpeed's CPU op on every node once, before the first trial of either kind
+        (Pipette's runner or the user's script), outside any trial's timeout: built inside one,
+        it timed out trial after trial on a fresh environment, charged to the candidates."""
+        if (self._prepared and not force) or self.device_kind != "cpu":
+            return
+        from workers.node_ops import build_on_nodes
+        from workers.ray_cluster import ensure_ray, ray_node_ips
+
+        ensure_ray()
+        build_on_nodes(ray_node_ips(self.cluster), self.env, self.on_note or _log, force=force)
+        self._prepared = True
+
     def __call__(self, config: ParallelConfig, on_step: OnStep) -> Measurement:
         from workers.executor import StepReport, run_trial
 
@@ -95,12 +114,26 @@ class RayTrialRunner:
         if not self.wait_for_nodes():
             return Measurement("pruned", tokens_per_step=spec.tokens_per_step,
                                error="cancelled while waiting for lost nodes")
+        self.prepare()
 
         def relay(report: StepReport) -> bool:
             return bool(on_step(StepProgress(report.step, report.time, report.warmup, report.loss)))
 
         m = run_trial(spec, self.cluster, timeout_s=self.timeout_s, on_step=relay, env=self.env,
-                      ship_workdir=self.ship_workdir, should_stop=self.cancelled)
+                      ship_workdir=self.ship_workdir, should_stop=self.cancelled,
+                      on_phase=self.on_phase)
+        if m.status in ("failed", "timeout") and m.extra.get("phase") == "ops" and self.device_kind == "cpu":
+            # Caught building the op after all (the environment changed under the job): the
+            # environment's failure, not the candidate's. Build it outside the trial, run again.
+            self.prepare(force=True)
+            m = run_trial(spec, self.cluster, timeout_s=self.timeout_s, on_step=relay, env=self.env,
+                          ship_workdir=self.ship_workdir, should_stop=self.cancelled, on_phase=self.on_phase)
+            if m.status in ("failed", "timeout") and m.extra.get("phase") == "ops":
+                from workers.ops import WHAT, OpsBuildError
+
+                raise OpsBuildError(f"the trial's ranks were stuck in {WHAT} twice, once after building it: "
+                                    f"{m.error}", field="environment",
+                                    fix="run python -m workers.ops on the node and look at its output")
         lost = set(m.extra.get("lost_nodes") or ())
         if m.status == "failed" and lost:
             from workers.ray_cluster import alive_nodes
@@ -148,3 +181,7 @@ class RayTrialRunner:
         if self.script is not None:
             out["script"] = self.script.to_dict()
         return out
+
+
+def _log(line: str) -> None:
+    logging.getLogger("pipette.ops").info("%s", line)

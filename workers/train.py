@@ -14,7 +14,6 @@ runs this same command with ``RANK`` already the candidate's rank.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import sys
@@ -22,7 +21,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from pipette.emit import RANK_ENV
+from pipette.emit import RANK_ENV, extensions_dir
 from pipette.errors import PipetteError, SpecError
 
 
@@ -60,15 +59,37 @@ def build_environment() -> dict[str, str]:
     path = os.environ.get("PATH", "")
     if path.split(os.pathsep)[0] != bindir:
         path = bindir + os.pathsep + path if path else bindir
-    cache = os.environ.get("TORCH_EXTENSIONS_DIR")
-    if not cache:
-        tag = hashlib.sha1(sys.prefix.encode()).hexdigest()[:10]
-        root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        cache = os.path.join(root, "pipette", f"torch_extensions-{tag}")
+    cache = os.environ.get("TORCH_EXTENSIONS_DIR") or extensions_dir()  # the emitted launches' too
     return {"PATH": path, "TORCH_EXTENSIONS_DIR": cache}
 
 
+def own_session() -> bool:
+    """Make this rank a session of its own, as a trial's rank is (the executor starts each in
+    one); returns whether it moved.
+
+    Linux's scheduler shares the CPU fairly between sessions first (autogroup), then between
+    the processes of a session. A launcher starts its ranks in its own session: on a machine
+    with any other busy session, its 4 ranks shared one session's part of the CPU where the
+    trial's 4 ranks had four parts, and ``launch.sh`` ran 1.5-1.9x slower per step than the
+    trial that picked it (issue 32, item 5). Moved, the rank dies with its launcher (a
+    terminal's hang-up no longer reaches it)."""
+    if os.getsid(0) == os.getpid():
+        return False
+    try:
+        os.setsid()
+    except OSError:
+        return False  # a process-group leader cannot; it keeps its launcher's session
+    import ctypes
+    import signal
+
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() == 1:  # the launcher died before the line above
+        os._exit(1)
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
+    own_session()
     os.environ.update(build_environment())
     # What a trial's rank runs with (pipette.emit.RANK_ENV), on a node the launcher reached
     # over ssh too, where launch.sh's exports do not arrive; before torch is imported.

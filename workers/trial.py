@@ -160,6 +160,9 @@ def train(trial: TrialSpec, ds_config: dict[str, Any], rank: int, report: Callab
     engine = Engine(trial, ds_config, rank, PHASES)
     gpu = engine.device.type == "cuda"
     times: list[float] = []
+    #: this rank's CPU seconds in each timed step (all its threads): beside the wall time, what
+    #: the machine's other load took from it
+    cpu_times: list[float] = []
     losses: list[float] = []
     peak_tensor = 0
     step = 0
@@ -168,6 +171,7 @@ def train(trial: TrialSpec, ds_config: dict[str, Any], rank: int, report: Callab
         tracker = PeakTensorBytes() if step == trial.warmup_steps - 1 and not gpu else None
         _sync(engine.device)
         start = time.perf_counter()
+        cpu = time.process_time()
         if tracker is not None:
             with tracker:
                 loss = engine.step()
@@ -176,10 +180,11 @@ def train(trial: TrialSpec, ds_config: dict[str, Any], rank: int, report: Callab
             loss = engine.step()
         _sync(engine.device)
         elapsed = time.perf_counter() - start
-        PHASES.mark("warmup" if warm else "steps")
+        PHASES.mark("warmup" if warm else "steps", then="steps" if step + 1 >= trial.warmup_steps else None)
         losses.append(loss)
         if not warm:
             times.append(elapsed)
+            cpu_times.append(time.process_time() - cpu)
         report({"event": "step", "rank": rank, "step": step, "time": elapsed, "loss": loss, "warmup": warm})
         step += 1
         if not warm:
@@ -200,7 +205,7 @@ def train(trial: TrialSpec, ds_config: dict[str, Any], rank: int, report: Callab
     PHASES.mark("end")
     report({
         "event": "done", "rank": rank, "step_times": times, "losses": losses, "phases": PHASES.seconds,
-        "peak_tensor_bytes": peak_tensor, "peak_rss_bytes": peak_rss_bytes(),
+        "peak_tensor_bytes": peak_tensor, "peak_rss_bytes": peak_rss_bytes(), "step_cpu_times": cpu_times,
         "trainable_params": engine.trainable, "held_param_bytes": engine.held_bytes,
         "backend": backend_name(trial), **device,
     })

@@ -112,11 +112,11 @@ class ZygoteChild:
                 time.sleep(0.05)
 
     def kill(self) -> None:
-        if self.returncode is None:
-            try:
-                os.killpg(self.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        from workers.ops import kill_session
+
+        # The rank's session (it called setsid): its group and the groups an op build's
+        # compilers run in, which outlive the rank otherwise.
+        kill_session(self.pid)
         deadline = time.monotonic() + 10
         while self.returncode is None and time.monotonic() < deadline:
             time.sleep(0.05)

@@ -161,7 +161,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
     runner = RayTrialRunner(model, training, cluster, device_kind=device_kind, timeout_s=args.trial_timeout,
                             max_steps=args.steps, seed=args.seed, data=args.data, checkpoint=args.checkpoint,
                             script=script, ship_workdir=bool(os.environ.get("RAY_ADDRESS")),
-                            env={"PIPETTE_RANK_TAG": tag}, cancelled=stop.is_set)
+                            env={"PIPETTE_RANK_TAG": tag}, cancelled=stop.is_set, on_note=ui.say,
+                            on_phase=ui.phase)
     # A script's trials measure the script: they are kept apart from the runner's.
     suffix = f"-script-{_script_key(script)}" if script is not None else ""
     store = None if args.no_memory else home / "trials" / f"{cluster_key(plan)}{suffix}.jsonl"
@@ -172,6 +173,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     near = f" ({unsure} next to the memory limit, tried as their chance to fit earns)" if unsure else ""
     ui.say(f"{plan.enumerated} candidates, {len(plan.ranked)} may fit, {len(tuner.candidates)} runnable by {runs}{near}"
            + (f"; learning from {len(prior)} earlier trials on this cluster" if prior else ""))
+    runner.prepare()  # DeepSpeed's CPU op, built once here: no trial's timeout pays for it
     ui.header()
     terminate_like_interrupt()  # ensure_ray installed Ray's handler (exit 15, silently)
     from pipette.cli.interference import Interference
@@ -439,6 +441,8 @@ class Progress:
         self.best_label = ""
         self.current = ""
         self.steps = 0
+        #: the running trial's phase (``workers.phases``) and seconds since its ranks started
+        self.where = ""
         self.start_time = time.monotonic()
 
     def _c(self, text: str, code: str) -> str:
@@ -459,10 +463,19 @@ class Progress:
         self.current = (f"#{number} {data['label']}" + (f" (attempt {data['attempt']})" if data["attempt"] > 1 else "")
                         + (" (re-time)" if data.get("purpose") == "retime" else ""))
         self.steps = 0
+        self.where = ""
         self._bar()
 
     def step(self, data: dict[str, Any]) -> None:
         self.steps += 1
+        self._bar()
+
+    def phase(self, phase: str, elapsed: float) -> None:
+        """The running trial's ranks are in ``phase``, ``elapsed`` s after they started."""
+        from workers.phases import WORDS
+
+        shown = f"step {self.steps}" if phase in ("warmup", "steps") else WORDS.get(phase, phase)
+        self.where = f"{shown}, {elapsed:.0f} s"
         self._bar()
 
     def end(self, r: dict[str, Any]) -> None:
@@ -495,7 +508,7 @@ class Progress:
         filled = int(width * min(self.done_trials, self.total) / self.total)
         best = f"best {self.best:.3f} s/step" if self.best else "no result yet"
         line = (f"[{'#' * filled}{'.' * (width - filled)}] {self.done_trials}/{self.total} trials, {best}; "
-                f"running {self.current}, step {self.steps}")
+                f"running {self.current}, {self.where or f'step {self.steps}'}")
         self.stream.write("\r\033[K" + line[:200])
         self.stream.flush()
 

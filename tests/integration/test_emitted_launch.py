@@ -10,6 +10,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -98,3 +99,71 @@ def test_emitted_launch_runs_the_trials_job(tmp_path: Path) -> None:
         ratio = launched / trial_step
     print(f"launch / trial step time: {ratio:.2f}")
     assert 1 / 2 <= ratio <= 2, ratio
+
+
+def _session(sid: int) -> list[int]:
+    """The processes of session ``sid``."""
+    found = []
+    for p in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = Path(f"/proc/{p}/stat").read_text()
+        except OSError:
+            continue
+        if int(stat[stat.rindex(")") + 2:].split()[3]) == sid:
+            found.append(int(p))
+    return found
+
+
+def _launch(files: dict[str, Path], env: dict[str, str]) -> list[float]:
+    """Run ``launch.sh`` as a user does; returns its steps' times (the slowest rank's)."""
+    launcher = subprocess.Popen(["bash", "-c", f"(cd {files['launch.sh'].parent} && ./launch.sh)"], cwd="/", env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = launcher.communicate(timeout=400)
+    finally:
+        try:
+            os.killpg(launcher.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert launcher.returncode == 0, out[-3000:] + err[-3000:]
+    done = [json.loads(line[len(EVENT_PREFIX):]) for line in out.splitlines() if line.startswith(EVENT_PREFIX)]
+    times = [e["step_times"] for e in done if e["event"] == "done"]
+    return [max(ts) for ts in zip(*times, strict=True)]
+
+
+@pytest.mark.timeout(900)
+def test_the_launch_runs_at_its_trials_speed_beside_a_busy_neighbour(tmp_path: Path) -> None:
+    """Issue 32, item 5: ``launch.sh`` of the pick ran 1.48-1.53x slower per step than its trial.
+    Linux shares the CPU between sessions first (autogroup): a trial's ranks are a session each,
+    a launcher's ranks were one session together, so beside any other busy session they got a
+    fraction of the CPU the trial had. Here the neighbours are two busy processes, a session
+    each; the candidate is what `./dev tune` picks on this machine (4 CPU ranks)."""
+    cluster = load_cluster(ROOT / "examples" / "clusters" / "cpu-4.yaml")
+    config = ParallelConfig(tp=1, pp=1, dp=4, mbs=4, global_batch=16, zero_stage=2)
+    training = TrainingSpec(global_batch=16, seq_len=128, dtype="fp32", method="lora")
+    spec = TrialSpec(ModelSpec.preset("tiny-llama"), training, config, warmup_steps=2, min_steps=10, max_steps=10)
+    options = {k: v for k, v in spec.runner_options().items() if k != "device_kind"}
+    files = write_launch_files(tmp_path, spec.model, training, config, cluster, extra={"trial": options})
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "OMP_NUM_THREADS")} | {"MASTER_PORT": str(port)}
+    neighbours = [subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
+                  for _ in range(2)]
+    time.sleep(1)
+    assert all(n.poll() is None and _session(n.pid) == [n.pid] for n in neighbours)
+    try:
+        ratios = []
+        for _ in range(2):  # load only slows a run: a ratio out of bounds is timed once more
+            trial = run_trial(spec, timeout_s=300)
+            assert trial.status == "ok", trial.error
+            launched = statistics.median(_launch(files, env))
+            ratios.append(launched / statistics.median(trial.step_times))
+            print(f"launch / trial step time beside a busy neighbour: {ratios[-1]:.2f}")
+            if ratios[-1] <= 1.1:
+                break
+    finally:
+        for n in neighbours:
+            n.kill()
+            n.wait()
+    assert min(ratios) <= 1.1, ratios

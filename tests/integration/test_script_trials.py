@@ -111,7 +111,10 @@ def test_a_script_that_never_reports_fails_and_one_that_hangs_times_out() -> Non
     assert m.error.startswith("the script exited without error but reported no step")
     m = run_trial(_trial(["python", "hangs.py"]), timeout_s=15)
     assert m.status == "timeout"
-    assert m.error.startswith("the script reported no step in 15 s")
+    # the fix first (a trial's line of `pipette tune` shows the start), and what the script said last
+    assert m.error.startswith("no step reported in 15 s: if it is still starting (imports, loading the model), "
+                              "give it more time with --trial-timeout 30")
+    assert m.error.endswith("its last line: waiting for a lock that never comes")
 
 
 def test_a_scripts_environment_holds_no_credentials(tmp_path: Path) -> None:
