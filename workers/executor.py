@@ -39,6 +39,7 @@ from workers.ray_cluster import (
     node_gpus,
     rank_bundle,
     ray_node_ips,
+    store_host,
 )
 from workers.script_trial import ScriptEvents, script_launch, script_measurement
 from workers.spec import TrialSpec
@@ -179,6 +180,7 @@ def _run(
 ) -> Measurement:
     world = len(slots)
     host, port = ray.get(actors[0].address.remote(), timeout=60)
+    host = store_host(host, hosts)
     script = trial.script is not None
     events = ScriptEvents(world, trial.training.global_batch)
     if trial.script is not None:

@@ -288,6 +288,12 @@ def _gpu_order(gpu: str) -> tuple[bool, int, str]:
     return (not gpu.isdigit(), int(gpu) if gpu.isdigit() else 0, gpu)
 
 
+def store_host(rank0_node: str, hosts: list[str]) -> str:
+    """Where the ranks' rendezvous store listens (``MASTER_ADDR``; ``workers.store``): loopback
+    when every rank is on one node, else rank 0's node address on the cluster's network."""
+    return "127.0.0.1" if len(set(hosts)) == 1 else rank0_node
+
+
 def rank_bundle(ip: str, gpu: bool) -> dict[str, float]:
     """One rank's placement-group bundle: a CPU, its GPU on a GPU node (so Ray never gives
     that GPU to another rank or job), pinned to its node."""
