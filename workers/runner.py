@@ -59,6 +59,9 @@ class RayTrialRunner:
     #: told what is missing while waiting (``None`` once they are back); returning True stops
     #: the wait and the trial ends ``pruned`` ("cancelled"), as a cancelled trial does
     on_wait: Callable[[list[str] | None], bool | None] | None = None
+    #: asked while a trial runs, between its steps too (an op build, a hung import): True stops
+    #: the trial within a poll interval and it ends ``pruned`` ("cancelled")
+    should_stop: Callable[[], bool] | None = None
     #: how often the wait asks Ray for its nodes (seconds)
     node_poll_s: float = 2.0
     #: after a trial lost a node, its Ray node counts as dead this long even while Ray still
@@ -97,7 +100,7 @@ class RayTrialRunner:
             return bool(on_step(StepProgress(report.step, report.time, report.warmup, report.loss)))
 
         m = run_trial(spec, self.cluster, timeout_s=self.timeout_s, on_step=relay, env=self.env,
-                      ship_workdir=self.ship_workdir)
+                      ship_workdir=self.ship_workdir, should_stop=self.should_stop)
         lost = set(m.extra.get("lost_nodes") or ())
         if m.status == "failed" and lost:
             from workers.ray_cluster import alive_nodes
