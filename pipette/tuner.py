@@ -731,7 +731,7 @@ class Tuner:
             return cancelled
 
         m = runner(planned.config, on_step)
-        if cancelled or (should_stop is not None and should_stop()):  # a runner may stop a trial between steps
+        if cancelled or _stopped_by(m, should_stop):
             return "cancelled"  # not recorded: a cut-short re-timing says nothing
         record = TrialRecord(number, planned.config, m, planned.perf, planned.memory, prediction.step_time,
                              prediction.sd, 1, self.job_key, "retime", self.stack)
@@ -789,8 +789,7 @@ class Tuner:
                     return self.options.prune and trial.should_prune()
 
                 m = runner(planned.config, on_step)
-                # the runner may have stopped it between steps (a hung trial reports none)
-                cancelled = cancelled or (should_stop is not None and should_stop())
+                cancelled = cancelled or _stopped_by(m, should_stop)
                 if cancelled:
                     m = replace(m, status="pruned", error="cancelled")
                 crashed = not cancelled and m.status in ("failed", "timeout")
@@ -827,6 +826,12 @@ class Tuner:
         trial.set_user_attr(RECORD_ATTR, record.to_dict())
         self.study.tell(trial, value, state=state)
         return "cancelled" if cancelled else record.measurement.status
+
+
+def _stopped_by(m: Measurement, should_stop: Callable[[], bool] | None) -> bool:
+    """Whether the runner stopped the trial itself because ``should_stop`` said so (it may ask
+    between steps: a trial with no step yet is cancelled too)."""
+    return m.status == "pruned" and should_stop is not None and should_stop()
 
 
 def crash_kind(m: Measurement) -> str:

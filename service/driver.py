@@ -8,7 +8,14 @@ Resume: a job taken again after its holder died is rebuilt from its stored trial
 (``Tuner(history=...)``); a trial that was running is marked ``interrupted`` and, never having
 been recorded, is proposed again under the same number, so nothing is lost or duplicated.
 A graceful stop (the service shutting down, or the lease lost) interrupts the running trial the
-same way instead of recording the tuner's "cancelled" prune as its outcome.
+same way instead of recording the tuner's "cancelled" prune as its outcome, and the ``stopped``
+event says the job resumes; the ``resumed`` event lists every trial that reruns.
+
+Tuning time is charged to the job as it passes (every ``CHARGE_EVERY_S``, from a thread of its
+own, whatever the trial is doing), so a SIGKILL of the service loses at most that much of it.
+Cancel is checked by the trial itself while it runs (``RayTrialRunner.should_stop``), not only
+at its steps: a trial that has no step yet (imports, rendezvous, an op build) stops within a
+second too.
 
 A lost Ray node: the trial running on it ends ``failed`` naming the rank and node; the job
 stays ``running`` and waits for the node (event ``waiting_for_nodes``, ``progress.waiting_for_nodes``)
@@ -18,11 +25,14 @@ before the next trial, which reruns the failed one (``pipette.tuner.LOST_NODE_RE
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
+from sqlalchemy import update
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
@@ -49,6 +59,8 @@ log = logging.getLogger("pipette.service")
 
 #: How often the driver reads the job's cancel flag while a trial runs (seconds).
 CANCEL_POLL_S = 0.5
+#: How often the running tuning time is added to the job (seconds): what a SIGKILL may lose.
+CHARGE_EVERY_S = 2.0
 
 
 class Interrupted(Exception):
@@ -72,9 +84,10 @@ class JobDriver:
         self._trial_started: dict[int, float] = {}
         self._waiting: list[str] | None = None
         self._waiting_since = 0.0
-        #: tuning time is charged to the job as it goes (at every trial's end), not only at the
-        #: end: a SIGKILL skips any ``finally`` (issue 17, item 16)
+        #: tuning time is charged to the job as it passes (``_charge_while``), not at the end
+        #: only: a SIGKILL skips any ``finally`` (issue 17 item 16, issue 32 item 15)
         self._charged_until: float | None = None
+        self._charge_lock = threading.Lock()
 
     # ---- the job ------------------------------------------------------------------
     def run(self) -> None:
@@ -112,7 +125,9 @@ class JobDriver:
                 for number in rerun:
                     events.add_event(session, job.id, "trial_interrupted",
                                      {"reason": "its service stopped mid-trial; rerun on resume"}, trial=number)
-                events.add_event(session, job.id, "resumed", {"attempt": job.attempts, "interrupted_trials": rerun})
+                # every trial to rerun: a dead holder's, and those a graceful stop interrupted
+                events.add_event(session, job.id, "resumed", {
+                    "attempt": job.attempts, "interrupted_trials": trials.interrupted_numbers(session, job.id)})
             model = ModelSpec.from_dict(job.model)
             training = TrainingSpec.from_dict(job.training)
             options = dict(job.options)
@@ -136,7 +151,8 @@ class JobDriver:
         runner = RayTrialRunner(model, training, cluster, device_kind=cluster.device_spec.kind, timeout_s=timeout,
                                 max_steps=steps, min_steps=min(3, steps), seed=int(options.get("seed", 0)),
                                 node_wait_s=self.settings.node_wait_s, on_wait=self.on_wait,
-                                script=script, ship_workdir=script is not None and script.workdir is not None)
+                                script=script, ship_workdir=script is not None and script.workdir is not None,
+                                should_stop=self.should_stop)
         start = time.perf_counter()
         margin = DEFAULT_MARGIN if options.get("margin") is None else float(options["margin"])
         plan = make_plan(model, training, cluster, margin=margin, seed=int(options.get("seed", 0)),
@@ -157,11 +173,8 @@ class JobDriver:
 
         tune = tune_options(options, used)
         tuner = Tuner(plan, tune, history=history, prior=prior, runnable=runner.refusals)
-        self._charged_until = time.monotonic()
-        try:
+        with self._charging():
             result = tuner.run(runner, on_event=self.on_event, should_stop=self.should_stop)
-        finally:
-            self._add_tuning_time(self._uncharged())
         self._check_interrupt()
 
         outcome = result.to_dict()
@@ -200,8 +213,12 @@ class JobDriver:
                                      trial=number)
                     return
                 trials.end_trial(session, job.id, number, data)
-                job.tuning_s = job.tuning_s + self._uncharged()
+                _add_seconds(session, job.id, self._uncharged())
                 self._update_progress(session, job)
+            elif kind == "stopped" and self.interrupt_reason is not None:
+                # not the tuner's "cancelled": the job is not over, it goes on after the restart
+                data = {**data, "resumes": True, "reason": f"{self.interrupt_reason}: the job resumes when a scheduler "
+                                                           "takes it again, rerunning its interrupted trial"}
             events.add_event(session, job.id, kind, data, trial=number)
 
     def on_wait(self, missing: list[str] | None) -> bool:
@@ -292,20 +309,44 @@ class JobDriver:
             best = min(ok, key=lambda t: float(t.measured_step_time or 0.0))
             job.best = _best_summary(best.record or {})
 
+    @contextlib.contextmanager
+    def _charging(self) -> Iterator[None]:
+        """Charge the tuning time inside to the job every ``CHARGE_EVERY_S`` and at the end."""
+        self._charged_until = time.monotonic()
+        done = threading.Event()
+        charger = threading.Thread(target=self._charge_until, args=(done,), name=f"charge-{self.job_id}",
+                                   daemon=True)
+        charger.start()
+        try:
+            yield
+        finally:
+            done.set()
+            charger.join()
+            self._add_tuning_time(self._uncharged())
+            self._charged_until = None
+
+    def _charge_until(self, done: threading.Event) -> None:
+        while not done.wait(CHARGE_EVERY_S):
+            self._add_tuning_time(self._uncharged())
+
     def _uncharged(self) -> float:
         """Seconds of tuning since they were last added to the job (and mark them added)."""
-        if self._charged_until is None:
-            return 0.0
-        now = time.monotonic()
-        seconds, self._charged_until = now - self._charged_until, now
-        return seconds
+        with self._charge_lock:
+            if self._charged_until is None:
+                return 0.0
+            now = time.monotonic()
+            seconds, self._charged_until = now - self._charged_until, now
+            return seconds
 
     def _add_tuning_time(self, seconds: float) -> None:
         try:
             with self.db.write() as session:
-                job = self._job(session)
-                job.tuning_s = job.tuning_s + seconds
+                _add_seconds(session, self.job_id, seconds)
         except SQLAlchemyError:
+            # kept for the next charge: the time is not lost while the database is away
+            with self._charge_lock:
+                if self._charged_until is not None:
+                    self._charged_until -= seconds
             log.warning("job %s: could not add %.1f s of tuning time", self.job_id, seconds)
 
     def _job(self, session: Session) -> Job:
@@ -313,6 +354,13 @@ class JobDriver:
         if job is None:
             raise Interrupted("the job was deleted")
         return job
+
+
+def _add_seconds(session: Session, job_id: str, seconds: float) -> None:
+    """Add to the job's tuning time in the database itself: the charger thread and the driver
+    both add, and neither may overwrite the other's sum with its own stale copy."""
+    if seconds > 0:
+        session.execute(update(Job).where(Job.id == job_id).values(tuning_s=Job.tuning_s + seconds))
 
 
 def record_profile(db: Database, profile_id: str, *, profile: dict[str, Any] | None = None,

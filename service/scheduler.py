@@ -14,6 +14,7 @@ import os
 import socket
 import sys
 import threading
+import time
 import uuid
 
 from sqlalchemy.exc import SQLAlchemyError
@@ -56,12 +57,16 @@ class Scheduler:
     def stop(self, timeout_s: float = 120.0) -> None:
         """Stop taking work; interrupt the running job (its trial is rerun on resume)."""
         self.request_stop()
+        asked = time.monotonic()
         if self._thread.is_alive():
             self._thread.join(timeout_s)
         if "workers.ray_cluster" in sys.modules:  # this process drove trials: a local Ray it started goes too
             from workers.ray_cluster import stop_local_ray
 
+            work_s = time.monotonic() - asked
             stop_local_ray()
+            log.info("scheduler %s stopped: its work in %.1f s, its local Ray in %.1f s", self.holder, work_s,
+                     time.monotonic() - asked - work_s)
 
     def kick(self) -> None:
         self._wake.set()

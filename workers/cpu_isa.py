@@ -8,8 +8,9 @@ so every rank process gets ``ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16`` where, and on
 a one-off bf16 matmul in a child process proves AMX unusable.
 
 The answer is the node's (its CPU, its kernel since boot, this Python and torch), so it is
-probed once per node and kept in a file in the temp folder that every process of the node
-reads: ``RankProcess`` actors are fresh for every trial, and each of them probing (a torch
+probed once per node and kept in a file in this user's runtime folder (``workers.runtime``:
+private, so no other user can plant an answer, which goes into every rank's environment) that
+every process of the node reads: ``RankProcess`` actors are fresh for every trial, and each of them probing (a torch
 import, ~1.5 CPU-seconds) cost a 4-rank tiny-llama trial on this 2-core machine a third of its
 time: 10.6-11.1 s of wall and 20.4-21.4 CPU-seconds per trial before, 6.8-7.3 s and 12.9-13.8
 after (``tests/benchmarks/trial_overhead.py``, 2026-11-26, two trees alternately).
@@ -25,9 +26,11 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 from importlib import metadata
 from pathlib import Path
+
+from pipette.errors import PipetteError
+from workers.runtime import open_private, read_private, runtime_dir, write_private
 
 _PROBE = "import torch; a = torch.ones(64, 64, dtype=torch.bfloat16); (a @ a).sum().item()"
 SAFE_ISA = "AVX512_CORE_BF16"
@@ -55,13 +58,13 @@ def _node_key() -> str:
 
 
 def cache_path() -> Path:
-    """The node's answer, shared by its processes (the temp folder honours ``TMPDIR``)."""
-    return Path(tempfile.gettempdir()) / f"pipette-cpu-isa-{_node_key()}.json"
+    """The node's answer, shared by this user's processes (the temp folder honours ``TMPDIR``)."""
+    return runtime_dir() / f"cpu-isa-{_node_key()}.json"
 
 
 def _read(path: Path) -> dict[str, str] | None:
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(read_private(path))
     except (OSError, ValueError):
         return None  # absent, or torn by a crash: probe again
     env = data.get("env") if isinstance(data, dict) else None
@@ -86,14 +89,15 @@ def cpu_isa_env() -> dict[str, str]:
     answer for the rest; an unreadable answer is probed again."""
     if "ONEDNN_MAX_CPU_ISA" in os.environ or not _advertises_amx():
         return {}
-    path = cache_path()
+    try:
+        path = cache_path()
+        lock = os.fdopen(open_private(path.with_suffix(".lock"), os.O_WRONLY | os.O_CREAT | os.O_APPEND), "a")
+    except (OSError, PipetteError):
+        return _probe()  # an unwritable or unsafe temp folder: probe in this process only
     cached = _read(path)
     if cached is not None:
+        lock.close()
         return cached
-    try:
-        lock = open(path.with_suffix(".lock"), "a")  # held until the answer is written
-    except OSError:
-        return _probe()  # an unwritable temp folder: probe in this process only
     with contextlib.closing(lock):
         fcntl.flock(lock, fcntl.LOCK_EX)
         cached = _read(path)  # another process may have probed while this one waited
@@ -102,6 +106,6 @@ def cpu_isa_env() -> dict[str, str]:
         env = _probe()
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         with contextlib.suppress(OSError):
-            tmp.write_text(json.dumps({"env": env}))
+            write_private(tmp, json.dumps({"env": env}))
             os.replace(tmp, path)
         return env

@@ -40,6 +40,7 @@ from workers.ray_cluster import (
     node_gpus,
     rank_bundle,
     ray_node_ips,
+    store_host,
 )
 from workers.script_trial import ScriptEvents, script_launch, script_measurement
 from workers.spec import TrialSpec
@@ -58,6 +59,8 @@ PLACE_TIMEOUT_S = 60
 #: then is stopped and the trial kept (CI saw a test script, which skips
 #: ``destroy_process_group``, abort there; pytorch/pytorch#190489 reports that abort for gloo)
 EXIT_GRACE_S = 30.0
+#: how a trial stopped by ``should_stop`` reads (the tuner and the service look for "cancel")
+CANCELLED = "cancelled"
 
 
 @dataclass(frozen=True)
@@ -137,7 +140,7 @@ def run_trial(
     try:
         return _run(trial, slots, [ips[node] for node, _ in slots], actors, timeout_s, on_step, env or {},
                     None if shipped else trial.script.workdir if trial.script else None, package,
-                    should_stop=should_stop, on_phase=on_phase)
+                    should_stop or (lambda: False), on_phase)
     except ray.exceptions.RayError as e:
         # A node lost while the ranks start (``_poll`` names the rank of one lost later).
         return Measurement("failed", tokens_per_step=trial.tokens_per_step,
@@ -185,11 +188,12 @@ def _run(
     extra_env: dict[str, str],
     workdir: str | None,
     package: bytes | None = None,
-    should_stop: Callable[[], bool] | None = None,
+    should_stop: Callable[[], bool] = lambda: False,
     on_phase: OnPhase | None = None,
 ) -> Measurement:
     world = len(slots)
     host, port = ray.get(actors[0].address.remote(), timeout=60)
+    host = store_host(host, hosts)
     script = trial.script is not None
     events = ScriptEvents(world, trial.training.global_batch, zero_stage=trial.config.zero_stage)
     if trial.script is not None:
@@ -206,7 +210,9 @@ def _run(
                 "--deepspeed_config", "ds_config.json", "--candidate", "candidate.json"]
         cwds = [None] * world
     cpu_env = {"DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""} if trial.device_kind == "cpu" else {}
-    ray.get([a.prepare.remote(argv, cpu_env | extra_env) for a in actors], timeout=400)
+    if not _finished([a.prepare.remote(argv, cpu_env | extra_env) for a in actors], 400, should_stop):
+        return Measurement("pruned", tokens_per_step=trial.tokens_per_step,
+                           error=f"{CANCELLED} before its ranks started", extra={"wall_s": 0.0, "backend": None})
     gpus: list[str] = []
     if trial.device_kind == "gpu":
         held = ray.get([a.gpu_ids.remote() for a in actors], timeout=60)
@@ -244,6 +250,11 @@ def _run(
     #: that ignores its config is not one that "stopped before its first step")
     exit_tail = ""
     while outcome is None:
+        if should_stop():
+            last = steps[-1]["step"] if steps else None
+            took = time.monotonic() - start
+            outcome = Outcome("pruned", f"{CANCELLED} {took:.0f} s in (last step of rank 0: {last})")
+            break
         polled, lost = _poll(actors, unavailable)
         if lost:
             rank, why = min(lost.items())
@@ -284,9 +295,6 @@ def _run(
             if code is not None:
                 codes[rank] = code
         if outcome is not None:
-            break
-        if should_stop is not None and should_stop():  # at every poll: a hung trial reports no step
-            outcome = Outcome("pruned", "cancelled")
             break
         phases.tick(time.monotonic() - start)
         ignored = events.ignored_config() if script else None
@@ -361,6 +369,22 @@ def _output_tail(actor: Any) -> str:
         return str(ray.get(actor.output_tail.remote(), timeout=30))
     except ray.exceptions.RayError as e:
         return f"(its output could not be read: {type(e).__name__})"
+
+
+def _finished(refs: list[Any], timeout_s: float, should_stop: Callable[[], bool]) -> bool:
+    """Wait for ``refs`` (raising as ``ray.get`` does after ``timeout_s``), asking ``should_stop``
+    every poll: False when it said stop first."""
+    deadline = time.monotonic() + timeout_s
+    pending = list(refs)
+    while pending:
+        if should_stop():
+            return False
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        _, pending = ray.wait(pending, num_returns=len(pending), timeout=min(0.5, left))
+    ray.get(refs, timeout=0.1)  # the ranks' errors, or Ray's timeout, as before
+    return True
 
 
 Polled = list[tuple[list[str], int | None]]

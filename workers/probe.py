@@ -30,7 +30,7 @@ from pipette.errors import PipetteError
 from pipette.model import ModelSpec
 from workers.probe_rank import SIZES, probe_shapes
 from workers.rank_process import RankProcess
-from workers.ray_cluster import alive_nodes, assign_gpus, ensure_ray, node_gpus, rank_bundle
+from workers.ray_cluster import alive_nodes, assign_gpus, ensure_ray, node_gpus, rank_bundle, store_host
 
 
 def inventory(cpu_devices: int) -> dict[str, Any]:
@@ -170,6 +170,7 @@ def _run_probe(
     ]
     try:
         host, port = ray.get(actors[0].address.remote(), timeout=60)
+        host = store_host(host, [found[n]["address"] for n, _ in slots])
         visible = [""] * world
         if gpu:
             held = ray.get([a.gpu_ids.remote() for a in actors], timeout=60)

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from pipette.model import ModelSpec
 from workers.devices import backend_for, collective_device, rank_device
+from workers.store import rendezvous_store
 
 EVENT_PREFIX = "@@pipette "
 SIZES = (8 * 1024, 4 * 1024 * 1024)
@@ -190,10 +191,7 @@ def main() -> int:
     device = rank_device(device_kind)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    store = dist.TCPStore(
-        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=rank == 0,
-        timeout=timedelta(seconds=60),
-    )
+    store = rendezvous_store(world, is_master=rank == 0, timeout=timedelta(seconds=60))
     dist.init_process_group(backend_for(device_kind), store=store, rank=rank, world_size=world)
     result = measure(options, rank, world, device_kind)
     gathered: list[Any] = [None] * world

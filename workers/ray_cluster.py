@@ -7,8 +7,10 @@ import contextlib
 import ipaddress
 import logging
 import os
+import signal
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -100,14 +102,109 @@ def _is_loopback(address: str) -> bool:
         return False
 
 
-def stop_local_ray() -> None:
-    """Stop the local Ray this process started (its GCS, raylet, agents and workers); a Ray
-    cluster it only connected to is left running. For the service's shutdown: without it a
-    SIGTERM left Ray's dashboard and runtime-env agents running."""
+def stop_local_ray(grace_s: float = 1.0) -> None:
+    """Stop the local Ray this process started (its GCS, raylet, agents and workers, and what
+    they started: the zygote, ranks); a Ray cluster it only connected to is left running.
+
+    ``ray.shutdown`` ends Ray's own processes one after the other, a second or more each (5 s
+    under ``serve`` here), and their agents and workers notice only later (6-64 s after a
+    SIGTERM of ``serve``, issue 32 item 21). So once the driver has disconnected, the whole
+    tree under Ray's processes is sent SIGTERM at once, and SIGKILL after ``grace_s`` (Ray's own
+    wait for each of its processes: they do not all end on SIGTERM); Ray's loop then only
+    reaps them."""
     global _STARTED_LOCAL
     if _STARTED_LOCAL and ray.is_initialized():
+        tree = _ray_process_tree()
+        node = getattr(ray._private.worker, "_global_node", None)
+        if node is not None:
+            ray_kill = node.kill_all_processes
+
+            def kill_all_processes(*args: Any, **kwargs: Any) -> None:
+                end_processes(list({*tree, *_ray_process_tree()}), grace_s)
+                ray_kill(*args, **kwargs)
+
+            node.kill_all_processes = kill_all_processes
         ray.shutdown()
+        end_processes(tree, grace_s)  # a worker that was between parents meanwhile
     _STARTED_LOCAL = False
+
+
+#: a process as (pid, start time in clock ticks since boot): a pid alone may be reused
+Process = tuple[int, int]
+
+
+def _ray_process_tree() -> list[Process]:
+    """The processes of the local Ray (those its node started) and all their descendants."""
+    node = getattr(ray._private.worker, "_global_node", None)
+    if node is None:
+        return []
+    roots = {info.process.pid for infos in node.all_processes.values() for info in infos if info.process is not None}
+    return descendants(roots, include_roots=True)
+
+
+def _stat(pid: int) -> tuple[int, int] | None:
+    """(parent pid, start time) of ``pid`` from /proc, None when it is gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2:].split()  # after "pid (comm) "; comm may hold spaces
+    return int(fields[1]), int(fields[19])
+
+
+def descendants(roots: set[int], include_roots: bool = False) -> list[Process]:
+    """Every process below ``roots`` in the process tree (by parent pid), with the roots."""
+    parents: dict[int, list[int]] = {}
+    starts: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and (stat := _stat(int(entry.name))) is not None:
+            parents.setdefault(stat[0], []).append(int(entry.name))
+            starts[int(entry.name)] = stat[1]
+    found: list[Process] = []
+    todo = [pid for pid in roots if pid in starts]
+    seen = set(todo)
+    while todo:
+        pid = todo.pop()
+        if include_roots or pid not in roots:
+            found.append((pid, starts[pid]))
+        for child in parents.get(pid, []):
+            if child not in seen:
+                seen.add(child)
+                todo.append(child)
+    return found
+
+
+def alive(processes: list[Process]) -> list[Process]:
+    """Those of ``processes`` still running (same pid, same start: not a reused pid)."""
+    out = []
+    for pid, start in processes:
+        stat = _stat(pid)
+        if stat is not None and stat[1] == start and not _zombie(pid):
+            out.append((pid, start))
+    return out
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return text[text.rindex(")") + 2:].startswith("Z")
+
+
+def end_processes(processes: list[Process], grace_s: float) -> None:
+    """SIGTERM what is left of ``processes``; SIGKILL what still runs ``grace_s`` later."""
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 1.0)):
+        left = alive([p for p in processes if p[0] != os.getpid()])
+        for pid, _ in left:
+            with contextlib.suppress(OSError):
+                os.kill(pid, sig)
+        deadline = time.monotonic() + wait_s
+        while left and time.monotonic() < deadline:
+            time.sleep(0.05)
+            left = alive(left)
+        if not left:
+            return
 
 
 #: seconds to wait before each further attempt to connect to a Ray cluster
@@ -286,6 +383,12 @@ def assign_gpus(nodes: list[int], planned: list[int], held: list[list[str]]) -> 
 def _gpu_order(gpu: str) -> tuple[bool, int, str]:
     """Numeric ids in numeric order (10 after 9), then any others (UUIDs) by name."""
     return (not gpu.isdigit(), int(gpu) if gpu.isdigit() else 0, gpu)
+
+
+def store_host(rank0_node: str, hosts: list[str]) -> str:
+    """Where the ranks' rendezvous store listens (``MASTER_ADDR``; ``workers.store``): loopback
+    when every rank is on one node, else rank 0's node address on the cluster's network."""
+    return "127.0.0.1" if len(set(hosts)) == 1 else rank0_node
 
 
 def rank_bundle(ip: str, gpu: bool) -> dict[str, float]:

@@ -60,9 +60,9 @@ class RayTrialRunner:
     #: told what is missing while waiting (``None`` once they are back); returning True stops
     #: the wait and the trial ends ``pruned`` ("cancelled"), as a cancelled trial does
     on_wait: Callable[[list[str] | None], bool | None] | None = None
-    #: asked at every poll of a running trial: True stops it at once, ``pruned`` ("cancelled"),
-    #: though it reports no step (a hung trial held Ctrl-C for its whole timeout)
-    cancelled: Callable[[], bool] | None = None
+    #: asked while a trial runs, between its steps too (an op build, a hung import): True stops
+    #: the trial within a poll interval and it ends ``pruned`` ("cancelled")
+    should_stop: Callable[[], bool] | None = None
     #: how often the wait asks Ray for its nodes (seconds)
     node_poll_s: float = 2.0
     #: after a trial lost a node, its Ray node counts as dead this long even while Ray still
@@ -120,14 +120,14 @@ class RayTrialRunner:
             return bool(on_step(StepProgress(report.step, report.time, report.warmup, report.loss)))
 
         m = run_trial(spec, self.cluster, timeout_s=self.timeout_s, on_step=relay, env=self.env,
-                      ship_workdir=self.ship_workdir, should_stop=self.cancelled,
+                      ship_workdir=self.ship_workdir, should_stop=self.should_stop,
                       on_phase=self.on_phase)
         if m.status in ("failed", "timeout") and m.extra.get("phase") == "ops" and self.device_kind == "cpu":
             # Caught building the op after all (the environment changed under the job): the
             # environment's failure, not the candidate's. Build it outside the trial, run again.
             self.prepare(force=True)
             m = run_trial(spec, self.cluster, timeout_s=self.timeout_s, on_step=relay, env=self.env,
-                          ship_workdir=self.ship_workdir, should_stop=self.cancelled, on_phase=self.on_phase)
+                          ship_workdir=self.ship_workdir, should_stop=self.should_stop, on_phase=self.on_phase)
             if m.status in ("failed", "timeout") and m.extra.get("phase") == "ops":
                 from workers.ops import WHAT, OpsBuildError
 

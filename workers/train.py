@@ -109,10 +109,10 @@ def main(argv: list[str] | None = None) -> int:
     PHASES.mark("start")
     import deepspeed  # noqa: F401  # what a rank imports, timed as one phase
     import peft  # noqa: F401
-    import torch.distributed as dist
     import transformers  # noqa: F401
 
     from workers.spec import TrialSpec
+    from workers.store import rendezvous_store
     from workers.trial import emit, run_rank
 
     PHASES.mark("imports")
@@ -134,10 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     emit({"event": "rank", "rank": rank, "launcher_rank": launcher_rank, "local_rank": os.environ.get("LOCAL_RANK"),
           "visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "device_kind": trial.device_kind,
           "master_port": os.environ.get("MASTER_PORT")})
-    store = dist.TCPStore(
-        os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "29500")),
-        world, is_master=launcher_rank == 0, timeout=timedelta(seconds=120),
-    )
+    store = rendezvous_store(world, is_master=launcher_rank == 0, timeout=timedelta(seconds=120))
     return run_rank(trial, ds_config, rank, world, store)
 
 

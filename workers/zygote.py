@@ -10,7 +10,8 @@ crash), which is what the executor promises; it just starts warm.
 Only CPU ranks use it: a GPU rank must not inherit a process that touched CUDA, and GPU
 machines have the cores to import in parallel anyway.
 
-Protocol (one Unix stream socket per node and per code version, under the temp folder):
+Protocol (one Unix stream socket per node and per code version, in this user's private runtime
+folder, ``workers.runtime``):
 the client sends one JSON line ``{"module", "argv", "env", "cwd", "log", "owner"}``; the
 server forks, answers ``{"pid": N}``, and later ``{"exit": code}`` (negative: killed by that
 signal) when the child ends. The child runs ``python -m module argv...`` semantics with the
@@ -30,12 +31,13 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from workers.runtime import open_private, read_private, runtime_dir, write_private
 
 #: What the warm process imports (the rank's whole stack; CUDA is never touched).
 #: ``deepspeed.runtime.zero.muon.muon_optimizer``: DeepSpeed 0.19 imports it inside every
@@ -58,7 +60,7 @@ def socket_path(extra_env: dict[str, str]) -> str:
         for f in sorted((root / package).rglob("*.py")):
             h.update(f"{f}:{f.stat().st_mtime_ns}".encode())
     h.update(json.dumps(sorted({**IMPORT_ENV, **extra_env}.items())).encode())
-    return str(Path(tempfile.gettempdir()) / f"pipette-zygote-{os.getuid()}-{h.hexdigest()[:12]}.sock")
+    return str(runtime_dir() / f"zygote-{h.hexdigest()[:12]}.sock")
 
 
 # ---- client (the rank's actor) ------------------------------------------------------------
@@ -174,7 +176,7 @@ def _start_server(path: str, extra_env: dict[str, str]) -> None:
     """Start the node's zygote (once: a lock file serialises racing ranks) and wait for it."""
     import fcntl
 
-    with open(path + ".lock", "w") as lock:
+    with os.fdopen(open_private(path + ".lock", os.O_WRONLY | os.O_CREAT), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if _alive(path):
             return
@@ -182,13 +184,14 @@ def _start_server(path: str, extra_env: dict[str, str]) -> None:
         env = {**os.environ, **IMPORT_ENV, **extra_env, "PYTHONUNBUFFERED": "1"}
         # The zygote ends with its host actor (PR_SET_PDEATHSIG): when the Ray that a job
         # started for itself stops, nothing of it stays behind (it outlived `pipette tune`).
-        subprocess.Popen([sys.executable, "-m", "workers.zygote", path], env=env, start_new_session=True,
-                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=open(path + ".err", "a"),
-                         cwd=str(Path(__file__).resolve().parents[1]), preexec_fn=_die_with_parent)
+        with os.fdopen(open_private(path + ".err", os.O_WRONLY | os.O_CREAT | os.O_APPEND), "a") as err:
+            subprocess.Popen([sys.executable, "-m", "workers.zygote", path], env=env, start_new_session=True,
+                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
+                             cwd=str(Path(__file__).resolve().parents[1]), preexec_fn=_die_with_parent)
         deadline = time.monotonic() + 300
         while not _alive(path):
             if time.monotonic() > deadline:
-                raise RuntimeError(f"the zygote did not start in 300 s: {Path(path + '.err').read_text()[-2000:]}")
+                raise RuntimeError(f"the zygote did not start in 300 s: {read_private(path + '.err')[-2000:]}")
             time.sleep(0.1)
 
 
@@ -199,14 +202,31 @@ def _die_with_parent() -> None:
 
 
 def _kill_stale(path: str) -> None:
-    """Remove a server that does not answer (its pid is in ``path.pid``)."""
+    """Remove a server that does not answer (its pid is in ``path.pid``): signalled only if that
+    pid is still our zygote of this socket (a pid is reused, and a file can lie)."""
     try:
-        os.kill(int(Path(path + ".pid").read_text()), signal.SIGKILL)
+        pid = int(read_private(path + ".pid"))
     except (OSError, ValueError):
-        pass
+        pid = 0
+    if pid > 0 and is_our_zygote(pid, path):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
     for leftover in (path, path + ".pid"):
         if os.path.exists(leftover):
             os.unlink(leftover)
+
+
+def is_our_zygote(pid: int, path: str) -> bool:
+    """Whether process ``pid`` is this user's ``python -m workers.zygote path``."""
+    try:
+        if os.stat(f"/proc/{pid}").st_uid != os.getuid():
+            return False
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return argv[1:4] == [b"-m", b"workers.zygote", os.fsencode(path)]
 
 
 def _alive(path: str) -> bool:
@@ -229,7 +249,7 @@ def serve(path: str) -> None:
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(tmp)
     server.listen(64)
-    Path(path + ".pid").write_text(str(os.getpid()))
+    write_private(path + ".pid", str(os.getpid()))
     os.rename(tmp, path)  # atomic: a client sees a bound, listening socket or none
     children: dict[int, socket.socket] = {}
     last = time.monotonic()

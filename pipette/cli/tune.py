@@ -161,7 +161,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     runner = RayTrialRunner(model, training, cluster, device_kind=device_kind, timeout_s=args.trial_timeout,
                             max_steps=args.steps, seed=args.seed, data=args.data, checkpoint=args.checkpoint,
                             script=script, ship_workdir=bool(os.environ.get("RAY_ADDRESS")),
-                            env={"PIPETTE_RANK_TAG": tag}, cancelled=stop.is_set, on_note=ui.say,
+                            env={"PIPETTE_RANK_TAG": tag}, should_stop=stop.is_set, on_note=ui.say,
                             on_phase=ui.phase)
     # A script's trials measure the script: they are kept apart from the runner's.
     suffix = f"-script-{_script_key(script)}" if script is not None else ""

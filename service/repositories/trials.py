@@ -100,6 +100,13 @@ def interrupt_running(session: Session, job_id: str) -> list[int]:
     return [t.number for t in rows]
 
 
+def interrupted_numbers(session: Session, job_id: str) -> list[int]:
+    """The trials of the job that were stopped before their end and will run again."""
+    return list(session.execute(
+        select(Trial.number).where(Trial.job_id == job_id, Trial.state == "interrupted").order_by(Trial.number)
+    ).scalars())
+
+
 def get_row(session: Session, job_id: str, number: int) -> Trial | None:
     return session.execute(
         select(Trial).where(Trial.job_id == job_id, Trial.number == number)

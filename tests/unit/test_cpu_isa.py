@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import tempfile
 import threading
 import time
@@ -28,7 +29,7 @@ def test_the_real_probe_runs_once_and_a_new_process_reads_its_answer(
         node: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     first = cpu_isa.cpu_isa_env()  # the real probe: a bf16 matmul in a child process
     assert first in ({}, {"ONEDNN_MAX_CPU_ISA": cpu_isa.SAFE_ISA})
-    assert cpu_isa.cache_path().parent == node and cpu_isa.cache_path().exists()
+    assert cpu_isa.cache_path().parent == node / f"pipette-{os.getuid()}" and cpu_isa.cache_path().exists()
 
     def no_probe(*args: object, **kwargs: object) -> None:
         raise AssertionError("probed again: the node's answer was not read")
@@ -75,7 +76,7 @@ def test_the_answer_belongs_to_one_boot_python_and_torch(node: Path, monkeypatch
     monkeypatch.setattr(cpu_isa.sys, "executable", "/another/venv/bin/python")
     monkeypatch.setattr(cpu_isa, "_probe", lambda: {"ONEDNN_MAX_CPU_ISA": cpu_isa.SAFE_ISA})
     assert cpu_isa.cpu_isa_env() == {"ONEDNN_MAX_CPU_ISA": cpu_isa.SAFE_ISA}  # not the other Python's answer
-    assert len(list(node.glob("pipette-cpu-isa-*.json"))) == 2
+    assert len(list(node.glob("pipette-*/cpu-isa-*.json"))) == 2
 
 
 def test_no_probe_where_amx_is_not_advertised_or_the_isa_is_set(
@@ -87,7 +88,7 @@ def test_no_probe_where_amx_is_not_advertised_or_the_isa_is_set(
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
     monkeypatch.setattr(cpu_isa, "_advertises_amx", lambda: False)
     assert cpu_isa.cpu_isa_env() == {}
-    assert not list(node.glob("pipette-cpu-isa-*"))
+    assert not list(node.glob("pipette-*/cpu-isa-*"))
 
 
 def test_an_unwritable_temp_folder_still_answers(node: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -21,8 +21,10 @@ import importlib.util
 import json
 import os
 import resource
+import socket
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -121,39 +123,38 @@ def _patch_engine(module: Any) -> None:
     engine_class.__init__ = init
 
 
-class _EngineFinder(importlib.abc.MetaPathFinder):
-    """Patches ``deepspeed.runtime.engine`` as it is imported (``_patch_engine``)."""
+def _bind_store(module: Any) -> None:
+    """Rank 0's rendezvous store (``init_process_group``'s ``env://``) listens on ``MASTER_ADDR``
+    only, not on every interface, as Pipette's own ranks' does (``workers.store`` says why)."""
+    original = module._create_c10d_store
 
-    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
-        if name != "deepspeed.runtime.engine":
-            return None
-        sys.meta_path.remove(self)
+    def create(hostname: str, port: int, rank: int, world_size: int, timeout: Any, use_libuv: bool = True) -> Any:
+        if rank != 0 or module._torchelastic_use_agent_store():
+            return original(hostname, port, rank, world_size, timeout, use_libuv)
+        family, kind, proto, _, address = socket.getaddrinfo(hostname, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            spec = importlib.util.find_spec(name)
-        finally:
-            sys.meta_path.insert(0, self)
-        if spec is None or spec.loader is None:
-            return None
-        loader = spec.loader
+            sock.bind(address)
+            sock.listen(2048)
+        except OSError:
+            sock.close()
+            return original(hostname, port, rank, world_size, timeout, use_libuv)
+        return module.TCPStore(host_name=hostname, port=port, world_size=world_size, is_master=True, timeout=timeout,
+                               multi_tenant=True, master_listen_fd=sock.detach(), use_libuv=use_libuv)
 
-        class Loader(importlib.abc.Loader):
-            def create_module(self, spec: Any) -> Any:
-                return loader.create_module(spec)
-
-            def exec_module(self, module: Any) -> None:
-                loader.exec_module(module)
-                _patch_engine(module)
-
-        spec.loader = Loader()
-        return spec
+    module._create_c10d_store = create
 
 
 class _Finder(importlib.abc.MetaPathFinder):
-    def __init__(self, steps: _Steps) -> None:
-        self.steps = steps
+    """Patch each module of ``patches`` (name: function of the module) as it is imported."""
+
+    def __init__(self, patches: dict[str, Callable[[Any], None]]) -> None:
+        self.patches = patches
 
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
-        if name != "deepspeed.utils.timer":
+        patch = self.patches.get(name)
+        if patch is None:
             return None
         sys.meta_path.remove(self)
         try:
@@ -162,7 +163,7 @@ class _Finder(importlib.abc.MetaPathFinder):
             sys.meta_path.insert(0, self)
         if spec is None or spec.loader is None:
             return None
-        loader, steps = spec.loader, self.steps
+        loader, apply = spec.loader, patch
 
         class Loader(importlib.abc.Loader):
             def create_module(self, spec: Any) -> Any:
@@ -170,7 +171,7 @@ class _Finder(importlib.abc.MetaPathFinder):
 
             def exec_module(self, module: Any) -> None:
                 loader.exec_module(module)
-                _patch(module, steps)
+                apply(module)
 
         spec.loader = Loader()
         return spec
@@ -184,8 +185,10 @@ def _install() -> None:
         trial = json.loads(raw)
     except ValueError:
         return
-    sys.meta_path.insert(0, _Finder(_Steps(trial)))
-    sys.meta_path.insert(0, _EngineFinder())
+    steps = _Steps(trial)
+    sys.meta_path.insert(0, _Finder({"deepspeed.utils.timer": lambda module: _patch(module, steps),
+                                     "torch.distributed.rendezvous": _bind_store,
+                                     "deepspeed.runtime.engine": _patch_engine}))
 
 
 _install()

@@ -1,0 +1,120 @@
+"""Runtime files of a node (issue 32, item 11): the zygote's socket, pid, lock and log live in
+a private per-user folder; nothing planted there is signalled or opened through a link.
+
+Before the fix they lay in the shared temp folder: a pid written into ``.sock.pid`` was
+SIGKILLed by the next trial that found no live zygote, and a symlink planted as ``.lock`` had
+its target truncated."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from pipette.errors import PipetteError
+from workers import zygote
+from workers.runtime import read_private, runtime_dir, write_private
+
+
+@pytest.fixture
+def tmp(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Path]:
+    """A node whose temp folder is ``tmp_path`` (as ``TMPDIR`` would make it)."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    yield tmp_path
+
+
+@pytest.fixture
+def planted() -> Iterator[subprocess.Popen[bytes]]:
+    """A process of this user that is not a zygote (what a stale pid file may name)."""
+    proc = subprocess.Popen(["sleep", "60"])
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+def test_the_socket_lives_in_a_private_folder(tmp: Path) -> None:
+    path = Path(zygote.socket_path({}))
+    info = os.lstat(path.parent)
+    assert path.parent.parent == tmp and path.parent.name == f"pipette-{os.getuid()}"
+    assert stat.S_ISDIR(info.st_mode) and stat.S_IMODE(info.st_mode) == 0o700
+
+
+def test_a_planted_pid_is_not_signalled(tmp: Path, planted: subprocess.Popen[bytes]) -> None:
+    path = zygote.socket_path({})
+    Path(path + ".pid").write_text(str(planted.pid))
+    zygote._kill_stale(path)
+    time.sleep(0.2)
+    assert planted.poll() is None, "a process that is not our zygote was killed"
+    assert not os.path.exists(path + ".pid")
+
+
+def test_a_stale_zygote_of_the_socket_is_still_removed(tmp: Path, tmp_path: Path) -> None:
+    """A process that is ``python -m workers.zygote PATH`` for this socket is ours: killed."""
+    fake = tmp_path / "fake"
+    (fake / "workers").mkdir(parents=True)
+    (fake / "workers" / "__init__.py").write_text("")
+    (fake / "workers" / "zygote.py").write_text("import time\ntime.sleep(60)\n")
+    path = zygote.socket_path({})
+    proc = subprocess.Popen([sys.executable, "-m", "workers.zygote", path], cwd=fake)
+    try:
+        Path(path + ".pid").write_text(str(proc.pid))
+        deadline = time.monotonic() + 10  # /proc/PID/cmdline reads empty for a moment after the exec
+        while not Path(f"/proc/{proc.pid}/cmdline").read_bytes() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert zygote.is_our_zygote(proc.pid, path)
+        assert not zygote.is_our_zygote(proc.pid, path + "x")  # another socket's zygote is not this one's
+        zygote._kill_stale(path)
+        assert proc.wait(10) == -9
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_planted_lock_link_is_not_opened_through(tmp: Path, tmp_path: Path) -> None:
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    path = zygote.socket_path({})
+    os.symlink(victim, path + ".lock")
+    with pytest.raises(PipetteError, match="symbolic link"):
+        zygote._start_server(path, {})
+    assert victim.read_text() == "precious\n"
+
+
+def test_no_runtime_file_is_opened_through_a_link(tmp: Path, tmp_path: Path) -> None:
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    for name in ("zygote.err", "zygote.pid", "cpu-isa.json"):
+        link = runtime_dir() / name
+        link.symlink_to(victim)
+        with pytest.raises(PipetteError, match=f"{link} is a symbolic link"):
+            write_private(link, "planted")
+        with pytest.raises(PipetteError, match="symbolic link"):
+            read_private(link)
+    assert victim.read_text() == "precious\n"
+
+
+def test_a_runtime_folder_of_another_user_is_refused(tmp: Path) -> None:
+    folder = tmp / f"pipette-{os.getuid()}"
+    folder.mkdir(mode=0o700)
+    if os.getuid() == 0:
+        os.chown(folder, 65534, 65534)
+        with pytest.raises(PipetteError, match="belongs to uid 65534"):
+            runtime_dir()
+    folder.rmdir()
+    folder.symlink_to(tmp)
+    with pytest.raises(PipetteError, match="not a folder"):
+        runtime_dir()
+
+
+def test_a_loose_folder_of_ours_is_closed(tmp: Path) -> None:
+    folder = tmp / f"pipette-{os.getuid()}"
+    folder.mkdir()
+    folder.chmod(0o777)
+    assert runtime_dir() == folder and stat.S_IMODE(folder.stat().st_mode) == 0o700
