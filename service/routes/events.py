@@ -31,6 +31,9 @@ router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 POLL_S = 0.25
 KEEPALIVE_S = 15.0
 RETRY_MS = 2000
+#: the largest event id a client may resume after, ``?after`` and ``Last-Event-ID`` alike: a
+#: larger one overflows the database's 64-bit integer once the stream has started
+MAX_EVENT_ID = 2**62
 
 
 @router.get("/{job_id}/events", response_class=StreamingResponse, responses={
@@ -45,7 +48,7 @@ async def stream_events(
     job_id: Annotated[str, Path(max_length=36, pattern=ID_PATTERN)],
     last_event_id: Annotated[str, Header(alias="Last-Event-ID", max_length=20, pattern=r"^[0-9]*$",
                                          description="resume after this event id (what EventSource sends)")] = "",
-    after: Annotated[int, Query(ge=0, le=2**62, description="start after this event id")] = 0,
+    after: Annotated[int, Query(ge=0, le=MAX_EVENT_ID, description="start after this event id")] = 0,
     follow: Annotated[bool, Query(description="keep the stream open until the job ends")] = True,
 ) -> StreamingResponse:
     start = _resume_point(last_event_id, after)
@@ -102,4 +105,7 @@ def _resume_point(last_event_id: str, after: int) -> int:
                            fix="send the id of the last event received (a whole number)") from None
     if value < 0:
         raise RequestError("is negative", field="Last-Event-ID", fix="send the id of the last event received")
+    if value > MAX_EVENT_ID:
+        raise RequestError(f"is {value}, above the largest event id", field="Last-Event-ID",
+                           fix=f"give a value at most {MAX_EVENT_ID} (the id of the last event received)")
     return value

@@ -333,6 +333,22 @@ def test_event_stream_resumes_after_last_event_id(api: Api) -> None:
     assert _events(api.client.get(f"{url}/events", params={"after": events[1]["id"]}, headers=h)) == []
 
 
+def test_last_event_id_is_bounded_like_after(api: Api, caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 32, item 13: a Last-Event-ID above 2^63-1 answered 200, then cut the stream and
+    logged a traceback (the database's integer overflowed); now a 422 like ``?after``, nothing logged."""
+    h = api.token()
+    api.local_cluster(h)
+    url = api.client.post("/v1/jobs", json=_job(), headers=h).json()["url"]
+    api.client.post(f"{url}/cancel", headers=h)
+    for value in (str(2**63), "9" * 20, str(2**62 + 1)):
+        r = api.client.get(f"{url}/events", headers={**h, "Last-Event-ID": value})
+        assert r.status_code == 422, (value, r.status_code, r.text[:200])
+        error = r.json()["error"]
+        assert error["field"] == "Last-Event-ID" and str(2**62) in error["fix"], error
+    assert _events(api.client.get(f"{url}/events", headers={**h, "Last-Event-ID": str(2**62)})) == []
+    assert not [r for r in caplog.records if r.exc_info], [r.getMessage() for r in caplog.records]
+
+
 def test_openapi_documents_the_api(api: Api) -> None:
     schema = api.client.get("/openapi.json").json()
     paths = set(schema["paths"])
