@@ -195,6 +195,35 @@ BAD_JOBS: list[tuple[dict[str, Any], int, str]] = [
 ]
 
 
+def test_a_job_no_backend_can_run_is_refused_at_submit(api: Api) -> None:
+    """Issue 32, item 19: ``tiny-gpt`` on the local cluster was accepted (202) and failed at
+    planning; fp16 on a cluster measured as CPU devices likewise. Now a 422 with the fix."""
+    import uuid
+
+    from pipette.clusterfile import cluster_from_dict
+    from service.models import Cluster, Profile, utcnow
+
+    h = api.token()
+    cluster = api.local_cluster(h)
+    gpt = api.client.post("/v1/jobs", json=_job(model="tiny-gpt"), headers=h)
+    assert gpt.status_code == 422, gpt.text
+    error = gpt.json()["error"]
+    assert error["field"] == "model" and "Llama" in error["message"] and "tiny-llama" in error["fix"], error
+    fp16 = _job(training={"global_batch": 4, "seq_len": 32, "dtype": "fp16"})
+    assert api.client.post("/v1/jobs", json=fp16, headers=h).status_code == 202  # not measured yet: unknown
+    with api.db.write() as session:
+        row = session.get(Cluster, cluster["id"])
+        assert row is not None
+        profile = cluster_from_dict({**CPU4, "nodes": 1, "devices_per_node": 2}, default_name="local").to_dict()
+        session.add(Profile(id=str(uuid.uuid4()), cluster_id=row.id, state="succeeded", created_at=utcnow(),
+                            finished_at=utcnow(), profile=profile))
+    refused = api.client.post("/v1/jobs", json=fp16, headers=h)
+    assert refused.status_code == 422, refused.text
+    error = refused.json()["error"]
+    assert error["field"] == "training.dtype" and "bf16 or fp32" in error["fix"], error
+    assert api.client.post("/v1/jobs", json=_job(), headers=h).status_code == 202
+
+
 def test_an_unknown_preset_names_the_closest_not_all(api: Api) -> None:
     """Issue 17, item 11: the 422 listed every preset in one line."""
     h = api.token()
