@@ -20,7 +20,7 @@ from service.auth import TokenCache
 from service.db import Database
 from service.deps import AppState, reject_unknown_query
 from service.errors import install_error_handlers
-from service.limits import BodyLimitMiddleware
+from service.limits import BodyLimitMiddleware, HeaderLimitMiddleware
 from service.metrics import LatencyMiddleware, Metrics
 from service.routes import clusters, events, jobs, ops, plan
 from service.settings import Settings
@@ -69,6 +69,7 @@ def create_app(settings: Settings | None = None, *, database: Database | None = 
     app.include_router(dashboard.router)  # the web dashboard at / (static files)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(LatencyMiddleware, metrics=state.metrics)
+    app.add_middleware(HeaderLimitMiddleware)  # outermost: before anything reads the request
     logging.getLogger("pipette.service").setLevel(logging.INFO)
     return app
 

@@ -104,6 +104,11 @@ def install_error_handlers(app: FastAPI) -> None:
 
     async def on_http_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)
+        if exc.status_code == 400 and isinstance(exc.__cause__, RecursionError):
+            # FastAPI's decoder gives up on a body nested ~1000 levels deep: say that, not "not UTF-8"
+            return pipette_error_response(RequestError(
+                "the body is nested too deeply to read (arrays or objects about 1000 levels deep)",
+                field="body", fix="send the config.json as Hugging Face writes it (a flat object of numbers)"))
         if exc.status_code == 400:
             # FastAPI's answer to a body it cannot decode (not UTF-8): the same 422 as bad JSON.
             return pipette_error_response(RequestError(

@@ -224,6 +224,16 @@ def test_a_job_no_backend_can_run_is_refused_at_submit(api: Api) -> None:
     assert api.client.post("/v1/jobs", json=_job(), headers=h).status_code == 202
 
 
+def test_a_deeply_nested_model_config_says_so(api: Api) -> None:
+    """Issue 32, item 19: a config.json nested ~1000 levels deep was called "not UTF-8"."""
+    h = api.token()
+    body = json.dumps(_job()).replace('"tiny-llama"', '{"hidden_size": 64, "x": ' + "[" * 5000 + "]" * 5000 + "}")
+    r = api.client.post("/v1/jobs", content=body.encode(), headers={**h, "content-type": "application/json"})
+    assert r.status_code == 422, r.text
+    error = r.json()["error"]
+    assert error["field"] == "body" and "nested too deeply" in error["message"] and error["fix"], error
+
+
 def test_an_unknown_preset_names_the_closest_not_all(api: Api) -> None:
     """Issue 17, item 11: the 422 listed every preset in one line."""
     h = api.token()
