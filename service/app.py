@@ -24,6 +24,7 @@ from service.limits import BodyLimitMiddleware, HeaderLimitMiddleware
 from service.metrics import LatencyMiddleware, Metrics
 from service.routes import clusters, events, jobs, ops, plan
 from service.settings import Settings
+from service.streams import StreamSlots
 
 DESCRIPTION = """Pipette's service: register clusters, submit tuning jobs, follow their trials live,
 download the best configuration's launch files, and plan what-if clusters without trials.
@@ -36,7 +37,8 @@ Every endpoint under /v1 and /metrics takes `Authorization: Bearer <token>`
 def create_app(settings: Settings | None = None, *, database: Database | None = None) -> FastAPI:
     settings = settings or Settings.from_env()
     db = database or Database(settings.database_url)
-    state = AppState(settings=settings, db=db, metrics=Metrics(db), tokens=TokenCache(settings.token_cache_s))
+    state = AppState(settings=settings, db=db, metrics=Metrics(db), tokens=TokenCache(settings.token_cache_s),
+                     streams=StreamSlots(settings.max_streams_per_tenant, settings.max_streams))
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:

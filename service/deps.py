@@ -16,6 +16,7 @@ from service.db import Database
 from service.errors import RequestError
 from service.metrics import Metrics
 from service.settings import Settings
+from service.streams import StreamSlots
 
 if TYPE_CHECKING:
     from service.scheduler import Scheduler
@@ -28,6 +29,7 @@ class AppState:
     metrics: Metrics
     scheduler: Scheduler | None = None
     tokens: TokenCache = field(default_factory=TokenCache)
+    streams: StreamSlots = field(default_factory=lambda: StreamSlots(20, 200))
     #: set when the process was told to stop (SIGTERM): event streams end, the scheduler stops
     stopping: threading.Event = field(default_factory=threading.Event)
 
@@ -62,7 +64,11 @@ async def principal(
 ) -> Principal:
     # Dependencies are async so the cheap path (a cached token) costs no thread hop; the
     # database lookup runs in the thread pool like every sync route.
-    secret = bearer_secret(request)
+    return await authenticate(state, bearer_secret(request))
+
+
+async def authenticate(state: AppState, secret: str) -> Principal:
+    """The token's principal (AuthError when it is unknown or revoked), cached ``token_cache_s``."""
     cached = state.tokens.get(secret)
     if cached is not None:
         return cached
