@@ -22,6 +22,7 @@ from service.deps import AppState, reject_unknown_query
 from service.errors import install_error_handlers
 from service.limits import BodyLimitMiddleware, HeaderLimitMiddleware
 from service.metrics import LatencyMiddleware, Metrics
+from service.rates import TenantRate
 from service.routes import clusters, events, jobs, ops, plan
 from service.settings import Settings
 from service.streams import StreamSlots
@@ -38,7 +39,8 @@ def create_app(settings: Settings | None = None, *, database: Database | None = 
     settings = settings or Settings.from_env()
     db = database or Database(settings.database_url)
     state = AppState(settings=settings, db=db, metrics=Metrics(db), tokens=TokenCache(settings.token_cache_s),
-                     streams=StreamSlots(settings.max_streams_per_tenant, settings.max_streams))
+                     streams=StreamSlots(settings.max_streams_per_tenant, settings.max_streams),
+                     plans=TenantRate(settings.plans_per_minute, "PIPETTE_PLANS_PER_MINUTE", "plans"))
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:

@@ -15,6 +15,7 @@ from service.auth import Principal, TokenCache, bearer_secret, verify
 from service.db import Database
 from service.errors import RequestError
 from service.metrics import Metrics
+from service.rates import TenantRate
 from service.settings import Settings
 from service.streams import StreamSlots
 
@@ -30,6 +31,7 @@ class AppState:
     scheduler: Scheduler | None = None
     tokens: TokenCache = field(default_factory=TokenCache)
     streams: StreamSlots = field(default_factory=lambda: StreamSlots(20, 200))
+    plans: TenantRate = field(default_factory=lambda: TenantRate(60, "PIPETTE_PLANS_PER_MINUTE", "plans"))
     #: set when the process was told to stop (SIGTERM): event streams end, the scheduler stops
     stopping: threading.Event = field(default_factory=threading.Event)
 

@@ -51,6 +51,10 @@ class Settings:
     #: together (429 above either): each open stream polls the database
     max_streams_per_tenant: int = 20
     max_streams: int = 200
+    #: what-if plans a tenant may ask for a minute in one API process (429 above it)
+    plans_per_minute: int = 60
+    #: clusters a tenant may register (409 above it)
+    max_clusters_per_tenant: int = 50
     #: an event stream that sent no event for this long ends (EventSource reconnects by itself)
     stream_idle_s: float = 300.0
 
@@ -80,6 +84,8 @@ class Settings:
             max_queued_per_tenant=int(_number(env, "PIPETTE_MAX_QUEUED_PER_TENANT", 20, minimum=1)),
             max_streams_per_tenant=int(_number(env, "PIPETTE_MAX_STREAMS_PER_TENANT", 20, minimum=1)),
             max_streams=int(_number(env, "PIPETTE_MAX_STREAMS", 200, minimum=1)),
+            plans_per_minute=int(_number(env, "PIPETTE_PLANS_PER_MINUTE", 60, minimum=1)),
+            max_clusters_per_tenant=int(_number(env, "PIPETTE_MAX_CLUSTERS_PER_TENANT", 50, minimum=1)),
             stream_idle_s=_number(env, "PIPETTE_STREAM_IDLE_S", 300.0, minimum=1.0),
         )
 

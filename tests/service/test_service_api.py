@@ -442,3 +442,30 @@ def test_a_text_plain_body_is_not_read_as_json(api: Api) -> None:
     assert r.status_code == 422, r.text
     error = r.json()["error"]
     assert "application/json" in error["fix"], error
+
+
+def test_plans_and_clusters_have_per_tenant_limits(tmp_path: Any) -> None:
+    """Issue 32, item 20: a tenant's plans (up to a second of CPU each) and clusters were
+    unlimited. Now PIPETTE_PLANS_PER_MINUTE (429 with Retry-After) and
+    PIPETTE_MAX_CLUSTERS_PER_TENANT (409); another tenant is not held back."""
+    from service.migrations import upgrade
+    from tests.service.conftest import make_api
+
+    url = f"sqlite:///{tmp_path / 'quota.db'}"
+    upgrade(url)
+    plan = {"model": "tiny-llama", "cluster": CPU4, "training": {"global_batch": 8, "seq_len": 64}, "top": 1}
+    for api in make_api(url, "sqlite", tmp_path, plans_per_minute=3, max_clusters_per_tenant=2):
+        h, other = api.token(), api.token()
+        assert [api.client.post("/v1/plan", json=plan, headers=h).status_code for _ in range(3)] == [200] * 3
+        over = api.client.post("/v1/plan", json=plan, headers=h)
+        assert over.status_code == 429, over.text
+        assert "PIPETTE_PLANS_PER_MINUTE" in over.json()["error"]["message"]
+        assert 1 <= int(over.headers["retry-after"]) <= 20
+        assert api.client.post("/v1/plan", json=plan, headers=other).status_code == 200
+        api.local_cluster(h, "one")
+        api.local_cluster(h, "two")
+        third = api.client.post("/v1/clusters", json={"name": "three", "devices": 2}, headers=h)
+        assert third.status_code == 409, third.text
+        error = third.json()["error"]
+        assert "PIPETTE_MAX_CLUSTERS_PER_TENANT" in error["message"] and error["field"] == "name" and error["fix"]
+        api.local_cluster(other, "one")
