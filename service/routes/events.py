@@ -18,12 +18,14 @@ from typing import Annotated
 
 from fastapi import APIRouter, Header, Path, Query, Request
 from fastapi.responses import StreamingResponse
+from sqlalchemy.exc import SQLAlchemyError
 from starlette.concurrency import run_in_threadpool
 
 from service.auth import bearer_secret
 from service.deps import Caller, State, authenticate
 from service.errors import AuthError, RequestError
 from service.models import FINAL_STATES, Event, Job
+from service.outage import OUTAGE, is_unavailable
 from service.repositories import events as repo
 from service.repositories.jobs import get_job
 from service.routes import AUTHED, json_errors
@@ -89,7 +91,13 @@ async def stream_events(
         quiet_since = event_at = checked_at = now
         wait = POLL_S
         while True:
-            rows, final = await run_in_threadpool(fetch, last)
+            try:
+                rows, final = await run_in_threadpool(fetch, last)
+            except SQLAlchemyError as e:
+                if not is_unavailable(e):
+                    raise
+                OUTAGE.failed(e, "an event stream")
+                return  # the client reconnects after RETRY_MS with Last-Event-ID
             for event in rows:
                 last = event.id
                 yield format_event(event)
