@@ -115,7 +115,8 @@ class Scheduler:
     def wait_s(self) -> float:
         """How long an idle scheduler waits before it looks for work again: ``poll_s``, doubled
         after each failed claim in a row up to ``MAX_BACKOFF_S`` (the database is down)."""
-        return min(self.settings.poll_s * 2 ** min(self._failures, 16), max(MAX_BACKOFF_S, self.settings.poll_s))
+        backoff: float = self.settings.poll_s * 2.0 ** min(self._failures, 16)
+        return min(backoff, max(MAX_BACKOFF_S, self.settings.poll_s))
 
     def _profile(self, profile_id: str) -> None:
         with self.db.write() as session:
