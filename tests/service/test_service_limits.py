@@ -6,7 +6,9 @@ reads (a 1.5 MiB upload got a reset: "cannot reach the service")."""
 from __future__ import annotations
 
 import json
+import os
 import socket
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -69,3 +71,58 @@ def test_a_body_over_the_limit_answers_413_the_client_reads(served: ServiceProce
 
 def test_log_has_no_traceback(served: ServiceProcess) -> None:
     assert "Traceback" not in Path(served.log).read_text()
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def test_serve_with_two_workers_answers_from_both(tmp_path: Path) -> None:
+    """Issue 32, item 22: ``serve --workers 2`` (API processes only: PIPETTE_SCHEDULER=0 and a
+    separate ``worker``) runs two processes on one port, each answering with the limits above."""
+    url = f"sqlite:///{tmp_path / 'workers.db'}"
+    upgrade(url)
+    service = ServiceProcess(url, tmp_path, args=("--workers", "2"), PIPETTE_SCHEDULER="0").start()
+    try:
+        assert service.proc is not None
+        workers: list[int] = []
+        deadline = time.monotonic() + 60
+        while len(workers) < 2 and time.monotonic() < deadline:
+            workers = [p for p in _children(service.proc.pid) if "spawn_main" in _cmdline(p)]
+            time.sleep(0.5)
+        assert len(workers) == 2, [_cmdline(p) for p in _children(service.proc.pid)]
+        for _ in range(20):
+            with urllib.request.urlopen(f"{service.base}/readyz", timeout=10) as r:
+                assert r.status == 200
+        status, body = _answer(service.port, b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 200_000
+                               + b"\r\n\r\n")
+        assert status == 431, body
+    finally:
+        service.stop()
+    assert "Traceback" not in Path(service.log).read_text()
+
+
+def test_several_workers_need_the_scheduler_elsewhere(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PIPETTE_DATABASE_URL": f"sqlite:///{tmp_path / 'w.db'}", "PIPETTE_HOME": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-m", "service.admin", "serve", "--workers", "2"], env=env,
+                         capture_output=True, text=True, timeout=60, cwd=Path(__file__).resolve().parents[2])
+    assert out.returncode != 0 and "PIPETTE_SCHEDULER=0" in out.stderr and "Traceback" not in out.stderr, out
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return (Path("/proc") / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
