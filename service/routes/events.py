@@ -102,6 +102,10 @@ async def stream_events(
                 last = event.id
                 yield format_event(event)
             now = time.monotonic()
+            if now - checked_at > TOKEN_CHECK_S:  # a busy stream too: it delivered events after a revocation
+                if not await still_allowed():
+                    return
+                checked_at = now
             if rows:
                 quiet_since = event_at = now
                 wait = POLL_S
@@ -110,10 +114,6 @@ async def stream_events(
                 return
             if now - event_at > state.settings.stream_idle_s:
                 return  # idle: the client reconnects with Last-Event-ID if it still reads
-            if now - checked_at > TOKEN_CHECK_S:
-                if not await still_allowed():
-                    return
-                checked_at = now
             if now - quiet_since > KEEPALIVE_S:
                 yield ": keep-alive\n\n"
                 quiet_since = now
