@@ -17,6 +17,7 @@ The database is ``PIPETTE_DATABASE_URL`` (default: SQLite under ``PIPETTE_HOME``
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 from collections.abc import Sequence
@@ -184,6 +185,7 @@ def _serve(args: argparse.Namespace, settings: Settings) -> int:
     import uvicorn
 
     from service.app import create_app
+    from service.limits import MAX_HEADER_BYTES
 
     _ensure_home(settings)
     if args.workers < 1:
@@ -198,7 +200,8 @@ def _serve(args: argparse.Namespace, settings: Settings) -> int:
     # Open event streams must not hold a shutdown forever: they get 10 s, then the scheduler
     # stops (interrupting the running trial, which a restart reruns) and the lease is freed.
     options = {"host": args.host, "port": args.port, "log_level": "info", "timeout_graceful_shutdown": 10,
-               "access_log": not args.no_access_log, "http": args.http, "loop": args.loop}
+               "access_log": not args.no_access_log, "http": _protocol(args.http), "loop": args.loop,
+               "h11_max_incomplete_event_size": MAX_HEADER_BYTES}
     if args.workers > 1:
         uvicorn.run("service.app:app_from_env", factory=True, workers=args.workers, **options)
         return 0
@@ -213,6 +216,16 @@ def _serve(args: argparse.Namespace, settings: Settings) -> int:
 
     Server(uvicorn.Config(app, **options)).run()
     return 0
+
+
+def _protocol(http: str) -> object:
+    """uvicorn's HTTP protocol: h11 (what ``auto`` picks without httptools) answers an
+    oversized header block 431 through ``service.protocol``."""
+    if http == "h11" or (http == "auto" and importlib.util.find_spec("httptools") is None):
+        from service.protocol import HeaderLimitH11Protocol
+
+        return HeaderLimitH11Protocol
+    return http
 
 
 def _worker(_args: argparse.Namespace, settings: Settings) -> int:

@@ -20,10 +20,12 @@ from service.auth import TokenCache
 from service.db import Database
 from service.deps import AppState, reject_unknown_query
 from service.errors import install_error_handlers
-from service.limits import BodyLimitMiddleware
+from service.limits import BodyLimitMiddleware, HeaderLimitMiddleware
 from service.metrics import LatencyMiddleware, Metrics
+from service.rates import TenantRate
 from service.routes import clusters, events, jobs, ops, plan
 from service.settings import Settings
+from service.streams import StreamSlots
 
 DESCRIPTION = """Pipette's service: register clusters, submit tuning jobs, follow their trials live,
 download the best configuration's launch files, and plan what-if clusters without trials.
@@ -36,7 +38,9 @@ Every endpoint under /v1 and /metrics takes `Authorization: Bearer <token>`
 def create_app(settings: Settings | None = None, *, database: Database | None = None) -> FastAPI:
     settings = settings or Settings.from_env()
     db = database or Database(settings.database_url)
-    state = AppState(settings=settings, db=db, metrics=Metrics(db), tokens=TokenCache(settings.token_cache_s))
+    state = AppState(settings=settings, db=db, metrics=Metrics(db), tokens=TokenCache(settings.token_cache_s),
+                     streams=StreamSlots(settings.max_streams_per_tenant, settings.max_streams),
+                     plans=TenantRate(settings.plans_per_minute, "PIPETTE_PLANS_PER_MINUTE", "plans"))
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -69,6 +73,7 @@ def create_app(settings: Settings | None = None, *, database: Database | None = 
     app.include_router(dashboard.router)  # the web dashboard at / (static files)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(LatencyMiddleware, metrics=state.metrics)
+    app.add_middleware(HeaderLimitMiddleware)  # outermost: before anything reads the request
     logging.getLogger("pipette.service").setLevel(logging.INFO)
     return app
 

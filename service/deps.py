@@ -15,7 +15,9 @@ from service.auth import Principal, TokenCache, bearer_secret, verify
 from service.db import Database
 from service.errors import RequestError
 from service.metrics import Metrics
+from service.rates import TenantRate
 from service.settings import Settings
+from service.streams import StreamSlots
 
 if TYPE_CHECKING:
     from service.scheduler import Scheduler
@@ -28,6 +30,8 @@ class AppState:
     metrics: Metrics
     scheduler: Scheduler | None = None
     tokens: TokenCache = field(default_factory=TokenCache)
+    streams: StreamSlots = field(default_factory=lambda: StreamSlots(20, 200))
+    plans: TenantRate = field(default_factory=lambda: TenantRate(60, "PIPETTE_PLANS_PER_MINUTE", "plans"))
     #: set when the process was told to stop (SIGTERM): event streams end, the scheduler stops
     stopping: threading.Event = field(default_factory=threading.Event)
 
@@ -62,7 +66,11 @@ async def principal(
 ) -> Principal:
     # Dependencies are async so the cheap path (a cached token) costs no thread hop; the
     # database lookup runs in the thread pool like every sync route.
-    secret = bearer_secret(request)
+    return await authenticate(state, bearer_secret(request))
+
+
+async def authenticate(state: AppState, secret: str) -> Principal:
+    """The token's principal (AuthError when it is unknown or revoked), cached ``token_cache_s``."""
     cached = state.tokens.get(secret)
     if cached is not None:
         return cached

@@ -14,6 +14,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from sqlalchemy.exc import SQLAlchemyError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
@@ -64,6 +65,8 @@ class TooManyRequestsError(PipetteError):
 
 class UnavailableError(PipetteError):
     http_status = 503
+    #: the ``Retry-After`` header of the answer (seconds)
+    retry_after_s: int = 5
 
 
 def stored_error(e: BaseException, fix: str = "see the service log", prefix: str = "") -> dict[str, Any]:
@@ -80,7 +83,7 @@ def error_body(message: str, field: str | None = None, fix: str | None = None) -
 
 def pipette_error_response(error: PipetteError) -> JSONResponse:
     headers = {"WWW-Authenticate": "Bearer"} if error.http_status == 401 else None
-    if isinstance(error, TooManyRequestsError):
+    if isinstance(error, TooManyRequestsError | UnavailableError):
         headers = {"Retry-After": str(error.retry_after_s)}
     return JSONResponse(error_body(error.message, error.field, error.fix), status_code=error.http_status,
                         headers=headers)
@@ -104,6 +107,11 @@ def install_error_handlers(app: FastAPI) -> None:
 
     async def on_http_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)
+        if exc.status_code == 400 and isinstance(exc.__cause__, RecursionError):
+            # FastAPI's decoder gives up on a body nested ~1000 levels deep: say that, not "not UTF-8"
+            return pipette_error_response(RequestError(
+                "the body is nested too deeply to read (arrays or objects about 1000 levels deep)",
+                field="body", fix="send the config.json as Hugging Face writes it (a flat object of numbers)"))
         if exc.status_code == 400:
             # FastAPI's answer to a body it cannot decode (not UTF-8): the same 422 as bad JSON.
             return pipette_error_response(RequestError(
@@ -119,6 +127,15 @@ def install_error_handlers(app: FastAPI) -> None:
             response.headers["Allow"] = ", ".join(_allowed_methods(request))
         return response
 
+    async def on_database_error(request: Request, exc: Exception) -> JSONResponse:
+        from service.outage import OUTAGE, is_unavailable, unavailable
+
+        assert isinstance(exc, SQLAlchemyError)
+        if not is_unavailable(exc):
+            return await on_unexpected(request, exc)
+        OUTAGE.failed(exc, "the API")  # one line per outage, not a traceback per request
+        return pipette_error_response(unavailable())
+
     async def on_unexpected(_request: Request, exc: Exception) -> JSONResponse:
         log.error("unexpected error", exc_info=exc)
         return JSONResponse(error_body("internal error (logged by the service)", None,
@@ -127,6 +144,7 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(PipetteError, on_pipette_error)
     app.add_exception_handler(RequestValidationError, on_validation_error)
     app.add_exception_handler(StarletteHTTPException, on_http_error)
+    app.add_exception_handler(SQLAlchemyError, on_database_error)
     app.add_exception_handler(Exception, on_unexpected)
 
 

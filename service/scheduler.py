@@ -25,12 +25,16 @@ from service.driver import JobDriver, record_profile
 from service.errors import stored_error
 from service.leasekeeper import LeaseKeeper
 from service.models import Cluster, Profile, utcnow
+from service.outage import OUTAGE, is_unavailable
 from service.profiling import measure
 from service.repositories import leases
 from service.repositories.leases import Work
 from service.settings import Settings
 
 log = logging.getLogger("pipette.service")
+
+#: the longest idle wait while claims keep failing (seconds)
+MAX_BACKOFF_S = 30.0
 
 
 class Scheduler:
@@ -41,6 +45,8 @@ class Scheduler:
         self.shutdown = threading.Event()
         self._wake = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="pipette-scheduler", daemon=True)
+        #: failed claims in a row: the idle wait backs off while the database is down
+        self._failures = 0
 
     def start(self) -> None:
         with self.db.write() as session:
@@ -77,8 +83,14 @@ class Scheduler:
             with self.db.write() as session:
                 work = leases.claim(session, self.settings.resource_key, self.holder, self.settings.lease_ttl_s)
         except SQLAlchemyError as e:
-            log.warning("claim failed: %s", e)
+            if not is_unavailable(e):
+                log.warning("claim failed: %s", e)
+            else:
+                OUTAGE.failed(e, "the scheduler")
+            self._failures += 1
             return None
+        self._failures = 0
+        OUTAGE.recovered()
         if work is None:
             return None
         keeper = LeaseKeeper(self.db, work.resource, self.holder, self.settings.lease_ttl_s)
@@ -102,8 +114,14 @@ class Scheduler:
                 log.exception("scheduler error")
                 ran = None
             if ran is None:
-                self._wake.wait(self.settings.poll_s)
+                self._wake.wait(self.wait_s())
                 self._wake.clear()
+
+    def wait_s(self) -> float:
+        """How long an idle scheduler waits before it looks for work again: ``poll_s``, doubled
+        after each failed claim in a row up to ``MAX_BACKOFF_S`` (the database is down)."""
+        backoff: float = self.settings.poll_s * 2.0 ** min(self._failures, 16)
+        return min(backoff, max(MAX_BACKOFF_S, self.settings.poll_s))
 
     def _profile(self, profile_id: str) -> None:
         with self.db.write() as session:

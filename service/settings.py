@@ -47,6 +47,16 @@ class Settings:
     #: queued jobs and profiles a tenant may have at once (429 above it), so one tenant's
     #: requests cannot fill the queue of devices other tenants share
     max_queued_per_tenant: int = 20
+    #: event streams a tenant may have open at once in one API process, and all tenants
+    #: together (429 above either): each open stream polls the database
+    max_streams_per_tenant: int = 20
+    max_streams: int = 200
+    #: what-if plans a tenant may ask for a minute in one API process (429 above it)
+    plans_per_minute: int = 60
+    #: clusters a tenant may register (409 above it)
+    max_clusters_per_tenant: int = 50
+    #: an event stream that sent no event for this long ends (EventSource reconnects by itself)
+    stream_idle_s: float = 300.0
 
     @property
     def resource_key(self) -> str:
@@ -72,6 +82,11 @@ class Settings:
             token_cache_s=_number(env, "PIPETTE_TOKEN_CACHE_S", 5.0, minimum=0.0),
             metrics_token=env.get("PIPETTE_METRICS_TOKEN") or None,
             max_queued_per_tenant=int(_number(env, "PIPETTE_MAX_QUEUED_PER_TENANT", 20, minimum=1)),
+            max_streams_per_tenant=int(_number(env, "PIPETTE_MAX_STREAMS_PER_TENANT", 20, minimum=1)),
+            max_streams=int(_number(env, "PIPETTE_MAX_STREAMS", 200, minimum=1)),
+            plans_per_minute=int(_number(env, "PIPETTE_PLANS_PER_MINUTE", 60, minimum=1)),
+            max_clusters_per_tenant=int(_number(env, "PIPETTE_MAX_CLUSTERS_PER_TENANT", 50, minimum=1)),
+            stream_idle_s=_number(env, "PIPETTE_STREAM_IDLE_S", 300.0, minimum=1.0),
         )
 
 

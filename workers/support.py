@@ -34,13 +34,8 @@ def refusals_for(model: ModelSpec, training: TrainingSpec, config: ParallelConfi
         out.append(f"device kind {device_kind!r} is not one of {', '.join(DEVICE_KINDS)}")
     if script is not None:
         out += script.refusals(t, c, nodes)
-        if device_kind == "cpu" and t.dtype == "fp16":
-            out.append("fp16 training needs a GPU; use bf16 or fp32 on CPU")
-        return out
-    if m.arch != "llama":
-        out.append(f"the runner builds Llama models; {m.name} is {m.arch}")
-    if t.seq_len > m.max_seq:
-        out.append(f"seq_len {t.seq_len} exceeds the model's max_seq {m.max_seq}")
+        return out + job_refusals(m, t, device_kind, script)
+    out += job_refusals(m, t, device_kind)
     if c.pp > 1 and c.zero_stage >= 2:
         out.append(f"DeepSpeed's pipeline engine refuses ZeRO-{c.zero_stage} (pp={c.pp}); use ZeRO 0 or 1")
     if c.schedule != "1f1b":
@@ -57,7 +52,19 @@ def refusals_for(model: ModelSpec, training: TrainingSpec, config: ParallelConfi
                             ("vocab", m.vocab)):
             if width % c.tp:
                 out.append(f"tp={c.tp} does not divide {name}={width}")
-    if device_kind == "cpu" and t.dtype == "fp16":
+    return out
+
+
+def job_refusals(model: ModelSpec, training: TrainingSpec, device_kind: str | None,
+                 script: ScriptSpec | None = None) -> list[str]:
+    """Why no candidate of this job can run, whatever its degrees: the part of ``refusals_for``
+    a service can check at submit (``device_kind`` None: not measured yet, so not checked)."""
+    out = []
+    if script is None and model.arch != "llama":
+        out.append(f"the runner builds Llama models; {model.name} is {model.arch}")
+    if script is None and training.seq_len > model.max_seq:
+        out.append(f"seq_len {training.seq_len} exceeds the model's max_seq {model.max_seq}")
+    if device_kind == "cpu" and training.dtype == "fp16":
         out.append("fp16 training needs a GPU; use bf16 or fp32 on CPU")
     return out
 

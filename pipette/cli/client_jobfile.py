@@ -90,14 +90,17 @@ def apply_override(data: dict[str, Any], item: str) -> None:
 
 
 def _read_hf_config(path: Path) -> dict[str, Any]:
+    # Bounded like every file the CLI reads: a 1 MiB+ config made the service reset the
+    # connection ("cannot reach the service"), a deeply nested one a RecursionError traceback.
+    text = read_text(path, "model", "config.json", "give a preset name or the path of a Hugging Face config.json")
     try:
-        loaded = json.loads(path.read_text())
-    except OSError as e:
-        raise SpecError(f"cannot read {str(path)!r} ({e.strerror})", field="model",
-                        fix="give a preset name or the path of a Hugging Face config.json") from None
+        loaded = json.loads(text)
     except json.JSONDecodeError as e:
         raise SpecError(f"{path} is not valid JSON ({e.msg} at line {e.lineno})", field="model",
                         fix="give a Hugging Face config.json") from None
+    except RecursionError:
+        raise SpecError(f"{path} is nested too deeply to read (about 1000 levels)", field="model",
+                        fix="give a Hugging Face config.json (a flat object of numbers)") from None
     if not isinstance(loaded, dict):
         raise SpecError(f"{path} does not hold an object", field="model", fix="give a Hugging Face config.json")
     return loaded

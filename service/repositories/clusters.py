@@ -6,7 +6,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import or_, select
+from sqlalchemy import func, or_, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -34,6 +34,17 @@ def create_cluster(
                             fix="choose another name") from None
     ensure_lease(session, resource)
     return cluster
+
+
+def check_cluster_room(session: Session, tenant: str, limit: int) -> None:
+    """ConflictError (409) when the tenant has ``limit`` clusters already (each is a lease row
+    and a scheduler's poll); call ``serialize_tenant`` first in the same transaction."""
+    count = session.execute(select(func.count()).select_from(Cluster).where(Cluster.tenant == tenant)).scalar_one()
+    if count >= limit:
+        raise ConflictError(
+            f"tenant {tenant} has {count} clusters, the limit (PIPETTE_MAX_CLUSTERS_PER_TENANT) is {limit}",
+            field="name", fix="submit to a cluster registered already (GET /v1/clusters), or ask the operator to "
+                              "raise PIPETTE_MAX_CLUSTERS_PER_TENANT")
 
 
 def get_cluster(session: Session, tenant: str, ref: str) -> Cluster:

@@ -13,6 +13,7 @@ from service.errors import RequestError
 from service.models import Cluster, Job, Lease, Profile
 from service.repositories import clusters as repo
 from service.repositories.leases import get_lease
+from service.repositories.quotas import serialize_tenant
 from service.routes import AUTHED, errors
 from service.schemas import ID_PATTERN, NAME_PATTERN, ClusterIn, ClusterList, ClusterOut, ProfileOut
 from service.settings import resource_key
@@ -38,6 +39,8 @@ def register_cluster(body: ClusterIn, state: State, caller: Caller, response: Re
         address = state.settings.hostname
     nodes = [n.model_dump() for n in body.nodes]
     with state.db.write() as session:
+        serialize_tenant(session, caller.tenant)  # two registrations at once: still one count
+        repo.check_cluster_room(session, caller.tenant, state.settings.max_clusters_per_tenant)
         cluster = repo.create_cluster(
             session, tenant=caller.tenant, name=body.name, kind=body.kind, address=address,
             resource=resource_key(body.kind, address), nodes=nodes, devices_per_node=body.devices,

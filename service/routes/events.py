@@ -3,7 +3,9 @@
 Each event is one stored ``Event`` row; its id is the SSE ``id``, so a client that reconnects
 with ``Last-Event-ID`` (browsers do it themselves) gets exactly what it missed. Events are
 read from the database, so the stream works whichever process runs the job. The stream ends
-after the job's final state has been sent (or at once with ``follow=false``).
+after the job's final state has been sent (or at once with ``follow=false``), after
+``stream_idle_s`` without an event, or within seconds of its token being revoked. Open streams
+are capped per tenant and in all (``service.streams``: 429 with Retry-After).
 """
 
 from __future__ import annotations
@@ -16,27 +18,38 @@ from typing import Annotated
 
 from fastapi import APIRouter, Header, Path, Query, Request
 from fastapi.responses import StreamingResponse
+from sqlalchemy.exc import SQLAlchemyError
 from starlette.concurrency import run_in_threadpool
 
-from service.deps import Caller, State
-from service.errors import RequestError
+from service.auth import bearer_secret
+from service.deps import Caller, State, authenticate
+from service.errors import AuthError, RequestError
 from service.models import FINAL_STATES, Event, Job
+from service.outage import OUTAGE, is_unavailable
 from service.repositories import events as repo
 from service.repositories.jobs import get_job
 from service.routes import AUTHED, json_errors
 from service.schemas import ID_PATTERN
+from service.streams import SlotStreamingResponse
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
 POLL_S = 0.25
+#: the longest wait between two polls of a quiet job
+MAX_POLL_S = 1.0
+#: how often an open stream checks that its token is still valid (seconds)
+TOKEN_CHECK_S = 2.0
 KEEPALIVE_S = 15.0
 RETRY_MS = 2000
+#: the largest event id a client may resume after, ``?after`` and ``Last-Event-ID`` alike: a
+#: larger one overflows the database's 64-bit integer once the stream has started
+MAX_EVENT_ID = 2**62
 
 
 @router.get("/{job_id}/events", response_class=StreamingResponse, responses={
     200: {"content": {"text/event-stream": {"schema": {"type": "string"}}},
           "description": "Server-sent events: `id` (resume with Last-Event-ID), `event` (the kind), `data` (JSON)"},
-    **json_errors(*AUTHED, 404),
+    **json_errors(*AUTHED, 404, 429),
 })
 async def stream_events(
     request: Request,
@@ -45,10 +58,11 @@ async def stream_events(
     job_id: Annotated[str, Path(max_length=36, pattern=ID_PATTERN)],
     last_event_id: Annotated[str, Header(alias="Last-Event-ID", max_length=20, pattern=r"^[0-9]*$",
                                          description="resume after this event id (what EventSource sends)")] = "",
-    after: Annotated[int, Query(ge=0, le=2**62, description="start after this event id")] = 0,
+    after: Annotated[int, Query(ge=0, le=MAX_EVENT_ID, description="start after this event id")] = 0,
     follow: Annotated[bool, Query(description="keep the stream open until the job ends")] = True,
 ) -> StreamingResponse:
     start = _resume_point(last_event_id, after)
+    secret = bearer_secret(request)
 
     def check() -> None:
         with state.db.read() as session:
@@ -63,27 +77,52 @@ async def stream_events(
             final = job is None or job.state in FINAL_STATES
             return repo.events_after(session, job_id, last), final
 
+    async def still_allowed() -> bool:
+        try:
+            await authenticate(state, secret)
+        except AuthError:
+            return False  # revoked: its streams end too, not only its next request
+        return True
+
     async def body() -> AsyncIterator[str]:
         last = start
         yield f"retry: {RETRY_MS}\n\n"
-        quiet_since = time.monotonic()
+        now = time.monotonic()
+        quiet_since = event_at = checked_at = now
+        wait = POLL_S
         while True:
-            rows, final = await run_in_threadpool(fetch, last)
+            try:
+                rows, final = await run_in_threadpool(fetch, last)
+            except SQLAlchemyError as e:
+                if not is_unavailable(e):
+                    raise
+                OUTAGE.failed(e, "an event stream")
+                return  # the client reconnects after RETRY_MS with Last-Event-ID
             for event in rows:
                 last = event.id
                 yield format_event(event)
+            now = time.monotonic()
+            if now - checked_at > TOKEN_CHECK_S:  # a busy stream too: it delivered events after a revocation
+                if not await still_allowed():
+                    return
+                checked_at = now
             if rows:
-                quiet_since = time.monotonic()
+                quiet_since = event_at = now
+                wait = POLL_S
                 continue
             if final or not follow or state.stopping.is_set() or await request.is_disconnected():
                 return
-            if time.monotonic() - quiet_since > KEEPALIVE_S:
+            if now - event_at > state.settings.stream_idle_s:
+                return  # idle: the client reconnects with Last-Event-ID if it still reads
+            if now - quiet_since > KEEPALIVE_S:
                 yield ": keep-alive\n\n"
-                quiet_since = time.monotonic()
-            await asyncio.sleep(POLL_S)
+                quiet_since = now
+            await asyncio.sleep(wait)
+            wait = min(wait * 2, MAX_POLL_S)  # a quiet job is polled less often
 
-    return StreamingResponse(body(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    give_back = state.streams.take(caller.tenant)
+    return SlotStreamingResponse(body(), give_back=give_back,
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
 def format_event(event: Event) -> str:
@@ -102,4 +141,7 @@ def _resume_point(last_event_id: str, after: int) -> int:
                            fix="send the id of the last event received (a whole number)") from None
     if value < 0:
         raise RequestError("is negative", field="Last-Event-ID", fix="send the id of the last event received")
+    if value > MAX_EVENT_ID:
+        raise RequestError(f"is {value}, above the largest event id", field="Last-Event-ID",
+                           fix=f"give a value at most {MAX_EVENT_ID} (the id of the last event received)")
     return value

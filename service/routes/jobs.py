@@ -41,7 +41,7 @@ from service.schemas import (
     TrialList,
 )
 from service.scripts import check_allowed, script_parts, stored
-from service.specs import model_spec, training_spec, tune_options
+from service.specs import check_backends, model_spec, training_spec, tune_options
 from service.views import as_json, job_out, job_url, trial_detail, trial_out, unserved_notice
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
@@ -70,6 +70,7 @@ def submit_job(body: JobIn, state: State, caller: Caller, response: Response) ->
         cluster = cluster_repo.get_cluster(session, caller.tenant, body.cluster)
         if script is not None:
             check_allowed(cluster, caller.tenant)
+        check_backends(model, training, script, _device_kind(session, cluster))
         serialize_tenant(session, caller.tenant)
         check_room(session, caller.tenant, state.settings.max_queued_per_tenant)
         job = repo.create_job(
@@ -82,6 +83,15 @@ def submit_job(body: JobIn, state: State, caller: Caller, response: Response) ->
     state.kick()
     response.headers["Location"] = accepted.url
     return accepted
+
+
+def _device_kind(session: Session, cluster: Cluster) -> str | None:
+    """The kind of the cluster's devices as last measured (None before its first profile)."""
+    latest = cluster_repo.latest_profile(session, cluster.id)
+    devices = (latest.profile or {}).get("devices") if latest is not None else None
+    if not devices or not isinstance(devices[0], dict):
+        return None
+    return str((devices[0].get("spec") or {}).get("kind", "gpu"))
 
 
 @router.get("", response_model=JobList, responses=errors(*AUTHED, 404))

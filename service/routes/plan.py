@@ -22,9 +22,11 @@ from service.specs import cluster_file, model_spec, training_spec
 router = APIRouter(prefix="/v1", tags=["planning"])
 
 
-@router.post("/plan", response_model=PlanOut, responses=errors(*AUTHED, 404))
+@router.post("/plan", response_model=PlanOut, responses=errors(*AUTHED, 404, 429))
 def what_if(body: PlanIn, state: State, caller: Caller) -> PlanOut:
-    """Rank every candidate likely enough to fit by the step time to expect; say why the others drop."""
+    """Rank every candidate likely enough to fit by the step time to expect; say why the others drop.
+    A tenant may ask for ``PIPETTE_PLANS_PER_MINUTE`` plans a minute (429 above it)."""
+    state.plans.take(caller.tenant)
     model = model_spec(body.model)
     training = training_spec(body.training)
     check_recipe(model, training)

@@ -30,10 +30,11 @@ class ServiceProcess:
     """``python -m service.admin serve`` (or ``worker``) with its own environment and log."""
 
     def __init__(self, url: str, home: Path, *, command: str = "serve", log_name: str = "service",
-                 **env: str) -> None:
+                 args: tuple[str, ...] = (), **env: str) -> None:
         self.url = url
         self.home = home
         self.command = command
+        self.args = args
         self.port = free_port() if command == "serve" else 0
         self.log = home / f"{log_name}.log"
         self.env = {**os.environ, "PIPETTE_DATABASE_URL": url, "PIPETTE_HOME": str(home),
@@ -49,6 +50,7 @@ class ServiceProcess:
         args = [sys.executable, "-m", "service.admin", self.command]
         if self.command == "serve":
             args += ["--port", str(self.port)]
+        args += list(self.args)
         with open(self.log, "ab") as log:
             # Its own session, so the teardown can end whatever it started (Ray included).
             self.proc = subprocess.Popen(args, env=self.env, stdout=log, stderr=subprocess.STDOUT,

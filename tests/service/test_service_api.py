@@ -196,6 +196,45 @@ BAD_JOBS: list[tuple[dict[str, Any], int, str]] = [
 ]
 
 
+def test_a_job_no_backend_can_run_is_refused_at_submit(api: Api) -> None:
+    """Issue 32, item 19: ``tiny-gpt`` on the local cluster was accepted (202) and failed at
+    planning; fp16 on a cluster measured as CPU devices likewise. Now a 422 with the fix."""
+    import uuid
+
+    from pipette.clusterfile import cluster_from_dict
+    from service.models import Cluster, Profile, utcnow
+
+    h = api.token()
+    cluster = api.local_cluster(h)
+    gpt = api.client.post("/v1/jobs", json=_job(model="tiny-gpt"), headers=h)
+    assert gpt.status_code == 422, gpt.text
+    error = gpt.json()["error"]
+    assert error["field"] == "model" and "Llama" in error["message"] and "tiny-llama" in error["fix"], error
+    fp16 = _job(training={"global_batch": 4, "seq_len": 32, "dtype": "fp16"})
+    assert api.client.post("/v1/jobs", json=fp16, headers=h).status_code == 202  # not measured yet: unknown
+    with api.db.write() as session:
+        row = session.get(Cluster, cluster["id"])
+        assert row is not None
+        profile = cluster_from_dict({**CPU4, "nodes": 1, "devices_per_node": 2}, default_name="local").to_dict()
+        session.add(Profile(id=str(uuid.uuid4()), cluster_id=row.id, state="succeeded", created_at=utcnow(),
+                            finished_at=utcnow(), profile=profile))
+    refused = api.client.post("/v1/jobs", json=fp16, headers=h)
+    assert refused.status_code == 422, refused.text
+    error = refused.json()["error"]
+    assert error["field"] == "training.dtype" and "bf16 or fp32" in error["fix"], error
+    assert api.client.post("/v1/jobs", json=_job(), headers=h).status_code == 202
+
+
+def test_a_deeply_nested_model_config_says_so(api: Api) -> None:
+    """Issue 32, item 19: a config.json nested ~1000 levels deep was called "not UTF-8"."""
+    h = api.token()
+    body = json.dumps(_job()).replace('"tiny-llama"', '{"hidden_size": 64, "x": ' + "[" * 5000 + "]" * 5000 + "}")
+    r = api.client.post("/v1/jobs", content=body.encode(), headers={**h, "content-type": "application/json"})
+    assert r.status_code == 422, r.text
+    error = r.json()["error"]
+    assert error["field"] == "body" and "nested too deeply" in error["message"] and error["fix"], error
+
+
 def test_an_unknown_preset_names_the_closest_not_all(api: Api) -> None:
     """Issue 17, item 11: the 422 listed every preset in one line."""
     h = api.token()
@@ -334,6 +373,22 @@ def test_event_stream_resumes_after_last_event_id(api: Api) -> None:
     assert _events(api.client.get(f"{url}/events", params={"after": events[1]["id"]}, headers=h)) == []
 
 
+def test_last_event_id_is_bounded_like_after(api: Api, caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 32, item 13: a Last-Event-ID above 2^63-1 answered 200, then cut the stream and
+    logged a traceback (the database's integer overflowed); now a 422 like ``?after``, nothing logged."""
+    h = api.token()
+    api.local_cluster(h)
+    url = api.client.post("/v1/jobs", json=_job(), headers=h).json()["url"]
+    api.client.post(f"{url}/cancel", headers=h)
+    for value in (str(2**63), "9" * 20, str(2**62 + 1)):
+        r = api.client.get(f"{url}/events", headers={**h, "Last-Event-ID": value})
+        assert r.status_code == 422, (value, r.status_code, r.text[:200])
+        error = r.json()["error"]
+        assert error["field"] == "Last-Event-ID" and str(2**62) in error["fix"], error
+    assert _events(api.client.get(f"{url}/events", headers={**h, "Last-Event-ID": str(2**62)})) == []
+    assert not [r for r in caplog.records if r.exc_info], [r.getMessage() for r in caplog.records]
+
+
 def test_openapi_documents_the_api(api: Api) -> None:
     schema = api.client.get("/openapi.json").json()
     paths = set(schema["paths"])
@@ -388,3 +443,30 @@ def test_a_text_plain_body_is_not_read_as_json(api: Api) -> None:
     assert r.status_code == 422, r.text
     error = r.json()["error"]
     assert "application/json" in error["fix"], error
+
+
+def test_plans_and_clusters_have_per_tenant_limits(tmp_path: Any) -> None:
+    """Issue 32, item 20: a tenant's plans (up to a second of CPU each) and clusters were
+    unlimited. Now PIPETTE_PLANS_PER_MINUTE (429 with Retry-After) and
+    PIPETTE_MAX_CLUSTERS_PER_TENANT (409); another tenant is not held back."""
+    from service.migrations import upgrade
+    from tests.service.conftest import make_api
+
+    url = f"sqlite:///{tmp_path / 'quota.db'}"
+    upgrade(url)
+    plan = {"model": "tiny-llama", "cluster": CPU4, "training": {"global_batch": 8, "seq_len": 64}, "top": 1}
+    for api in make_api(url, "sqlite", tmp_path, plans_per_minute=3, max_clusters_per_tenant=2):
+        h, other = api.token(), api.token()
+        assert [api.client.post("/v1/plan", json=plan, headers=h).status_code for _ in range(3)] == [200] * 3
+        over = api.client.post("/v1/plan", json=plan, headers=h)
+        assert over.status_code == 429, over.text
+        assert "PIPETTE_PLANS_PER_MINUTE" in over.json()["error"]["message"]
+        assert 1 <= int(over.headers["retry-after"]) <= 20
+        assert api.client.post("/v1/plan", json=plan, headers=other).status_code == 200
+        api.local_cluster(h, "one")
+        api.local_cluster(h, "two")
+        third = api.client.post("/v1/clusters", json={"name": "three", "devices": 2}, headers=h)
+        assert third.status_code == 409, third.text
+        error = third.json()["error"]
+        assert "PIPETTE_MAX_CLUSTERS_PER_TENANT" in error["message"] and error["field"] == "name" and error["fix"]
+        api.local_cluster(other, "one")

@@ -74,3 +74,18 @@ def test_plan_refuses_an_aliased_file_in_one_line(tmp_path: Path, flag: str) -> 
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 1 and len(lines) == 1, done.stderr
     assert lines[0].startswith(f"pipette: error: {flag}: ") and "uses an alias" in lines[0]
+
+
+@pytest.mark.parametrize(("config", "words"), [
+    ('{"hidden_size": 64, "x": ' + "[" * 5000 + "]" * 5000 + "}", "is nested too deeply to read"),
+    ('{"hidden_size": 64, "pad": "' + "x" * (MAX_BYTES + 1) + '"}', "more than the 1,048,576 a config.json may have"),
+])
+def test_a_job_files_model_config_is_read_bounded(tmp_path: Path, config: str, words: str) -> None:
+    """Issue 32, item 19: a deeply nested ``model:`` config.json gave a RecursionError
+    traceback, a 1 MiB+ one "cannot reach the service" (the service reset the upload)."""
+    (tmp_path / "config.json").write_text(config)
+    job = tmp_path / "job.yaml"
+    job.write_text("cluster: local\nmodel: config.json\ntraining: {global_batch: 4, seq_len: 32}\n")
+    with pytest.raises(SpecError) as e:
+        load_job_file(str(job))
+    assert words in e.value.message and e.value.field == "model" and e.value.fix, e.value
