@@ -78,21 +78,7 @@ def test_tune_runs_real_trials_and_writes_the_best(tmp_path: Path) -> None:
 def test_ctrl_c_stops_the_running_trial_and_keeps_what_was_measured(tmp_path: Path) -> None:
     proc = subprocess.Popen(_tune(tmp_path, "--max-trials", "8", "--stop-probability", "0"),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
-    assert proc.stderr is not None
-    lines: list[str] = []
-    deadline = time.monotonic() + 600
-    # wait for the first trial to end, then for the second to start running, then Ctrl-C
-    while time.monotonic() < deadline:
-        line = proc.stderr.readline()
-        if not line:
-            break
-        lines.append(line)
-        if line.strip().startswith("#0"):
-            time.sleep(8)
-            proc.send_signal(signal.SIGINT)
-            break
-    _, err = proc.communicate(timeout=120)
-    text = "".join(lines) + err
+    _, text = _signal_during_the_second_trial(proc, signal.SIGINT)
     assert proc.returncode == 130, text[-3000:]
     assert "interrupted" in text
     store = list((tmp_path / "home" / "trials").glob("*.jsonl"))
@@ -100,6 +86,25 @@ def test_ctrl_c_stops_the_running_trial_and_keeps_what_was_measured(tmp_path: Pa
     assert kept and kept[0]["number"] == 0
     time.sleep(2)
     assert _no_rank_left()
+
+
+def _signal_during_the_second_trial(proc: subprocess.Popen[str], signum: int) -> tuple[str, str]:
+    """Wait for the first trial to end and the second to start running, send ``signum``, and
+    return (stdout, everything on stderr)."""
+    assert proc.stderr is not None
+    lines: list[str] = []
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        line = proc.stderr.readline()
+        if not line:
+            break
+        lines.append(line)
+        if line.strip().startswith("#0"):
+            time.sleep(8)
+            proc.send_signal(signum)
+            break
+    out, err = proc.communicate(timeout=120)
+    return out, "".join(lines) + err
 
 
 def test_a_model_that_fits_nowhere_ends_at_planning(tmp_path: Path) -> None:
@@ -120,20 +125,7 @@ def test_sigterm_of_tune_json_prints_the_best_so_far_and_exits_143(tmp_path: Pat
     """Issue 32, item 7: SIGTERM of `pipette tune --json` printed nothing (Ray's handler exited 15)."""
     proc = subprocess.Popen(_tune(tmp_path, "--max-trials", "8", "--stop-probability", "0", "--json"),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
-    assert proc.stderr is not None
-    lines: list[str] = []
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:  # the first trial ended, the second is running: SIGTERM
-        line = proc.stderr.readline()
-        if not line:
-            break
-        lines.append(line)
-        if line.strip().startswith("#0"):
-            time.sleep(8)
-            proc.send_signal(signal.SIGTERM)
-            break
-    out, err = proc.communicate(timeout=120)
-    text = "".join(lines) + err
+    out, text = _signal_during_the_second_trial(proc, signal.SIGTERM)
     assert proc.returncode == 143, text[-3000:]
     assert "interrupted (SIGTERM): stopping the running trial" in text
     result = json.loads(out)
