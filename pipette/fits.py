@@ -32,9 +32,9 @@ from pipette.estimates import MemoryEstimate
 KEEP_THRESHOLD = 0.02
 #: At or above this chance a candidate is called sure to fit.
 SURE_TO_FIT = 0.9
-#: What an out-of-memory trial costs, in step times of the candidate it falls back to: it ends
-#: at its first step (the allocator fails in the first forward or backward), so about the
-#: warm-up steps of one trial.
+#: What an out-of-memory trial costs, in step times of the candidate it falls back to. Chosen,
+#: not fitted: such a trial ends at its first failing allocation (the two 8B OOM trials on the
+#: H100 took 21.6-22.6 s of wall against 37-51 s for those that ran, results/h100-2026-11-27).
 FAILED_TRIAL_COST = 0.05
 
 

@@ -31,11 +31,10 @@ GiB = 1024**3
 FP32_BYTES = 4
 
 # ---- planning margin ---------------------------------------------------------------
-#: Fraction added to the predicted peak before comparing it with the capacity. Chosen on the
-#: Ultra-Scale H100 set (nanotron, Llama 3.2-1B/3.2-3B/3.1-8B shapes): the largest margin
-#: that still keeps >= 98% of the runs that succeeded (99.0% at 0.10, 97.8% at 0.15); see
-#: tests/benchmarks/memory_accuracy.py. It also covers the CUDA context, which the
-#: allocator statistics of that set do not see.
+#: The plan's hard cut until 2026-11-27 (``peak x (1 + margin) <= capacity``), chosen on the
+#: Ultra-Scale H100 set (the largest margin keeping >= 98% of the runs that succeeded). The plan
+#: now uses the chance to fit (``pipette.fits``); tests/benchmarks/memory_accuracy.py still
+#: reports this cut beside it for comparison.
 SAFETY_MARGIN = 0.10
 
 # ---- framework defaults (documented options, not fitted) -----------------------------
