@@ -50,6 +50,7 @@ from tests.benchmarks.calibration import calibration_dir, load_h100_single_gpu, 
 RESULTS = Path(__file__).resolve().parent / "results"
 H100_BYTES = 81559 * 2**20
 GiB = 2**30
+H200_BYTES = 143771 * 2**20  # nvidia-smi's total on the H200 of results/h200-2026-11-27
 #: CUDA context and workspaces outside the caching allocator on the H100 (torch 2.11, CUDA 13):
 #: 1.68 GiB in every run of results/h100-2026-11-27 that ran (1.61 at an OOM).
 OUTSIDE_ALLOCATOR_BYTES = int(1.68 * GiB)
@@ -84,21 +85,21 @@ def h100_points(directory: Path) -> list[Point]:
     return out
 
 
-def llama8b_points() -> list[Point]:
+def llama8b_points(folder: str = "h100-2026-11-27", names: tuple[str, ...] = ("gpu_memory_8b.csv",
+                   "gpu_memory_8b_more.csv"), capacity: int = H100_BYTES) -> list[Point]:
     model = ModelSpec.preset("llama3-8b")
     lora = LoraSpec(rank=16, alpha=32.0, targets=("q_proj", "k_proj", "v_proj", "o_proj"))
     training = TrainingSpec(global_batch=8, seq_len=4096, dtype="bf16", optimizer="adamw", method="lora", lora=lora)
     out = []
-    folder = RESULTS / "h100-2026-11-27"
-    for name in ("gpu_memory_8b.csv", "gpu_memory_8b_more.csv"):
-        with open(folder / name, newline="") as f:
+    for name in names:
+        with open(RESULTS / folder / name, newline="") as f:
             for row in csv.DictReader(f):
                 mbs = int(row["label"].split(" mbs")[1].split()[0])
                 recompute = row["label"].split("rc:")[1]
                 config = ParallelConfig(tp=1, pp=1, dp=1, mbs=mbs, global_batch=8, zero_stage=0,
                                         recompute=recompute)  # type: ignore[arg-type]
-                est = estimate_memory(model, training, config, H100_BYTES)
-                headroom = math.log(H100_BYTES / est.peak_bytes)
+                est = estimate_memory(model, training, config, capacity)
+                headroom = math.log(capacity / est.peak_bytes)
                 if row["status"] == "oom":
                     out.append(Point(row["label"], headroom, None))
                 else:
@@ -273,6 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     h100 = h100_points(directory)
     b8 = llama8b_points()
+    h200 = llama8b_points("h200-2026-11-27", ("gpu_memory_8b_h200.csv",), H200_BYTES)
     nano_ran, nano_failed = nanotron_points(directory)
     titan = stack_points(directory, "torchtitan_h100_fsdp2.csv")
     foundry = stack_points(directory, "llmfoundry_h100_fsdp.csv")
@@ -286,7 +288,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"{sum(not p.ran for p in pts)} OOM)")
     missed = False
     for name, prior, pts, verbose in (("h100_single_gpu", PIPETTE_GPU, h100, not args.quiet),
-                                      ("llama3-8b LoRA H100 (not fitted)", PIPETTE_GPU, b8, not args.quiet)):
+                                      ("llama3-8b LoRA H100 (not fitted)", PIPETTE_GPU, b8, not args.quiet),
+                                      ("llama3-8b LoRA H200, whole device (not fitted)", PIPETTE_GPU, h200,
+                                       not args.quiet)):
         out = score(name, prior, [p for p in pts if p.ran], [p for p in pts if not p.ran], verbose)
         missed |= out["dropped"] > 0 or out["sure"] > 0
     out = score("ultrascale (nanotron)", NANOTRON_GPU, nano_ran, nano_failed, False)

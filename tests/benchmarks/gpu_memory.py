@@ -37,6 +37,8 @@ GiB = 2**30
 GRIDS = {
     "8b": ("llama3-8b", "lora", 4096, 8, [(2, "none"), (4, "full"), (1, "none"), (4, "none"), (2, "full"),
                                           (8, "full"), (1, "full")]),
+    # the H100 rows' boundary again at an H200's whole capacity (--cap device): held-out capacity
+    "8b-h200": ("llama3-8b", "lora", 4096, 8, [(4, "none"), (8, "full"), (8, "none")]),
     "3b": ("llama3.2-3b", "lora", 4096, 8, [(4, "none"), (8, "full"), (2, "none")]),
 }
 
@@ -55,6 +57,8 @@ def main() -> int:
     ap.add_argument("--grid", default="8b", choices=sorted(GRIDS))
     ap.add_argument("--budget-s", type=float, default=600.0, help="start no row after this many seconds")
     ap.add_argument("--timeout", type=float, default=240.0)
+    ap.add_argument("--cap", choices=("h100", "device"), default="h100",
+                    help="cap the GPU at the H100's 81559 MiB (default) or use the whole device")
     args = ap.parse_args()
     import torch
 
@@ -62,6 +66,8 @@ def main() -> int:
         print("no CUDA device: this benchmark runs on a GPU machine", file=sys.stderr)
         return 0
     name, method, seq, global_batch, rows = GRIDS[args.grid]
+    capacity = H100_BYTES if args.cap == "h100" else torch.cuda.get_device_properties(0).total_memory
+    cap_bytes = H100_BYTES if args.cap == "h100" else None
     model = ModelSpec.preset(name)
     lora = LoraSpec(rank=16, alpha=32.0, targets=("q_proj", "k_proj", "v_proj", "o_proj")) if method == "lora" else None
     training = TrainingSpec(global_batch=global_batch, seq_len=seq, dtype="bf16", optimizer="adamw",
@@ -77,8 +83,8 @@ def main() -> int:
                 break
             config = ParallelConfig(tp=1, pp=1, dp=1, mbs=mbs, global_batch=global_batch, zero_stage=0,
                                     recompute=recompute)  # type: ignore[arg-type]
-            predicted = estimate_memory(model, training, config, H100_BYTES, device_kind="gpu")
-            spec = TrialSpec(model, training, config, device_kind="gpu", memory_cap_bytes=H100_BYTES,
+            predicted = estimate_memory(model, training, config, capacity, device_kind="gpu")
+            spec = TrialSpec(model, training, config, device_kind="gpu", memory_cap_bytes=cap_bytes,
                              min_steps=3, max_steps=5)
             m = run_local(spec, timeout_s=args.timeout)
             label = f"{name} {method} seq{seq} gbs{global_batch} mbs{mbs} rc:{recompute}"
@@ -103,7 +109,7 @@ def main() -> int:
                             "step_times": list(m.step_times)})
             print(json.dumps(row), flush=True)
     Path(args.csv).with_suffix(".json").write_text(json.dumps(
-        {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": records}, indent=1, default=str))
+        {"device": torch.cuda.get_device_name(), "capacity_bytes": capacity, "torch": torch.__version__, "rows": records}, indent=1, default=str))
     print(f"{len(records)} rows in {time.monotonic() - started:.0f} s")
     return 0
 
