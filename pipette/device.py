@@ -117,7 +117,7 @@ def cpu_device(memory_bytes: int, flops: float = 50e9, memory_bandwidth: float =
     """One CPU worker process with its share of RAM.
 
     The default FLOP/s and bandwidth are placeholders for planning only; the probe
-    measures the real ones (``workers.probe``).
+    measures the real ones (``workers.host.probe``).
     """
     return DeviceSpec(
         name="cpu",

@@ -31,7 +31,7 @@ from pipette.stacks import Stack, get_stack
 from pipette.training import TrainingSpec
 
 #: The module every rank runs (the workers' trial runner as a launchable job).
-ENTRY_MODULE = "workers.train"
+ENTRY_MODULE = "workers.rank.train"
 
 # DeepSpeed's own defaults for these buckets (deepspeed/runtime/zero/config.py).
 _BUCKET_ELEMENTS = 500_000_000
@@ -113,7 +113,7 @@ def hostfile(config: ParallelConfig, cluster: ClusterProfile) -> str:
     return "\n".join(lines) + "\n"
 
 
-#: The environment every rank of a trial runs with (``workers.executor``), which the launch
+#: The environment every rank of a trial runs with (``workers.host.executor``), which the launch
 #: sets too, so a launch runs at the trial's speed: one intra-op thread per rank (the ranks of
 #: a node share its cores; unpinned, a CPU launch ran 0.5-2.3 s a step against its trial's
 #: 0.14 s) and few malloc arenas.
@@ -125,7 +125,7 @@ PYTHON_VAR = "PIPETTE_PYTHON"
 
 def extensions_dir(prefix: str | None = None) -> str:
     """Where the ranks of the Python environment at ``prefix`` (this one by default) build
-    DeepSpeed's JIT ops (``workers.train.build_environment``): one cache per environment, since
+    DeepSpeed's JIT ops (``workers.rank.train.build_environment``): one cache per environment, since
     two environments compile different paths and rebuilt the op in turn."""
     tag = hashlib.sha1((prefix or sys.prefix).encode()).hexdigest()[:10]
     root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
@@ -145,7 +145,7 @@ def build_tool_lines() -> list[str]:
     ]
 
 _HAS_STACK = ('import importlib.util as u, sys;'
-    ' sys.exit(not (u.find_spec("deepspeed") and u.find_spec("workers.train")))')
+    ' sys.exit(not (u.find_spec("deepspeed") and u.find_spec("workers.rank.train")))')
 
 
 def launch_command(config: ParallelConfig, cluster: ClusterProfile, out_dir: str = ".") -> str:

@@ -22,7 +22,7 @@ Gardner et al. 2014): a candidate next to the memory limit is tried when what it
 worth its chance of a cheap out-of-memory trial.
 
 A measured need is what the device held: on a GPU the allocator's peak reserved bytes plus
-the memory outside it (``workers.memory.allocator_record``), else the tensor peak plus the
+the memory outside it (``workers.rank.memory.allocator_record``), else the tensor peak plus the
 estimate's ``overhead``.
 
 Crashes that are not memory (``failed``, ``timeout`` after retries) are learned as a

@@ -58,7 +58,7 @@ DEEPSPEED_BUCKET_ELEMENTS = 500_000_000
 ZERO3_PREFETCH_ELEMENTS = 50_000_000
 ZERO3_MAX_LIVE_PARAMETERS = 1_000_000_000
 #: fp32 copies of the logits alive at the loss's peak (its backward), beside the logits in the
-#: training dtype. Pipette's runner (``workers.pipe_model.lm_loss``: cross-entropy over the
+#: training dtype. Pipette's runner (``workers.rank.pipe_model.lm_loss``: cross-entropy over the
 #: logits cast to fp32): the saved fp32 log-softmax, the fp32 gradient arriving from the loss
 #: and the fp32 gradient log-softmax writes: 3 (h100_single_gpu.csv agrees: 13-14 bytes per
 #: logit at bf16 between runs that differ only in micro-batch). Megatron's and nanotron's

@@ -127,7 +127,7 @@ class PerfConstants:
 #: The constants above: Megatron-LM (vTrain) and nanotron (Ultra-Scale) runs, fused kernels.
 MEGATRON_CONSTANTS = PerfConstants()
 
-# ---- Pipette's own stack: Hugging Face Llama under DeepSpeed (workers.train) -------------
+# ---- Pipette's own stack: Hugging Face Llama under DeepSpeed (workers.rank.train) -------------
 # What Pipette's trials and launch files run: HF's eager Llama (RMSNorm upcast to fp32,
 # rotary, SiLU and gating as separate kernels), PyTorch SDPA (FlashAttention-2), DeepSpeed's
 # engine. Fitted (least squares on log(predicted / measured)) on the 9 timed runs of

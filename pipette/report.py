@@ -35,7 +35,7 @@ from typing import Any, TextIO
 TRIAL_ENV = "PIPETTE_TRIAL"
 EVENT_PREFIX = "@@pipette "
 #: Set once a ``Reporter`` reported a step in this process: a script that reports is timed by
-#: its reports, and ends by itself (``workers/script_hook`` then only watches).
+#: its reports, and ends by itself (``workers/rank/script_hook`` then only watches).
 REPORTING = False
 
 

@@ -2,7 +2,7 @@
 
 ``Tuner`` drives an Optuna study whose sampler is ``pipette.search.PerfModelSampler``;
 trials run through a ``TrialRunner`` (the workers' Ray executor in a real job,
-``workers.runner.RayTrialRunner``; recorded measurements in the replay benchmark). Every
+``workers.host.runner.RayTrialRunner``; recorded measurements in the replay benchmark). Every
 finished attempt becomes a ``TrialRecord``; the records are the one source of truth: a
 ``Tuner`` built with ``history=`` rebuilds the same study (``optuna.trial.create_trial``)
 and goes on, so a restarted service resumes a job without a second store.

@@ -144,7 +144,7 @@ class JobDriver:
 
         with self.db.write() as session:
             set_state(session, self._job(session), "planning", profile_id=profile_id)
-        from workers.runner import RayTrialRunner
+        from workers.host.runner import RayTrialRunner
 
         timeout = float(options.get("trial_timeout_s") or self.settings.trial_timeout_s)
         steps = int(options.get("steps", 8))

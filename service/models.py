@@ -177,7 +177,7 @@ class Job(Base):
     #: the user's own training script (``pipette.script.ScriptSpec.to_dict``, no workdir); None:
     #: Pipette's runner
     script: Mapped[dict[str, Any] | None] = mapped_column(Json, nullable=True)
-    #: the script's working directory, zipped (``workers.workdir.pack``)
+    #: the script's working directory, zipped (``workers.host.workdir.pack``)
     script_files: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True, deferred=True)
 
 

@@ -1,4 +1,4 @@
-"""Measure a registered cluster (``workers.probe``) and keep the nodes and devices it may use.
+"""Measure a registered cluster (``workers.host.probe``) and keep the nodes and devices it may use.
 
 The probe measures every node Ray sees and, on GPU nodes, every GPU; a cluster registered
 with a list of nodes or fewer devices per node gets the matching part of that profile: the
@@ -18,7 +18,7 @@ from service.models import Cluster
 
 
 def measure(cluster: Cluster) -> ClusterProfile:
-    from workers.probe import probe_cluster
+    from workers.host.probe import probe_cluster
 
     profile = probe_cluster(name=cluster.name, cpu_devices_per_node=cluster.devices_per_node)
     return restrict(profile, cluster.nodes or [], cluster.devices_per_node)

@@ -66,8 +66,8 @@ class Scheduler:
         asked = time.monotonic()
         if self._thread.is_alive():
             self._thread.join(timeout_s)
-        if "workers.ray_cluster" in sys.modules:  # this process drove trials: a local Ray it started goes too
-            from workers.ray_cluster import stop_local_ray
+        if "workers.host.ray_cluster" in sys.modules:  # this process drove trials: a local Ray it started goes too
+            from workers.host.ray_cluster import stop_local_ray
 
             work_s = time.monotonic() - asked
             stop_local_ray()

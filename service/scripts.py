@@ -5,7 +5,7 @@ The script runs as the user's code on the cluster's nodes. So a tenant's job may
 on a cluster whose operator enabled scripts for that tenant (``pipette-admin cluster
 allow-scripts``; a 403 naming the tenant and the cluster otherwise), it runs as an argument list
 (never through a shell), and its ranks get none of the service's credentials
-(``workers.script_env``).
+(``workers.host.script_env``).
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def stored(spec: ScriptSpec) -> dict[str, Any]:
 
 def unpack_for_job(script: dict[str, Any], files: bytes | None, home: Path, job_id: str) -> ScriptSpec:
     """The job's ``ScriptSpec``, its working directory unpacked under the service's home."""
-    from workers.workdir import unpack
+    from workers.host.workdir import unpack
 
     workdir = None
     if files is not None:

@@ -8,7 +8,7 @@ must delete. Built inside a trial, the build ate the trial's timeout (issue 32, 
 for it). So:
 
 - ``build_ops`` runs the build in a process of its own (``python -m workers.ops``), before the
-  first trial of a job (``workers.runner.RayTrialRunner.prepare``), with no trial's clock on it;
+  first trial of a job (``workers.host.runner.RayTrialRunner.prepare``), with no trial's clock on it;
 - every builder (that process, and each rank through ``ensure_ops``) takes an ``flock`` on the
   extensions folder, which the kernel releases when its holder dies, however it dies;
 - holding it, a ``lock`` file is removed only when no live process builds in the op's folder
@@ -50,8 +50,8 @@ class OpsBuildError(PipetteError):
 
 
 def extensions_dir() -> Path:
-    """Where this process's DeepSpeed builds its ops (``workers.train.build_environment``)."""
-    from workers.train import build_environment
+    """Where this process's DeepSpeed builds its ops (``workers.rank.train.build_environment``)."""
+    from workers.rank.train import build_environment
 
     return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or build_environment()["TORCH_EXTENSIONS_DIR"])
 
@@ -173,7 +173,7 @@ def build_ops(device_kind: str, env: dict[str, str] | None = None,
     ``OpsBuildError`` (with the build's last lines) when it fails or runs past ``timeout_s``."""
     if device_kind != "cpu":
         return {"seconds": 0.0, "built": False, "cache": None}
-    from workers.train import build_environment
+    from workers.rank.train import build_environment
 
     # the ranks' ninja and cache (a caller's TORCH_EXTENSIONS_DIR in ``env`` wins)
     full = {**os.environ, **build_environment(), **(env or {}), "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""}

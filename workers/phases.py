@@ -16,7 +16,7 @@ WORDS = {
     "engine": "engine set-up (deepspeed.initialize)", "warmup": "warm-up steps", "steps": "timed steps",
     "end": "end",
 }
-#: how a phase event line starts (``workers.trial.EVENT_PREFIX``, without importing torch here)
+#: how a phase event line starts (``workers.rank.trial.EVENT_PREFIX``, without importing torch here)
 EVENT_PREFIX = "@@pipette "
 
 
@@ -99,5 +99,5 @@ class Phases:
             sys.stdout.flush()
 
 
-#: this process's phases (``workers.train`` marks the first ones before the trial starts)
+#: this process's phases (``workers.rank.train`` marks the first ones before the trial starts)
 PHASES = Phases()

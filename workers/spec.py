@@ -33,7 +33,7 @@ class TrialSpec:
     seed: int = 0
     data: str | None = None
     checkpoint: str | None = None
-    #: the user's own training script, run instead of Pipette's runner (``workers.script_trial``)
+    #: the user's own training script, run instead of Pipette's runner (``workers.host.script_trial``)
     script: ScriptSpec | None = None
 
     def __post_init__(self) -> None:

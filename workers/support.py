@@ -4,8 +4,8 @@ The backend for a candidate is DeepSpeed in every case (``backend_name``):
 pp == 1 runs the Hugging Face model under the DeepSpeed engine (ZeRO 0-3); pp > 1 runs it
 as a ``PipelineModule`` under DeepSpeed's pipeline engine, with a tied embedding shared by the
 first and last stage through ``TiedLayerSpec``. tp > 1 is Megatron-style sharding by
-``workers.tp_shard`` in both (linear layers and the vocabulary, built shard by shard:
-``workers.build``); the emitted config's AutoTP block is for users' own scripts.
+``workers.rank.tp_shard`` in both (linear layers and the vocabulary, built shard by shard:
+``workers.rank.build``); the emitted config's AutoTP block is for users' own scripts.
 
 ``refusals_for`` needs only the job and the candidate, so a tuner can drop the candidates no
 backend runs before it measures anything; ``refusals``/``check_runnable`` take a ``TrialSpec``.
@@ -107,13 +107,13 @@ def check_inputs(trial: TrialSpec) -> None:
     unreadable or not this model's (the first mismatching tensor and both shapes). Each is
     read once per process."""
     if trial.data is not None and (trial.data, str(trial.training.seq_len)) not in _CHECKED:
-        from workers.data import jsonl_token_ids
+        from workers.rank.data import jsonl_token_ids
 
         jsonl_token_ids(trial.data, trial.model.vocab, trial.training.seq_len)
         _CHECKED.add((trial.data, str(trial.training.seq_len)))
     if trial.checkpoint is None or (trial.checkpoint, trial.model.name) in _CHECKED:
         return
-    from workers.checkpoint import check_checkpoint
+    from workers.rank.checkpoint import check_checkpoint
 
     check_checkpoint(trial.model, trial.checkpoint)
     _CHECKED.add((trial.checkpoint, trial.model.name))

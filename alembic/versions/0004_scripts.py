@@ -3,7 +3,7 @@
 ``clusters.allow_scripts``: an operator enabled scripts for the cluster's tenant
 (``pipette-admin cluster allow-scripts``); off for every existing cluster.
 ``jobs.script``: the job's ``ScriptSpec`` (argument list, knobs); ``jobs.script_files``: its
-working directory, zipped (``workers.workdir.pack``), shipped to the ranks with every trial.
+working directory, zipped (``workers.host.workdir.pack``), shipped to the ranks with every trial.
 
 Revision ID: 0004
 Revises: 0003

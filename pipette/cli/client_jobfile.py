@@ -52,7 +52,7 @@ def _script_body(script: dict[str, Any], base: Path) -> dict[str, Any]:
     out = dict(script)
     workdir = out.pop("workdir", None)
     if workdir is not None:
-        from workers.workdir import pack
+        from workers.host.workdir import pack
 
         folder = base / str(workdir) if not Path(str(workdir)).is_absolute() else Path(str(workdir))
         out["files"] = base64.b64encode(pack(folder)).decode()

@@ -129,29 +129,29 @@ def cmd_tune(args: argparse.Namespace) -> int:
     # charge the candidates for it).
     check_recipe(model, training)
     if args.data:
-        from workers.data import jsonl_token_ids
+        from workers.rank.data import jsonl_token_ids
 
         jsonl_token_ids(args.data, model.vocab, training.seq_len)
     if args.checkpoint:
-        from workers.checkpoint import check_checkpoint
+        from workers.rank.checkpoint import check_checkpoint
 
         check_checkpoint(model, args.checkpoint)
     script = _script(args)
     stack = _stack(args, script)
     if script is not None:
-        from workers.script_trial import check_script
+        from workers.host.script_trial import check_script
 
         check_script(script)
     ui = Progress(args.max_trials, stream=sys.stderr)
 
-    from workers.runner import RayTrialRunner
+    from workers.host.runner import RayTrialRunner
 
     cluster = _cluster(args, home, ui, model)
     device_kind = cluster.device_spec.kind
     ui.say(f"planning {model.name} ({training.method}, global batch {training.global_batch} x {training.seq_len}) "
            f"on {cluster.world} x {cluster.device_spec.name}, stack {stack.key} ...")
     plan = make_plan(model, training, cluster, seed=args.seed, stack=stack)
-    from workers.ray_cluster import check_devices, ensure_ray
+    from workers.host.ray_cluster import check_devices, ensure_ray
 
     ensure_ray()
     check_devices(cluster)  # GPUs in the file where Ray has none (or the reverse): refused before any trial
@@ -334,7 +334,7 @@ def _with_defaults(args: argparse.Namespace) -> argparse.Namespace:
 
 def _cluster(args: argparse.Namespace, home: Path, ui: Progress, model: Any) -> Any:
     from pipette.clusterfile import cluster_from_dict, load_cluster
-    from workers.ray_cluster import ensure_ray
+    from workers.host.ray_cluster import ensure_ray
 
     if args.cluster:
         return load_cluster(args.cluster)  # Ray starts after planning: a job that fits nowhere needs none
@@ -350,7 +350,7 @@ def _cluster(args: argparse.Namespace, home: Path, ui: Progress, model: Any) -> 
                 return cluster_from_dict(data, default_name=path.stem)
         except (ValueError, KeyError, OSError):
             pass  # unreadable or old: measure again
-    from workers.probe import probe_cluster
+    from workers.host.probe import probe_cluster
 
     ui.say(f"measuring the local cluster: {args.devices} CPU devices (links, memory, compute) ...")
     start = time.monotonic()

@@ -1,5 +1,5 @@
 """The fits boundary on a real GPU: run a grid of single-GPU candidates of Pipette's own runner
-and record, for each, what the caching allocator saw (``workers.memory.allocator_record``:
+and record, for each, what the caching allocator saw (``workers.rank.memory.allocator_record``:
 peak allocated, peak reserved, inactive split blocks, retries, memory outside the allocator)
 beside the memory estimator's prediction, as the table the fits boundary is calibrated on.
 
@@ -27,7 +27,7 @@ from pipette.config import ParallelConfig
 from pipette.memory import estimate_memory
 from pipette.model import ModelSpec
 from pipette.training import LoraSpec, TrainingSpec
-from workers.local import run_local
+from workers.host.local import run_local
 from workers.spec import TrialSpec
 
 H100_BYTES = 81559 * 2**20

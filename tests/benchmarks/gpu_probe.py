@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from pipette.model import ModelSpec  # noqa: E402
-from workers.probe_rank import EVENT_PREFIX, probe_shapes  # noqa: E402
+from workers.rank.probe import EVENT_PREFIX, probe_shapes  # noqa: E402
 
 
 def main() -> int:
@@ -36,7 +36,7 @@ def main() -> int:
     env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29612",
            "LOCAL_RANK": "0", "PIPETTE_PROBE": json.dumps({"device_kind": "gpu", "shapes": shapes}),
            "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
-    done = subprocess.run([sys.executable, "-m", "workers.probe_rank"], env=env, capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-m", "workers.rank.probe"], env=env, capture_output=True, text=True,
                           timeout=300, check=False)
     if done.returncode != 0:
         print(done.stdout[-3000:] + done.stderr[-3000:], file=sys.stderr)

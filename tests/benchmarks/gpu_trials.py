@@ -5,7 +5,7 @@ GPU and compare: status (ok / oom) and median step time against the file's.
 
 Target (issue 12): every candidate that ran there runs again within 5% of the file's step
 time, and runs out of memory where the file says oom. Each trial is a fresh
-``python -m workers.train`` process (``workers.local.run_local``), the GPU capped to the H100's
+``python -m workers.rank.train`` process (``workers.host.local.run_local``), the GPU capped to the H100's
 81559 MiB so that a larger GPU runs out of memory where the H100 did.
 """
 
@@ -21,7 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tests.benchmarks.calibration import calibration_dir, load_h100_single_gpu
-from workers.local import run_local
+from workers.host.local import run_local
 from workers.spec import TrialSpec
 
 H100_BYTES = 81559 * 2**20

@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 
 from pipette.model import ModelSpec
-from workers.probe import probe_cluster
+from workers.host.probe import probe_cluster
 
 
 def main() -> None:

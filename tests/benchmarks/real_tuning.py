@@ -3,13 +3,13 @@
 
 tiny-llama fine-tuned with LoRA (the ``pipette tune`` default recipe: global batch 16 x 128
 tokens, fp32, rank 8, alpha 16) on 4 CPU devices, local Ray, real DeepSpeed trials through
-``workers.runner.RayTrialRunner``. Run from the repository root::
+``workers.host.runner.RayTrialRunner``. Run from the repository root::
 
     .venv/bin/python tests/benchmarks/real_tuning.py                  # restricted space (72 candidates)
     .venv/bin/python tests/benchmarks/real_tuning.py --wide           # the recipe's full space (228)
     .venv/bin/python tests/benchmarks/real_tuning.py --limit 6 --top 2 --repeats 1   # a smoke run
 
-1. Plan (``pipette.plan.make_plan``) on the cluster: measured by ``workers.probe.probe_cluster``
+1. Plan (``pipette.plan.make_plan``) on the cluster: measured by ``workers.host.probe.probe_cluster``
    (``--cluster FILE`` uses a cluster file instead, e.g. ``examples/clusters/cpu-4.yaml``).
    Candidates = the plan's candidates the backends run (``RayTrialRunner.refusals``).
    The full space is ~230 runnable candidates at 20-80 s a trial on 2 cores, so by default
@@ -144,7 +144,7 @@ def get_cluster(args: argparse.Namespace, model: ModelSpec) -> ClusterProfile:
         from pipette.clusterfile import load_cluster
 
         return load_cluster(args.cluster)
-    from workers.probe import probe_cluster
+    from workers.host.probe import probe_cluster
 
     log(f"measuring the local cluster: {args.devices} CPU devices ...")
     return probe_cluster(name=f"local-cpu-{args.devices}", cpu_devices_per_node=args.devices, model=model)
@@ -155,8 +155,8 @@ def run(args: argparse.Namespace, model: ModelSpec | None = None, training: Trai
         cluster: ClusterProfile | None = None) -> dict[str, Any]:
     """The whole benchmark; ``model``, ``training``, ``make_runner`` and ``cluster`` replace the
     defaults (``tests/benchmarks/script_tuning.py`` runs it on a user's script)."""
-    from workers.ray_cluster import ensure_ray
-    from workers.runner import RayTrialRunner
+    from workers.host.ray_cluster import ensure_ray
+    from workers.host.runner import RayTrialRunner
 
     started = time.monotonic()
     model = model or ModelSpec.preset(args.model)

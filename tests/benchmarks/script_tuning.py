@@ -58,7 +58,7 @@ def training() -> TrainingSpec:
 
 def _runner(model: ModelSpec, train: TrainingSpec, cluster: ClusterProfile, args: argparse.Namespace,
             with_script: bool, steps: int | None = None) -> Any:
-    from workers.runner import RayTrialRunner
+    from workers.host.runner import RayTrialRunner
 
     return RayTrialRunner(model, train, cluster, device_kind=cluster.device_spec.kind, timeout_s=args.trial_timeout,
                           max_steps=steps or args.steps, min_steps=steps or args.min_steps,
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     model = ModelSpec.from_hf_config(SCRIPTS / "tiny-llama" / "config.json")
     train = training()
     try:
-        from workers.ray_cluster import ensure_ray
+        from workers.host.ray_cluster import ensure_ray
 
         ensure_ray()
         cluster = real_tuning.get_cluster(args, model)

@@ -1,5 +1,5 @@
 """What a trial rank's build costs: seconds, peak RSS and the parameter bytes it holds, for the
-rank-only build (``workers.build``) against the whole-model build every rank did before
+rank-only build (``workers.rank.build``) against the whole-model build every rank did before
 (``LlamaForCausalLM(config)`` in fp32 on the host, sharded afterwards), measured side by side
 in one run; and where a real trial's wall time goes.
 
@@ -50,7 +50,7 @@ def one(case: dict[str, Any]) -> dict[str, Any]:
     from pipette.config import ParallelConfig
     from pipette.model import ModelSpec
     from pipette.training import LoraSpec, TrainingSpec
-    from workers.hf_model import TORCH_DTYPES
+    from workers.rank.hf_model import TORCH_DTYPES
     from workers.spec import TrialSpec
 
     torch.set_num_threads(1)
@@ -62,15 +62,15 @@ def one(case: dict[str, Any]) -> dict[str, Any]:
     base = current_rss()
     start = time.perf_counter()
     if case["how"] == "rank":
-        from workers.build import held_modules, materialize, prepare
+        from workers.rank.build import held_modules, materialize, prepare
 
         prep = prepare(trial, case["rank"], dtype)
         mine = held_modules(prep, trial, case["rank"])
         materialize(mine, torch.device("cpu"), dtype, 0, prep.std)
         params = {id(p): p for m in mine for p in m.parameters()}.values()
     else:  # the whole model in fp32 on the host, as every rank built it before, then its shard
-        from workers.hf_model import llama_config
-        from workers.tp_shard import shard_layers, shard_vocabulary
+        from workers.rank.hf_model import llama_config
+        from workers.rank.tp_shard import shard_layers, shard_vocabulary
 
         torch.manual_seed(0)
         model = transformers.LlamaForCausalLM(llama_config(trial.model))
@@ -104,7 +104,7 @@ def trial_breakdown() -> dict[str, Any]:
     from pipette.config import ParallelConfig
     from pipette.model import ModelSpec
     from pipette.training import LoraSpec, TrainingSpec
-    from workers.local import run_local
+    from workers.host.local import run_local
     from workers.spec import TrialSpec
 
     trial = TrialSpec(ModelSpec.preset("llama3.2-1b"),

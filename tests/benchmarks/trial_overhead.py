@@ -3,7 +3,7 @@ to the first step of the rank) against its steps, and the CPU the machine spent 
 
     ./dev bench trial_overhead [--trials 6] [--candidate LABEL] [--json OUT.json]
 
-Real trials through ``workers.runner.RayTrialRunner`` (local Ray, the zygote, DeepSpeed) of one
+Real trials through ``workers.host.runner.RayTrialRunner`` (local Ray, the zygote, DeepSpeed) of one
 tiny-llama LoRA candidate (``pipette tune``'s default recipe on the 4 CPU devices of
 ``examples/clusters/cpu-4.yaml``: no probe, so every run plans the same candidates), one after
 another. Per trial: the wall time, the set-up (call to first step event), the steps (first to
@@ -49,8 +49,8 @@ def run(trials: int, candidate: str) -> dict[str, Any]:
     from pipette.model import ModelSpec
     from pipette.plan import make_plan
     from tests.benchmarks.real_tuning import recipe
-    from workers.ray_cluster import ensure_ray
-    from workers.runner import RayTrialRunner
+    from workers.host.ray_cluster import ensure_ray
+    from workers.host.runner import RayTrialRunner
 
     model = ModelSpec.preset("tiny-llama")
     # the real-tuning benchmark's recipe, its full space (the default candidate is in any)

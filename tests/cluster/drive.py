@@ -28,7 +28,7 @@ def emit(kind: str, **data: Any) -> None:
 
 def probe(out: Path, timeout_s: float) -> None:
     from pipette.model import ModelSpec
-    from workers.probe import probe_cluster
+    from workers.host.probe import probe_cluster
 
     started = time.monotonic()
     profile = probe_cluster("shaped-4", cpu_devices_per_node=1, model=ModelSpec.preset("tiny-llama"),
@@ -39,7 +39,7 @@ def probe(out: Path, timeout_s: float) -> None:
 
 def trial(profile_path: Path, spec_path: Path, timeout_s: float) -> None:
     from pipette.clusterfile import cluster_from_dict
-    from workers.executor import StepReport, run_trial
+    from workers.host.executor import StepReport, run_trial
     from workers.spec import TrialSpec
 
     cluster = cluster_from_dict(json.loads(profile_path.read_text()))

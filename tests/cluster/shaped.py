@@ -210,7 +210,7 @@ class ShapedCluster:
 
     def host_tmp(self, host: int) -> Path:
         """The host's own temporary folder (``TMPDIR``): the hosts share one file system, but
-        per-node state under /tmp (the CPU ranks' zygote socket of ``workers.zygote``, the
+        per-node state under /tmp (the CPU ranks' zygote socket of ``workers.host.zygote``, the
         ranks' work folders) must stay per host, or one host's rank would be forked in
         another host's network namespace."""
         return self.temp_dir.with_name(f"{self.temp_dir.name}-h{host}")

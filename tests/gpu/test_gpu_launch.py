@@ -16,7 +16,7 @@ from pipette.emit import write_launch_files
 from pipette.model import ModelSpec
 from pipette.training import LoraSpec, TrainingSpec
 from workers.spec import TrialSpec
-from workers.trial import EVENT_PREFIX
+from workers.rank.trial import EVENT_PREFIX
 
 ROOT = Path(__file__).resolve().parents[2]
 

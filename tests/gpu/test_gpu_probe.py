@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from workers.probe_rank import EVENT_PREFIX
+from workers.rank.probe import EVENT_PREFIX
 
 ROOT = Path(__file__).resolve().parents[2]
 N = 8192
@@ -21,7 +21,7 @@ def probe(options: dict) -> dict:  # type: ignore[type-arg]
     env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29611",
            "LOCAL_RANK": "0", "PIPETTE_PROBE": json.dumps(options),
            "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
-    done = subprocess.run([sys.executable, "-m", "workers.probe_rank"], env=env, capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-m", "workers.rank.probe"], env=env, capture_output=True, text=True,
                           timeout=300, check=False)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     lines = [json.loads(x[len(EVENT_PREFIX):]) for x in done.stdout.splitlines() if x.startswith(EVENT_PREFIX)]

@@ -11,8 +11,8 @@ import pytest
 from pipette.config import ParallelConfig
 from pipette.model import ModelSpec
 from pipette.training import LoraSpec, TrainingSpec
-from workers.data import PERIOD
-from workers.local import run_local
+from workers.rank.data import PERIOD
+from workers.host.local import run_local
 from workers.spec import TrialSpec
 
 #: The H100 80GB HBM3's memory (NVML, 81559 MiB): larger GPUs are capped to it, so the
@@ -43,7 +43,7 @@ def test_tiny_llama_trains_on_the_gpu(method: str, recompute: str) -> None:
     spec = trial("tiny-llama", method, recompute, mbs=2, batch=4, seq=128, lr=1e-2, min_steps=10, max_steps=10)
     m = run_local(spec, timeout_s=300)
     check_ok(m, spec)
-    # It learns workers.data's task: from an untrained ln V to below ln PERIOD (the cycle's
+    # It learns workers.rank.data's task: from an untrained ln V to below ln PERIOD (the cycle's
     # tokens known), as on CPU (tests/integration/test_trials.py).
     assert m.losses[0] > math.log(spec.model.vocab) - 0.5, m.losses
     assert statistics.fmean(m.losses[-3:]) < math.log(PERIOD), m.losses
@@ -56,7 +56,7 @@ def test_an_allocation_past_the_cap_ends_oom() -> None:
     m = run_local(spec, timeout_s=300)
     assert m.status == "oom", f"{m.status}: {m.error}\n{m.extra.get('output_tail')}"
     assert m.extra["oom_bytes"] > 0 and "out of memory" in m.error.lower()
-    # the allocator's figures at the OOM (workers.memory.allocator_record): the fits boundary's data
+    # the allocator's figures at the OOM (workers.rank.memory.allocator_record): the fits boundary's data
     assert m.extra["allocator_ooms"][0] >= 1 and m.extra["outside_allocator_bytes"][0] > 0
 
 

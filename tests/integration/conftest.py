@@ -17,12 +17,12 @@ pytest.importorskip("ray")
 def ray_session() -> Iterator[None]:
     import ray
 
-    from workers.ray_cluster import ensure_ray
-    from workers.train import build_environment
+    from workers.host.ray_cluster import ensure_ray
+    from workers.rank.train import build_environment
 
     # DeepSpeed builds its CPU shared-memory comm op on first use (about a minute, once per
     # machine, cached); build it here so no trial's timeout pays for it, with the ninja and
-    # into the cache the ranks use (workers.train.build_environment).
+    # into the cache the ranks use (workers.rank.train.build_environment).
     subprocess.run(
         [sys.executable, "-c", "from deepspeed.comm.torch import build_shm_op; build_shm_op()"],
         env={**os.environ, "DS_ACCELERATOR": "cpu", **build_environment()},

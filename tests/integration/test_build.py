@@ -1,4 +1,4 @@
-"""Each rank builds only what it holds (``workers.build``): its tensor-parallel shards equal the
+"""Each rank builds only what it holds (``workers.rank.build``): its tensor-parallel shards equal the
 same slices of one unsharded build, it holds the bytes the memory estimator counts for it, a
 local checkpoint is read slice by slice, and a checkpoint that is not the model's is refused."""
 
@@ -17,10 +17,10 @@ from pipette.errors import SpecError
 from pipette.memory import stage_breakdowns
 from pipette.model import ModelSpec
 from pipette.training import LoraSpec, TrainingSpec
-from workers.build import build_rank_model, held_modules, materialize, prepare
-from workers.checkpoint import Checkpoint, check_checkpoint
-from workers.executor import run_trial
-from workers.hf_model import build_llama
+from workers.rank.build import build_rank_model, held_modules, materialize, prepare
+from workers.rank.checkpoint import Checkpoint, check_checkpoint
+from workers.host.executor import run_trial
+from workers.rank.hf_model import build_llama
 from workers.spec import TrialSpec
 
 CPU = torch.device("cpu")

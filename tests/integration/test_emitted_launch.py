@@ -20,9 +20,9 @@ from pipette.config import ParallelConfig
 from pipette.emit import write_launch_files
 from pipette.model import ModelSpec
 from pipette.training import TrainingSpec
-from workers.executor import run_trial
+from workers.host.executor import run_trial
 from workers.spec import TrialSpec
-from workers.trial import EVENT_PREFIX
+from workers.rank.trial import EVENT_PREFIX
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]

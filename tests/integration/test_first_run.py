@@ -21,9 +21,9 @@ from pipette.config import ParallelConfig
 from pipette.model import ModelSpec
 from pipette.script import ScriptSpec
 from pipette.training import TrainingSpec
-from workers.executor import run_trial
+from workers.host.executor import run_trial
 from workers.ops import CPU_OPS, live_builders, remove_stale_locks
-from workers.runner import RayTrialRunner
+from workers.host.runner import RayTrialRunner
 from workers.spec import TrialSpec
 
 HERE = Path(__file__).resolve().parent
@@ -46,7 +46,7 @@ def test_a_killed_rank_takes_the_process_groups_it_started_with_it(tmp_path: Pat
     them, and they ran on (PPID 1) beside the next trial's build."""
     import ray
 
-    from workers.rank_process import RankProcess
+    from workers.host.rank_process import RankProcess
 
     pidfile = tmp_path / "grandchild"
     code = ("import subprocess, sys, time; p = subprocess.Popen(['sleep', '300'], process_group=0); "

@@ -23,14 +23,14 @@ from pipette.config import ParallelConfig
 from pipette.errors import PipetteError
 from pipette.model import ModelSpec
 from pipette.training import TrainingSpec
-from workers.data import Batches
-from workers.devices import collective_device, rank_device
-from workers.hf_model import build_llama
-from workers.probe import _profile, link_kinds
-from workers.probe_rank import GPU_SIZES, SIZES, message_sizes, probe_shapes
-from workers.ray_cluster import assign_gpus, check_devices, rank_bundle
+from workers.rank.data import Batches
+from workers.rank.devices import collective_device, rank_device
+from workers.rank.hf_model import build_llama
+from workers.host.probe import _profile, link_kinds
+from workers.rank.probe import GPU_SIZES, SIZES, message_sizes, probe_shapes
+from workers.host.ray_cluster import assign_gpus, check_devices, rank_bundle
 from workers.spec import TrialSpec
-from workers.trial import Engine, _agree
+from workers.rank.trial import Engine, _agree
 
 ROOT = Path(__file__).resolve().parents[2]
 META = torch.device("meta")
@@ -175,7 +175,7 @@ def test_a_gpu_cluster_file_on_a_ray_without_gpus_is_refused_in_one_line() -> No
 
 
 def test_a_gpu_trial_where_ray_has_no_gpus_fails_at_once() -> None:
-    from workers.executor import run_trial
+    from workers.host.executor import run_trial
 
     spec = TrialSpec(ModelSpec.preset("tiny-llama"), TrainingSpec(global_batch=2, seq_len=16, dtype="bf16"),
                      ParallelConfig(tp=1, pp=1, dp=1, mbs=2, global_batch=2), device_kind="gpu")

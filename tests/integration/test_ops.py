@@ -13,9 +13,9 @@ import pytest
 from pipette.config import ParallelConfig
 from pipette.model import ModelSpec
 from pipette.training import TrainingSpec
-from workers.executor import run_trial
+from workers.host.executor import run_trial
 from workers.spec import TrialSpec
-from workers.train import build_environment
+from workers.rank.train import build_environment
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

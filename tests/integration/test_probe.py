@@ -9,7 +9,7 @@ import pytest
 
 from pipette.clusterfile import cluster_from_dict
 from pipette.model import ModelSpec
-from workers.probe import inventory, probe_cluster, training_nodes
+from workers.host.probe import inventory, probe_cluster, training_nodes
 
 
 @pytest.mark.slow

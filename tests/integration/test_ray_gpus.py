@@ -27,8 +27,8 @@ from pipette.config import ParallelConfig
 from pipette.errors import PipetteError
 from pipette.model import ModelSpec
 from pipette.training import TrainingSpec
-from workers.executor import run_trial
-from workers.ray_cluster import check_devices
+from workers.host.executor import run_trial
+from workers.host.ray_cluster import check_devices
 from workers.spec import TrialSpec
 
 out = {}

@@ -1,4 +1,4 @@
-"""The embedded Ray (``workers.ray_cluster.start_local_ray``) listens on loopback only and
+"""The embedded Ray (``workers.host.ray_cluster.start_local_ray``) listens on loopback only and
 wants Ray's token (issue 17, item 24: its GCS, raylet, agents and workers listened on every
 interface); a client without the token is refused, another Pipette process with it gets in;
 ``stop_local_ray`` ends every process it started. Each check runs in a fresh interpreter: a Ray
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.timeout(300)
 
 DRIVER = r"""
 import json, sys, psutil, ray
-from workers.ray_cluster import ensure_ray, stop_local_ray
+from workers.host.ray_cluster import ensure_ray, stop_local_ray
 
 ensure_ray(num_cpus=2)
 
@@ -69,7 +69,7 @@ if "--then-client" in sys.argv:
     print(json.dumps({"client_out": out[-2000:]}), flush=True)
     # another Pipette process (the CLI under the service's or a test's RAY_ADDRESS) gets in
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")} | {"RAY_ADDRESS": gcs}
-    code = ("import ray; from workers.ray_cluster import ensure_ray; ensure_ray(); "
+    code = ("import ray; from workers.host.ray_cluster import ensure_ray; ensure_ray(); "
             "print('PIPETTE-IN', ray.get(ray.remote(lambda: 7).remote()))")
     try:
         done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
@@ -77,7 +77,7 @@ if "--then-client" in sys.argv:
     except subprocess.TimeoutExpired:
         out = "timed out after 60 s"
     # told not to send a token, it is refused and told how to give one
-    code = ("from workers.ray_cluster import ensure_ray\ntry:\n    ensure_ray()\n"
+    code = ("from workers.host.ray_cluster import ensure_ray\ntry:\n    ensure_ray()\n"
             "except Exception as e:\n    print('FIX:', e.fix)")
     try:
         done = subprocess.run([sys.executable, "-c", code], env=env | {"RAY_AUTH_MODE": "disabled"},

@@ -14,8 +14,8 @@ from pipette.config import ParallelConfig
 from pipette.model import ModelSpec
 from pipette.script import ScriptSpec
 from pipette.training import TrainingSpec
-from workers.executor import StepReport, run_trial
-from workers.ray_cluster import store_host
+from workers.host.executor import StepReport, run_trial
+from workers.host.ray_cluster import store_host
 from workers.spec import TrialSpec
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]

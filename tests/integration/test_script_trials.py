@@ -16,7 +16,7 @@ from pipette.model import ModelSpec
 from pipette.script import ScriptSpec
 from pipette.training import TrainingSpec
 from workers import executor
-from workers.executor import run_trial
+from workers.host.executor import run_trial
 from workers.spec import TrialSpec
 
 HERE = Path(__file__).resolve().parent
@@ -122,7 +122,7 @@ def test_a_scripts_environment_holds_no_credentials(tmp_path: Path) -> None:
     it starts sees none of them, and still gets what a training process needs."""
     import ray
 
-    from workers.rank_process import RankProcess
+    from workers.host.rank_process import RankProcess
 
     secrets = {"PIPETTE_DATABASE_URL": "postgresql://svc:pw@db/pipette", "PIPETTE_METRICS_TOKEN": "m-secret",
                "PIPETTE_ADMIN_TOKEN": "a-secret", "AWS_SECRET_ACCESS_KEY": "k", "HF_TOKEN": "hf-secret",
@@ -145,4 +145,4 @@ def test_a_scripts_environment_holds_no_credentials(tmp_path: Path) -> None:
     assert leaked == [], f"the script saw {leaked}"
     assert env["NCCL_DEBUG"] == "WARN" and env["RANK"] == "0"
     assert env["PATH"].split(":")[0] == str(Path(sys.executable).parent)
-    assert env["PYTHONPATH"].split(":")[0].endswith("workers/script_hook")
+    assert env["PYTHONPATH"].split(":")[0].endswith("workers/rank/script_hook")

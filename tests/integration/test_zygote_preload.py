@@ -1,6 +1,6 @@
 """The zygote's preload covers what a rank imports in ``deepspeed.initialize``.
 
-A CPU rank forks from the node's zygote (``workers.zygote``), which imported ``PRELOAD`` once;
+A CPU rank forks from the node's zygote (``workers.host.zygote``), which imported ``PRELOAD`` once;
 whatever a rank imports after the fork it imports in every rank of every trial. DeepSpeed
 0.19 imports its Muon optimizer inside ``deepspeed.initialize``, and that module runs
 ``torch.compile`` at import (TorchInductor: 3.2 of a rank's 3.6 s in ``deepspeed.initialize``
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from workers.zygote import IMPORT_ENV, PRELOAD
+from workers.host.zygote import IMPORT_ENV, PRELOAD
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 ROOT = Path(__file__).resolve().parents[2]

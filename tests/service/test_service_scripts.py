@@ -19,7 +19,7 @@ from service.db import Database
 from service.migrations import upgrade
 from tests.service.conftest import JOB_BODY, METRICS_TOKEN, Api, remember_profile, seed_profile
 from tests.service.processes import ROOT, ServiceProcess, admin_token, wait_for
-from workers.workdir import pack
+from workers.host.workdir import pack
 
 SCRIPTS = ROOT / "tests" / "integration" / "scripts"
 

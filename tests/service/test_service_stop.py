@@ -28,7 +28,7 @@ from service.models import Event, Job
 from tests.service.conftest import JOB_BODY, MEASURED, seed_profile
 from tests.service.processes import ROOT, ServiceProcess, admin_token, ray_processes_of, wait_for
 from tests.service.test_service_scripts import _allow
-from workers.workdir import pack
+from workers.host.workdir import pack
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

@@ -1,5 +1,5 @@
 """The launch files of a user's script (``pipette.emit_script``), and the environment and
-working directory its ranks get (``workers.script_env``, ``workers.workdir``)."""
+working directory its ranks get (``workers.host.script_env``, ``workers.host.workdir``)."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ from pipette.errors import SpecError
 from pipette.model import ModelSpec
 from pipette.script import ScriptSpec
 from pipette.training import LoraSpec, TrainingSpec
-from workers.script_env import script_environment, script_path, with_hook
-from workers.workdir import pack, unpack
+from workers.host.script_env import script_environment, script_path, with_hook
+from workers.host.workdir import pack, unpack
 
 ROOT = Path(__file__).resolve().parents[2]
 A100 = load_cluster(ROOT / "examples" / "clusters" / "a100-2x8.yaml")

@@ -148,11 +148,11 @@ def test_the_expected_step_time_weighs_a_failure_by_the_fallback() -> None:
 
 
 def test_the_allocator_figures_of_every_rank_reach_the_measurement() -> None:
-    """What ``workers.memory.allocator_record`` reports on a GPU rank, in the trial's record:
+    """What ``workers.rank.memory.allocator_record`` reports on a GPU rank, in the trial's record:
     per rank for a trial that ran, the first OOM's rank for one that ran out (CPU-testable: the
     events are plain dicts)."""
     from pipette.model import ModelSpec as Model
-    from workers.outcome import ALLOCATOR_FIELDS, Outcome, measurement
+    from workers.host.outcome import ALLOCATOR_FIELDS, Outcome, measurement
     from workers.spec import TrialSpec
 
     config = ParallelConfig(tp=1, pp=1, dp=2, mbs=1, global_batch=2)

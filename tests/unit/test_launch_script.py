@@ -54,7 +54,7 @@ def test_every_launch_uses_the_trials_op_build_cache_and_tools(tmp_path: Path) -
     ninja) than the trials' rebuilt it (162 s against 45 s, issue 32, item 1)."""
     from pipette.emit_script import write_script_launch_files
     from pipette.script import ScriptSpec
-    from workers.train import build_environment
+    from workers.rank.train import build_environment
 
     env_bin = tmp_path / "env" / "bin"
     env_bin.mkdir(parents=True)

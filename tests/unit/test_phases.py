@@ -34,7 +34,7 @@ def test_the_rank_furthest_behind_holds_the_trial() -> None:
 
 
 def test_a_rank_says_each_phase_it_enters() -> None:
-    # as workers.train and workers.trial mark them: a warm-up step, the last one, two timed steps
+    # as workers.rank.train and workers.rank.trial mark them: a warm-up step, the last one, two timed steps
     code = ("from workers.phases import PHASES; PHASES.begin(); PHASES.mark('start'); PHASES.mark('imports'); "
             "PHASES.mark('rendezvous'); PHASES.mark('ops'); PHASES.mark('build'); PHASES.mark('engine'); "
             "PHASES.mark('warmup'); PHASES.mark('warmup', then='steps'); PHASES.mark('steps', then='steps'); "

@@ -1,4 +1,4 @@
-"""``workers.rank_process.RankOutput``: a rank's exit is reported only once what it wrote
+"""``workers.host.rank_process.RankOutput``: a rank's exit is reported only once what it wrote
 before it has been read, so a script's last line (its ``done`` event) is never lost to a
 reader that is behind; a pipe held open by a child the rank left behind delays it a bounded
 time only."""
@@ -15,7 +15,7 @@ from collections.abc import Iterable, Iterator
 import pytest
 
 from workers import rank_process
-from workers.rank_process import EVENT_PREFIX, RankOutput
+from workers.host.rank_process import EVENT_PREFIX, RankOutput
 
 
 def _slowly(lines: Iterable[str], seconds: float) -> Iterator[str]:

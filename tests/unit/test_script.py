@@ -136,7 +136,7 @@ def test_pipettes_optimizer_block_is_left_to_the_script() -> None:
 
 
 def test_a_scripts_step_time_is_the_mean_over_ranks_not_their_jitter() -> None:
-    from workers.script_trial import steps_across_ranks
+    from workers.host.script_trial import steps_across_ranks
 
     # two ranks in lock-step, each late by turns: the run took 0.1 s a step, not 0.12
     per_rank = [[0.12, 0.08, 0.12, 0.08], [0.08, 0.12, 0.08, 0.12, 0.1]]
@@ -165,8 +165,8 @@ def test_only_a_rank_that_exits_before_any_rank_stepped_makes_the_script_stopped
     rank 0's: the trial's error read "stopped before its first step: <rank 0's last line>"
     on top of the one line that says the script ignores its config."""
     from pipette.model import ModelSpec
-    from workers.outcome import Outcome
-    from workers.script_trial import ScriptEvents, script_measurement
+    from workers.host.outcome import Outcome
+    from workers.host.script_trial import ScriptEvents, script_measurement
     from workers.spec import TrialSpec
 
     training = TrainingSpec(global_batch=8, seq_len=32, dtype="fp32")
@@ -191,7 +191,7 @@ def test_only_a_rank_that_exits_before_any_rank_stepped_makes_the_script_stopped
 def test_a_script_that_drops_the_zero_stage_is_caught_once_it_steps() -> None:
     """Issue 32, item 10: only an ignored batch was detected; a script that built another ZeRO
     stage, or no DeepSpeed engine at all (Accelerate on CPU with use_cpu), went unseen."""
-    from workers.script_trial import ScriptEvents
+    from workers.host.script_trial import ScriptEvents
 
     step = {"event": "step", "step": 0, "time": 0.1, "samples": 8}
     fine = ScriptEvents(world=2, global_batch=8, zero_stage=3)

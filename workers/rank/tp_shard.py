@@ -10,7 +10,7 @@ views heads as ``(-1, head_dim)``, so each rank simply runs its ``heads / tp`` h
 This is what ``pipette.memory`` counts (linear layers and the vocabulary over tp, norms
 replicated). The layers are sharded before they hold values (on the meta device): each new
 parameter records which rows or columns of the full one it is (``pipette_rows`` /
-``pipette_cols``), and ``workers.build`` then gives it just those values. The process group
+``pipette_cols``), and ``workers.rank.build`` then gives it just those values. The process group
 is set once it exists (``set_group``).
 """
 
@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from workers.lora import COLUMN, ROW, copy_to_tp, reduce_from_tp
+from workers.rank.lora import COLUMN, ROW, copy_to_tp, reduce_from_tp
 
 
 def shard_parameter(full: torch.Tensor, dim: int, tp: int, tp_index: int) -> nn.Parameter:

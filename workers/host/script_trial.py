@@ -2,10 +2,10 @@
 
 The ranks run the script's argument list (``pipette.script.ScriptSpec.command``) with the
 candidate's DeepSpeed config (``pipette.script.script_ds_config``), in the job's working
-directory, with an environment that holds no credentials (``workers.script_env``) and
+directory, with an environment that holds no credentials (``workers.host.script_env``) and
 ``PIPETTE_TRIAL`` (the steps to run, for ``pipette.report``). A script is timed, in order of
 preference, by what it reports through ``pipette.report`` (``step``/``done`` events), else by
-its DeepSpeed engine (``ds_step``/``ds_done`` from ``workers/script_hook``); the measurement
+its DeepSpeed engine (``ds_step``/``ds_done`` from ``workers/rank/script_hook``); the measurement
 says which (``extra["timing_source"]``).
 """
 
@@ -24,8 +24,8 @@ from pipette.emit import RANK_ENV
 from pipette.errors import SpecError
 from pipette.measurement import Measurement, last_error_line
 from pipette.script import ScriptSpec, script_ds_config
-from workers.outcome import Outcome
-from workers.script_env import script_path
+from workers.host.outcome import Outcome
+from workers.host.script_env import script_path
 from workers.spec import TrialSpec
 
 DS_CONFIG = "ds_config.json"
@@ -39,7 +39,7 @@ def script_launch(trial: TrialSpec) -> tuple[dict[str, str], list[str], dict[str
     files = {DS_CONFIG: json.dumps(script_ds_config(trial.ds_config(), script), indent=2)}
     steps = trial.warmup_steps + trial.max_steps
     argv = script.command(trial.training, trial.config, f"$PIPETTE_RANK_DIR/{DS_CONFIG}", steps=steps)
-    from workers.train import build_environment
+    from workers.rank.train import build_environment
 
     # DeepSpeed's JIT-built CPU op: the cache Pipette's own ranks use (built once per machine)
     env = dict(RANK_ENV) | {"TORCH_EXTENSIONS_DIR": build_environment()["TORCH_EXTENSIONS_DIR"]} | {

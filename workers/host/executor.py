@@ -29,10 +29,10 @@ from pipette.cluster import ClusterProfile
 from pipette.emit import RANK_ENV
 from pipette.errors import PipetteError, SpecError
 from pipette.measurement import Measurement, last_error_line
-from workers.outcome import Outcome, measurement
+from workers.host.outcome import Outcome, measurement
 from workers.phases import WORDS, earliest, script_timeout_text, timeout_text
-from workers.rank_process import RankProcess
-from workers.ray_cluster import (
+from workers.host.rank_process import RankProcess
+from workers.host.ray_cluster import (
     assign_gpus,
     check_devices,
     ensure_ray,
@@ -42,12 +42,12 @@ from workers.ray_cluster import (
     ray_node_ips,
     store_host,
 )
-from workers.script_trial import ScriptEvents, script_launch, script_measurement
+from workers.host.script_trial import ScriptEvents, script_launch, script_measurement
 from workers.spec import TrialSpec
 from workers.support import check_inputs, check_runnable
-from workers.workdir import pack
+from workers.host.workdir import pack
 
-OOM_EXIT = 3  # workers.trial.OOM_EXIT
+OOM_EXIT = 3  # workers.rank.trial.OOM_EXIT
 #: How a script's out-of-memory crash reads (torch's CUDA and CPU allocators, the kernel's kill)
 SCRIPT_OOM = re.compile(r"OutOfMemoryError|CUDA out of memory|DefaultCPUAllocator: can't allocate|MemoryError")
 POLL_S = 0.1
@@ -126,7 +126,7 @@ def run_trial(
             f"Ray could not place {len(slots)} ranks", field="cluster", fix="free the devices or add Ray nodes"
         )
     # A script's working directory travels to its ranks' nodes through Ray's object store (each
-    # rank runs in its unpacked copy: workers.workdir); a local one is used where it is.
+    # rank runs in its unpacked copy: workers.host.workdir); a local one is used where it is.
     shipped = trial.script is not None and trial.script.workdir is not None and ship_workdir
     package = pack(trial.script.workdir) if shipped and trial.script and trial.script.workdir else None
     actors = [
@@ -206,7 +206,7 @@ def _run(
             cwds = [workdir] * world
     else:
         files = {"candidate.json": json.dumps(trial.candidate()), "ds_config.json": json.dumps(trial.ds_config())}
-        argv = [sys.executable, "-m", "workers.train",
+        argv = [sys.executable, "-m", "workers.rank.train",
                 "--deepspeed_config", "ds_config.json", "--candidate", "candidate.json"]
         cwds = [None] * world
     cpu_env = {"DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""} if trial.device_kind == "cpu" else {}

@@ -4,7 +4,7 @@ matrix between every pair of devices, and each device's matmul throughput. The r
 
 Inventory runs as one Ray task per node (NVML: name, memory, free memory, PCIe topology and
 NVLink peers of every GPU); the link and compute probe as one fresh process per device
-(``workers.probe_rank``), placed like trial ranks: on GPU nodes each holds one Ray ``GPU``
+(``workers.rank.probe``), placed like trial ranks: on GPU nodes each holds one Ray ``GPU``
 and measures with NCCL on it, on CPU nodes with gloo on the host. The profile records which
 backend and device measured each figure (``extra["measured_by"]``) and what joins each pair
 of devices (``extra["link_kind"]``: ``nvlink``, a PCIe path, ``network`` across nodes).
@@ -28,9 +28,9 @@ from pipette.cluster import ClusterProfile, Device, Node
 from pipette.device import DeviceSpec
 from pipette.errors import PipetteError
 from pipette.model import ModelSpec
-from workers.probe_rank import SIZES, probe_shapes
-from workers.rank_process import RankProcess
-from workers.ray_cluster import alive_nodes, assign_gpus, ensure_ray, node_gpus, rank_bundle, store_host
+from workers.rank.probe import SIZES, probe_shapes
+from workers.host.rank_process import RankProcess
+from workers.host.ray_cluster import alive_nodes, assign_gpus, ensure_ray, node_gpus, rank_bundle, store_host
 
 
 def inventory(cpu_devices: int) -> dict[str, Any]:
@@ -179,7 +179,7 @@ def _run_probe(
             env = {"RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": host, "MASTER_PORT": str(port),
                    "OMP_NUM_THREADS": "1", "PIPETTE_PROBE": json.dumps(options), "PYTHONUNBUFFERED": "1",
                    "CUDA_VISIBLE_DEVICES": visible[rank], "LOCAL_RANK": "0"}
-            ray.get(actors[rank].start.remote({}, [sys.executable, "-m", "workers.probe_rank"], env), timeout=60)
+            ray.get(actors[rank].start.remote({}, [sys.executable, "-m", "workers.rank.probe"], env), timeout=60)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             polled = ray.get([a.poll.remote() for a in actors], timeout=60)

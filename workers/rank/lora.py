@@ -101,7 +101,7 @@ def add_tp_lora(model: nn.Module, lora: LoraSpec, tp: int, tp_index: int = 0) ->
 
     The adapters are created where the layer's weight is (the meta device while the model is
     being built) and tagged with the PEFT name and the part of it this rank holds, so their
-    initial values equal an unsharded PEFT build's (``workers.init``)."""
+    initial values equal an unsharded PEFT build's (``workers.rank.init``)."""
     for p in model.parameters():
         p.requires_grad_(False)
     added = []

@@ -14,7 +14,7 @@ Random weights use a standard deviation of ``max(0.02, 1 / sqrt(hidden))``: Hugg
 0.02 (GPT-2's) bounds the largest logit a unit-RMS hidden state can reach on a random LM
 head at ``0.02 * hidden``, 2.6 nats at hidden 128, so a tiny model whose head is frozen
 (LoRA) could not learn even a deterministic task (measured on tiny-llama, V = 512: LoRA
-plateaued at 3.75 nats on ``workers.data``'s task, and reaches 0.03 with this scale);
+plateaued at 3.75 nats on ``workers.rank.data``'s task, and reaches 0.03 with this scale);
 ``1 / sqrt(hidden)`` (LeCun's fan-in scale) lifts that bound to
 ``sqrt(hidden)``, and leaves every model of hidden >= 2500 at 0.02.
 """

@@ -1,6 +1,6 @@
 """Random initial values that do not depend on how a parameter is sharded.
 
-Every rank of a trial builds only the part of the model it holds (``workers.build``), so the
+Every rank of a trial builds only the part of the model it holds (``workers.rank.build``), so the
 values of a parameter's element must be a function of the parameter, the element and the seed,
 never of which rank generates it or how much of the tensor it holds. A 2-D parameter is cut
 into fixed ``TILE x TILE`` tiles; each tile draws from its own generator, seeded by

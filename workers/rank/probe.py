@@ -1,6 +1,6 @@
-"""One device's part of the cluster probe (run by ``workers.probe`` in a fresh process).
+"""One device's part of the cluster probe (run by ``workers.host.probe`` in a fresh process).
 
-It measures on the device it stands for (``workers.devices``): on a GPU node the rank's GPU
+It measures on the device it stands for (``workers.rank.devices``): on a GPU node the rank's GPU
 with NCCL, on a CPU node host tensors with gloo. Every figure says which backend and which
 device measured it.
 
@@ -30,8 +30,8 @@ import torch
 import torch.distributed as dist
 
 from pipette.model import ModelSpec
-from workers.devices import backend_for, collective_device, rank_device
-from workers.store import rendezvous_store
+from workers.rank.devices import backend_for, collective_device, rank_device
+from workers.rank.store import rendezvous_store
 
 EVENT_PREFIX = "@@pipette "
 SIZES = (8 * 1024, 4 * 1024 * 1024)

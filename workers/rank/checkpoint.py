@@ -81,7 +81,7 @@ class Checkpoint:
 def check_checkpoint(model: ModelSpec, path: str | Path) -> None:
     """Refuse a checkpoint whose tensors are not the model's: the first missing tensor or the
     first shape that differs, with both shapes. Reads the files' headers only."""
-    from workers.hf_model import build_llama
+    from workers.rank.hf_model import build_llama
 
     ckpt = Checkpoint(path)
     meta = build_llama(model, device="meta")

@@ -21,8 +21,8 @@ import torch.distributed as dist
 from scipy import stats
 
 from pipette.config import ParallelConfig
-from workers.devices import backend_for, collective_device, rank_device, to_device
-from workers.memory import (
+from workers.rank.devices import backend_for, collective_device, rank_device, to_device
+from workers.rank.memory import (
     PeakTensorBytes,
     allocator_record,
     apply_memory_cap,
@@ -64,18 +64,18 @@ class Engine:
     def __init__(self, trial: TrialSpec, ds_config: dict[str, Any], rank: int, phases: Phases | None = None):
         import deepspeed
 
-        from workers.build import build_rank_model, held_bytes
-        from workers.data import Batches
-        from workers.hf_model import TORCH_DTYPES
-        from workers.lora import attach_tp_lora
-        from workers.tp_shard import set_groups
+        from workers.rank.build import build_rank_model, held_bytes
+        from workers.rank.data import Batches
+        from workers.rank.hf_model import TORCH_DTYPES
+        from workers.rank.lora import attach_tp_lora
+        from workers.rank.tp_shard import set_groups
 
         c, t = trial.config, trial.training
         _, dp_index, _ = c.coords(rank)
         self.trial, self.config = trial, c
         self.device = rank_device(trial.device_kind)
         self.batches = Batches(trial.model.vocab, t.seq_len, c.mbs, dp_index, trial.seed, trial.data)
-        # The runner shards tensor-parallel layers itself (workers.tp_shard, as pipette.memory
+        # The runner shards tensor-parallel layers itself (workers.rank.tp_shard, as pipette.memory
         # counts them), inside a pipeline or not; AutoTP's block is for the user's own scripts.
         ds_config = {k: v for k, v in ds_config.items() if k != "tensor_parallel"}
         built = build_rank_model(trial, rank, self.device, TORCH_DTYPES[t.dtype], ds_config)

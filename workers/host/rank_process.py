@@ -23,10 +23,10 @@ import ray
 
 from workers.cpu_isa import cpu_isa_env
 from workers.ops import kill_session
-from workers.script_env import script_environment, script_path, with_hook
-from workers.zygote import ZygoteChild, ensure_zygote
+from workers.host.script_env import script_environment, script_path, with_hook
+from workers.host.zygote import ZygoteChild, ensure_zygote
 
-EVENT_PREFIX = "@@pipette "  # the same as workers.trial.EVENT_PREFIX, without importing torch
+EVENT_PREFIX = "@@pipette "  # the same as workers.rank.trial.EVENT_PREFIX, without importing torch
 _PR_SET_PDEATHSIG = 1
 
 
@@ -119,7 +119,7 @@ class RankProcess:
               clean_env: bool = False) -> int:
         """Start the rank: ``files`` go to its own folder (``$PIPETTE_RANK_DIR`` in ``argv``); it
         runs in ``cwd`` (default that folder). ``clean_env``: a user's script, which gets only
-        ``workers.script_env.script_environment`` of this process's environment (no service
+        ``workers.host.script_env.script_environment`` of this process's environment (no service
         credentials), never a shell."""
         for name, text in files.items():
             Path(self.workdir, name).write_text(text)
@@ -130,7 +130,7 @@ class RankProcess:
             full_env["PATH"] = script_path(full_env.get("PATH", ""))
             full_env["PYTHONPATH"] = with_hook(base.get("PYTHONPATH"))
         if _warm_start(argv, full_env):
-            # A CPU rank forks from the node's warm zygote (workers.zygote): same fresh
+            # A CPU rank forks from the node's warm zygote (workers.host.zygote): same fresh
             # process per rank and trial, without ~8 CPU-seconds of imports.
             self.child = ZygoteChild(argv[2], argv[3:], full_env, self.workdir, cpu_isa_env())
             self.output.follow(self.child.lines())
@@ -150,8 +150,8 @@ class RankProcess:
         return self.output.take(code)
 
     def unpack(self, data: bytes) -> str:
-        """Unpack the job's working directory (``workers.workdir.pack``) here; returns where."""
-        from workers.workdir import unpack
+        """Unpack the job's working directory (``workers.host.workdir.pack``) here; returns where."""
+        from workers.host.workdir import unpack
 
         return unpack(data, Path(self.workdir, "job"))
 

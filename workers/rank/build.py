@@ -2,11 +2,11 @@
 
 The whole model is first made on the meta device (shapes only, no memory); adapters are added
 and the tensor-parallel layers are cut into this rank's shards while still on meta
-(``workers.tp_shard``, ``workers.lora``); a pipeline rank keeps only its stage's layers
-(``workers.pipe_model.stage_modules``, DeepSpeed's own partition). Only then does each
+(``workers.rank.tp_shard``, ``workers.rank.lora``); a pipeline rank keeps only its stage's layers
+(``workers.rank.pipe_model.stage_modules``, DeepSpeed's own partition). Only then does each
 parameter the rank holds get its values, directly on the device: the rank's rows or columns
-of a local checkpoint (``workers.checkpoint``), or seeded initial values that do not depend on
-the sharding (``workers.init``). So a rank's memory is its shard plus one tile, never the
+of a local checkpoint (``workers.rank.checkpoint``), or seeded initial values that do not depend on
+the sharding (``workers.rank.init``). So a rank's memory is its shard plus one tile, never the
 model; a trial of llama2-70b needs no host that can hold 280 GB.
 
 ZeRO-3 goes further: each block (the embedding, each decoder layer, the head) is partitioned
@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from workers.init import init_for, initial_values
+from workers.rank.init import init_for, initial_values
 from workers.spec import TrialSpec
 
 #: prefix PEFT puts before the base model's parameter names
@@ -74,10 +74,10 @@ class Prepared:
 
 def prepare(trial: TrialSpec, rank: int, dtype: torch.dtype) -> Prepared:
     """The rank's model with shapes only (meta device): what it will hold, and nothing yet."""
-    from workers.hf_model import build_llama
-    from workers.lora import add_peft_lora, add_tp_lora
-    from workers.pipe_model import pipeline_layers
-    from workers.tp_shard import shard_layers, shard_vocabulary
+    from workers.rank.hf_model import build_llama
+    from workers.rank.lora import add_peft_lora, add_tp_lora
+    from workers.rank.pipe_model import pipeline_layers
+    from workers.rank.tp_shard import shard_layers, shard_vocabulary
 
     c, t = trial.config, trial.training
     _, _, tp_index = c.coords(rank)
@@ -103,7 +103,7 @@ def prepare(trial: TrialSpec, rank: int, dtype: torch.dtype) -> Prepared:
 
 def held_modules(prepared: Prepared, trial: TrialSpec, rank: int) -> list[nn.Module]:
     """The modules whose parameters this rank holds: its pipeline stage's, or the whole (sharded) model."""
-    from workers.pipe_model import stage_modules
+    from workers.rank.pipe_model import stage_modules
 
     if prepared.layers is None:
         return [prepared.module]
@@ -114,8 +114,8 @@ def held_modules(prepared: Prepared, trial: TrialSpec, rank: int) -> list[nn.Mod
 def build_rank_model(trial: TrialSpec, rank: int, device: torch.device, dtype: torch.dtype,
                      ds_config: dict[str, Any] | None = None) -> RankModel:
     """This rank's model for ``trial``, with values only where the rank holds them."""
-    from workers.pipe_model import lm_loss, pipeline_module
-    from workers.tp_shard import set_groups
+    from workers.rank.pipe_model import lm_loss, pipeline_module
+    from workers.rank.tp_shard import set_groups
 
     c = trial.config
     prep = prepare(trial, rank, dtype)
@@ -145,7 +145,7 @@ def build_rank_model(trial: TrialSpec, rank: int, device: torch.device, dtype: t
 def _source(trial: TrialSpec) -> Any:
     if trial.checkpoint is None:
         return None
-    from workers.checkpoint import Checkpoint
+    from workers.rank.checkpoint import Checkpoint
 
     return Checkpoint(trial.checkpoint)
 
@@ -168,7 +168,7 @@ def materialize(modules: Iterable[nn.Module], device: torch.device, dtype: torch
                 source: Any = None, made: dict[int, nn.Parameter] | None = None) -> None:
     """Give every meta parameter under ``modules`` its values on ``device`` in ``dtype``: its part
     of the checkpoint ``source`` when that holds it, else its seeded initial values
-    (``workers.init``); and rebuild the rotary-embedding buffers there."""
+    (``workers.rank.init``); and rebuild the rotary-embedding buffers there."""
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
     made = made if made is not None else {}

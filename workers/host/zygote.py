@@ -46,7 +46,7 @@ from workers.runtime import open_private, read_private, runtime_dir, write_priva
 #: (cProfile of rank 0 of a 4-rank tiny-llama trial on the 2-core machine, 2026-11-26). It starts
 #: no thread or process, so it forks safely.
 PRELOAD = ("torch", "torch.distributed", "deepspeed", "deepspeed.runtime.zero.muon.muon_optimizer", "transformers",
-           "peft", "scipy.stats", "workers.trial")
+           "peft", "scipy.stats", "workers.rank.trial")
 #: The environment the preloaded modules read at import time, fixed for every CPU rank.
 IMPORT_ENV = {"DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "MALLOC_ARENA_MAX": "2"}
 IDLE_S = 900.0
@@ -185,7 +185,7 @@ def _start_server(path: str, extra_env: dict[str, str]) -> None:
         # The zygote ends with its host actor (PR_SET_PDEATHSIG): when the Ray that a job
         # started for itself stops, nothing of it stays behind (it outlived `pipette tune`).
         with os.fdopen(open_private(path + ".err", os.O_WRONLY | os.O_CREAT | os.O_APPEND), "a") as err:
-            subprocess.Popen([sys.executable, "-m", "workers.zygote", path], env=env, start_new_session=True,
+            subprocess.Popen([sys.executable, "-m", "workers.host.zygote", path], env=env, start_new_session=True,
                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
                              cwd=str(Path(__file__).resolve().parents[1]), preexec_fn=_die_with_parent)
         deadline = time.monotonic() + 300
@@ -219,14 +219,14 @@ def _kill_stale(path: str) -> None:
 
 
 def is_our_zygote(pid: int, path: str) -> bool:
-    """Whether process ``pid`` is this user's ``python -m workers.zygote path``."""
+    """Whether process ``pid`` is this user's ``python -m workers.host.zygote path``."""
     try:
         if os.stat(f"/proc/{pid}").st_uid != os.getuid():
             return False
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except OSError:
         return False
-    return argv[1:4] == [b"-m", b"workers.zygote", os.fsencode(path)]
+    return argv[1:4] == [b"-m", b"workers.host.zygote", os.fsencode(path)]
 
 
 def _alive(path: str) -> bool:

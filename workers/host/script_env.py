@@ -45,7 +45,7 @@ def script_path(path: str) -> str:
 
 
 #: The folder whose ``sitecustomize`` times a DeepSpeed script that does not report
-#: (``workers/script_hook``); put first on a script's ``PYTHONPATH``.
+#: (``workers/rank/script_hook``); put first on a script's ``PYTHONPATH``.
 HOOK_DIR = str(Path(__file__).resolve().parent / "script_hook")
 
 

@@ -26,7 +26,7 @@ from torch import nn
 from transformers import LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
-from workers.lora import copy_to_tp
+from workers.rank.lora import copy_to_tp
 
 
 class EmbedStage(nn.Module):
@@ -87,7 +87,7 @@ def tied_embed(module: TiedEmbedding, input_ids: torch.Tensor) -> torch.Tensor:
 
 def tied_head(module: TiedEmbedding, hidden: torch.Tensor) -> torch.Tensor:
     # A vocabulary-sharded embedding (tensor parallelism) makes this a column-parallel head:
-    # its input's gradient is all-reduced over the group (workers.tp_shard).
+    # its input's gradient is all-reduced over the group (workers.rank.tp_shard).
     group = getattr(module.embed, "group", None)
     x = copy_to_tp(hidden, group) if group is not None else hidden
     out: torch.Tensor = nn.functional.linear(x, module.embed.weight)

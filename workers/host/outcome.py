@@ -1,5 +1,5 @@
 """How a trial ended and what it measured, from its ranks' event lines: shared by the Ray
-executor (``workers.executor``) and the local one (``workers.local``)."""
+executor (``workers.host.executor``) and the local one (``workers.host.local``)."""
 
 from __future__ import annotations
 
@@ -88,6 +88,6 @@ ALLOCATOR_FIELDS = ("peak_allocated_bytes", "peak_reserved_bytes", "peak_inactiv
 
 
 def allocator_extra(events: list[dict[str, Any]]) -> dict[str, list[int]]:
-    """The GPU allocator's figures (``workers.memory.allocator_record``), one list per field
+    """The GPU allocator's figures (``workers.rank.memory.allocator_record``), one list per field
     with an entry per rank, for the fields every rank reported."""
     return {k: [int(e[k]) for e in events] for k in ALLOCATOR_FIELDS if events and all(k in e for e in events)}

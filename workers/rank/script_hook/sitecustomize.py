@@ -125,7 +125,7 @@ def _patch_engine(module: Any) -> None:
 
 def _bind_store(module: Any) -> None:
     """Rank 0's rendezvous store (``init_process_group``'s ``env://``) listens on ``MASTER_ADDR``
-    only, not on every interface, as Pipette's own ranks' does (``workers.store`` says why)."""
+    only, not on every interface, as Pipette's own ranks' does (``workers.rank.store`` says why)."""
     original = module._create_c10d_store
 
     def create(hostname: str, port: int, rank: int, world_size: int, timeout: Any, use_libuv: bool = True) -> Any:

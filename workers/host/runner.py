@@ -71,7 +71,7 @@ class RayTrialRunner:
     suspect_s: float = 90.0
     #: told what the runner does outside the trials (DeepSpeed's op build: ``prepare``)
     on_note: Callable[[str], None] | None = None
-    #: told the phase the running trial's ranks are in and its elapsed seconds (``workers.executor``)
+    #: told the phase the running trial's ranks are in and its elapsed seconds (``workers.host.executor``)
     on_phase: Callable[[str, float], None] | None = None
     _suspects: dict[str, float] = field(default_factory=dict, repr=False)
     _prepared: bool = field(default=False, repr=False)
@@ -100,15 +100,15 @@ class RayTrialRunner:
         it timed out trial after trial on a fresh environment, charged to the candidates."""
         if (self._prepared and not force) or self.device_kind != "cpu":
             return
-        from workers.node_ops import build_on_nodes
-        from workers.ray_cluster import ensure_ray, ray_node_ips
+        from workers.host.node_ops import build_on_nodes
+        from workers.host.ray_cluster import ensure_ray, ray_node_ips
 
         ensure_ray()
         build_on_nodes(ray_node_ips(self.cluster), self.env, self.on_note or _log, force=force)
         self._prepared = True
 
     def __call__(self, config: ParallelConfig, on_step: OnStep) -> Measurement:
-        from workers.executor import StepReport, run_trial
+        from workers.host.executor import StepReport, run_trial
 
         spec = self.trial(config)
         if not self.wait_for_nodes():
@@ -136,7 +136,7 @@ class RayTrialRunner:
                                     fix="run python -m workers.ops on the node and look at its output")
         lost = set(m.extra.get("lost_nodes") or ())
         if m.status == "failed" and lost:
-            from workers.ray_cluster import alive_nodes
+            from workers.host.ray_cluster import alive_nodes
 
             now = time.monotonic()
             self._suspects |= {n["NodeID"]: now for n in alive_nodes() if n["NodeManagerAddress"] in lost}
@@ -145,7 +145,7 @@ class RayTrialRunner:
     def wait_for_nodes(self) -> bool:
         """Return once every node of the cluster has a live Ray node (True), or when ``on_wait``
         says stop (False); raise after ``node_wait_s``."""
-        from workers.ray_cluster import ensure_ray, missing_nodes
+        from workers.host.ray_cluster import ensure_ray, missing_nodes
 
         ensure_ray()
         started = time.monotonic()

@@ -1,9 +1,9 @@
-"""Run a trial on this machine without Ray: one fresh ``python -m workers.train`` process per
+"""Run a trial on this machine without Ray: one fresh ``python -m workers.rank.train`` process per
 rank, the ranks' GPUs (or CPU devices) on this node as the placement names them.
 
 This is what the GPU suite (``tests/gpu``) and the GPU benchmarks run on a machine that has a
 GPU but no Ray, and what a user can run to time one candidate by hand. The Ray executor
-(``workers.executor``) is the product's path on a cluster; both read the same event lines and
+(``workers.host.executor``) is the product's path on a cluster; both read the same event lines and
 end the same way (``ok``, ``oom``, ``failed``, ``timeout``), with every process gone.
 """
 
@@ -23,12 +23,12 @@ from typing import Any
 from pipette.emit import RANK_ENV
 from pipette.measurement import Measurement
 from workers.ops import kill_session
-from workers.outcome import Outcome, measurement
+from workers.host.outcome import Outcome, measurement
 from workers.phases import earliest, timeout_text
 from workers.spec import TrialSpec
 from workers.support import check_inputs, check_runnable
 
-EVENT_PREFIX = "@@pipette "  # workers.trial.EVENT_PREFIX, without importing torch here
+EVENT_PREFIX = "@@pipette "  # workers.rank.trial.EVENT_PREFIX, without importing torch here
 
 
 def run_local(trial: TrialSpec, timeout_s: float = 600.0, env: dict[str, str] | None = None,
@@ -45,7 +45,7 @@ def run_local(trial: TrialSpec, timeout_s: float = 600.0, env: dict[str, str] | 
         s.bind(("127.0.0.1", 0))
         port = int(s.getsockname()[1])
     world = trial.config.world
-    argv = [sys.executable, "-m", "workers.train", "--deepspeed_config", "ds_config.json",
+    argv = [sys.executable, "-m", "workers.rank.train", "--deepspeed_config", "ds_config.json",
             "--candidate", "candidate.json"]
     root = str(Path(__file__).resolve().parents[1])
     procs: list[subprocess.Popen[str]] = []

@@ -386,7 +386,7 @@ def _gpu_order(gpu: str) -> tuple[bool, int, str]:
 
 
 def store_host(rank0_node: str, hosts: list[str]) -> str:
-    """Where the ranks' rendezvous store listens (``MASTER_ADDR``; ``workers.store``): loopback
+    """Where the ranks' rendezvous store listens (``MASTER_ADDR``; ``workers.rank.store``): loopback
     when every rank is on one node, else rank 0's node address on the cluster's network."""
     return "127.0.0.1" if len(set(hosts)) == 1 else rank0_node
 

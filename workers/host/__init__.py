@@ -1,0 +1,1 @@
+"""What launches and watches ranks: transports (Ray, local), the monitor, the kinds of trial, the probe, the tuner's runner. No torch at import time."""
