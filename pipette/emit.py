@@ -14,9 +14,7 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import re
 import shlex
 import sys
@@ -25,13 +23,11 @@ from typing import Any
 
 from pipette.cluster import ClusterProfile
 from pipette.config import ParallelConfig
+from pipette.contract import RANK_ENV, TRAIN_ENTRY, extensions_dir
 from pipette.memory import trainable_params
 from pipette.model import ModelSpec
 from pipette.stacks import Stack, get_stack
 from pipette.training import TrainingSpec
-
-#: The module every rank runs (the workers' trial runner as a launchable job).
-ENTRY_MODULE = "workers.rank.train"
 
 # DeepSpeed's own defaults for these buckets (deepspeed/runtime/zero/config.py).
 _BUCKET_ELEMENTS = 500_000_000
@@ -113,23 +109,8 @@ def hostfile(config: ParallelConfig, cluster: ClusterProfile) -> str:
     return "\n".join(lines) + "\n"
 
 
-#: The environment every rank of a trial runs with (``workers.host.executor``), which the launch
-#: sets too, so a launch runs at the trial's speed: one intra-op thread per rank (the ranks of
-#: a node share its cores; unpinned, a CPU launch ran 0.5-2.3 s a step against its trial's
-#: 0.14 s) and few malloc arenas.
-RANK_ENV = {"PYTHONUNBUFFERED": "1", "MALLOC_ARENA_MAX": "2", "OMP_NUM_THREADS": "1"}
-
 #: How ``launch.sh`` finds its Python: ``$PIPETTE_PYTHON`` holds the interpreter.
 PYTHON_VAR = "PIPETTE_PYTHON"
-
-
-def extensions_dir(prefix: str | None = None) -> str:
-    """Where the ranks of the Python environment at ``prefix`` (this one by default) build
-    DeepSpeed's JIT ops (``workers.rank.train.build_environment``): one cache per environment, since
-    two environments compile different paths and rebuilt the op in turn."""
-    tag = hashlib.sha1((prefix or sys.prefix).encode()).hexdigest()[:10]
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(root, "pipette", f"torch_extensions-{tag}")
 
 
 def build_tool_lines() -> list[str]:
@@ -176,7 +157,7 @@ def launch_command(config: ParallelConfig, cluster: ClusterProfile, out_dir: str
         parts.append("--no_ssh --node_rank 0 --master_addr 127.0.0.1")
     parts += [
         f"--include {q(include)}",
-        f"--module {ENTRY_MODULE}",
+        f"--module {TRAIN_ENTRY}",
         f"--deepspeed_config {q(out_dir + '/ds_config.json')}",
         f"--candidate {q(out_dir + '/candidate.json')}",
         f"--rank_map {q(out_dir + '/rank_map.json')}",

@@ -25,7 +25,8 @@ from typing import Any
 
 from pipette.cluster import ClusterProfile
 from pipette.config import ParallelConfig
-from pipette.emit import PYTHON_VAR, RANK_ENV, build_tool_lines, deepspeed_config, rank_map
+from pipette.contract import RANK_ENV
+from pipette.emit import PYTHON_VAR, build_tool_lines, deepspeed_config, rank_map
 from pipette.model import ModelSpec
 from pipette.script import ScriptSpec, script_ds_config
 from pipette.training import TrainingSpec

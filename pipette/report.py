@@ -31,9 +31,10 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, TextIO
 
+from pipette.contract import EVENT_PREFIX, event_line  # noqa: F401  (EVENT_PREFIX: part of this API)
+
 #: The environment variable a script trial's ranks get: the trial's step counts and batch.
 TRIAL_ENV = "PIPETTE_TRIAL"
-EVENT_PREFIX = "@@pipette "
 #: Set once a ``Reporter`` reported a step in this process: a script that reports is timed by
 #: its reports, and ends by itself (``workers/rank/script_hook`` then only watches).
 REPORTING = False
@@ -130,7 +131,7 @@ class Reporter:
 
     def _emit(self, event: dict[str, Any]) -> None:
         stream = self.stream or sys.stdout
-        stream.write(EVENT_PREFIX + json.dumps(event) + "\n")
+        stream.write(event_line(event))
         stream.flush()
 
 

@@ -31,6 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from pipette.contract import build_environment
 from pipette.errors import PipetteError
 
 #: the folder (under TORCH_EXTENSIONS_DIR) of each op a CPU rank builds
@@ -51,8 +52,6 @@ class OpsBuildError(PipetteError):
 
 def extensions_dir() -> Path:
     """Where this process's DeepSpeed builds its ops (``workers.rank.train.build_environment``)."""
-    from workers.rank.train import build_environment
-
     return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or build_environment()["TORCH_EXTENSIONS_DIR"])
 
 
@@ -173,8 +172,6 @@ def build_ops(device_kind: str, env: dict[str, str] | None = None,
     ``OpsBuildError`` (with the build's last lines) when it fails or runs past ``timeout_s``."""
     if device_kind != "cpu":
         return {"seconds": 0.0, "built": False, "cache": None}
-    from workers.rank.train import build_environment
-
     # the ranks' ninja and cache (a caller's TORCH_EXTENSIONS_DIR in ``env`` wins)
     full = {**os.environ, **build_environment(), **(env or {}), "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""}
     start = time.monotonic()

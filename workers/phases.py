@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
+
+from pipette.contract import event_line
 
 #: a rank's phases, in the order it runs them
 ORDER = ("start", "imports", "rendezvous", "ops", "build", "engine", "warmup", "steps", "end")
@@ -16,8 +17,6 @@ WORDS = {
     "engine": "engine set-up (deepspeed.initialize)", "warmup": "warm-up steps", "steps": "timed steps",
     "end": "end",
 }
-#: how a phase event line starts (``workers.rank.trial.EVENT_PREFIX``, without importing torch here)
-EVENT_PREFIX = "@@pipette "
 
 
 def earliest(phases: list[str]) -> str | None:
@@ -95,7 +94,7 @@ class Phases:
         now = self.current()
         if now != self.said:
             self.said = now
-            sys.stdout.write(EVENT_PREFIX + json.dumps({"event": "phase", "phase": now}) + "\n")
+            sys.stdout.write(event_line({"event": "phase", "phase": now}))
             sys.stdout.flush()
 
 

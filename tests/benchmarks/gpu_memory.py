@@ -109,7 +109,8 @@ def main() -> int:
                             "step_times": list(m.step_times)})
             print(json.dumps(row), flush=True)
     Path(args.csv).with_suffix(".json").write_text(json.dumps(
-        {"device": torch.cuda.get_device_name(), "capacity_bytes": capacity, "torch": torch.__version__, "rows": records}, indent=1, default=str))
+        {"device": torch.cuda.get_device_name(), "capacity_bytes": capacity, "torch": torch.__version__,
+         "rows": records}, indent=1, default=str))
     print(f"{len(records)} rows in {time.monotonic() - started:.0f} s")
     return 0
 

@@ -19,8 +19,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from pipette.contract import EVENT_PREFIX  # noqa: E402
 from pipette.model import ModelSpec  # noqa: E402
-from workers.rank.probe import EVENT_PREFIX, probe_shapes  # noqa: E402
+from workers.probe_plan import probe_shapes  # noqa: E402
 
 
 def main() -> int:

@@ -12,11 +12,11 @@ from pathlib import Path
 
 from pipette.clusterfile import cluster_from_dict
 from pipette.config import ParallelConfig
+from pipette.contract import EVENT_PREFIX
 from pipette.emit import write_launch_files
 from pipette.model import ModelSpec
 from pipette.training import LoraSpec, TrainingSpec
 from workers.spec import TrialSpec
-from workers.rank.trial import EVENT_PREFIX
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from workers.rank.probe import EVENT_PREFIX
+from pipette.contract import EVENT_PREFIX
 
 ROOT = Path(__file__).resolve().parents[2]
 N = 8192

@@ -11,8 +11,8 @@ import pytest
 from pipette.config import ParallelConfig
 from pipette.model import ModelSpec
 from pipette.training import LoraSpec, TrainingSpec
-from workers.rank.data import PERIOD
 from workers.host.local import run_local
+from workers.rank.data import PERIOD
 from workers.spec import TrialSpec
 
 #: The H100 80GB HBM3's memory (NVML, 81559 MiB): larger GPUs are capped to it, so the

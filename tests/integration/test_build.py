@@ -17,9 +17,9 @@ from pipette.errors import SpecError
 from pipette.memory import stage_breakdowns
 from pipette.model import ModelSpec
 from pipette.training import LoraSpec, TrainingSpec
+from workers.host.executor import run_trial
 from workers.rank.build import build_rank_model, held_modules, materialize, prepare
 from workers.rank.checkpoint import Checkpoint, check_checkpoint
-from workers.host.executor import run_trial
 from workers.rank.hf_model import build_llama
 from workers.spec import TrialSpec
 

@@ -17,12 +17,12 @@ import pytest
 
 from pipette.clusterfile import load_cluster
 from pipette.config import ParallelConfig
+from pipette.contract import EVENT_PREFIX
 from pipette.emit import write_launch_files
 from pipette.model import ModelSpec
 from pipette.training import TrainingSpec
 from workers.host.executor import run_trial
 from workers.spec import TrialSpec
-from workers.rank.trial import EVENT_PREFIX
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]

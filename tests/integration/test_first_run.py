@@ -22,8 +22,8 @@ from pipette.model import ModelSpec
 from pipette.script import ScriptSpec
 from pipette.training import TrainingSpec
 from workers.host.executor import run_trial
-from workers.ops import CPU_OPS, live_builders, remove_stale_locks
 from workers.host.runner import RayTrialRunner
+from workers.ops import CPU_OPS, live_builders, remove_stale_locks
 from workers.spec import TrialSpec
 
 HERE = Path(__file__).resolve().parent

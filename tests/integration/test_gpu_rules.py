@@ -23,14 +23,14 @@ from pipette.config import ParallelConfig
 from pipette.errors import PipetteError
 from pipette.model import ModelSpec
 from pipette.training import TrainingSpec
+from workers.host.probe import _profile, link_kinds
+from workers.host.ray_cluster import assign_gpus, check_devices, rank_bundle
+from workers.probe_plan import GPU_SIZES, SIZES, message_sizes, probe_shapes
 from workers.rank.data import Batches
 from workers.rank.devices import collective_device, rank_device
 from workers.rank.hf_model import build_llama
-from workers.host.probe import _profile, link_kinds
-from workers.rank.probe import GPU_SIZES, SIZES, message_sizes, probe_shapes
-from workers.host.ray_cluster import assign_gpus, check_devices, rank_bundle
-from workers.spec import TrialSpec
 from workers.rank.trial import Engine, _agree
+from workers.spec import TrialSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 META = torch.device("meta")

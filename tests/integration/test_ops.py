@@ -14,8 +14,8 @@ from pipette.config import ParallelConfig
 from pipette.model import ModelSpec
 from pipette.training import TrainingSpec
 from workers.host.executor import run_trial
-from workers.spec import TrialSpec
 from workers.rank.train import build_environment
+from workers.spec import TrialSpec
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

@@ -15,8 +15,8 @@ from pipette.config import ParallelConfig
 from pipette.errors import InfeasibleError
 from pipette.model import ModelSpec
 from pipette.training import LORA_TARGETS, LoraSpec, TrainingSpec
-from workers.rank.data import PERIOD
 from workers.host.executor import StepReport, run_trial
+from workers.rank.data import PERIOD
 from workers.spec import TrialSpec
 from workers.support import refusals, refusals_for
 

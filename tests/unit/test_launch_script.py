@@ -10,7 +10,8 @@ from pathlib import Path
 
 from pipette.clusterfile import load_cluster
 from pipette.config import ParallelConfig
-from pipette.emit import RANK_ENV, write_launch_files
+from pipette.contract import RANK_ENV
+from pipette.emit import write_launch_files
 from pipette.model import ModelSpec
 from pipette.training import TrainingSpec
 

@@ -9,7 +9,8 @@ import subprocess
 import sys
 
 from pipette.cli.tune import Progress
-from workers.phases import EVENT_PREFIX, earliest, script_timeout_text, timeout_text
+from pipette.contract import EVENT_PREFIX
+from workers.phases import earliest, script_timeout_text, timeout_text
 
 
 def test_a_timeout_names_the_phase_and_the_flag_that_fixes_it() -> None:

@@ -14,8 +14,9 @@ from collections.abc import Iterable, Iterator
 
 import pytest
 
+from pipette.contract import EVENT_PREFIX
 from workers import rank_process
-from workers.host.rank_process import EVENT_PREFIX, RankOutput
+from workers.host.rank_output import RankOutput
 
 
 def _slowly(lines: Iterable[str], seconds: float) -> Iterator[str]:

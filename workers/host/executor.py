@@ -30,7 +30,6 @@ from pipette.emit import RANK_ENV
 from pipette.errors import PipetteError, SpecError
 from pipette.measurement import Measurement, last_error_line
 from workers.host.outcome import Outcome, measurement
-from workers.phases import WORDS, earliest, script_timeout_text, timeout_text
 from workers.host.rank_process import RankProcess
 from workers.host.ray_cluster import (
     assign_gpus,
@@ -43,9 +42,10 @@ from workers.host.ray_cluster import (
     store_host,
 )
 from workers.host.script_trial import ScriptEvents, script_launch, script_measurement
+from workers.host.workdir import pack
+from workers.phases import WORDS, earliest, script_timeout_text, timeout_text
 from workers.spec import TrialSpec
 from workers.support import check_inputs, check_runnable
-from workers.host.workdir import pack
 
 OOM_EXIT = 3  # workers.rank.trial.OOM_EXIT
 #: How a script's out-of-memory crash reads (torch's CUDA and CPU allocators, the kernel's kill)

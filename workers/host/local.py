@@ -22,8 +22,8 @@ from typing import Any
 
 from pipette.emit import RANK_ENV
 from pipette.measurement import Measurement
-from workers.ops import kill_session
 from workers.host.outcome import Outcome, measurement
+from workers.ops import kill_session
 from workers.phases import earliest, timeout_text
 from workers.spec import TrialSpec
 from workers.support import check_inputs, check_runnable

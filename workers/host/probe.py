@@ -28,9 +28,9 @@ from pipette.cluster import ClusterProfile, Device, Node
 from pipette.device import DeviceSpec
 from pipette.errors import PipetteError
 from pipette.model import ModelSpec
-from workers.rank.probe import SIZES, probe_shapes
 from workers.host.rank_process import RankProcess
 from workers.host.ray_cluster import alive_nodes, assign_gpus, ensure_ray, node_gpus, rank_bundle, store_host
+from workers.probe_plan import SIZES, probe_shapes
 
 
 def inventory(cpu_devices: int) -> dict[str, Any]:

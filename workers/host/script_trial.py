@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipette.emit import RANK_ENV
+from pipette.contract import RANK_ENV, build_environment
 from pipette.errors import SpecError
 from pipette.measurement import Measurement, last_error_line
 from pipette.script import ScriptSpec, script_ds_config
@@ -39,8 +39,6 @@ def script_launch(trial: TrialSpec) -> tuple[dict[str, str], list[str], dict[str
     files = {DS_CONFIG: json.dumps(script_ds_config(trial.ds_config(), script), indent=2)}
     steps = trial.warmup_steps + trial.max_steps
     argv = script.command(trial.training, trial.config, f"$PIPETTE_RANK_DIR/{DS_CONFIG}", steps=steps)
-    from workers.rank.train import build_environment
-
     # DeepSpeed's JIT-built CPU op: the cache Pipette's own ranks use (built once per machine)
     env = dict(RANK_ENV) | {"TORCH_EXTENSIONS_DIR": build_environment()["TORCH_EXTENSIONS_DIR"]} | {
         "PIPETTE_TRIAL": json.dumps({"warmup_steps": trial.warmup_steps, "timed_steps": trial.max_steps,

@@ -29,31 +29,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipette.model import ModelSpec
+from pipette.contract import event_line
+from workers.probe_plan import message_sizes
 from workers.rank.devices import backend_for, collective_device, rank_device
 from workers.rank.store import rendezvous_store
 
-EVENT_PREFIX = "@@pipette "
-SIZES = (8 * 1024, 4 * 1024 * 1024)
-GPU_SIZES = (1024 * 1024, 64 * 1024 * 1024)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 GPU_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def message_sizes(device_kind: str) -> tuple[int, int]:
-    return GPU_SIZES if device_kind == "gpu" else SIZES
-
-
-def probe_shapes(device_kind: str, model: ModelSpec | None, seq_len: int) -> list[list[int]]:
-    """The (m, k, n) matmuls each device times: squares that span the efficiency curve (up to
-    8192 on a GPU, where smaller ones do not reach its peak), and the model's own projections
-    (``seq_len`` tokens by hidden x hidden and hidden x ffn, the shapes of a micro-batch of one
-    sequence)."""
-    sizes = (1024, 2048, 4096, 8192) if device_kind == "gpu" else (256, 512, 1024)
-    shapes = [[n, n, n] for n in sizes]
-    if model is not None:
-        shapes += [[seq_len, model.hidden, model.hidden], [seq_len, model.hidden, model.ffn_hidden]]
-    return shapes
 
 
 def rounds(n: int) -> list[list[tuple[int, int]]]:
@@ -197,7 +179,7 @@ def main() -> int:
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, result)  # under NCCL it moves the objects through the rank's GPU
     if rank == 0:
-        sys.stdout.write(EVENT_PREFIX + json.dumps({"event": "done", "ranks": gathered}) + "\n")
+        sys.stdout.write(event_line({"event": "done", "ranks": gathered}))
     sys.stdout.flush()
     dist.barrier()
     dist.destroy_process_group()

@@ -21,7 +21,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from pipette.emit import RANK_ENV, extensions_dir
+from pipette.contract import RANK_ENV, build_environment
 from pipette.errors import PipetteError, SpecError
 
 
@@ -43,24 +43,6 @@ def pipette_rank(launcher_rank: int, rank_map: list[dict[str, Any]]) -> int:
             field="--rank_map", fix="launch with the hostfile and --include Pipette wrote",
         )
     return int(match[0]["rank"])
-
-
-def build_environment() -> dict[str, str]:
-    """``PATH`` and ``TORCH_EXTENSIONS_DIR`` for DeepSpeed's JIT builds in a rank.
-
-    DeepSpeed JIT-builds its CPU communication op on every rank's start, with whichever
-    ``ninja`` PATH finds, into one cache per user (``~/.cache/torch_extensions``). Ninja 1.13
-    (the environment's, a DeepSpeed dependency) and 1.11 (Debian's) discard each other's
-    build log, and two environments compile different paths, so processes that differ in
-    either rebuilt the op in turn: 1.5 to 4 minutes each on this 2-core machine (measured),
-    inside trials' timeouts. So a rank uses its environment's ``bin`` first (as an activated
-    environment does) and a cache of its own environment, unless the user set one."""
-    bindir = str(Path(sys.executable).parent)
-    path = os.environ.get("PATH", "")
-    if path.split(os.pathsep)[0] != bindir:
-        path = bindir + os.pathsep + path if path else bindir
-    cache = os.environ.get("TORCH_EXTENSIONS_DIR") or extensions_dir()  # the emitted launches' too
-    return {"PATH": path, "TORCH_EXTENSIONS_DIR": cache}
 
 
 def own_session() -> bool:
@@ -91,7 +73,7 @@ def own_session() -> bool:
 def main(argv: list[str] | None = None) -> int:
     own_session()
     os.environ.update(build_environment())
-    # What a trial's rank runs with (pipette.emit.RANK_ENV), on a node the launcher reached
+    # What a trial's rank runs with (pipette.contract.RANK_ENV), on a node the launcher reached
     # over ssh too, where launch.sh's exports do not arrive; before torch is imported.
     for key, value in RANK_ENV.items():
         os.environ.setdefault(key, value)
@@ -111,9 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     import peft  # noqa: F401
     import transformers  # noqa: F401
 
-    from workers.spec import TrialSpec
     from workers.rank.store import rendezvous_store
     from workers.rank.trial import emit, run_rank
+    from workers.spec import TrialSpec
 
     PHASES.mark("imports")
 

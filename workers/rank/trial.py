@@ -7,7 +7,6 @@ as they come): ``step`` after every step, then ``done``, or ``oom`` with the byt
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import statistics
@@ -21,6 +20,8 @@ import torch.distributed as dist
 from scipy import stats
 
 from pipette.config import ParallelConfig
+from pipette.contract import OOM_EXIT, event_line
+from workers.phases import PHASES, Phases
 from workers.rank.devices import backend_for, collective_device, rank_device, to_device
 from workers.rank.memory import (
     PeakTensorBytes,
@@ -30,16 +31,12 @@ from workers.rank.memory import (
     oom_where,
     peak_rss_bytes,
 )
-from workers.phases import PHASES, Phases
 from workers.spec import TrialSpec
 from workers.support import backend_name, check_runnable
 
-EVENT_PREFIX = "@@pipette "
-OOM_EXIT = 3
-
 
 def emit(event: dict[str, Any]) -> None:
-    sys.stdout.write(EVENT_PREFIX + json.dumps(event) + "\n")
+    sys.stdout.write(event_line(event))
     sys.stdout.flush()
 
 

@@ -28,7 +28,21 @@ from collections.abc import Callable
 from typing import Any
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-EVENT_PREFIX = "@@pipette "
+
+
+def _contract() -> Any:
+    """``pipette.contract``, loaded by its path: this runs before the script's own imports, in
+    whatever Python the script uses, so it imports no package (pipette's ``__init__`` included)."""
+    path = os.path.join(_HERE, os.pardir, os.pardir, os.pardir, "pipette", "contract.py")
+    spec = importlib.util.spec_from_file_location("_pipette_contract", path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"pipette's contract is not at {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_event_line = _contract().event_line
 
 
 def _chain() -> None:
@@ -44,7 +58,7 @@ def _chain() -> None:
 
 
 def _emit(event: dict[str, Any]) -> None:
-    sys.stdout.write(EVENT_PREFIX + json.dumps(event) + "\n")
+    sys.stdout.write(_event_line(event))
     sys.stdout.flush()
 
 
