@@ -224,7 +224,7 @@ class RunsModel:
         xs, ran, pps, weight = [], [], [], []
         for config, m, attempts in outcomes:
             if m.status in ("failed", "timeout"):
-                if m.extra.get("lost_nodes"):
+                if m.lost_nodes:
                     continue  # the cluster's failure, not the candidate's
                 outcome, times = 0.0, max(1, attempts)
             elif m.status in ("ok", "pruned", "oom"):  # it started and stepped (or ran out of memory)

@@ -27,6 +27,9 @@ class Measurement:
     #: under the HF Trainer's train_samples_per_second, the mean within 0.3%;
     #: ``tests/benchmarks/script_tuning.py``, 2026-11-25)
     statistic: Statistic = "median"
+    #: the addresses of the nodes the cluster lost during the trial: the failure is the
+    #: cluster's, not the candidate's (the tuner retries it once they are back)
+    lost_nodes: tuple[str, ...] = ()
 
     @property
     def step_time(self) -> float | None:
@@ -56,6 +59,7 @@ class Measurement:
             "error": self.error,
             "extra": dict(self.extra),
             "statistic": self.statistic,
+            "lost_nodes": list(self.lost_nodes),
         }
 
     @classmethod
@@ -66,11 +70,13 @@ class Measurement:
 
             raise SpecError(f"status {d.get('status')!r}", field="trial.measurement.status",
                             fix=f"use one of {', '.join(STATUSES)}")
+        extra = dict(d.get("extra", {}))
+        lost = d.get("lost_nodes") or extra.pop("lost_nodes", None) or ()  # records before the field
         return cls(
             d["status"], tuple(float(x) for x in d.get("step_times", ())), int(d.get("tokens_per_step", 0)),
             tuple(int(x) for x in d.get("peak_memory", ())), tuple(float(x) for x in d.get("losses", ())),
-            str(d.get("error", "")), dict(d.get("extra", {})),
-            "mean" if d.get("statistic") == "mean" else "median",
+            str(d.get("error", "")), extra, "mean" if d.get("statistic") == "mean" else "median",
+            tuple(str(x) for x in lost),
         )
 
 

@@ -33,7 +33,7 @@ only while this job's retries of its kind (``crash_kind``: the status and the er
 line) ran at least as often as they crashed again (``retry_chance``): the first retry of a
 kind that crashes again makes it the candidate's own failure, not the machine's, and it is
 not retried again (in the replay every crash is the candidate's: Ultra-Scale's pipeline-16
-runs). A trial that failed because the cluster lost a node (``Measurement.extra["lost_nodes"]``)
+runs). A trial that failed because the cluster lost a node (``Measurement.lost_nodes``)
 is rerun without using a retry, ``LOST_NODE_RETRIES`` times at most: the runner waits for the
 node before the rerun.
 """
@@ -793,7 +793,7 @@ class Tuner:
                 if cancelled:
                     m = replace(m, status="pruned", error="cancelled")
                 crashed = not cancelled and m.status in ("failed", "timeout")
-                lost = crashed and bool(m.extra.get("lost_nodes")) and lost_left > 0
+                lost = crashed and bool(m.lost_nodes) and lost_left > 0
                 retry = crashed and not lost and retries_left > 0
                 record = TrialRecord(trial.number, planned.config, m, planned.perf, planned.memory,
                                      prediction.step_time, prediction.sd, attempt, self.job_key,
@@ -857,7 +857,7 @@ def retry_chance(records: Sequence[TrialRecord], kind: str) -> float:
         by_number.setdefault(r.number, []).append(r)
     for attempts in by_number.values():
         own = [r.measurement for r in sorted(attempts, key=lambda r: r.attempt)
-               if not r.measurement.extra.get("lost_nodes")]
+               if not r.measurement.lost_nodes]
         for before, after in pairwise(own):
             if before.status in ("failed", "timeout") and crash_kind(before) == kind:
                 tried += 1

@@ -215,7 +215,7 @@ def test_a_job_waits_for_a_lost_host_and_loses_nothing(stack: ComposeStack, toke
     assert {e["trial"] for e in events if e["kind"] == "trial_ended"} == set(numbers)
     # the trial that lost the host: trial 1 (or, if a prune ended trial 1 first, the next one)
     lost_in = [n for n in numbers if n >= 1 and any(
-        a["measurement"].get("extra", {}).get("lost_nodes") for a in stack.get(token, f"/v1/jobs/{job}/trials/{n}")
+        a["measurement"].get("lost_nodes") for a in stack.get(token, f"/v1/jobs/{job}/trials/{n}")
         ["attempts"])]
     assert lost_in, "no trial recorded an attempt that lost a node"
     one = stack.get(token, f"/v1/jobs/{job}/trials/{lost_in[0]}")
@@ -225,7 +225,7 @@ def test_a_job_waits_for_a_lost_host_and_loses_nothing(stack: ComposeStack, toke
     print(f"kill -> trial failed {at['failed'] - at['kill']:.1f} s, -> job waiting {at['waiting'] - at['kill']:.1f} s, "
           f"-> node back and job going on {at['back'] - at['kill']:.1f} s")
     assert statuses[0] == "failed" and lost in errors[0], (statuses, errors[0][:500])
-    assert one["attempts"][0]["measurement"]["extra"].get("lost_nodes"), one["attempts"][0]["measurement"]
+    assert one["attempts"][0]["measurement"].get("lost_nodes"), one["attempts"][0]["measurement"]
     # the rerun, with the host back, ran timed steps to a verdict on the candidate: ok, or pruned
     # when those steps were slower than the incumbent's (CI, 2026-11-25: tp2 x pp2 rerun pruned)
     assert one["state"] == statuses[-1] and statuses[-1] in ("ok", "pruned"), statuses

@@ -15,7 +15,7 @@ from pipette.config import ParallelConfig
 from pipette.model import ModelSpec
 from pipette.script import ScriptSpec
 from pipette.training import TrainingSpec
-from workers import executor
+from workers.host import kinds
 from workers.host.executor import run_trial
 from workers.spec import TrialSpec
 
@@ -56,7 +56,7 @@ def test_a_rank_that_aborts_after_its_end_while_the_others_still_exit_keeps_the_
 
 
 def test_a_rank_that_hangs_after_its_end_is_stopped_and_the_measurement_kept(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(executor, "EXIT_GRACE_S", 3.0)
+    monkeypatch.setattr(kinds, "EXIT_GRACE_S", 3.0)
     t0 = time.monotonic()
     m = run_trial(_trial(["python", "ds_tiny.py", "--linger-after-done", "1"]), timeout_s=240)
     assert m.status == "ok", m.error

@@ -1,4 +1,4 @@
-"""``workers.host.rank_process.RankOutput``: a rank's exit is reported only once what it wrote
+"""``workers.host.rank_output.RankOutput``: a rank's exit is reported only once what it wrote
 before it has been read, so a script's last line (its ``done`` event) is never lost to a
 reader that is behind; a pipe held open by a child the rank left behind delays it a bounded
 time only."""
@@ -15,7 +15,7 @@ from collections.abc import Iterable, Iterator
 import pytest
 
 from pipette.contract import EVENT_PREFIX
-from workers import rank_process
+from workers.host import rank_output
 from workers.host.rank_output import RankOutput
 
 
@@ -53,7 +53,7 @@ def test_the_exit_waits_for_the_last_lines_before_it() -> None:
 
 
 def test_a_pipe_held_open_by_a_leftover_child_delays_the_exit_a_bounded_time(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(rank_process, "DRAIN_S", 0.5)
+    monkeypatch.setattr(rank_output, "DRAIN_S", 0.5)
     proc = subprocess.Popen(["sh", "-c", "sleep 60 & echo started"], stdout=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:

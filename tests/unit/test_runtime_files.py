@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from pipette.errors import PipetteError
-from workers import zygote
+from workers.host import zygote
 from workers.runtime import read_private, runtime_dir, write_private
 
 

@@ -77,7 +77,7 @@ class World:
             return Measurement("failed", error="rank 1 exited with status 1")
         if self.lose_node.get(config.label, 0) > 0:
             self.lose_node[config.label] -= 1
-            return Measurement("failed", error="rank 3 (node 3, 10.0.0.4) was lost", extra={"lost_nodes": ["10.0.0.4"]})
+            return Measurement("failed", error="rank 3 (node 3, 10.0.0.4) was lost", lost_nodes=("10.0.0.4",))
         if config.label in self.crash:
             return Measurement("failed", error="rank 0 exited with status 1 (illegal instruction)")
         p = next(x for x in self.plan.ranked if x.config.label == config.label)
@@ -462,7 +462,7 @@ def test_retry_chance_counts_this_jobs_retries_of_the_same_kind(plan: Plan) -> N
     crash = Measurement("failed", error="Traceback (most recent call last):\n  File \"x.py\", line 3\n"
                                         "RuntimeError: CUDA error at 0x7f3a: rank 3")
     other_rank = Measurement("failed", error="RuntimeError: CUDA error at 0x55aa: rank 5")
-    lost = Measurement("failed", error="rank 3 was lost", extra={"lost_nodes": ["10.0.0.4"]})
+    lost = Measurement("failed", error="rank 3 was lost", lost_nodes=("10.0.0.4",))
     ok = Measurement("ok", (1.0,), 1)
     kind = crash_kind(crash)
     assert kind == crash_kind(other_rank) == "failed: RuntimeError: CUDA error at #: rank #"
@@ -490,7 +490,7 @@ def test_a_lost_node_reruns_the_trial_without_using_its_retry(plan: Plan) -> Non
     first = [t for t in result.trials if t.number == 0]
     # a real failure (its one retry), two lost nodes (not counted), then ok
     assert [t.measurement.status for t in first] == ["failed", "failed", "failed", "ok"]
-    assert ["lost_nodes" in t.measurement.extra for t in first] == [False, True, True, False]
+    assert [bool(t.measurement.lost_nodes) for t in first] == [False, True, True, False]
     assert [t.attempt for t in first] == [1, 2, 3, 4]
 
 

@@ -1,5 +1,6 @@
 """How a trial ended and what it measured, from its ranks' event lines: shared by the Ray
-executor (``workers.host.executor``) and the local one (``workers.host.local``)."""
+executor (``workers.host.executor``) and the local one (``workers.host.local``), through
+``workers.host.kinds``."""
 
 from __future__ import annotations
 
@@ -62,8 +63,6 @@ def measurement(
             "ok", step_times=step_times, tokens_per_step=trial.tokens_per_step,
             peak_memory=tuple(int(d["peak_tensor_bytes"]) for d in ranks), losses=losses, extra=extra,
         )
-    if outcome.lost:
-        extra["lost_nodes"] = list(outcome.lost)
     if outcome.phase is not None:
         extra["phase"] = outcome.phase
     timed = tuple(float(s["time"]) for s in steps if not s["warmup"])
@@ -79,7 +78,7 @@ def measurement(
                  f"{first['error']}")
     return Measurement(
         outcome.status, step_times=timed, tokens_per_step=trial.tokens_per_step, losses=losses, error=error,
-        extra=extra,
+        extra=extra, lost_nodes=outcome.lost,
     )
 
 

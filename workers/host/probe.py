@@ -16,20 +16,24 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
 import numpy as np
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from pipette.cluster import ClusterProfile, Device, Node
+from pipette.contract import PROBE_ENTRY
 from pipette.device import DeviceSpec
 from pipette.errors import PipetteError
 from pipette.model import ModelSpec
-from workers.host.rank_process import RankProcess
-from workers.host.ray_cluster import alive_nodes, assign_gpus, ensure_ray, node_gpus, rank_bundle, store_host
+from workers.host.monitor import Finished, run_ranks
+from workers.host.outcome import Outcome
+from workers.host.ray_cluster import alive_nodes, ensure_ray, node_gpus
+from workers.host.ray_transport import RayTransport
+from workers.host.transport import Launch, Transport
 from workers.probe_plan import SIZES, probe_shapes
 
 
@@ -147,7 +151,6 @@ def training_nodes(found: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], l
 def _run_probe(
     found: list[dict[str, Any]], slots: list[tuple[int, dict[str, Any]]], options: dict[str, Any], timeout_s: float
 ) -> list[dict[str, Any]]:
-    world = len(slots)
     gpu = options.get("device_kind") == "gpu"
     for node in found:
         have = node_gpus(node["address"])
@@ -156,52 +159,55 @@ def _run_probe(
                 f"NVML shows {len(node['devices'])} GPU(s) on {node['name']} ({node['address']}), Ray has {have}",
                 field="cluster", fix="start Ray on that node with its GPUs (ray start --num-gpus N)",
             )
-    pg = placement_group([rank_bundle(found[n]["address"], gpu) for n, _ in slots], strategy="PACK")
-    if not pg.wait(timeout_seconds=60):
-        remove_placement_group(pg)
-        raise PipetteError(f"Ray could not place {world} probe processes", field="cluster",
-                           fix="free the devices (another job holds them?) or add Ray CPUs")
-    actors = [
-        RankProcess.options(  # type: ignore[attr-defined]
-            num_gpus=1 if gpu else 0,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r),
-        ).remote()
-        for r in range(world)
-    ]
+    transport = RayTransport([(n, int(d["local_index"])) for n, d in slots], [f["address"] for f in found],
+                             "gpu" if gpu else "cpu", zygote=False)
+    kind = ProbeRun(len(slots), options)
     try:
-        host, port = ray.get(actors[0].address.remote(), timeout=60)
-        host = store_host(host, [found[n]["address"] for n, _ in slots])
-        visible = [""] * world
-        if gpu:
-            held = ray.get([a.gpu_ids.remote() for a in actors], timeout=60)
-            visible, _ = assign_gpus([n for n, _ in slots], [int(d["local_index"]) for _, d in slots], held)
-        for rank in range(world):
-            env = {"RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": host, "MASTER_PORT": str(port),
-                   "OMP_NUM_THREADS": "1", "PIPETTE_PROBE": json.dumps(options), "PYTHONUNBUFFERED": "1",
-                   "CUDA_VISIBLE_DEVICES": visible[rank], "LOCAL_RANK": "0"}
-            ray.get(actors[rank].start.remote({}, [sys.executable, "-m", "workers.rank.probe"], env), timeout=60)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            polled = ray.get([a.poll.remote() for a in actors], timeout=60)
-            for lines, _ in polled[:1]:
-                for line in lines:
-                    event = json.loads(line)
-                    if event.get("event") == "done":
-                        return list(event["ranks"])
-            bad = [(r, c) for r, (_, c) in enumerate(polled) if c not in (None, 0)]
-            if bad:
-                tail = ray.get(actors[bad[0][0]].output_tail.remote(), timeout=30)
-                raise PipetteError(f"probe rank {bad[0][0]} exited with {bad[0][1]}: {tail[-2000:]}")
-            time.sleep(0.1)
-        raise PipetteError(f"the probe ran past {timeout_s:g} s", fix="raise the timeout or check the network")
+        watched = run_ranks(transport, kind, timeout_s)
     finally:
-        for a in actors:
-            try:
-                ray.get(a.kill.remote(), timeout=30)
-            except (ray.exceptions.RayError, TimeoutError):
-                pass
-            ray.kill(a)
-        remove_placement_group(pg)
+        transport.close()
+    if watched.outcome.status == "timeout":
+        raise PipetteError(f"the probe ran past {timeout_s:g} s", fix="raise the timeout or check the network")
+    if watched.outcome.status != "ok" or kind.ranks is None:
+        raise PipetteError(f"the probe failed: {watched.outcome.error[-2000:]}", field="cluster",
+                           fix="look at the probe rank's output above; rerun with PIPETTE_LOG=debug")
+    return kind.ranks
+
+
+class ProbeRun:
+    """The probe as a kind of run (``workers.host.monitor``): every rank measures its device and
+    links, rank 0 reports them all (``done``) and the run is over."""
+
+    def __init__(self, world: int, options: dict[str, Any]) -> None:
+        self.world, self.options = world, options
+        self.ranks: list[dict[str, Any]] | None = None
+
+    def launch(self, transport: Transport) -> Launch:
+        return Launch({}, [sys.executable, "-m", PROBE_ENTRY], {"PIPETTE_PROBE": json.dumps(self.options)})
+
+    def take(self, rank: int, event: dict[str, Any]) -> dict[str, Any] | None:
+        if rank == 0 and event.get("event") == "done":
+            self.ranks = list(event["ranks"])
+        return None
+
+    def failure(self) -> Outcome | None:
+        return None
+
+    def ended(self, rank: int) -> bool:
+        return False
+
+    def finished(self, codes: dict[int, int]) -> Finished:
+        return "yes" if self.ranks is not None else "no"
+
+    def exit_failure(self, head: str, tail: str) -> Outcome | None:
+        return None
+
+    def all_exited(self) -> Outcome:
+        return Outcome("failed", "the probe's ranks exited without reporting what they measured")
+
+    def timed_out(self, timeout_s: float, behind: str | None, last_step: int | None,
+                  tail: Callable[[], str]) -> Outcome:
+        return Outcome("timeout", f"the probe ran past {timeout_s:g} s")
 
 
 def _profile(

@@ -19,7 +19,7 @@ import ray
 
 from workers.cpu_isa import cpu_isa_env
 from workers.host.rank_output import RankOutput
-from workers.host.script_env import script_environment, script_path, with_hook
+from workers.host.transport import process_env, rank_argv
 from workers.host.zygote import ZygoteChild, ensure_zygote
 from workers.ops import kill_session
 
@@ -64,12 +64,8 @@ class RankProcess:
         credentials), never a shell."""
         for name, text in files.items():
             Path(self.workdir, name).write_text(text)
-        argv = [a.replace("$PIPETTE_RANK_DIR", self.workdir) for a in argv]
-        base = script_environment(os.environ) if clean_env else dict(os.environ)
-        full_env = {**base, **cpu_isa_env(), **env, "PIPETTE_RANK_DIR": self.workdir}
-        if clean_env:
-            full_env["PATH"] = script_path(full_env.get("PATH", ""))
-            full_env["PYTHONPATH"] = with_hook(base.get("PYTHONPATH"))
+        argv = rank_argv(argv, self.workdir)
+        full_env = process_env(env, clean_env, self.workdir)
         if _warm_start(argv, full_env):
             # A CPU rank forks from the node's warm zygote (workers.host.zygote): same fresh
             # process per rank and trial, without ~8 CPU-seconds of imports.

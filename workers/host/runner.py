@@ -134,7 +134,7 @@ class RayTrialRunner:
                 raise OpsBuildError(f"the trial's ranks were stuck in {WHAT} twice, once after building it: "
                                     f"{m.error}", field="environment",
                                     fix="run python -m workers.ops on the node and look at its output")
-        lost = set(m.extra.get("lost_nodes") or ())
+        lost = set(m.lost_nodes)
         if m.status == "failed" and lost:
             from workers.host.ray_cluster import alive_nodes
 
