@@ -28,14 +28,18 @@ def refusals_for(model: ModelSpec, training: TrainingSpec, config: ParallelConfi
     """Why the backends cannot run ``config`` for this job on ``device_kind`` devices; empty
     when they can. With ``script``, why the user's script cannot (``ScriptSpec.refusals``;
     ``nodes``: the node of each device). Pure: builds no model and starts no process."""
-    m, t, c = model, training, config
     out = []
     if device_kind not in DEVICE_KINDS:
         out.append(f"device kind {device_kind!r} is not one of {', '.join(DEVICE_KINDS)}")
     if script is not None:
-        out += script.refusals(t, c, nodes)
-        return out + job_refusals(m, t, device_kind, script)
-    out += job_refusals(m, t, device_kind)
+        return out + script.refusals(training, config, nodes) + job_refusals(model, training, device_kind, script)
+    return out + job_refusals(model, training, device_kind) + runner_refusals(model, config)
+
+
+def runner_refusals(model: ModelSpec, config: ParallelConfig) -> list[str]:
+    """Why Pipette's runner (DeepSpeed's engines, its tensor parallelism) cannot run ``config``."""
+    m, c = model, config
+    out = []
     if c.pp > 1 and c.zero_stage >= 2:
         out.append(f"DeepSpeed's pipeline engine refuses ZeRO-{c.zero_stage} (pp={c.pp}); use ZeRO 0 or 1")
     if c.schedule != "1f1b":
@@ -60,10 +64,11 @@ def job_refusals(model: ModelSpec, training: TrainingSpec, device_kind: str | No
     """Why no candidate of this job can run, whatever its degrees: the part of ``refusals_for``
     a service can check at submit (``device_kind`` None: not measured yet, so not checked)."""
     out = []
-    if script is None and model.arch != "llama":
-        out.append(f"the runner builds Llama models; {model.name} is {model.arch}")
-    if script is None and training.seq_len > model.max_seq:
-        out.append(f"seq_len {training.seq_len} exceeds the model's max_seq {model.max_seq}")
+    if script is None:  # the runner builds the model itself; a script builds its own
+        if model.arch != "llama":
+            out.append(f"the runner builds Llama models; {model.name} is {model.arch}")
+        if training.seq_len > model.max_seq:
+            out.append(f"seq_len {training.seq_len} exceeds the model's max_seq {model.max_seq}")
     if device_kind == "cpu" and training.dtype == "fp16":
         out.append("fp16 training needs a GPU; use bf16 or fp32 on CPU")
     return out
@@ -85,8 +90,7 @@ def check_runnable(trial: TrialSpec) -> None:
 
 
 def backend_name(trial: TrialSpec) -> str:
-    if trial.script is not None:
-        return "script"
+    """What Pipette's runner runs ``trial`` with (a script trial's is ``script``: workers.host.kinds)."""
     c = trial.config
     parts = ["deepspeed", "pipeline" if c.pp > 1 else "engine", f"zero{c.zero_stage}"]
     if c.tp > 1:

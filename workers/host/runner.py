@@ -31,7 +31,7 @@ from pipette.script import ScriptSpec
 from pipette.training import TrainingSpec
 from pipette.tuner import OnStep, StepProgress
 from workers.spec import TrialSpec
-from workers.support import refusals, refusals_for
+from workers.support import refusals_for
 
 
 @dataclass
@@ -89,10 +89,8 @@ class RayTrialRunner:
     def refusals(self, config: ParallelConfig) -> list[str]:
         """Why the backends (or the user's script) cannot run ``config`` (empty when they can);
         starts nothing."""
-        if self.script is not None:
-            nodes = [d.node for d in self.cluster.devices]
-            return refusals_for(self.model, self.training, config, self.device_kind, self.script, nodes)
-        return refusals(self.trial(config))
+        nodes = [d.node for d in self.cluster.devices]
+        return refusals_for(self.model, self.training, config, self.device_kind, self.script, nodes)
 
     def prepare(self, force: bool = False) -> None:
         """Build DeepSpeed's CPU op on every node once, before the first trial of either kind

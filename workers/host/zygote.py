@@ -242,6 +242,19 @@ def _alive(path: str) -> bool:
 
 # ---- server ---------------------------------------------------------------------------
 
+def _reap(children: dict[int, socket.socket]) -> None:
+    """Tell each ended child's client its exit status."""
+    for pid in list(children):
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            conn = children.pop(pid)
+            try:
+                conn.sendall((json.dumps({"exit": os.waitstatus_to_exitcode(status)}) + "\n").encode())
+            except OSError:
+                pass  # the actor is gone
+            conn.close()
+
+
 def serve(path: str) -> None:
     for name in PRELOAD:
         importlib.import_module(name)
@@ -291,15 +304,7 @@ def serve(path: str) -> None:
                 conn.sendall((json.dumps({"pid": pid}) + "\n").encode())
             except OSError:
                 os.kill(pid, signal.SIGKILL)  # its actor is gone already
-        for pid in list(children):
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                conn = children.pop(pid)
-                try:
-                    conn.sendall((json.dumps({"exit": os.waitstatus_to_exitcode(status)}) + "\n").encode())
-                except OSError:
-                    pass  # the actor is gone
-                conn.close()
+        _reap(children)
         if not children and time.monotonic() - last > IDLE_S:
             os.unlink(path)
             return
