@@ -129,6 +129,25 @@ _HAS_STACK = ('import importlib.util as u, sys;'
     ' sys.exit(not (u.find_spec("deepspeed") and u.find_spec("workers.rank.train")))')
 
 
+def python_finder(check_code: str, tries: list[str], missing: str) -> list[str]:
+    """Shell lines that set ``$PIPETTE_PYTHON`` to the first of ``tries`` where ``check_code``
+    exits 0 (unless it is set already), or say ``missing`` and exit 1."""
+    check = shlex.quote(check_code)
+    return [
+        f'if [ -z "${{{PYTHON_VAR}:-}}" ]; then',
+        f"    for candidate in {' '.join(shlex.quote(t) for t in tries)}; do",
+        f'        if command -v "$candidate" >/dev/null 2>&1 && "$candidate" -c {check} 2>/dev/null; then',
+        f'            {PYTHON_VAR}="$candidate"; break',
+        "        fi",
+        "    done",
+        "fi",
+        f'if [ -z "${{{PYTHON_VAR}:-}}" ] || ! "${PYTHON_VAR}" -c {check} 2>/dev/null; then',
+        f'    echo "{missing}" >&2',
+        "    exit 1",
+        "fi",
+    ]
+
+
 def launch_command(config: ParallelConfig, cluster: ClusterProfile, out_dir: str = ".") -> str:
     """The DeepSpeed launcher line, run from ``out_dir``'s parent or with absolute paths: over
     ssh (pdsh) from the first node when the candidate spans nodes, locally when it uses one.
@@ -171,9 +190,7 @@ def launch_script(config: ParallelConfig, cluster: ClusterProfile, python: str |
     (``$PIPETTE_PYTHON``, else ``python`` (by default the interpreter writing the file), else
     ``python3`` on PATH), or says in one line how to give one; sets what the trial's ranks had
     (``RANK_ENV``; ``DS_ACCELERATOR=cpu`` on CPU devices); then runs ``launch_command``."""
-    q = shlex.quote
     tries = [p for p in (python or sys.executable, "python3") if p]
-    check = q(_HAS_STACK)
     env = dict(RANK_ENV)
     if cluster.device_spec.kind == "cpu":
         env["DS_ACCELERATOR"] = "cpu"
@@ -187,19 +204,9 @@ def launch_script(config: ParallelConfig, cluster: ClusterProfile, python: str |
         'cd "$(dirname "$0")"',
         f"# The Python with DeepSpeed and Pipette's workers: ${PYTHON_VAR}, else the one that wrote",
         "# this file, else python3 on PATH.",
-        f'if [ -z "${{{PYTHON_VAR}:-}}" ]; then',
-        f"    for candidate in {' '.join(q(t) for t in tries)}; do",
-        f'        if command -v "$candidate" >/dev/null 2>&1 && "$candidate" -c {check} 2>/dev/null; then',
-        f'            {PYTHON_VAR}="$candidate"; break',
-        "        fi",
-        "    done",
-        "fi",
-        f'if [ -z "${{{PYTHON_VAR}:-}}" ] || ! "${PYTHON_VAR}" -c {check} 2>/dev/null; then',
-        f'    echo "launch.sh: no Python here has DeepSpeed and Pipette\'s workers (tried ${{{PYTHON_VAR}:-'
-        f'{" ".join(tries)}}}); set {PYTHON_VAR} to the python of the environment Pipette is installed in, '
-        f'e.g. {PYTHON_VAR}=/path/to/.venv/bin/python ./launch.sh" >&2',
-        "    exit 1",
-        "fi",
+        *python_finder(_HAS_STACK, tries, f"launch.sh: no Python here has DeepSpeed and Pipette\'s workers (tried "
+                       f"${{{PYTHON_VAR}:-{' '.join(tries)}}}); set {PYTHON_VAR} to the python of the environment "
+                       f"Pipette is installed in, e.g. {PYTHON_VAR}=/path/to/.venv/bin/python ./launch.sh"),
         "# What each trial rank ran with, so the launch runs at the trial's speed.",
         f"export {PYTHON_VAR} {exports}",
         *build_tool_lines(),

@@ -26,7 +26,7 @@ from typing import Any
 from pipette.cluster import ClusterProfile
 from pipette.config import ParallelConfig
 from pipette.contract import RANK_ENV
-from pipette.emit import PYTHON_VAR, build_tool_lines, deepspeed_config, rank_map
+from pipette.emit import PYTHON_VAR, build_tool_lines, deepspeed_config, python_finder, rank_map
 from pipette.model import ModelSpec
 from pipette.script import ScriptSpec, script_ds_config
 from pipette.training import TrainingSpec
@@ -75,24 +75,13 @@ def accelerate_config(config: ParallelConfig, cluster: ClusterProfile) -> str:
 
 
 def _finder(modules: tuple[str, ...], launcher: str, python: str | None) -> list[str]:
-    q = shlex.quote
-    check = q("import importlib.util as u, sys; sys.exit(not all(u.find_spec(m) for m in "
-              + repr(list(modules)) + "))")
-    tries = " ".join(q(t) for t in (python or sys.executable, "python3") if t)
+    check = "import importlib.util as u, sys; sys.exit(not all(u.find_spec(m) for m in " + repr(list(modules)) + "))"
+    tries = [t for t in (python or sys.executable, "python3") if t]
     return [
         f"# The Python that has {launcher}: ${PYTHON_VAR}, else the one that wrote this file, else python3.",
-        f'if [ -z "${{{PYTHON_VAR}:-}}" ]; then',
-        f"    for candidate in {tries}; do",
-        f'        if command -v "$candidate" >/dev/null 2>&1 && "$candidate" -c {check} 2>/dev/null; then',
-        f'            {PYTHON_VAR}="$candidate"; break',
-        "        fi",
-        "    done",
-        "fi",
-        f'if [ -z "${{{PYTHON_VAR}:-}}" ] || ! "${PYTHON_VAR}" -c {check} 2>/dev/null; then',
-        f'    echo "${{0##*/}}: no Python here has {", ".join(modules)}; set {PYTHON_VAR} to the python of '
-        f'the environment your training runs in, e.g. {PYTHON_VAR}=/path/to/.venv/bin/python $0" >&2',
-        "    exit 1",
-        "fi",
+        *python_finder(check, tries, f"${{0##*/}}: no Python here has {', '.join(modules)}; set {PYTHON_VAR} to the "
+                       f"python of the environment your training runs in, e.g. "
+                       f"{PYTHON_VAR}=/path/to/.venv/bin/python $0"),
     ]
 
 
