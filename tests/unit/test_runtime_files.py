@@ -58,9 +58,10 @@ def test_a_planted_pid_is_not_signalled(tmp: Path, planted: subprocess.Popen[byt
 def test_a_stale_zygote_of_the_socket_is_still_removed(tmp: Path, tmp_path: Path) -> None:
     """A process that is ``python -m workers.host.zygote PATH`` for this socket is ours: killed."""
     fake = tmp_path / "fake"
-    (fake / "workers").mkdir(parents=True)
+    (fake / "workers" / "host").mkdir(parents=True)
     (fake / "workers" / "__init__.py").write_text("")
-    (fake / "workers" / "zygote.py").write_text("import time\ntime.sleep(60)\n")
+    (fake / "workers" / "host" / "__init__.py").write_text("")
+    (fake / "workers" / "host" / "zygote.py").write_text("import time\ntime.sleep(60)\n")
     path = zygote.socket_path({})
     proc = subprocess.Popen([sys.executable, "-m", "workers.host.zygote", path], cwd=fake)
     try:

@@ -46,7 +46,7 @@ def script_path(path: str) -> str:
 
 #: The folder whose ``sitecustomize`` times a DeepSpeed script that does not report
 #: (``workers/rank/script_hook``); put first on a script's ``PYTHONPATH``.
-HOOK_DIR = str(Path(__file__).resolve().parent / "script_hook")
+HOOK_DIR = str(Path(__file__).resolve().parents[1] / "rank" / "script_hook")
 
 
 def with_hook(pythonpath: str | None) -> str:

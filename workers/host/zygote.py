@@ -54,7 +54,7 @@ IDLE_S = 900.0
 
 def socket_path(extra_env: dict[str, str]) -> str:
     """One server per interpreter, code version and import environment."""
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     h = hashlib.sha256(sys.executable.encode())
     for package in ("workers", "pipette"):
         for f in sorted((root / package).rglob("*.py")):
@@ -187,7 +187,7 @@ def _start_server(path: str, extra_env: dict[str, str]) -> None:
         with os.fdopen(open_private(path + ".err", os.O_WRONLY | os.O_CREAT | os.O_APPEND), "a") as err:
             subprocess.Popen([sys.executable, "-m", "workers.host.zygote", path], env=env, start_new_session=True,
                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
-                             cwd=str(Path(__file__).resolve().parents[1]), preexec_fn=_die_with_parent)
+                             cwd=str(Path(__file__).resolve().parents[2]), preexec_fn=_die_with_parent)
         deadline = time.monotonic() + 300
         while not _alive(path):
             if time.monotonic() > deadline:
