@@ -93,14 +93,15 @@ def test_rank_code_never_imports_host_code(path: Path) -> None:
 
 @pytest.mark.parametrize("path", _files("workers/host"), ids=_rel)
 def test_host_code_loads_no_torch_and_no_rank_code(path: Path) -> None:
-    bad = [m for m, top in _imports(_tree(path)) if top and (m.split(".")[0] == "torch" or m.startswith("workers.rank"))]
+    bad = [m for m, top in _imports(_tree(path))
+           if top and (m.split(".")[0] == "torch" or m.startswith("workers.rank"))]
     assert not bad, f"{_rel(path)} watches ranks and imports {bad} at module level"
 
 
 @pytest.mark.parametrize("path", [ROOT / s for s in sorted(SHARED)], ids=_rel)
 def test_shared_modules_import_neither_side(path: Path) -> None:
-    bad = [m for m, top in _imports(_tree(path)) if top and m.split(".")[0] == "torch"
-           or top and m.startswith(("workers.host", "workers.rank"))]
+    bad = [m for m, top in _imports(_tree(path))
+           if top and (m.split(".")[0] == "torch" or m.startswith(("workers.host", "workers.rank")))]
     assert not bad, f"{_rel(path)} is shared by ranks and hosts and imports {bad}"
 
 
