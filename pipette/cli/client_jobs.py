@@ -13,6 +13,7 @@ from typing import Any
 from pipette.cli import client_output as out
 from pipette.cli.client_api import EXIT_NOT_FOUND, EXIT_OK, ApiError, Client, Target
 from pipette.cli.client_jobfile import load_job_file
+from pipette.cli.inputs import option_values
 
 FULL_ID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
 PREFIX = re.compile(r"^[0-9a-fA-F-]{1,36}$")
@@ -57,6 +58,9 @@ def cmd_submit(args: argparse.Namespace) -> int:
     body = load_job_file(args.file, args.set or ())
     if args.name:
         body["name"] = args.name
+    given = option_values(args, "tune", given_only=True)
+    if given and isinstance(body.get("budget", {}), dict):  # else the service names the file's budget
+        body["budget"] = {**body.get("budget", {}), **given}
     api = client()
     accepted = api.post("/v1/jobs", body)
     if args.json and not args.watch:
