@@ -296,8 +296,7 @@ class TuneResult:
         return self.confidence is not None and self.confidence >= self.confidence_asked
 
     def to_dict(self) -> dict[str, Any]:
-        from pipette.result_text import summary_lines
-
+        """The result as data; ``pipette.result_text.result_dict`` adds its ``summary`` in words."""
         best = None
         if self.best is not None:
             b, m = self.best, self.best.measurement
@@ -315,7 +314,7 @@ class TuneResult:
                 },
             }
         return {
-            "summary": summary_lines(self), "decided": self.decided, "confidence_asked": self.confidence_asked,
+            "decided": self.decided, "confidence_asked": self.confidence_asked,
             "to_decide": dict(self.to_decide), "interference": dict(self.interference),
             "outcomes": trial_outcomes(self.trials),
             "stop_reason": self.stop_reason, "interrupted": self.interrupted,

@@ -42,6 +42,7 @@ from pipette.errors import PipetteError
 from pipette.model import ModelSpec
 from pipette.options import defaults
 from pipette.plan import DEFAULT_MARGIN, make_plan
+from pipette.result_text import result_dict
 from pipette.training import TrainingSpec
 from pipette.tuner import TrialRecord, Tuner
 from service.db import Database
@@ -179,7 +180,7 @@ class JobDriver:
             result = tuner.run(runner, on_event=self.on_event, should_stop=self.should_stop)
         self._check_interrupt()
 
-        outcome = result.to_dict()
+        outcome = result_dict(result)
         outcome.pop("trials", None)  # every attempt is in the trials table already
         best = _best_summary(result.best.to_dict()) if result.best is not None else None
         if self.cancelled:

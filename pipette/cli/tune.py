@@ -197,7 +197,9 @@ def cmd_tune(args: argparse.Namespace) -> int:
             raise SpecError(f"cannot write {args.out!r} ({e.strerror})", field="--out",
                             fix="give a writable folder") from None
     if args.json:
-        out = result.to_dict()
+        from pipette.result_text import result_dict
+
+        out = result_dict(result)
         out["files"] = files
         out["cluster"] = {"name": cluster.name, "devices": cluster.world, "measured_at": cluster.measured_at}
         out["stack"] = stack.key
