@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 from pipette.cli.inputs import add_option_flags, add_recipe_flags, load_model, load_recipe, option_values
+from pipette.errors import SpecError
 
 EXIT_OK = 0
 GiB = 1024**3
@@ -73,8 +74,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
                            plan.cluster.device_spec.kind))},
             )
         except OSError as e:
-            from pipette.errors import SpecError
-
             raise SpecError(
                 f"cannot write {args.out!r} ({e.strerror})", field="--out", fix="give a writable folder"
             ) from None
