@@ -16,16 +16,12 @@ flight, the last the LM head and the logits; the estimate reports the heaviest.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from pipette.config import ParallelConfig
 from pipette.errors import SpecError
 from pipette.estimates import MemoryEstimate
 from pipette.model import ModelSpec
 from pipette.training import TrainingSpec
-
-if TYPE_CHECKING:
-    from pipette.stacks import Stack
 
 GiB = 1024**3
 FP32_BYTES = 4
@@ -127,15 +123,10 @@ def estimate_memory(
     *,
     device_kind: str = "gpu",
     options: MemoryOptions | None = None,
-    stack: str | Stack | None = None,
 ) -> MemoryEstimate:
     """Peak bytes on the heaviest rank of ``config`` (the heaviest pipeline stage), with
-    ``options`` if given, else the memory options of ``stack`` (a name or a
-    ``pipette.stacks.Stack``; default Pipette's runner)."""
-    if options is None:
-        from pipette.stacks import get_stack  # the registry bundles these options: imported late
-
-        options = get_stack(stack).memory_options
+    ``options`` (default Pipette's runner's; a stack's: ``pipette.stacks.Stack.estimate_memory``)."""
+    options = options or DEFAULT_OPTIONS
     if capacity_bytes <= 0:
         raise SpecError(
             f"capacity must be positive, got {capacity_bytes!r}",

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
@@ -45,9 +44,6 @@ from pipette.errors import SpecError
 from pipette.estimates import TIME_PARTS, PerfEstimate
 from pipette.model import ModelSpec
 from pipette.training import TrainingSpec
-
-if TYPE_CHECKING:
-    from pipette.stacks import Stack
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
@@ -396,13 +392,11 @@ class PerfModel:
 
 def estimate_perf(
     model: ModelSpec, training: TrainingSpec, config: ParallelConfig, cluster: ClusterProfile,
-    *, stack: str | Stack | None = None,
+    *, constants: PerfConstants | None = None,
 ) -> PerfEstimate:
-    """Convenience: ``PerfModel(...).estimate()`` for the config's own placement, with the
-    constants of ``stack`` (a name or a ``pipette.stacks.Stack``; default Pipette's runner)."""
-    from pipette.stacks import get_stack  # the registry bundles these constants: imported late
-
-    return PerfModel(model, training, config, cluster, constants=get_stack(stack).constants).estimate()
+    """Convenience: ``PerfModel(...).estimate()`` for the config's own placement, with
+    ``constants`` (default Pipette's runner's; a stack's: ``pipette.stacks.Stack.estimate_perf``)."""
+    return PerfModel(model, training, config, cluster, constants=constants).estimate()
 
 
 # ---- helpers ----------------------------------------------------------------------------

@@ -22,6 +22,11 @@ STATUS_WORDS = {
 }
 
 
+def result_dict(result: TuneResult) -> dict[str, Any]:
+    """``result.to_dict()`` with its ``summary``: these lines (``--json``, a job's result)."""
+    return {"summary": summary_lines(result), **result.to_dict()}
+
+
 def summary_lines(result: TuneResult) -> list[str]:
     lines = verdict_first(result)
     lines.append(what_happened(result))

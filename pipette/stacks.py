@@ -18,11 +18,15 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+from pipette.cluster import ClusterProfile
 from pipette.config import ParallelConfig
 from pipette.errors import SpecError
+from pipette.estimates import MemoryEstimate, PerfEstimate
 from pipette.fits import CPU, FSDP_GPU, NANOTRON_GPU, PIPETTE_GPU, FitsPrior
-from pipette.memory import DEFAULT_OPTIONS, MEGATRON_OPTIONS, MemoryOptions
-from pipette.perf import HF_DEEPSPEED_CONSTANTS, MEGATRON_CONSTANTS, PerfConstants
+from pipette.memory import DEFAULT_OPTIONS, MEGATRON_OPTIONS, MemoryOptions, estimate_memory
+from pipette.model import ModelSpec
+from pipette.perf import HF_DEEPSPEED_CONSTANTS, MEGATRON_CONSTANTS, PerfConstants, estimate_perf
+from pipette.training import TrainingSpec
 
 #: The stack Pipette plans and tunes for when none is named: its own runner.
 DEFAULT_STACK = "pipette"
@@ -87,6 +91,17 @@ class Stack:
         if config.recompute not in self.recompute:
             broken.append("stack_recompute")
         return broken
+
+    def estimate_memory(self, model: ModelSpec, training: TrainingSpec, config: ParallelConfig,
+                        capacity_bytes: int, *, device_kind: str = "gpu") -> MemoryEstimate:
+        """``pipette.memory.estimate_memory`` with this stack's memory options."""
+        return estimate_memory(model, training, config, capacity_bytes, device_kind=device_kind,
+                               options=self.memory_options)
+
+    def estimate_perf(self, model: ModelSpec, training: TrainingSpec, config: ParallelConfig,
+                      cluster: ClusterProfile) -> PerfEstimate:
+        """``pipette.perf.estimate_perf`` with this stack's constants."""
+        return estimate_perf(model, training, config, cluster, constants=self.constants)
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -46,11 +46,11 @@ import math
 import re
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, fields, replace
 from itertools import pairwise
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar, cast
 
 import optuna
 from optuna.trial import TrialState
@@ -64,6 +64,7 @@ from pipette.fits import default_prior, memory_headroom
 from pipette.learned import NOISE_PRIOR_DOF, Observation
 from pipette.measurement import Measurement, last_error_line
 from pipette.model import ModelSpec
+from pipette.options import check_values, default
 from pipette.plan import Plan, Planned
 from pipette.search import (
     RECORD_ATTR,
@@ -78,6 +79,8 @@ from pipette.search import (
 )
 from pipette.stacks import DEFAULT_STACK, Stack, get_stack
 from pipette.training import TrainingSpec
+
+T = TypeVar("T")
 
 #: beyond this many more trials of each, ``trials_to_decide`` says none would decide
 MAX_TRIALS_TO_DECIDE = 50
@@ -98,47 +101,48 @@ RETRY_MIN_CHANCE = 0.5
 MIN_OK_TO_CONVERGE = 4
 
 
+def _option(name: str, kind: type[T]) -> T:
+    """The default of option ``name`` (``pipette.options``) as a field of ``kind`` (None: unset)."""
+    value = default(name)
+    if value is not None and type(value) is not kind:
+        raise TypeError(f"option {name} defaults to {value!r}, not a {kind.__name__}")
+    return cast(T, value)
+
+
 @dataclass(frozen=True)
 class TuneOptions:
-    max_trials: int = 10
-    time_budget_s: float | None = None
-    tolerance: float = 0.02
-    stop_probability: float = 0.05
-    prune: bool = True
+    """The search's options; their defaults, bounds and help are ``pipette.options``'."""
+
+    max_trials: int = _option("max_trials", int)
+    time_budget_s: float | None = _option("time_budget_s", float)
+    tolerance: float = _option("tolerance", float)
+    stop_probability: float = _option("stop_probability", float)
+    prune: bool = _option("prune", bool)
     #: prune when even the trial's best step is this much slower than the incumbent
-    prune_slower: float = 0.25
-    retries: int = 1
-    seed: int = 0
+    prune_slower: float = _option("prune_slower", float)
+    retries: int = _option("retries", int)
+    seed: int = _option("seed", int)
     #: contenders re-timed before the verdict (0 or 1: no re-timing), and at most this many rounds
-    retime: int = 3
-    retime_rounds: int = 3
+    retime: int = _option("retime", int)
+    retime_rounds: int = _option("retime_rounds", int)
     #: stop re-timing once the pick is this sure to be within ``tolerance`` of the best tried
-    confidence: float = 0.9
+    confidence: float = _option("confidence", float)
     #: trials kept from the search for re-timing (None: ``retime_reserve``'s default)
-    reserve: int | None = None
+    reserve: int | None = _option("reserve", int)
 
     def __post_init__(self) -> None:
-        if self.max_trials < 1:
-            raise SpecError(f"is {self.max_trials}", field="budget.max_trials", fix="allow at least one trial")
-        if self.time_budget_s is not None and self.time_budget_s <= 0:
-            raise SpecError(f"is {self.time_budget_s}", field="budget.time_s", fix="give a positive number of seconds")
-        for name in ("tolerance", "stop_probability", "prune_slower"):
-            value = getattr(self, name)
-            if not 0.0 <= value < 1.0:
-                raise SpecError(f"is {value}", field=f"budget.{name}", fix="give a fraction in [0, 1), e.g. 0.02")
-        if self.retries < 0:
-            raise SpecError(f"is {self.retries}", field="budget.retries", fix="give 0 or more")
-        for name in ("retime", "retime_rounds"):
-            if getattr(self, name) < 0:
-                raise SpecError(f"is {getattr(self, name)}", field=f"budget.{name}",
-                                fix="give 0 or more contenders and rounds (0: no re-timing)")
-        if self.reserve is not None and not 0 <= self.reserve < self.max_trials:
+        check_values({f.name: getattr(self, f.name) for f in fields(self)})
+        if self.reserve is not None and not self.reserve < self.max_trials:
             raise SpecError(f"is {self.reserve} of max_trials {self.max_trials}", field="budget.reserve",
                             fix=f"keep 0 to {self.max_trials - 1} trials for re-timing (the rest search), "
                                 "or raise max_trials")
-        if not 0.0 < self.confidence < 1.0:
-            raise SpecError(f"is {self.confidence}", field="budget.confidence",
-                            fix="give a fraction in (0, 1), e.g. 0.9")
+
+    @classmethod
+    def from_values(cls, values: Mapping[str, object]) -> TuneOptions:
+        """The search's options among ``values`` (a job's budget, the command line's options);
+        the others (``steps``, ``margin``, ...) are the runner's and the plan's."""
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in values.items() if k in names})  # type: ignore[arg-type]  # __post_init__ checks
 
     @property
     def retime_reserve(self) -> int:
@@ -292,8 +296,7 @@ class TuneResult:
         return self.confidence is not None and self.confidence >= self.confidence_asked
 
     def to_dict(self) -> dict[str, Any]:
-        from pipette.result_text import summary_lines
-
+        """The result as data; ``pipette.result_text.result_dict`` adds its ``summary`` in words."""
         best = None
         if self.best is not None:
             b, m = self.best, self.best.measurement
@@ -311,7 +314,7 @@ class TuneResult:
                 },
             }
         return {
-            "summary": summary_lines(self), "decided": self.decided, "confidence_asked": self.confidence_asked,
+            "decided": self.decided, "confidence_asked": self.confidence_asked,
             "to_decide": dict(self.to_decide), "interference": dict(self.interference),
             "outcomes": trial_outcomes(self.trials),
             "stop_reason": self.stop_reason, "interrupted": self.interrupted,

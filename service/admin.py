@@ -229,7 +229,7 @@ def _protocol(http: str) -> object:
 
 
 def _worker(_args: argparse.Namespace, settings: Settings) -> int:
-    from service.worker import run_worker
+    from service.scheduler import run_worker
 
     _ensure_home(settings)
     check_database(settings)

@@ -40,7 +40,9 @@ from pipette.cluster import ClusterProfile
 from pipette.clusterfile import cluster_from_dict
 from pipette.errors import PipetteError
 from pipette.model import ModelSpec
+from pipette.options import defaults
 from pipette.plan import DEFAULT_MARGIN, make_plan
+from pipette.result_text import result_dict
 from pipette.training import TrainingSpec
 from pipette.tuner import TrialRecord, Tuner
 from service.db import Database
@@ -130,7 +132,8 @@ class JobDriver:
                     "attempt": job.attempts, "interrupted_trials": trials.interrupted_numbers(session, job.id)})
             model = ModelSpec.from_dict(job.model)
             training = TrainingSpec.from_dict(job.training)
-            options = dict(job.options)
+            # a job stored before an option existed gets its default
+            options: dict[str, Any] = {**defaults("tune"), **job.options}
             profile_id = job.profile_id
             cluster_row = session.get(Cluster, job.cluster_id)
             assert cluster_row is not None  # a foreign key
@@ -146,16 +149,16 @@ class JobDriver:
             set_state(session, self._job(session), "planning", profile_id=profile_id)
         from workers.host.runner import RayTrialRunner
 
-        timeout = float(options.get("trial_timeout_s") or self.settings.trial_timeout_s)
-        steps = int(options.get("steps", 8))
+        timeout = float(options["trial_timeout_s"] or self.settings.trial_timeout_s)
+        steps = int(options["steps"])
         runner = RayTrialRunner(model, training, cluster, device_kind=cluster.device_spec.kind, timeout_s=timeout,
-                                max_steps=steps, min_steps=min(3, steps), seed=int(options.get("seed", 0)),
+                                max_steps=steps, min_steps=min(3, steps), seed=int(options["seed"]),
                                 node_wait_s=self.settings.node_wait_s, on_wait=self.on_wait,
                                 script=script, ship_workdir=script is not None and script.workdir is not None,
                                 should_stop=self.should_stop)
         start = time.perf_counter()
-        margin = DEFAULT_MARGIN if options.get("margin") is None else float(options["margin"])
-        plan = make_plan(model, training, cluster, margin=margin, seed=int(options.get("seed", 0)),
+        margin = DEFAULT_MARGIN if options["margin"] is None else float(options["margin"])
+        plan = make_plan(model, training, cluster, margin=margin, seed=int(options["seed"]),
                          stack=options.get("stack"))  # a job stored before stacks: Pipette's runner
         planned = plan_dict(plan, planning_seconds=time.perf_counter() - start, refusals=runner.refusals)
 
@@ -177,7 +180,7 @@ class JobDriver:
             result = tuner.run(runner, on_event=self.on_event, should_stop=self.should_stop)
         self._check_interrupt()
 
-        outcome = result.to_dict()
+        outcome = result_dict(result)
         outcome.pop("trials", None)  # every attempt is in the trials table already
         best = _best_summary(result.best.to_dict()) if result.best is not None else None
         if self.cancelled:

@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
 from pipette.errors import PipetteError
+from service.outage import OUTAGE, RETRY_AFTER_S, is_unavailable
 
 log = logging.getLogger("pipette.service")
 
@@ -66,7 +67,14 @@ class TooManyRequestsError(PipetteError):
 class UnavailableError(PipetteError):
     http_status = 503
     #: the ``Retry-After`` header of the answer (seconds)
-    retry_after_s: int = 5
+    retry_after_s: int = RETRY_AFTER_S
+
+
+def database_unavailable() -> UnavailableError:
+    """The answer while the database cannot be reached (``service.outage``)."""
+    return UnavailableError("the service's database is not reachable right now", field=None,
+                            fix=f"retry in {RETRY_AFTER_S} s (Retry-After); if it lasts, the operator checks the "
+                                "database server (PIPETTE_DATABASE_URL)")
 
 
 def stored_error(e: BaseException, fix: str = "see the service log", prefix: str = "") -> dict[str, Any]:
@@ -128,13 +136,11 @@ def install_error_handlers(app: FastAPI) -> None:
         return response
 
     async def on_database_error(request: Request, exc: Exception) -> JSONResponse:
-        from service.outage import OUTAGE, is_unavailable, unavailable
-
         assert isinstance(exc, SQLAlchemyError)
         if not is_unavailable(exc):
             return await on_unexpected(request, exc)
         OUTAGE.failed(exc, "the API")  # one line per outage, not a traceback per request
-        return pipette_error_response(unavailable())
+        return pipette_error_response(database_unavailable())
 
     async def on_unexpected(_request: Request, exc: Exception) -> JSONResponse:
         log.error("unexpected error", exc_info=exc)

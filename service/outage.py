@@ -11,8 +11,6 @@ import time
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError, SQLAlchemyError
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 
-from service.errors import UnavailableError
-
 log = logging.getLogger("pipette.service")
 
 #: what a client is told to wait before retrying (seconds)
@@ -66,11 +64,3 @@ class Outage:
 
 #: one per process: the API's requests and the scheduler share it
 OUTAGE = Outage()
-
-
-def unavailable() -> UnavailableError:
-    error = UnavailableError("the service's database is not reachable right now", field=None,
-                             fix=f"retry in {RETRY_AFTER_S} s (Retry-After); if it lasts, the operator checks the "
-                                 "database server (PIPETTE_DATABASE_URL)")
-    error.retry_after_s = RETRY_AFTER_S
-    return error

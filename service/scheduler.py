@@ -1,21 +1,23 @@
 """The scheduler: take work for this process's devices, run it under the devices' lease, repeat.
 
-One thread per process (in the API process, or ``python -m service.worker``): a process has one
-Ray connection, so it drives one set of devices (``Settings.resource_key``), and the lease
-lets one job at a time run trials there. Queued jobs and profile requests wait their turn in
-submission order; a job whose holder died (its lease expired while it was active) is resumed
-before anything new starts.
+One thread per process (in the API process, or ``pipette-admin worker``: ``run_worker``): a
+process has one Ray connection, so it drives one set of devices (``Settings.resource_key``),
+and the lease lets one job at a time run trials there. Queued jobs and profile requests wait
+their turn in submission order; a job whose holder died (its lease expired while it was
+active) is resumed before anything new starts.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import sys
 import threading
 import time
 import uuid
+from types import FrameType
 
 from sqlalchemy.exc import SQLAlchemyError
 
@@ -141,3 +143,22 @@ class Scheduler:
             record_profile(self.db, profile_id, error=stored_error(e))
             return
         record_profile(self.db, profile_id, profile=measured.to_dict())
+
+
+def run_worker(settings: Settings) -> None:
+    """This process as a scheduler without the API (``pipette-admin worker``), until SIGTERM or
+    Ctrl-C stops it gracefully."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    db = Database(settings.database_url)
+    scheduler = Scheduler(db, settings)
+    done = threading.Event()
+
+    def on_signal(_signum: int, _frame: FrameType | None) -> None:
+        done.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    scheduler.start()
+    done.wait()
+    scheduler.stop()
+    db.dispose()

@@ -11,9 +11,10 @@ from __future__ import annotations
 from datetime import datetime
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, create_model
 
 from pipette.model import MODEL_PRESETS
+from pipette.options import OPTIONS, Option, Scope, Value, describe, options_for
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$"
 #: ids are UUIDs; anything else cannot name a row (and never reaches the database)
@@ -137,31 +138,38 @@ class TrainingIn(StrictTypes):
         return data
 
 
-class BudgetIn(StrictTypes):
-    """The search budget and the stop rule (pipette.tuner.TuneOptions), and the trials' length."""
+def option_field(option: Option) -> tuple[Any, Any]:
+    """``option`` as a pydantic field: its type (None allowed where it is the default), default,
+    bounds (the service's cap on top of the meaning's) and help."""
+    text, default = describe(option, FIELD_NAMES)
+    if option.optional:
+        text += f" (null: {default.removeprefix('default: ')})"
+    bounds = {k: getattr(option, k) for k in ("ge", "gt", "le", "lt") if getattr(option, k) is not None}
+    if option.cap is not None:
+        bounds["le"] = min(bounds.get("le", option.cap), option.cap)
+    kind = option.kind | None if option.optional else option.kind
+    return kind, Field(option.default, description=text, **bounds)
 
-    max_trials: int = Field(10, ge=1, le=500)
-    time_budget_s: float | None = Field(None, gt=0, le=30 * 86400, description="over all attempts of the job")
-    tolerance: float = Field(0.02, ge=0, lt=1, description="stop when no untried candidate is likely to beat "
-                             "the best by more than this fraction")
-    stop_probability: float = Field(0.05, ge=0, lt=1, description="...with more than this chance")
-    prune: bool = Field(True, description="stop a trial early when it is clearly slower than the best")
-    prune_slower: float = Field(0.25, ge=0, lt=1, description="how much slower counts as clearly")
-    retries: int = Field(1, ge=0, le=5, description="reruns of a trial that failed or timed out")
-    seed: int = Field(0, ge=0, le=2**31 - 1)
-    retime: int = Field(3, ge=0, le=10, description="before the verdict, re-time the best this many candidates, "
-                        "interleaved (0: do not); `reserve` trials of max_trials are kept for it")
-    retime_rounds: int = Field(3, ge=0, le=10, description="re-timing rounds at most")
-    reserve: int | None = Field(None, ge=0, le=499, description="trials of max_trials kept for re-timing, below "
-                                "max_trials (default: a quarter of max_trials, at least 2, at most one round of "
-                                "`retime`); on a noisy cluster keep retime x retime_rounds")
-    confidence: float = Field(0.9, gt=0, lt=1, description="stop re-timing once the pick is this sure to be "
-                              "within the tolerance of the best tried")
-    steps: int = Field(8, ge=1, le=1000, description="timed steps per trial at most")
-    trial_timeout_s: float | None = Field(None, gt=0, le=86400, description="default: the service's")
-    margin: float | None = Field(None, ge=0, lt=1,
-                                 description="device memory to keep free, as a fraction of the predicted peak "
-                                             "(default 0)")
+
+def option_fields(scope: Scope) -> dict[str, Any]:
+    return {o.name: option_field(o) for o in options_for(scope)}
+
+
+def given_options(body: BaseModel, scope: Scope) -> dict[str, Value]:
+    """The options of ``scope`` in a request body whose fields ``option_fields`` made."""
+    return {o.name: getattr(body, o.name) for o in options_for(scope)}
+
+
+#: how the API names each option in the options' help (``{max_trials}``)
+FIELD_NAMES = {o.name: f"`{o.name}`" for o in OPTIONS}
+
+if TYPE_CHECKING:
+    BudgetIn = StrictTypes
+else:
+    #: The search budget, the stop rule and the trials' length (pipette.options, scope "tune").
+    BudgetIn = create_model("BudgetIn", __base__=StrictTypes, __doc__="The search budget and the stop rule "
+                            "(pipette.tuner.TuneOptions), and the trials' length: pipette.options.",
+                            **option_fields("tune"))
 
 
 if TYPE_CHECKING:
@@ -324,15 +332,20 @@ class BestOut(BaseModel):
 
 # ---- planning -------------------------------------------------------------------------
 
-class PlanIn(Strict):
+class PlanBody(Strict):
     model: ModelIn
     training: TrainingIn
     cluster: Annotated[str, Field(pattern=NAME_PATTERN, max_length=100)] | dict[str, Any] = Field(
         description="a cluster file as an object (see docs/inputs.md, Cluster file), or a registered cluster's "
                     "id or name (its latest profile)")
-    margin: float | None = Field(None, ge=0, lt=1)
-    top: int = Field(20, ge=1, le=1000, description="how many ranked candidates to return")
     stack: str | None = Field(None, max_length=64, pattern=STACK_PATTERN, description=STACK_DOC + "; default pipette")
+
+
+if TYPE_CHECKING:
+    PlanIn = PlanBody
+else:
+    #: The what-if body: the plan's options (``margin``, ``top``) from pipette.options, scope "plan".
+    PlanIn = create_model("PlanIn", __base__=PlanBody, **option_fields("plan"))
 
 
 class PlanOut(BaseModel):

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipette.errors import SpecError
+from pipette.options import TRIAL_TIMEOUT_S
 
 MiB = 1024**2
 
@@ -33,8 +34,8 @@ class Settings:
     lease_ttl_s: float = 30.0
     #: how often an idle scheduler looks for work
     poll_s: float = 1.0
-    #: the wall-clock limit of one trial
-    trial_timeout_s: float = 300.0
+    #: the wall-clock limit of a trial whose job gives none (``budget.trial_timeout_s``)
+    trial_timeout_s: float = TRIAL_TIMEOUT_S
     #: how long a job waits for lost Ray nodes to come back before it fails
     node_wait_s: float = 1800.0
     #: a verified token is trusted this long without a query (a revocation takes this long)
@@ -77,7 +78,7 @@ class Settings:
             max_body_bytes=int(_number(env, "PIPETTE_MAX_BODY_BYTES", 1 * MiB, minimum=1024)),
             lease_ttl_s=_number(env, "PIPETTE_LEASE_TTL_S", 30.0, minimum=1.0),
             poll_s=_number(env, "PIPETTE_POLL_S", 1.0, minimum=0.05),
-            trial_timeout_s=_number(env, "PIPETTE_TRIAL_TIMEOUT_S", 300.0, minimum=1.0),
+            trial_timeout_s=_number(env, "PIPETTE_TRIAL_TIMEOUT_S", TRIAL_TIMEOUT_S, minimum=1.0),
             node_wait_s=_number(env, "PIPETTE_NODE_WAIT_S", 1800.0, minimum=0.0),
             token_cache_s=_number(env, "PIPETTE_TOKEN_CACHE_S", 5.0, minimum=0.0),
             metrics_token=env.get("PIPETTE_METRICS_TOKEN") or None,

@@ -15,6 +15,7 @@ from pipette.cluster import ClusterProfile
 from pipette.clusterfile import cluster_from_dict
 from pipette.errors import PipetteError, SpecError
 from pipette.model import MODEL_PRESETS, ModelSpec, preset_fix
+from pipette.options import defaults
 from pipette.script import ScriptSpec
 from pipette.training import TrainingSpec
 from pipette.tuner import TuneOptions
@@ -68,19 +69,13 @@ def training_spec(value: TrainingIn) -> TrainingSpec:
 
 def tune_options(options: dict[str, Any], used_s: float = 0.0) -> TuneOptions:
     """A job's stored budget (``BudgetIn.model_dump()``) as the tuner's options, ``used_s``
-    seconds of its time budget already spent. Jobs stored before a field existed get its
+    seconds of its time budget already spent. Jobs stored before an option existed get its
     default. At submit it checks what the schema cannot (``reserve`` below ``max_trials``)."""
-    budget = options.get("time_budget_s")
-    return TuneOptions(
-        max_trials=int(options["max_trials"]),
-        time_budget_s=None if budget is None else max(float(budget) - used_s, 1e-3),
-        tolerance=float(options["tolerance"]), stop_probability=float(options["stop_probability"]),
-        prune=bool(options["prune"]), prune_slower=float(options.get("prune_slower", 0.25)),
-        retries=int(options["retries"]), seed=int(options["seed"]),
-        retime=int(options.get("retime", 3)), retime_rounds=int(options.get("retime_rounds", 3)),
-        confidence=float(options.get("confidence", 0.9)),
-        reserve=None if options.get("reserve") is None else int(options["reserve"]),
-    )
+    values = {**defaults("tune"), **options}
+    budget = values["time_budget_s"]
+    if budget is not None:
+        values["time_budget_s"] = max(float(budget) - used_s, 1e-3)
+    return TuneOptions.from_values(values)
 
 
 def cluster_file(data: dict[str, Any]) -> ClusterProfile:

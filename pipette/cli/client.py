@@ -17,6 +17,7 @@ from typing import Any
 
 from pipette.cli import client_admin, client_cluster, client_jobs, client_watch
 from pipette.cli.client_api import EXIT_CODES_HELP, EXIT_ERROR, ApiError
+from pipette.cli.inputs import add_option_flags
 from pipette.cli.signals import Terminated, exit_code
 from pipette.errors import PipetteError
 
@@ -157,15 +158,17 @@ def _add_cluster(sub: Any) -> None:
 def _add_jobs(sub: Any) -> None:
     p = _add(sub, "submit", client_jobs.cmd_submit, "submit a tuning job from a job file",
              "  pipette submit examples/jobs/tiny-cpu.yaml --watch\n"
-             "  pipette submit examples/jobs/llama2-7b-lora-8xa100.yaml --set budget.max_trials=6\n"
+             "  pipette submit examples/jobs/llama2-7b-lora-8xa100.yaml --max-trials 6\n"
              "  id=$(pipette submit job.yaml --json | jq -r .id)",
              "Submit the job a YAML file describes (cluster, model, training, budget, name: what POST /v1/jobs "
-             "takes; see examples/jobs/). The service checks every field.")
+             "takes; see examples/jobs/). The service checks every field. The tuning options' flags (as for "
+             "`pipette tune`) override the file's budget.")
     p.add_argument("file", help="the job file (YAML or JSON)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a value, e.g. budget.max_trials=4")
     p.add_argument("--name", help="the job's name (overrides the file's)")
     p.add_argument("--watch", action="store_true", help="follow the job until it ends (exit code: how it ended)")
     _json(p, "the accepted job (with --watch: every event, one JSON object per line)")
+    add_option_flags(p, "tune", overriding="the job file")  # `tune`'s flags, as the job's budget
 
     p = _add(sub, "jobs", client_jobs.cmd_jobs, "list jobs, newest first",
              "  pipette jobs\n  pipette jobs --state running --state queued\n"

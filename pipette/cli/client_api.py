@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 import urllib.error
 import urllib.parse
@@ -221,3 +222,37 @@ class Client:
             fix = (f"the token from {self.target.source} was refused; run `pipette login` with a valid token "
                    "(`pipette token create --tenant NAME` makes one)")
         return ApiError(message, field=field, fix=fix, exit_code=code, status=e.code)
+
+
+# ---- jobs by id ---------------------------------------------------------------------
+
+FULL_ID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
+PREFIX = re.compile(r"^[0-9a-fA-F-]{1,36}$")
+
+
+def client() -> Client:
+    return Client(Target.resolve())
+
+
+def resolve_job(api: Client, ref: str) -> str:
+    """A full job id from an id or a unique prefix of one (as ``pipette jobs`` shows them)."""
+    ref = ref.strip().lower()
+    if not PREFIX.match(ref):
+        raise ApiError(f"{ref!r} is not a job id", field="JOB", fix="give an id (or its first characters) from "
+                       "`pipette jobs`")
+    if FULL_ID.match(ref):
+        return ref
+    found: list[str] = []
+    cursor: str | None = None
+    while True:
+        page = api.get("/v1/jobs", {"limit": 200, "cursor": cursor})
+        found += [j["id"] for j in page["items"] if j["id"].startswith(ref)]
+        cursor = page.get("next_cursor")
+        if not cursor or len(found) > 1:
+            break
+    if not found:
+        raise ApiError(f"no job starts with {ref!r}", field="JOB", fix="see `pipette jobs`", exit_code=EXIT_NOT_FOUND)
+    if len(found) > 1:
+        raise ApiError(f"{ref!r} matches several jobs ({', '.join(f[:12] for f in found[:4])}...)", field="JOB",
+                       fix="give more characters of the id")
+    return found[0]

@@ -4,51 +4,21 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import stat
 import sys
 from pathlib import Path
 from typing import Any
 
 from pipette.cli import client_output as out
-from pipette.cli.client_api import EXIT_NOT_FOUND, EXIT_OK, ApiError, Client, Target
+from pipette.cli.client_api import EXIT_OK, ApiError, Client, client, resolve_job
 from pipette.cli.client_jobfile import load_job_file
+from pipette.cli.inputs import option_values
 
-FULL_ID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
-PREFIX = re.compile(r"^[0-9a-fA-F-]{1,36}$")
 #: ``trials --sort`` keys -> the trial field (None sorts last either way)
 SORT_KEYS = {
     "number": "number", "state": "state", "predicted": "predicted_step_time", "measured": "measured_step_time",
     "tokens": "tokens_per_s", "error": "prediction_error", "peak": "peak_memory_bytes", "duration": "duration_s",
 }
-
-
-def client() -> Client:
-    return Client(Target.resolve())
-
-
-def resolve_job(api: Client, ref: str) -> str:
-    """A full job id from an id or a unique prefix of one (as ``pipette jobs`` shows them)."""
-    ref = ref.strip().lower()
-    if not PREFIX.match(ref):
-        raise ApiError(f"{ref!r} is not a job id", field="JOB", fix="give an id (or its first characters) from "
-                       "`pipette jobs`")
-    if FULL_ID.match(ref):
-        return ref
-    found: list[str] = []
-    cursor: str | None = None
-    while True:
-        page = api.get("/v1/jobs", {"limit": 200, "cursor": cursor})
-        found += [j["id"] for j in page["items"] if j["id"].startswith(ref)]
-        cursor = page.get("next_cursor")
-        if not cursor or len(found) > 1:
-            break
-    if not found:
-        raise ApiError(f"no job starts with {ref!r}", field="JOB", fix="see `pipette jobs`", exit_code=EXIT_NOT_FOUND)
-    if len(found) > 1:
-        raise ApiError(f"{ref!r} matches several jobs ({', '.join(f[:12] for f in found[:4])}...)", field="JOB",
-                       fix="give more characters of the id")
-    return found[0]
 
 
 # ---- submit ---------------------------------------------------------------------------
@@ -57,6 +27,9 @@ def cmd_submit(args: argparse.Namespace) -> int:
     body = load_job_file(args.file, args.set or ())
     if args.name:
         body["name"] = args.name
+    given = option_values(args, "tune", given_only=True)
+    if given and isinstance(body.get("budget", {}), dict):  # else the service names the file's budget
+        body["budget"] = {**body.get("budget", {}), **given}
     api = client()
     accepted = api.post("/v1/jobs", body)
     if args.json and not args.watch:

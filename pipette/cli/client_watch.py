@@ -25,6 +25,8 @@ from pipette.cli.client_api import (
     EXIT_UNREACHABLE,
     ApiError,
     Client,
+    client,
+    resolve_job,
 )
 
 FINAL = {"succeeded": EXIT_OK, "failed": EXIT_JOB_FAILED, "cancelled": EXIT_JOB_CANCELLED}
@@ -32,8 +34,6 @@ RECONNECTS = 8
 
 
 def cmd_watch(args: argparse.Namespace) -> int:
-    from pipette.cli.client_jobs import client, resolve_job
-
     api = client()
     return watch(api, resolve_job(api, args.job), as_json=args.json)
 

@@ -27,8 +27,10 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from pipette.cli.inputs import add_option_flags, add_recipe_flags, load_model, load_recipe, option_values
 from pipette.cli.signals import Terminated, exit_code, signal_name, terminate_like_interrupt
 from pipette.errors import SpecError
+from pipette.options import TRIAL_TIMEOUT_S
 from pipette.script import KINDS, KNOBS, ScriptSpec
 
 GiB = 1024**3
@@ -46,7 +48,16 @@ examples:
 """
 
 
-def add_parser(sub: Any, add_recipe_flags: Any) -> None:
+#: What ``tune`` takes where neither a --recipe nor a flag says (``tune._with_defaults``); ``plan``
+#: has no such defaults: its help says "required" where tune's gives the default.
+TUNE_RECIPE_DEFAULTS = {
+    "global_batch": "default 16 without --recipe", "seq_len": "default 128 without --recipe",
+    "dtype": "default: the recipe's, else bf16; fp32 on the embedded CPU cluster (no --cluster)",
+    "method": "default: the recipe's, else lora with --lora-rank 8 --lora-alpha 16",
+}
+
+
+def add_parser(sub: Any) -> None:
     p = sub.add_parser(
         "tune",
         help="find the fastest configuration by real trials (the main job)",
@@ -60,21 +71,8 @@ def add_parser(sub: Any, add_recipe_flags: Any) -> None:
     p.add_argument("--cluster", help="a cluster file; default: measure the local machine as --devices CPU devices")
     p.add_argument("--devices", type=int, default=4, help="CPU devices of the embedded cluster (default 4)")
     p.add_argument("--reprofile", action="store_true", help="measure the cluster even if a fresh profile exists")
-    add_recipe_flags(p)
-    p.add_argument("--max-trials", type=int, default=8, help="trial budget (default 8)")
-    p.add_argument("--time-budget", type=float, default=None, help="seconds of trials at most (default: none)")
-    p.add_argument("--tolerance", type=float, default=0.02, help="stop when nothing is likely to beat the best "
-                   "by more than this fraction (default 0.02)")
-    p.add_argument("--stop-probability", type=float, default=0.05, help="...with more than this chance (default 0.05)")
-    p.add_argument("--retime", type=int, default=3, help="before the verdict, re-time the best this many "
-                   "candidates, interleaved (default 3; 0: do not; --reserve trials are kept for it)")
-    p.add_argument("--retime-rounds", type=int, default=3, help="re-timing rounds at most (default 3)")
-    p.add_argument("--reserve", type=int, default=None, help="trials of --max-trials kept for re-timing (default: "
-                   "a quarter of --max-trials, at least 2, at most one round of --retime; on a noisy machine "
-                   "--retime x --retime-rounds)")
-    p.add_argument("--steps", type=int, default=8, help="timed steps per trial at most (default 8)")
-    p.add_argument("--trial-timeout", type=float, default=180.0, help="seconds before a trial is a timeout "
-                   "(default 180)")
+    add_recipe_flags(p, TUNE_RECIPE_DEFAULTS)
+    add_option_flags(p, "tune")
     p.add_argument("--data", help="a local JSONL of prompt/response pairs, tokenised as raw UTF-8 bytes (modulo "
                    "the vocabulary), not by the model's tokenizer: the shapes and step times are those of real "
                    "text, the loss is not (default: synthetic tokens)")
@@ -85,7 +83,6 @@ def add_parser(sub: Any, add_recipe_flags: Any) -> None:
     p.add_argument("--no-memory", action="store_true", help="neither read nor keep past trials of this cluster")
     p.add_argument("--out", default="pipette-best", help="where to write the best configuration's files "
                    "(default pipette-best)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the search and of the trials' data (default 0)")
     p.add_argument("--json", action="store_true", help="print the result as JSON on stdout (progress on stderr)")
     s = p.add_argument_group("your own training script", "Tune the script you train with instead of Pipette's "
                              "runner: its trials run it with each candidate's DeepSpeed config and knobs.")
@@ -107,21 +104,16 @@ def add_parser(sub: Any, add_recipe_flags: Any) -> None:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    from pipette.cli import load_model, load_recipe
-    from pipette.plan import check_recipe, make_plan
+    from pipette.plan import DEFAULT_MARGIN, check_recipe, make_plan
     from pipette.tuner import TuneOptions, Tuner, cluster_key
 
-    for name in ("max_trials", "steps", "devices"):
-        if getattr(args, name) < 1:
-            raise SpecError(f"is {getattr(args, name)}", field="--" + name.replace("_", "-"), fix="give 1 or more")
-    try:
-        options = TuneOptions(max_trials=args.max_trials, time_budget_s=args.time_budget, tolerance=args.tolerance,
-                              stop_probability=args.stop_probability, seed=args.seed, retime=args.retime,
-                              retime_rounds=args.retime_rounds, reserve=args.reserve)
-    except SpecError as e:  # name the flag, not the service's budget field
-        name = (e.field or "").removeprefix("budget.")
-        flag = "time-budget" if name == "time_s" else name.replace("_", "-")
-        raise SpecError(e.message, field=f"--{flag}", fix=e.fix) from None
+    if args.devices < 1:
+        raise SpecError(f"is {args.devices}", field="--devices", fix="give 1 or more")
+    given = option_values(args, "tune")
+    options = TuneOptions.from_values(given)  # a reserve of max_trials: named by its flag (inputs.as_flags)
+    steps = int(given["steps"] or 0)
+    timeout = TRIAL_TIMEOUT_S if given["trial_timeout_s"] is None else float(given["trial_timeout_s"])
+    margin = DEFAULT_MARGIN if given["margin"] is None else float(given["margin"])
     model = load_model(args.model)
     training = load_recipe(args.recipe, _with_defaults(args))
     home = Path(args.home or os.environ.get("PIPETTE_HOME") or Path.home() / ".pipette")
@@ -142,7 +134,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         from workers.host.script_trial import check_script
 
         check_script(script)
-    ui = Progress(args.max_trials, stream=sys.stderr)
+    ui = Progress(options.max_trials, stream=sys.stderr)
 
     from workers.host.runner import RayTrialRunner
 
@@ -150,7 +142,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     device_kind = cluster.device_spec.kind
     ui.say(f"planning {model.name} ({training.method}, global batch {training.global_batch} x {training.seq_len}) "
            f"on {cluster.world} x {cluster.device_spec.name}, stack {stack.key} ...")
-    plan = make_plan(model, training, cluster, seed=args.seed, stack=stack)
+    plan = make_plan(model, training, cluster, margin=margin, seed=options.seed, stack=stack)
     from workers.host.ray_cluster import check_devices, ensure_ray
 
     ensure_ray()
@@ -158,8 +150,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
     # Every rank of this job carries a tag, so an operator (or a test) can find them: `ps e`.
     tag = os.environ.get("PIPETTE_RANK_TAG") or f"tune-{uuid.uuid4().hex[:12]}"
     stop = StopSignal(ui)
-    runner = RayTrialRunner(model, training, cluster, device_kind=device_kind, timeout_s=args.trial_timeout,
-                            max_steps=args.steps, seed=args.seed, data=args.data, checkpoint=args.checkpoint,
+    runner = RayTrialRunner(model, training, cluster, device_kind=device_kind, timeout_s=timeout,
+                            max_steps=steps, seed=options.seed, data=args.data, checkpoint=args.checkpoint,
                             script=script, ship_workdir=bool(os.environ.get("RAY_ADDRESS")),
                             env={"PIPETTE_RANK_TAG": tag}, should_stop=stop.is_set, on_note=ui.say,
                             on_phase=ui.phase)
@@ -205,7 +197,9 @@ def cmd_tune(args: argparse.Namespace) -> int:
             raise SpecError(f"cannot write {args.out!r} ({e.strerror})", field="--out",
                             fix="give a writable folder") from None
     if args.json:
-        out = result.to_dict()
+        from pipette.result_text import result_dict
+
+        out = result_dict(result)
         out["files"] = files
         out["cluster"] = {"name": cluster.name, "devices": cluster.world, "measured_at": cluster.measured_at}
         out["stack"] = stack.key
@@ -294,9 +288,8 @@ def _stack(args: argparse.Namespace, script: ScriptSpec | None) -> Any:
 def pipette_flags_in(words: list[str]) -> list[str]:
     """The words after ``--script`` that are ``pipette tune``'s own flags (``--flag`` or
     ``--flag=value``): they go to the script, not to Pipette."""
-    from pipette.cli import _parser
-
-    sub = next(a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction))
+    sub = argparse.ArgumentParser().add_subparsers()
+    add_parser(sub)
     ours = set(sub.choices["tune"]._option_string_actions) - {"-h", "--help"}
     return [w for w in words if w.split("=", 1)[0] in ours]
 

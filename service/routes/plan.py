@@ -16,7 +16,7 @@ from service.errors import NotFoundError
 from service.planning import plan_dict
 from service.repositories import clusters as cluster_repo
 from service.routes import AUTHED, errors
-from service.schemas import PlanIn, PlanOut
+from service.schemas import PlanIn, PlanOut, given_options
 from service.specs import cluster_file, model_spec, training_spec
 
 router = APIRouter(prefix="/v1", tags=["planning"])
@@ -32,10 +32,11 @@ def what_if(body: PlanIn, state: State, caller: Caller) -> PlanOut:
     check_recipe(model, training)
     stack = get_stack(body.stack)  # an unknown one is refused before the cluster is read
     cluster = _cluster(body, state, caller.tenant)
-    margin = DEFAULT_MARGIN if body.margin is None else body.margin
+    options = given_options(body, "plan")
+    margin = DEFAULT_MARGIN if options["margin"] is None else float(options["margin"])
     start = time.perf_counter()
     plan = make_plan(model, training, cluster, margin=margin, stack=stack)
-    return PlanOut(**plan_dict(plan, top=body.top, planning_seconds=time.perf_counter() - start))
+    return PlanOut(**plan_dict(plan, top=int(options["top"] or 0), planning_seconds=time.perf_counter() - start))
 
 
 def _cluster(body: PlanIn, state: State, tenant: str) -> ClusterProfile:

@@ -156,6 +156,22 @@ def test_what_if_plan(api: Api) -> None:
     assert small["feasible"] == len(small["ranked"])
 
 
+@pytest.mark.parametrize(("options", "field"), [({"top": 0}, "top"), ({"top": "many"}, "top"),
+                                               ({"top": 1001}, "top"), ({"margin": -0.5}, "margin")])
+def test_a_bad_plan_option_names_its_field(api: Api, options: dict[str, Any], field: str) -> None:
+    body = {"model": "tiny-llama", "training": {"global_batch": 8, "seq_len": 64}, "cluster": CPU4, **options}
+    r = api.client.post("/v1/plan", json=body, headers=api.token())
+    assert r.status_code == 422 and r.json()["error"]["field"] == field and r.json()["error"]["fix"], r.text
+
+
+def test_a_plan_shows_the_declared_number_of_candidates(api: Api) -> None:
+    from pipette.options import default
+
+    r = api.client.post("/v1/plan", json={"model": "tiny-llama", "training": {"global_batch": 16, "seq_len": 128},
+                                          "cluster": CPU4}, headers=api.token())
+    assert r.status_code == 200 and len(r.json()["ranked"]) == default("top") == 10, r.text
+
+
 def test_plan_of_a_registered_cluster_needs_a_profile(api: Api) -> None:
     h = api.token()
     api.local_cluster(h)
@@ -189,6 +205,14 @@ BAD_JOBS: list[tuple[dict[str, Any], int, str]] = [
     ({"model": {"model_type": "llama", "hidden_size": 1e30, "num_hidden_layers": 2, "num_attention_heads": 4,
                 "intermediate_size": 64, "vocab_size": 128}}, 422, "model.hidden"),
     ({"budget": {"confidence": 1.0}}, 422, "budget.confidence"),
+    # the options declared once (pipette.options): negative, zero, a wrong type, past the service's cap
+    ({"budget": {"steps": 0}}, 422, "budget.steps"),
+    ({"budget": {"trial_timeout_s": -5}}, 422, "budget.trial_timeout_s"),
+    ({"budget": {"seed": -1}}, 422, "budget.seed"),
+    ({"budget": {"max_trials": 2.5}}, 422, "budget.max_trials"),
+    ({"budget": {"max_trials": 501}}, 422, "budget.max_trials"),
+    ({"budget": {"prune": "yes"}}, 422, "budget.prune"),
+    ({"budget": {"margin": 1}}, 422, "budget.margin"),
     ({"cluster": "nope"}, 404, "cluster"),
     ({"cluster": "bad name;rm -rf /"}, 422, "cluster"),
     ({"name": "x\u0000y"}, 422, "name"),

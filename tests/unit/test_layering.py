@@ -3,13 +3,15 @@
 pipette/ is pure: numpy/scipy/optuna/pydantic/yaml and the stdlib. Only pipette/cli/ may
 reach workers/ and service/ (and their heavy stack), and only inside a function (lazily).
 workers/ may import pipette; service/ may import pipette and workers; nobody imports service
-but the CLI and alembic.
+but the CLI and alembic. No module of pipette/, service/ or workers/ imports itself back
+through others (``test_no_import_cycles``).
 """
 
 from __future__ import annotations
 
 import ast
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
@@ -68,3 +70,102 @@ def test_checker_catches_a_violation(tmp_path: Path) -> None:
     assert _imports(bad) == [("torch", True), ("ray", False)]
     assert not {"torch", "ray"} & (STDLIB | CORE_THIRD_PARTY)
     assert {"torch", "ray"} <= HEAVY
+
+
+# ---- import cycles ----------------------------------------------------------------------
+
+CYCLE_PACKAGES = ("pipette", "service", "workers")
+
+
+def _module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(root: Path, packages: Iterable[str] = CYCLE_PACKAGES) -> dict[str, set[str]]:
+    """Module -> the modules of ``packages`` it imports, read from the source under ``root``.
+
+    Every import counts, at any level: one inside a function (a lazy import) or under
+    ``TYPE_CHECKING`` is a dependency as much as one at the top, and a cycle through it is a
+    cycle of the design even if Python resolves it at run time. ``from a import b`` is an
+    edge to the module ``a.b`` when there is one, else to ``a``."""
+    files = {_module_name(p, root): p for pkg in packages for p in sorted((root / pkg).rglob("*.py"))}
+    graph: dict[str, set[str]] = {}
+    for name, path in files.items():
+        here = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        edges: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                edges |= {a.name for a in node.names if a.name in files}
+            elif isinstance(node, ast.ImportFrom):
+                base = _absolute(node, here)
+                for alias in node.names:
+                    target = f"{base}.{alias.name}"
+                    edges |= {target} if target in files else ({base} if base in files else set())
+        graph[name] = edges - {name}
+    return graph
+
+
+def _absolute(node: ast.ImportFrom, package: list[str]) -> str:
+    """The module a ``from`` import reads from (a relative one resolved against ``package``)."""
+    if not node.level:
+        return node.module or ""
+    parent = package[:len(package) - node.level + 1]
+    return ".".join([*parent, node.module] if node.module else parent)
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(found)
+
+
+def test_no_import_cycles() -> None:
+    """Issue 30: the CLI package (``pipette.cli`` <-> ``tune``, ``client_jobs`` <-> ``client_watch``),
+    ``service.admin`` <-> ``service.worker``, ``service.errors`` <-> ``service.outage``,
+    ``pipette.tuner`` <-> ``result_text`` and ``pipette.memory``/``perf`` <-> ``stacks`` imported
+    each other (7 cycles in 6 groups, all through lazy imports); each shared piece now lives
+    where it belongs."""
+    cycles = import_cycles(import_graph(ROOT))
+    assert cycles == [], "modules that import each other (directly or round a loop): " + "; ".join(
+        " <-> ".join(c) for c in cycles)
+
+
+def test_the_cycle_checker_sees_a_lazy_or_typing_import(tmp_path: Path) -> None:
+    pkg = tmp_path / "pipette"
+    (pkg / "cli").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "cli" / "__init__.py").write_text("from pipette.cli import tune\n")
+    (pkg / "cli" / "tune.py").write_text("def f():\n    from pipette.cli import load\n")
+    (pkg / "a.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import b\n")
+    (pkg / "b.py").write_text("from .a import x\n")
+    (pkg / "c.py").write_text("import pipette.a\n")
+    graph = import_graph(tmp_path, ("pipette",))
+    assert graph["pipette.cli"] == {"pipette.cli.tune"} and graph["pipette.b"] == {"pipette.a"}
+    assert import_cycles(graph) == [["pipette.a", "pipette.b"], ["pipette.cli", "pipette.cli.tune"]]

@@ -12,7 +12,7 @@ from pipette.clusterfile import load_cluster
 from pipette.measurement import Measurement
 from pipette.model import ModelSpec
 from pipette.plan import Plan, make_plan
-from pipette.result_text import summary_lines
+from pipette.result_text import result_dict, summary_lines
 from pipette.training import TrainingSpec
 from pipette.tuner import TrialRecord, TuneOptions, Tuner, TuneResult, tensor_peak_bytes
 
@@ -50,6 +50,7 @@ def test_the_result_says_how_many_trials_timed_out_not_just_found_in_n(cpu_plan:
     assert 0 < result.runnable <= len(cpu_plan.ranked)
     assert "--trial-timeout" in text
     assert result.to_dict()["outcomes"] == {"ok": 1, "timeout": 6}
+    assert result_dict(result)["summary"] == summary_lines(result)  # what --json and a job's result say
 
 
 def test_the_two_confidences_are_said_in_words_that_do_not_contradict(cpu_plan: Plan) -> None:

@@ -72,19 +72,23 @@ def test_a_stack_refuses_what_it_cannot_run() -> None:
 
 # ---- the Python API -------------------------------------------------------------------
 
-def test_estimates_take_a_stack_name_or_object() -> None:
+def test_a_stack_estimates_with_its_own_constants_and_options() -> None:
     cfg = ParallelConfig(tp=2, pp=1, dp=8, mbs=1, zero_stage=1, global_batch=64)
     for stack in STACKS.values():
-        by_name = estimate_perf(MODEL, TRAINING, cfg, A100S, stack=stack.name)
+        by_name = get_stack(stack.name).estimate_perf(MODEL, TRAINING, cfg, A100S)
         direct = PerfModel(MODEL, TRAINING, cfg, A100S, constants=stack.constants).estimate()
-        assert by_name.step_time == estimate_perf(MODEL, TRAINING, cfg, A100S, stack=stack).step_time
+        assert by_name.step_time == stack.estimate_perf(MODEL, TRAINING, cfg, A100S).step_time
         assert by_name.step_time == direct.step_time
-        mem = estimate_memory(MODEL, TRAINING, cfg, 80 * 1024**3, stack=stack.name)
+        assert by_name.step_time == estimate_perf(MODEL, TRAINING, cfg, A100S, constants=stack.constants).step_time
+        mem = get_stack(stack.name).estimate_memory(MODEL, TRAINING, cfg, 80 * 1024**3)
         assert mem == estimate_memory(MODEL, TRAINING, cfg, 80 * 1024**3, options=stack.memory_options)
+    # the models' own defaults are Pipette's runner's, the default stack
     assert estimate_perf(MODEL, TRAINING, cfg, A100S).step_time == \
-        estimate_perf(MODEL, TRAINING, cfg, A100S, stack="pipette").step_time
+        get_stack("pipette").estimate_perf(MODEL, TRAINING, cfg, A100S).step_time
+    assert estimate_memory(MODEL, TRAINING, cfg, 80 * 1024**3) == \
+        get_stack(None).estimate_memory(MODEL, TRAINING, cfg, 80 * 1024**3)
     with pytest.raises(SpecError, match="unknown stack"):
-        estimate_memory(MODEL, TRAINING, cfg, 80 * 1024**3, stack="nope")
+        get_stack("nope")
 
 
 @pytest.mark.parametrize("name", list(STACKS))

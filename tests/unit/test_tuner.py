@@ -584,7 +584,7 @@ def test_unrunnable_candidates_are_never_proposed(plan: Plan) -> None:
 @pytest.mark.parametrize(
     ("kwargs", "field"),
     [({"max_trials": 0}, "budget.max_trials"), ({"tolerance": 1.5}, "budget.tolerance"),
-     ({"time_budget_s": -1.0}, "budget.time_s"), ({"retries": -1}, "budget.retries"),
+     ({"time_budget_s": -1.0}, "budget.time_budget_s"), ({"retries": -1}, "budget.retries"),
      ({"retime": -1}, "budget.retime"), ({"confidence": 1.0}, "budget.confidence")],
 )
 def test_bad_options_name_the_field(kwargs: dict[str, float], field: str) -> None:

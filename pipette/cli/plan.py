@@ -1,0 +1,180 @@
+"""``pipette plan``: what-if planning with no trials. Enumerate the candidates, estimate their
+memory and step time, drop what does not fit, optimise placement, print the ranking and write
+the best candidate's launch files."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+from pipette.cli.inputs import add_option_flags, add_recipe_flags, load_model, load_recipe, option_values
+from pipette.errors import SpecError
+
+EXIT_OK = 0
+GiB = 1024**3
+
+PLAN_EXAMPLES = """\
+examples:
+  pipette plan --model llama2-7b --cluster examples/clusters/a100-2x8.yaml \\
+      --global-batch 64 --seq-len 4096 --method lora
+  pipette plan --model path/to/config.json --cluster examples/clusters/h100-4x8-slow-links.yaml \\
+      --recipe examples/recipes/llama2-70b-lora.yaml --top 5 --out plan-out
+  pipette plan --model tiny-llama --cluster examples/clusters/cpu-4.yaml --global-batch 16 \\
+      --seq-len 128 --json
+"""
+
+
+def add_parser(sub: Any) -> None:
+    plan = sub.add_parser(
+        "plan",
+        help="rank every memory-feasible configuration by predicted step time (offline)",
+        description="Enumerate, estimate memory and step time, drop what does not fit, "
+        "optimise placement, and write the launch files of the best candidate.",
+        epilog=PLAN_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    plan.add_argument("--model", required=True, help="a preset name or a Hugging Face config.json path")
+    plan.add_argument("--cluster", required=True, help="a cluster file (YAML or JSON)")
+    add_recipe_flags(plan)
+    add_option_flags(plan, "plan")
+    plan.add_argument("--out", default="pipette-plan", help="where to write the best candidate's launch files")
+    plan.add_argument("--no-files", action="store_true", help="do not write launch files")
+    plan.add_argument("--json", action="store_true", help="machine-readable output on stdout")
+    plan.set_defaults(func=cmd_plan)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from pipette.clusterfile import load_cluster
+    from pipette.emit import launch_command, write_launch_files
+    from pipette.fits import memory_headroom
+    from pipette.plan import DEFAULT_MARGIN, make_plan
+    from pipette.stacks import get_stack
+
+    # Every input is checked, cheapest first, and the first real error is the one reported.
+    options = option_values(args, "plan")
+    top = int(options["top"] or 0)
+    margin = DEFAULT_MARGIN if options["margin"] is None else float(options["margin"])
+    stack = get_stack(args.stack, field="--stack")
+    cluster = load_cluster(args.cluster)
+    model = load_model(args.model)
+    training = load_recipe(args.recipe, args)
+    start = time.perf_counter()
+    plan = make_plan(model, training, cluster, margin=margin, stack=stack)
+    elapsed = time.perf_counter() - start
+    files: dict[str, str] = {}
+    if not args.no_files:
+        try:
+            written = write_launch_files(
+                args.out, model, training, plan.best.config, cluster, stack=stack,
+                extra={"predicted": plan.best.to_dict(),
+                       "memory_headroom": memory_headroom(plan.best.memory, plan.fits_prior or stack.fits_prior(
+                           plan.cluster.device_spec.kind))},
+            )
+        except OSError as e:
+            raise SpecError(
+                f"cannot write {args.out!r} ({e.strerror})", field="--out", fix="give a writable folder"
+            ) from None
+        files = {k: str(v) for k, v in written.items()}
+    if args.json:
+        out = plan.to_dict(top=top)
+        out["planning_seconds"] = elapsed
+        out["files"] = files
+        # a stack Pipette writes no launcher for (megatron, fsdp) has no launch command
+        out["launch_command"] = launch_command(plan.best.config, cluster, args.out) \
+            if "launch.sh" in stack.launch_files else None
+        json.dump(out, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return EXIT_OK
+    _print_plan(plan, top, elapsed)
+    if files:
+        print(f"\nlaunch files for #1 in {args.out}/: {', '.join(sorted(files))}")
+        if "launch.sh" in files:
+            print(f"launch: (cd {args.out} && ./launch.sh)")
+        else:
+            print(f"launch: with {stack.frameworks}, from the candidate in {args.out}/candidate.json "
+                  "(Pipette writes no launcher for this stack yet)")
+    return EXIT_OK
+
+
+def fits_sentence(planned: Any, prior: Any) -> str:
+    """How close to the memory limit a candidate runs, in words: its chance to fit and the
+    headroom to expect (what a longer sequence or a larger micro-batch would eat)."""
+    headroom = prior.headroom_bytes(planned.memory)
+    capacity = planned.memory.capacity_bytes
+    room = (f"{headroom / GiB:.1f} GiB ({headroom / capacity:.0%}) expected to stay free" if headroom >= 0 else
+            f"expected {-headroom / GiB:.1f} GiB ({-headroom / capacity:.0%}) short")
+    sure = "sure to fit" if planned.sure_to_fit else "not sure to fit"
+    return f"chance to fit: {_chance(planned.chance_to_fit)} ({sure}); {room} of {capacity / GiB:.1f} GiB"
+
+
+def _chance(p: float) -> str:
+    """A chance to fit as shown: '>99%' rather than a rounded 100% that is not certain."""
+    if p >= 0.995:
+        return ">99%"
+    return f"{p:.0%}"
+
+
+def _print_plan(plan: Any, top: int, elapsed: float) -> None:
+    from pipette.estimates import MEMORY_PARTS, TIME_PARTS
+    from pipette.plan import DROP_REASONS
+    from pipette.stacks import OPTION_NOT_MODELLED
+
+    c = plan.cluster
+    print(
+        f"{plan.model.name} ({plan.model.total_params() / 1e9:.2f}B params), "
+        f"{plan.training.method}, {plan.training.dtype}, global batch {plan.training.global_batch} "
+        f"x {plan.training.seq_len} tokens"
+    )
+    print(f"cluster {c.name}: {len(c.nodes)} nodes, {c.world} x {c.device_spec.name}")
+    print(f"stack {plan.stack.key}: {plan.stack.frameworks}"
+          + (f" ({', '.join(plan.stack.options)}: {OPTION_NOT_MODELLED})" if plan.stack.options else ""))
+    dropped = sum(plan.dropped.values())
+    sure = sum(p.sure_to_fit for p in plan.ranked)
+    kept_free = f", {plan.margin:.0%} of memory kept free" if plan.margin else ""
+    print(
+        f"{plan.enumerated} candidates, {len(plan.ranked)} may fit ({sure} sure to fit), {dropped} dropped "
+        f"(planned in {elapsed:.2f} s{kept_free})"
+    )
+    if plan.fits_prior is not None:
+        print(f"fit: the chance to fit in memory, from the estimator's measured error ({plan.fits_prior.name}: "
+              f"{plan.fits_prior.source}); ranked by the step time to expect from trying each\n")
+    header = f"{'#':>3} {'tp':>3} {'pp':>3} {'dp':>4} {'mbs':>3} {'zero':>4} {'recompute':>9} {'schedule':>8} " \
+             f"{'step s':>9} {'tokens/s':>11} {'MFU':>6} {'HFU':>6} {'peak GiB':>15} {'fit':>5}"
+    print(header)
+    for i, p in enumerate(plan.ranked[:top], 1):
+        cfg = p.config
+        sched = cfg.schedule if cfg.schedule == "1f1b" else f"int-v{cfg.virtual_stages}"
+        mem = f"{p.memory.peak_bytes / GiB:.1f}/{p.memory.capacity_bytes / GiB:.0f}"
+        print(
+            f"{i:>3} {cfg.tp:>3} {cfg.pp:>3} {cfg.dp:>4} {cfg.mbs:>3} {cfg.zero_stage:>4} "
+            f"{cfg.recompute:>9} {sched:>8} {p.perf.step_time:>9.3f} {p.perf.tokens_per_s:>11,.0f} "
+            f"{p.perf.mfu:>6.1%} {p.perf.hfu:>6.1%} {mem:>15} {_chance(p.chance_to_fit):>5}"
+        )
+    print("\ndropped:" if dropped else "\ndropped: none")
+    for code, count in plan.dropped.most_common():
+        if count:
+            print(f"  {count:>6}  {DROP_REASONS.get(code, code)}")
+    best = plan.best
+    print(f"\nbest: {best.config.label}  (placement: {best.placement_method}; "
+          f"default placement {best.default_step_time:.3f} s -> {best.perf.step_time:.3f} s)")
+    print("  time per step:")
+    for part in TIME_PARTS:
+        value = best.perf.breakdown.get(part, 0.0)
+        if value > 0:
+            print(f"    {part:<15} {value:>9.4f} s  {value / best.perf.step_time:>6.1%}")
+    print(f"  memory on the heaviest rank (stage {best.memory.stage}):")
+    for part in MEMORY_PARTS:
+        value = best.memory.breakdown.get(part, 0)
+        if value > 0:
+            print(f"    {part:<15} {value / GiB:>9.2f} GiB")
+    print(f"    {'total':<15} {best.memory.peak_bytes / GiB:>9.2f} GiB of {best.memory.capacity_bytes / GiB:.1f} GiB")
+    if plan.fits_prior is not None:
+        print(f"  {fits_sentence(best, plan.fits_prior)}")
+        if not best.sure_to_fit:
+            sure = next((p for p in plan.ranked if p.sure_to_fit), None)
+            if sure is not None:
+                print(f"  if it runs out of memory: {sure.config.label}, sure to fit, predicted "
+                      f"{sure.perf.step_time:.3f} s a step (`pipette tune` tries both)")
