@@ -1,0 +1,140 @@
+"""The PyTorch-native runner's cases, shared by the CPU test (``tests/integration/test_fsdp.py``,
+4 gloo ranks) and the GPU test (``tests/gpu/test_gpu_fsdp.py``, NCCL): the same tiny Llama, the
+same modes, the same launch of real rank processes and the same comparison with one device.
+
+A batch of cases runs in one set of rank processes (``python -m tests.fsdp_ranks``): the ranks
+import torch once and train each case in turn on the same process group, each case on a mesh
+of its own, so the CPU file stays within its time (imports are ~6 s of CPU per process).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from pipette.config import ParallelConfig
+from pipette.emit import RANK_ENV
+from pipette.model import ModelSpec
+from pipette.training import LoraSpec, TrainingSpec
+from workers.spec import TrialSpec
+
+ROOT = Path(__file__).resolve().parents[1]
+EVENT_PREFIX = "@@pipette "
+
+#: 4 layers (2 pipeline stages x 2 virtual stages), GQA heads that tp=2 divides
+MODEL = ModelSpec(name="tiny-fsdp", layers=4, hidden=64, heads=4, kv_heads=2, ffn_hidden=128, vocab=256,
+                  max_seq=64, tied_embeddings=False, arch="llama")
+GLOBAL_BATCH, SEQ = 8, 32
+#: the modes of issue 31 on 4 ranks (ParallelConfig fields); extra: FsdpPlan fields set over the plan
+MODES: dict[str, dict[str, Any]] = {
+    "fsdp": {"dp": 4, "mbs": 2, "zero_stage": 3},
+    "no-reshard": {"dp": 4, "mbs": 2, "zero_stage": 2},
+    "hsdp-2x2": {"dp": 4, "mbs": 2, "zero_stage": 3, "dp_shard": 2},
+    "fsdp-tp2": {"dp": 2, "tp": 2, "mbs": 2, "zero_stage": 3},
+    "pp2-fsdp": {"dp": 2, "pp": 2, "mbs": 2, "zero_stage": 3},
+}
+#: further compositions, trained once each (full fine-tuning unless named lora)
+EXTRA: dict[str, dict[str, Any]] = {
+    "replicate": {"dp": 4, "mbs": 1, "zero_stage": 0},
+    "fsdp-ac-full": {"dp": 4, "mbs": 2, "zero_stage": 3, "recompute": "full"},
+    "fsdp-ac-selective": {"dp": 4, "mbs": 2, "zero_stage": 3, "recompute": "selective"},
+    "pp2-interleaved-fsdp": {"dp": 2, "pp": 2, "mbs": 1, "zero_stage": 3, "schedule": "interleaved",
+                             "virtual_stages": 2},
+    "pp2-gpipe-fsdp": {"dp": 2, "pp": 2, "mbs": 2, "zero_stage": 2, "extra": {"schedule": "gpipe"}},
+    "tp2-pp2": {"tp": 2, "pp": 2, "mbs": 2, "zero_stage": 3},
+    "tp2-pp2-lora-ac": {"tp": 2, "pp": 2, "mbs": 2, "zero_stage": 3, "recompute": "full", "lora": True},
+}
+
+
+def training(method: str, dtype: str = "fp32") -> TrainingSpec:
+    lora = LoraSpec(rank=8, alpha=16, targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "down_proj"))
+    return TrainingSpec(global_batch=GLOBAL_BATCH, seq_len=SEQ, dtype=dtype, method=method,  # type: ignore[arg-type]
+                        lora=lora if method == "lora" else None)
+
+
+def trial(mode: dict[str, Any], method: str, device_kind: str = "cpu", dtype: str = "fp32", steps: int = 4,
+          **options: Any) -> TrialSpec:
+    """The trial of one mode: ``steps`` steps in all (one warm-up), every one compared."""
+    fields = {k: v for k, v in mode.items() if k not in ("extra", "lora")}
+    config = ParallelConfig(tp=fields.pop("tp", 1), pp=fields.pop("pp", 1), dp=fields.pop("dp", 1),
+                            mbs=fields.pop("mbs"), global_batch=GLOBAL_BATCH, **fields)
+    return TrialSpec(MODEL, training(method, dtype), config, warmup_steps=1, min_steps=steps - 1,
+                     max_steps=steps - 1, device_kind=device_kind, lr=1e-2, **options)
+
+
+def reference(method: str, device_kind: str = "cpu", dtype: str = "fp32", steps: int = 4) -> TrialSpec:
+    """The same job on one device: the whole global batch in one micro-batch."""
+    return trial({"mbs": GLOBAL_BATCH, "zero_stage": 0}, method, device_kind, dtype, steps)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def launch(argv: list[str], world: int, device_kind: str, timeout_s: float,
+           env: dict[str, str] | None = None) -> tuple[list[list[dict[str, Any]]], list[int], list[str]]:
+    """Start ``world`` rank processes of ``python argv``, as the executor does (one process per
+    rank, ``RANK``/``WORLD_SIZE``/``MASTER_*``; on GPUs every GPU visible and ``LOCAL_RANK`` the
+    rank's); returns each rank's events, exit status and output tail."""
+    port = free_port()
+    procs = []
+    logs = [tempfile.TemporaryFile(mode="w+") for _ in range(world)]
+    for rank in range(world):
+        rank_env = {**os.environ, **RANK_ENV, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PIPETTE_SPAWNED_AT": repr(time.time()),
+                    "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+        if device_kind == "cpu":
+            rank_env["CUDA_VISIBLE_DEVICES"] = ""
+        procs.append(subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=rank_env | (env or {}),
+                                      stdout=logs[rank], stderr=subprocess.STDOUT, text=True))
+    deadline = time.monotonic() + timeout_s
+    try:
+        for p in procs:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    events, tails = [], []
+    for log in logs:
+        log.seek(0)
+        lines = log.read().splitlines()
+        events.append([json.loads(x[len(EVENT_PREFIX):]) for x in lines if x.startswith(EVENT_PREFIX)])
+        tails.append("\n".join(x for x in lines if not x.startswith(EVENT_PREFIX))[-6000:])
+    return events, [int(p.returncode) for p in procs], tails
+
+
+def run_batch(cases: dict[str, TrialSpec], world: int, device_kind: str, timeout_s: float,
+              extra: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Train every case in one set of ``world`` rank processes; returns, per case, the ``done``
+    event of every rank (or the failure's output), and the batch's wall time."""
+    work = Path(tempfile.mkdtemp(prefix="pipette-fsdp-"))
+    spec = [{"name": n, "candidate": t.candidate(), "extra": (extra or {}).get(n, {})} for n, t in cases.items()]
+    (work / "cases.json").write_text(json.dumps(spec))
+    start = time.monotonic()
+    events, codes, tails = launch(["-m", "tests.fsdp_ranks", str(work / "cases.json")], world, device_kind, timeout_s)
+    out: dict[str, Any] = {"wall_s": time.monotonic() - start, "codes": codes, "tails": tails, "cases": {}}
+    for name in cases:
+        done = {e["rank"]: e for rank_events in events for e in rank_events
+                if e.get("case") == name and e["event"] == "done"}
+        seconds = [e["seconds"] for rank_events in events for e in rank_events
+                   if e.get("case") == name and e["event"] == "case"]
+        out["cases"][name] = {"done": done, "seconds": max(seconds) if seconds else None}
+    return out
+
+
+def plan_fields(plan: Any) -> dict[str, Any]:
+    return asdict(plan)
