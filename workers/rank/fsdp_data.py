@@ -43,4 +43,4 @@ class GlobalBatches:
 
 def micro_batches(ids: torch.Tensor, labels: torch.Tensor, mbs: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The replica's rows in micro-batches of ``mbs`` rows (what the pipeline schedule cuts too)."""
-    return list(zip(ids.split(mbs), labels.split(mbs), strict=True))
+    return list(zip(torch.split(ids, mbs), torch.split(labels, mbs), strict=True))

@@ -136,15 +136,15 @@ def restore_trainable(stage: nn.Module, names: dict[str, ParamInfo]) -> None:
         p.requires_grad_(names[fqn.replace(WRAPPED, "")].trainable)
 
 
-@torch.no_grad()  # type: ignore[untyped-decorator]  # torch leaves no_grad's call untyped
-def materialize(stage: LlamaStage, names: dict[str, ParamInfo], device: torch.device,
-                seed: int, std: float, checkpoint: str | None = None, offload: bool = False) -> None:
-    """Give the sharded stage its values: ``to_empty`` on ``device`` (on the host where FSDP2
+@torch.no_grad()
+def materialize(stage: LlamaStage, names: dict[str, ParamInfo], device: torch.device, init: torch.device,
+                seed: int, std: float, checkpoint: str | None = None) -> None:
+    """Give the sharded stage its values: ``to_empty`` on ``init`` (the host where FSDP2
     offloads, as torchtitan's ``init_device``), then each parameter's part of its whole values,
     drawn on ``device``; rebuild the rotary buffers there."""
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-    stage.to_empty(device=torch.device("cpu") if offload else device)
+    stage.to_empty(device=init)
     source = _checkpoint(checkpoint)
     for fqn, p in stage.named_parameters():
         info = names[fqn.replace(WRAPPED, "")]

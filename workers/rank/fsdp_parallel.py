@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -85,7 +85,7 @@ def _shard_lora(lora: nn.Module, kind: str, tp_mesh: DeviceMesh) -> None:
     """Shard PEFT's adapters of one layer (``lora_A`` and ``lora_B``, a ``ModuleDict`` of each
     adapter's ``nn.Linear``) to match the base layer's TP split (see the module docstring)."""
     for name in lora.lora_A:  # type: ignore[union-attr]
-        a, b = lora.lora_A[name], lora.lora_B[name]  # type: ignore[index]
+        a, b = cast(nn.Module, lora.lora_A[name]), cast(nn.Module, lora.lora_B[name])  # type: ignore[index]
         if kind == "column":
             distribute_module(a, tp_mesh)  # replicated: its output is the whole rank-r projection
             parallelize_module(b, tp_mesh, ColwiseParallel())

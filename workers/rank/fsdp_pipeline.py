@@ -27,7 +27,8 @@ def pipeline_schedule(modules: list[nn.Module], stage_ids: list[int], plan: Fsdp
     """The schedule that runs this rank's stages (``modules``, ``stage_ids``) of ``plan``."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-    stages = [PipelineStage(m, s, plan.stages, device, group=group) for m, s in zip(modules, stage_ids, strict=True)]
+    pairs = zip(modules, stage_ids, strict=True)
+    stages: list[Any] = [PipelineStage(m, s, plan.stages, device, group=group) for m, s in pairs]
     if plan.schedule == "interleaved":
         return ScheduleInterleaved1F1B(stages, n_microbatches=plan.microbatches, loss_fn=loss_fn)
     single = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[plan.schedule]

@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -44,9 +45,11 @@ Report = Callable[[dict[str, Any]], None]
 
 def backend_name(trial: TrialSpec, plan: FsdpPlan) -> str:
     """The parallelisms a trial ran, e.g. ``fsdp2-full-shard+tp-sp+pp-1f1b+ac-full+peft-lora``."""
-    if plan.dp_replicate > 1 and plan.dp_shard > 1:
+    if plan.dp == 1:
+        mode = "one-rank"  # fully_shard on one rank: its mixed precision or offload
+    elif plan.dp_replicate > 1 and plan.dp_shard > 1:
         mode = f"hsdp{plan.dp_replicate}x{plan.dp_shard}"
-    elif plan.dp_shard == 1 and plan.dp > 1:
+    elif plan.dp_shard == 1:
         mode = "replicate"
     else:
         mode = "full-shard" if plan.reshard_after_forward else "no-reshard"
@@ -80,6 +83,26 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float, pp_group: Any) -
     return total
 
 
+@dataclass(frozen=True)
+class RankDevices:
+    """Where one rank's tensors live: ``workers.devices``' rule, with FSDP2's offload."""
+
+    #: the forward and backward, the batch, the pipeline's messages, the values drawn at build
+    compute: torch.device
+    #: where ``to_empty`` puts the sharded parameters: the host under CPU offload (torchtitan's
+    #: ``init_device``), else the compute device
+    init: torch.device
+    #: the tensors of this runner's own collectives (the loss, the step agreement)
+    collective: torch.device
+
+
+def rank_devices(device_kind: str, offload: bool) -> RankDevices:
+    """The devices of a rank of ``device_kind`` (pure: the GPU answers are tested on a CPU)."""
+    compute = rank_device(device_kind)
+    init = torch.device("cpu") if offload else compute
+    return RankDevices(compute, init, collective_device(backend_for(device_kind), compute))
+
+
 class FsdpRank:
     """This rank's share of the model, its optimizer and pipeline schedule, and one step."""
 
@@ -87,7 +110,9 @@ class FsdpRank:
         from torch.distributed.device_mesh import init_device_mesh
 
         t = trial.training
-        self.trial, self.plan, self.device = trial, plan, rank_device(trial.device_kind)
+        self.trial, self.plan = trial, plan
+        self.devices = rank_devices(trial.device_kind, plan.offload)
+        self.device = self.devices.compute
         self.mesh = init_device_mesh(self.device.type, plan.mesh_shape, mesh_dim_names=MESH_DIMS)
         coords = plan.coords(rank)
         dp_index = coords["dp_replicate"] * plan.dp_shard + coords["dp_shard"]
@@ -99,7 +124,7 @@ class FsdpRank:
         for stage in self.stages:
             names = parameter_names(stage)
             parallelize(stage, self.mesh, plan, self.device, names)
-            materialize(stage, names, self.device, trial.seed, meta.std, trial.checkpoint, plan.offload)
+            materialize(stage, names, self.devices.compute, self.devices.init, trial.seed, meta.std, trial.checkpoint)
         self.params = [p for s in self.stages for p in s.parameters() if p.requires_grad]
         self.trainable = sum(p.numel() for p in self.params)
         self.held_bytes = held_param_bytes(list(self.stages))
@@ -107,17 +132,19 @@ class FsdpRank:
             phases.mark("build")
         self.optimizer = torch.optim.AdamW(self.params, lr=trial.lr, weight_decay=0.0)
         self.pp_group = self.mesh["pp"].get_group() if plan.pp > 1 else None
-        self.schedule = None
+        self.schedule: Any = None
+        self.grad_norm = 0.0
         if plan.pp > 1:
             self.schedule = pipeline_schedule(list(self.stages), self.stage_ids, plan, self.device, self.pp_group,
                                               lm_loss)
-        self.collective = collective_device(dist.get_backend(), self.device)
         if phases is not None:
             phases.mark("engine")
 
     def step(self) -> float:
         """One optimizer step over the replica's rows; returns the mean loss of the whole global
-        batch (every replica's, averaged: one all-reduce, the step's one read)."""
+        batch (every replica's, averaged: one all-reduce, the step's one read), and keeps the
+        gradient's norm before clipping (``grad_norm``): AdamW with clipping hides a gradient
+        scaled by a constant from the losses, not from the norm."""
         ids, labels = (t.to(self.device) for t in self.batches.next())
         if self.schedule is not None:
             mine = pipeline_step(self.schedule, self.stage_ids, self.plan, ids, labels)
@@ -125,16 +152,18 @@ class FsdpRank:
             total = torch.zeros((), device=self.device)
             for mb_ids, mb_labels in micro_batches(ids, labels, self.plan.mbs):
                 loss = lm_loss(self.stages[0](mb_ids), mb_labels)
-                (loss / self.plan.microbatches).backward()
+                torch.autograd.backward(loss / self.plan.microbatches)
                 total += loss.detach()
             mine = total / self.plan.microbatches
-        clip_grad_norm(self.params, GRAD_CLIP, self.pp_group)
+        norm = clip_grad_norm(self.params, GRAD_CLIP, self.pp_group)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         # the last stage's ranks hold the loss; each of their dp x tp ranks adds its replica's
-        out = (mine if mine is not None else torch.zeros(())).detach().float().reshape(1).to(self.collective)
+        held = mine.detach() if mine is not None else torch.zeros(())
+        out = torch.stack([held.float(), norm.detach().float()]).to(self.devices.collective)
         dist.all_reduce(out)
-        return float(out) / (self.plan.dp * self.plan.tp)
+        self.grad_norm = float(out[1]) / self.plan.world  # every rank holds the whole norm
+        return float(out[0]) / (self.plan.dp * self.plan.tp)
 
 
 def _sync(device: torch.device) -> None:
@@ -165,6 +194,7 @@ def train(trial: TrialSpec, plan: FsdpPlan, rank: int, report: Report, phases: P
     times: list[float] = []
     cpu_times: list[float] = []
     losses: list[float] = []
+    grad_norms: list[float] = []
     peak_tensor, step = 0, 0
     while True:
         warm = step < trial.warmup_steps
@@ -173,6 +203,7 @@ def train(trial: TrialSpec, plan: FsdpPlan, rank: int, report: Report, phases: P
         peak_tensor = peak if track else peak_tensor
         phases.mark("warmup" if warm else "steps", then="steps" if step + 1 >= trial.warmup_steps else None)
         losses.append(loss)
+        grad_norms.append(runner.grad_norm)
         if not warm:
             times.append(elapsed)
             cpu_times.append(cpu)
@@ -189,7 +220,7 @@ def train(trial: TrialSpec, plan: FsdpPlan, rank: int, report: Report, phases: P
         "event": "done", "rank": rank, "step_times": times, "losses": losses, "phases": phases.seconds,
         "peak_tensor_bytes": peak_tensor, "peak_rss_bytes": peak_rss_bytes(), "step_cpu_times": cpu_times,
         "trainable_params": runner.trainable, "held_param_bytes": runner.held_bytes,
-        "backend": backend_name(trial, plan), **device,
+        "backend": backend_name(trial, plan), "grad_norms": grad_norms, **device,
     })
 
 

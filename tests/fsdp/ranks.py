@@ -1,7 +1,7 @@
-"""One rank of a batch of PyTorch-native trials (``tests.fsdp_cases.run_batch``): the product's
+"""One rank of a batch of PyTorch-native trials (``tests.fsdp.cases.run_batch``): the product's
 rank program (``workers.rank.fsdp_rank.train``) for each case in turn, on one process group.
 
-    python -m tests.fsdp_ranks cases.json
+    python -m tests.fsdp.ranks cases.json
 
 Each case's events carry its name (``case``); a ``case`` event after each says how long the
 case took on this rank. A case that raises ends the process (its peers would wait on it).

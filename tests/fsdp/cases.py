@@ -1,8 +1,8 @@
-"""The PyTorch-native runner's cases, shared by the CPU test (``tests/integration/test_fsdp.py``,
+"""The PyTorch-native runner's cases, shared by the CPU test (``tests/fsdp/test_fsdp.py``,
 4 gloo ranks) and the GPU test (``tests/gpu/test_gpu_fsdp.py``, NCCL): the same tiny Llama, the
 same modes, the same launch of real rank processes and the same comparison with one device.
 
-A batch of cases runs in one set of rank processes (``python -m tests.fsdp_ranks``): the ranks
+A batch of cases runs in one set of rank processes (``python -m tests.fsdp.ranks``): the ranks
 import torch once and train each case in turn on the same process group, each case on a mesh
 of its own, so the CPU file stays within its time (imports are ~6 s of CPU per process).
 """
@@ -16,7 +16,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +25,7 @@ from pipette.model import ModelSpec
 from pipette.training import LoraSpec, TrainingSpec
 from workers.spec import TrialSpec
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EVENT_PREFIX = "@@pipette "
 
 #: 4 layers (2 pipeline stages x 2 virtual stages), GQA heads that tp=2 divides
@@ -50,8 +49,24 @@ EXTRA: dict[str, dict[str, Any]] = {
                              "virtual_stages": 2},
     "pp2-gpipe-fsdp": {"dp": 2, "pp": 2, "mbs": 2, "zero_stage": 2, "extra": {"schedule": "gpipe"}},
     "tp2-pp2": {"tp": 2, "pp": 2, "mbs": 2, "zero_stage": 3},
+    "fsdp-offload": {"dp": 4, "mbs": 2, "zero_stage": 3, "offload": True},
     "tp2-pp2-lora-ac": {"tp": 2, "pp": 2, "mbs": 2, "zero_stage": 3, "recompute": "full", "lora": True},
 }
+
+
+#: How far a run may be from one device's, and why. fp32: the ranks sum the same products in
+#: another order (FSDP2's reduce-scatter over dp, TP's partial sums, the micro-batches), which
+#: moves the last bits of a gradient (~1e-7 relative); AdamW's normalised step carries that
+#: relative error into the weights, and four steps at lr 1e-2 moved the loss by at most 3.1e-6
+#: on this machine: 1e-4 leaves 30x of room, and is 500x below what the bugs this caught did
+#: (the frozen norms that trained under TP + LoRA: 5e-2 after one step). The gradient norm
+#: (before clipping) is compared too: AdamW with clipping hides a gradient scaled by a constant
+#: from the losses (its step is scale-free), not from the norm.
+FP32_LOSS_TOL, FP32_NORM_RTOL = 1e-4, 1e-4
+#: bf16 (FSDP2's MixedPrecisionPolicy: bf16 compute, fp32 master weights and reduction): a
+#: matmul's rounding depends on its shapes (mbs 2 against 8), so two correct bf16 runs differ
+#: by up to 3.2e-3 nats over the four steps (measured on CPU): 2e-2 is 6x that.
+BF16_LOSS_TOL, BF16_NORM_RTOL = 2e-2, 5e-2
 
 
 def training(method: str, dtype: str = "fp32") -> TrainingSpec:
@@ -125,7 +140,7 @@ def run_batch(cases: dict[str, TrialSpec], world: int, device_kind: str, timeout
     spec = [{"name": n, "candidate": t.candidate(), "extra": (extra or {}).get(n, {})} for n, t in cases.items()]
     (work / "cases.json").write_text(json.dumps(spec))
     start = time.monotonic()
-    events, codes, tails = launch(["-m", "tests.fsdp_ranks", str(work / "cases.json")], world, device_kind, timeout_s)
+    events, codes, tails = launch(["-m", "tests.fsdp.ranks", str(work / "cases.json")], world, device_kind, timeout_s)
     out: dict[str, Any] = {"wall_s": time.monotonic() - start, "codes": codes, "tails": tails, "cases": {}}
     for name in cases:
         done = {e["rank"]: e for rank_events in events for e in rank_events
@@ -136,5 +151,47 @@ def run_batch(cases: dict[str, TrialSpec], world: int, device_kind: str, timeout
     return out
 
 
-def plan_fields(plan: Any) -> dict[str, Any]:
-    return asdict(plan)
+def cases(device_kind: str, dtype: str) -> dict[str, tuple[TrialSpec, dict[str, Any], str]]:
+    """Every case of a batch: name -> (trial, FsdpPlan fields set over its plan, reference key)."""
+    out: dict[str, tuple[TrialSpec, dict[str, Any], str]] = {}
+    for name, mode in MODES.items():
+        for method in ("full", "lora"):
+            out[f"{name}/{method}"] = (trial(mode, method, device_kind, dtype), {}, ref_key(method, dtype))
+    for name, mode in EXTRA.items():
+        method = "lora" if mode.get("lora") else "full"
+        extra = mode.get("extra", {})
+        out[f"{name}/{method}"] = (trial(mode, method, device_kind, dtype), extra, ref_key(method, dtype))
+    return out
+
+
+def ref_key(method: str, dtype: str) -> str:
+    return f"{method}-{dtype}"
+
+
+def references(device_kind: str, dtypes: tuple[str, ...]) -> dict[str, Any]:
+    """One device's runs of the job (one rank process), full and LoRA in each dtype."""
+    refs = {ref_key(m, d): reference(m, device_kind, d) for m in ("full", "lora") for d in dtypes}
+    return run_batch(refs, 1, device_kind, 300)
+
+
+def deltas(run: dict[str, Any], ref: dict[str, Any]) -> tuple[list[float], list[float]]:
+    """(loss - reference loss, relative gradient-norm difference) per step."""
+    loss = [a - b for a, b in zip(run["losses"], ref["losses"], strict=True)]
+    norm = [abs(a - b) / b for a, b in zip(run["grad_norms"], ref["grad_norms"], strict=True)]
+    return loss, norm
+
+
+def check_case(batch: dict[str, Any], refs: dict[str, Any], name: str, key: str, dtype: str) -> dict[str, Any]:
+    """Assert that case ``name`` trained on every rank as one device did; returns its rank 0's done."""
+    done = batch["cases"][name]["done"]
+    tail = "\n".join(batch["tails"])[-4000:]
+    assert len(done) == len(batch["codes"]), f"{name}: {len(done)} ranks reported; exit codes {batch['codes']}\n{tail}"
+    ref = refs["cases"][key]["done"][0]
+    loss_tol, norm_rtol = (FP32_LOSS_TOL, FP32_NORM_RTOL) if dtype == "fp32" else (BF16_LOSS_TOL, BF16_NORM_RTOL)
+    for rank, event in done.items():
+        assert event["losses"] == done[0]["losses"], f"{name}: rank {rank} reported other losses"
+    loss, norm = deltas(done[0], ref)
+    assert max(map(abs, loss)) <= loss_tol, f"{name}: loss - one device's = {loss} (tolerance {loss_tol})"
+    assert max(norm) <= norm_rtol, f"{name}: gradient norm off by {norm} (relative tolerance {norm_rtol})"
+    assert done[0]["losses"][-1] < done[0]["losses"][0] - 0.5, f"{name}: it did not learn: {done[0]['losses']}"
+    return dict(done[0])
