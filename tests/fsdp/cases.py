@@ -168,9 +168,19 @@ def ref_key(method: str, dtype: str) -> str:
     return f"{method}-{dtype}"
 
 
-def references(device_kind: str, dtypes: tuple[str, ...]) -> dict[str, Any]:
-    """One device's runs of the job (one rank process), full and LoRA in each dtype."""
+#: one rank under ``fully_shard`` (a one-rank mesh: FSDP2 for its mixed precision and offload)
+ONE_RANK: dict[str, dict[str, Any]] = {
+    "one-rank-offload/full": {"mbs": 2, "zero_stage": 3, "offload": True},
+    "one-rank-offload-sac/lora": {"mbs": 4, "zero_stage": 3, "offload": True, "recompute": "selective"},
+}
+
+
+def references(device_kind: str, dtypes: tuple[str, ...], one_rank: bool = True) -> dict[str, Any]:
+    """One device's runs of the job (one rank process), full and LoRA in each dtype; then, in
+    bf16, the ``ONE_RANK`` cases (compared with these by ``check_case``)."""
     refs = {ref_key(m, d): reference(m, device_kind, d) for m in ("full", "lora") for d in dtypes}
+    if one_rank:
+        refs |= {n: trial(mode, n.rsplit("/", 1)[1], device_kind, "bf16") for n, mode in ONE_RANK.items()}
     return run_batch(refs, 1, device_kind, 300)
 
 

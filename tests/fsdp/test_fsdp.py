@@ -75,6 +75,14 @@ def test_bf16_mixed_precision_trains_as_one_device_in_bf16(batch: dict[str, Any]
     _check(batch, refs, f"{name}-bf16")
 
 
+@pytest.mark.parametrize("name", list(fc.ONE_RANK))
+def test_one_rank_shards_on_a_one_rank_mesh_with_offload(refs: dict[str, Any], name: str) -> None:
+    """What the GPU test runs on one GPU: ``fully_shard`` on a one-rank mesh for bf16 mixed
+    precision, with CPU offload, per-op checkpointing and LoRA; the loss of the plain run."""
+    done = fc.check_case(refs, refs, name, fc.ref_key(name.rsplit("/", 1)[1], "bf16"), "bf16")
+    assert done["backend"].startswith("fsdp2-one-rank+") and "cpu-offload" in done["backend"]
+
+
 def test_done_events_are_the_deepspeed_runners(batch: dict[str, Any]) -> None:
     """Every rank's ``done`` has the DeepSpeed runner's fields; the executor's own reading of
     them (``workers.outcome.measurement``) makes an ``ok`` measurement with the backend named."""
