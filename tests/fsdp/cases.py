@@ -20,13 +20,12 @@ from pathlib import Path
 from typing import Any
 
 from pipette.config import ParallelConfig
-from pipette.emit import RANK_ENV
+from pipette.contract import rank_env, split_event
 from pipette.model import ModelSpec
 from pipette.training import LoraSpec, TrainingSpec
 from workers.spec import TrialSpec
 
 ROOT = Path(__file__).resolve().parents[2]
-EVENT_PREFIX = "@@pipette "
 
 #: 4 layers (2 pipeline stages x 2 virtual stages), GQA heads that tp=2 divides
 MODEL = ModelSpec(name="tiny-fsdp", layers=4, hidden=64, heads=4, kv_heads=2, ffn_hidden=128, vocab=256,
@@ -98,19 +97,16 @@ def free_port() -> int:
 
 def launch(argv: list[str], world: int, device_kind: str, timeout_s: float,
            env: dict[str, str] | None = None) -> tuple[list[list[dict[str, Any]]], list[int], list[str]]:
-    """Start ``world`` rank processes of ``python argv``, as the executor does (one process per
-    rank, ``RANK``/``WORLD_SIZE``/``MASTER_*``; on GPUs every GPU visible and ``LOCAL_RANK`` the
-    rank's); returns each rank's events, exit status and output tail."""
-    port = free_port()
+    """Start ``world`` rank processes of ``python argv`` with the environment every transport
+    gives a rank (``pipette.contract.rank_env``: on GPUs each rank sees only its own, GPU
+    ``rank``); returns each rank's events, exit status and output tail."""
+    master = ("127.0.0.1", free_port())
     procs = []
     logs = [tempfile.TemporaryFile(mode="w+") for _ in range(world)]
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     for rank in range(world):
-        rank_env = {**os.environ, **RANK_ENV, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PIPETTE_SPAWNED_AT": repr(time.time()),
-                    "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
-        if device_kind == "cpu":
-            rank_env["CUDA_VISIBLE_DEVICES"] = ""
-        procs.append(subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=rank_env | (env or {}),
+        rank_environ = os.environ | rank_env(device_kind, rank, world, master, gpu=str(rank)) | {"PYTHONPATH": path}
+        procs.append(subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=rank_environ | (env or {}),
                                       stdout=logs[rank], stderr=subprocess.STDOUT, text=True))
     deadline = time.monotonic() + timeout_s
     try:
@@ -126,9 +122,9 @@ def launch(argv: list[str], world: int, device_kind: str, timeout_s: float,
     events, tails = [], []
     for log in logs:
         log.seek(0)
-        lines = log.read().splitlines()
-        events.append([json.loads(x[len(EVENT_PREFIX):]) for x in lines if x.startswith(EVENT_PREFIX)])
-        tails.append("\n".join(x for x in lines if not x.startswith(EVENT_PREFIX))[-6000:])
+        split = [split_event(line) for line in log.read().splitlines()]
+        events.append([json.loads(e) for e, _ in split if e is not None])
+        tails.append("\n".join(text for e, text in split if e is None)[-6000:])
     return events, [int(p.returncode) for p in procs], tails
 
 

@@ -26,9 +26,9 @@ def main() -> int:
     from workers.phases import Phases
     from workers.rank.fsdp_rank import init_distributed, train
     from workers.rank.fsdp_spec import plan_for
+    from workers.rank.store import rendezvous_store
+    from workers.rank.trial import emit
     from workers.spec import TrialSpec
-    from workers.store import rendezvous_store
-    from workers.trial import emit
 
     cases = json.loads(Path(sys.argv[1]).read_text())
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

@@ -21,13 +21,13 @@ import pytest
 import torch
 
 from tests.fsdp import cases as fc
-from workers.outcome import Outcome, measurement
+from workers.host.outcome import Outcome, measurement
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 #: bf16 cases on the CPU too (FSDP2's MixedPrecisionPolicy, the GPU's dtype), against bf16 references
 BF16 = {"fsdp/full", "fsdp-tp2/lora", "pp2-fsdp/full"}
-#: what a ``done`` event of the DeepSpeed runner carries (``workers.trial.train``)
+#: what a ``done`` event of the DeepSpeed runner carries (``workers.rank.trial.train``)
 DONE_FIELDS = {"event", "rank", "step_times", "losses", "phases", "peak_tensor_bytes", "peak_rss_bytes",
                "step_cpu_times", "trainable_params", "held_param_bytes", "backend", "device"}
 
@@ -85,7 +85,7 @@ def test_one_rank_shards_on_a_one_rank_mesh_with_offload(refs: dict[str, Any], n
 
 def test_done_events_are_the_deepspeed_runners(batch: dict[str, Any]) -> None:
     """Every rank's ``done`` has the DeepSpeed runner's fields; the executor's own reading of
-    them (``workers.outcome.measurement``) makes an ``ok`` measurement with the backend named."""
+    them (``workers.host.outcome.measurement``) makes an ``ok`` measurement with the backend named."""
     done = batch["cases"]["pp2-fsdp/lora"]["done"]
     for event in done.values():
         assert DONE_FIELDS <= set(event), DONE_FIELDS - set(event)
@@ -134,12 +134,12 @@ def test_a_bad_candidate_ends_before_the_rendezvous_in_one_line(tmp_path: Path,
 
 
 def test_the_stage_is_the_deepspeed_runners_model() -> None:
-    """The whole model as one stage has the DeepSpeed runner's initial values (``workers.build``:
+    """The whole model as one stage has the DeepSpeed runner's initial values (``workers.rank.build``:
     same names, same seed) and computes Hugging Face's own forward: a DeepSpeed trial and an
     fsdp trial of one job start from the same loss."""
-    pytest.importorskip("deepspeed")  # workers.build's pipeline part imports it
-    from workers.build import materialize as ds_materialize
-    from workers.build import prepare
+    pytest.importorskip("deepspeed")  # workers.rank.build's pipeline part imports it
+    from workers.rank.build import materialize as ds_materialize
+    from workers.rank.build import prepare
     from workers.rank.fsdp_data import GlobalBatches
     from workers.rank.fsdp_model import build_stages, materialize, meta_model, parameter_names
 
@@ -189,9 +189,9 @@ OOM_ERRORS = ["CUDA out of memory. Tried to allocate 2.00 GiB", "std::bad_alloc:
 
 @pytest.mark.parametrize("error", OOM_ERRORS)
 def test_out_of_memory_is_reported_as_the_deepspeed_runner_does(monkeypatch: pytest.MonkeyPatch, error: str) -> None:
+    from pipette.contract import OOM_EXIT
     from workers.rank import fsdp_rank
     from workers.rank.fsdp_spec import plan_for
-    from workers.trial import OOM_EXIT
 
     def no_memory(*args: Any, **kwargs: Any) -> None:
         raise RuntimeError(error)
@@ -208,11 +208,11 @@ def test_out_of_memory_is_reported_as_the_deepspeed_runner_does(monkeypatch: pyt
 
 
 def test_rank_code_imports_nothing_of_the_host() -> None:
-    """The rank program runs where no Ray, executor or probe is: it imports none of them."""
+    """The rank program runs where no Ray, host code or DeepSpeed is: it imports none of them
+    (``tests/unit/test_trial_path.py`` checks every rank module for the host)."""
     import ast
 
-    host = {"ray", "workers.executor", "workers.local", "workers.probe", "workers.rank_process", "workers.runner",
-            "workers.ray_cluster", "deepspeed"}
+    host = {"ray", "workers.host", "deepspeed"}
     root = Path(__file__).resolve().parents[2]
     for path in sorted((root / "workers" / "rank").glob("fsdp*.py")):
         for node in ast.walk(ast.parse(path.read_text())):

@@ -5,7 +5,7 @@ pipeline parallelism on a ``DeviceMesh``, as torchtitan composes them.
 
 ``candidate.json`` is what ``TrialSpec.candidate()`` writes (the fsdp options in its ``config``:
 ``dp_shard``, ``offload``); ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` and
-``LOCAL_RANK`` say where the rank is, as for ``workers.train``. A candidate the runner cannot
+``LOCAL_RANK`` say where the rank is, as for ``workers.rank.train``. A candidate the runner cannot
 split the model by ends before the rendezvous, with one line on stderr and status 2.
 
 Only the standard library is imported before ``main`` runs, so the rank's phases (``start``,
@@ -39,6 +39,12 @@ def read_candidate(path: str) -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from pipette.contract import RANK_ENV
+    from workers.rank.train import own_session
+
+    own_session()  # as the DeepSpeed runner's entry: a launcher's ranks get their own share of the CPU
+    for key, value in RANK_ENV.items():
+        os.environ.setdefault(key, value)
     parser = argparse.ArgumentParser(prog="workers.rank.fsdp")
     parser.add_argument("--candidate", required=True)
     parser.add_argument("--rank_map", default=os.environ.get("PIPETTE_RANK_MAP"),
@@ -46,9 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from workers.rank.fsdp_rank import run_rank
     from workers.rank.fsdp_spec import plan_for
-    from workers.store import rendezvous_store
-    from workers.train import pipette_rank
-    from workers.trial import emit
+    from workers.rank.store import rendezvous_store
+    from workers.rank.train import pipette_rank
+    from workers.rank.trial import emit
 
     PHASES.mark("imports")
     trial = read_candidate(args.candidate)
@@ -68,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _exit(code: int) -> None:
-    # as workers.train: leave without destructors (gloo's threads can abort the interpreter at teardown)
+    # as workers.rank.train: leave without destructors (gloo's threads can abort the interpreter at teardown)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

@@ -1,6 +1,6 @@
 """The step's global batch, cut into this replica's micro-batches.
 
-``workers.data.Batches`` draws each replica's micro-batch from (seed, micro-batch count, dp
+``workers.rank.data.Batches`` draws each replica's micro-batch from (seed, micro-batch count, dp
 index), so two candidates with different dp or mbs train on different tokens. Here the rows of
 step ``k`` are drawn once for the whole global batch (from the seed and ``k`` only), and data-
 parallel replica ``d`` takes rows ``d * per .. (d + 1) * per`` of them (``per = global / dp``),
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from workers.data import packed_jsonl, synthetic_batch
+from workers.rank.data import packed_jsonl, synthetic_batch
 
 
 class GlobalBatches:

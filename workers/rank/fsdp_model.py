@@ -4,8 +4,8 @@ once it is sharded: each rank holds its shards and, for a moment, one whole para
 torchtitan builds its model on the meta device, splits it into stages (``pipeline_llama_manual_
 split``: each stage keeps its own layers and drops the rest), applies TP, activation
 checkpointing and FSDP to each stage, and only then calls ``to_empty`` and ``init_weights``
-(``torchtitan/train.py``). Here the same order, on ``workers.hf_model.build_llama``'s model, and
-the values are ``workers.init``'s (the DeepSpeed runner's: the same parameter name and seed give
+(``torchtitan/train.py``). Here the same order, on ``workers.rank.hf_model.build_llama``'s model, and
+the values are ``workers.rank.init``'s (the DeepSpeed runner's: the same parameter name and seed give
 the same values, however the parameter is sharded), or a local checkpoint's: for each parameter
 the whole tensor is drawn or read on the rank's device and ``distribute_tensor`` (with
 ``src_data_rank=None``: no communication) keeps the part the rank holds.
@@ -22,11 +22,11 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from pipette.model import ModelSpec
 from pipette.training import TrainingSpec
-from workers.init import init_for, initial_values
+from workers.rank.init import init_for, initial_values
 
 #: what ``checkpoint_wrapper`` puts into the names of the parameters it wraps
 WRAPPED = "_checkpoint_wrapped_module."
-#: prefix PEFT puts before the base model's parameter names (``workers.build.PEFT_PREFIX``)
+#: prefix PEFT puts before the base model's parameter names (``workers.rank.build.PEFT_PREFIX``)
 PEFT_PREFIX = "base_model.model."
 
 
@@ -77,14 +77,14 @@ class MetaModel:
 def meta_model(model: ModelSpec, training: TrainingSpec) -> MetaModel:
     """The Llama on the meta device in fp32 (FSDP2 keeps fp32 master weights and casts for
     compute), PEFT's LoRA added before any sharding; each parameter tagged with its name in the
-    full model (``workers.build.tag_names``), the key of its initial values."""
-    from workers.build import tag_names
-    from workers.hf_model import build_llama
+    full model (``workers.rank.build.tag_names``), the key of its initial values."""
+    from workers.rank.build import tag_names
+    from workers.rank.hf_model import build_llama
 
     hf: Any = build_llama(model, device="meta", dtype=torch.float32)
     tag_names(hf)
     if training.is_lora and training.lora is not None:
-        from workers.lora import add_peft_lora
+        from workers.rank.lora import add_peft_lora
 
         peft = add_peft_lora(hf, training.lora)
         tag_names(peft, strip=PEFT_PREFIX)
@@ -167,7 +167,7 @@ def materialize(stage: LlamaStage, names: dict[str, ParamInfo], device: torch.de
 def _checkpoint(path: str | None) -> Any:
     if path is None:
         return None
-    from workers.checkpoint import Checkpoint
+    from workers.rank.checkpoint import Checkpoint
 
     return Checkpoint(path)
 
@@ -183,5 +183,5 @@ def held_param_bytes(modules: list[nn.Module]) -> int:
 
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy, in fp32 (``workers.pipe_model.lm_loss``)."""
+    """Mean next-token cross-entropy, in fp32 (``workers.rank.pipe_model.lm_loss``)."""
     return nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))

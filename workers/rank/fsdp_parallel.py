@@ -140,7 +140,7 @@ def apply_fsdp(stage: LlamaStage, dp_mesh: DeviceMesh, plan: FsdpPlan, device: t
     ``dp_mesh`` (1-D: FSDP; 2-D replicate x shard: HSDP)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-    from workers.hf_model import TORCH_DTYPES
+    from workers.rank.hf_model import TORCH_DTYPES
 
     options: dict[str, Any] = {
         "mesh": dp_mesh, "reshard_after_forward": plan.reshard_after_forward,

@@ -2,7 +2,7 @@
 parallelism on a ``DeviceMesh``, composed as torchtitan composes them, trained with AdamW
 (the process's entry is ``workers.rank.fsdp``).
 
-The events are the DeepSpeed runner's (``workers.trial``): ``phase``, ``step`` after each step on
+The events are the DeepSpeed runner's (``workers.rank.trial``): ``phase``, ``step`` after each step on
 every rank, ``done`` per rank with the same fields (``backend`` names the parallelisms), or
 ``oom`` with the bytes asked for.
 
@@ -27,16 +27,24 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from workers.devices import backend_for, collective_device, rank_device
-from workers.memory import PeakTensorBytes, allocator_record, apply_memory_cap, oom_bytes, oom_where, peak_rss_bytes
+from pipette.contract import OOM_EXIT
 from workers.phases import PHASES, Phases
+from workers.rank.devices import backend_for, collective_device, rank_device
 from workers.rank.fsdp_data import GlobalBatches, micro_batches
 from workers.rank.fsdp_model import build_stages, held_param_bytes, lm_loss, materialize, meta_model, parameter_names
 from workers.rank.fsdp_parallel import parallelize
 from workers.rank.fsdp_pipeline import pipeline_schedule, pipeline_step
 from workers.rank.fsdp_spec import MESH_DIMS, FsdpPlan, plan_for
+from workers.rank.memory import (
+    PeakTensorBytes,
+    allocator_record,
+    apply_memory_cap,
+    oom_bytes,
+    oom_where,
+    peak_rss_bytes,
+)
+from workers.rank.trial import _agree, _tight, emit
 from workers.spec import TrialSpec
-from workers.trial import OOM_EXIT, _agree, _tight, emit
 
 #: the gradient norm clipped to: ``pipette.emit``'s DeepSpeed config (``gradient_clipping``)
 GRAD_CLIP = 1.0
@@ -85,7 +93,7 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float, pp_group: Any) -
 
 @dataclass(frozen=True)
 class RankDevices:
-    """Where one rank's tensors live: ``workers.devices``' rule, with FSDP2's offload."""
+    """Where one rank's tensors live: ``workers.rank.devices``' rule, with FSDP2's offload."""
 
     #: the forward and backward, the batch, the pipeline's messages, the values drawn at build
     compute: torch.device
@@ -188,7 +196,7 @@ def _timed_step(runner: FsdpRank, track: bool) -> tuple[float, float, float, int
 
 def train(trial: TrialSpec, plan: FsdpPlan, rank: int, report: Report, phases: Phases = PHASES) -> None:
     """Run the trial's steps on this rank (distributed is initialized): warm-up, then timed steps
-    until the mean is known to ``rel_ci`` or ``max_steps`` (``workers.trial.train``'s rule)."""
+    until the mean is known to ``rel_ci`` or ``max_steps`` (``workers.rank.trial.train``'s rule)."""
     runner = FsdpRank(trial, plan, rank, phases)
     gpu = runner.device.type == "cuda"
     times: list[float] = []
@@ -225,7 +233,7 @@ def train(trial: TrialSpec, plan: FsdpPlan, rank: int, report: Report, phases: P
 
 
 def _device_record(device: torch.device) -> dict[str, Any]:
-    """A GPU rank's device and what its caching allocator held (``workers.trial.train``'s fields)."""
+    """A GPU rank's device and what its caching allocator held (``workers.rank.trial.train``'s fields)."""
     props = torch.cuda.get_device_properties(device)
     return {"device": str(device), **allocator_record(device), "device_name": props.name,
             "device_memory_bytes": int(props.total_memory), "visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
@@ -248,7 +256,7 @@ def init_distributed(device_kind: str, rank: int, world: int, store: dist.Store,
 
 
 def train_or_oom(trial: TrialSpec, plan: FsdpPlan, rank: int, device: torch.device, report: Report) -> int:
-    """``train``, or the ``oom`` event (``workers.trial.run_rank``'s fields) when memory ran out."""
+    """``train``, or the ``oom`` event (``workers.rank.trial.run_rank``'s fields) when memory ran out."""
     if trial.memory_cap_bytes is not None:
         apply_memory_cap(trial.memory_cap_bytes, device)
     try:
