@@ -34,7 +34,9 @@ def main() -> int:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     trials = [TrialSpec.from_candidate(c["candidate"]) for c in cases]
     store = rendezvous_store(world, is_master=rank == 0, timeout=timedelta(seconds=120))
-    init_distributed(trials[0].device_kind, rank, world, store, timeout=timedelta(seconds=120))
+    offload = any(t.config.offload for t in trials)
+    timeout = timedelta(seconds=120)
+    init_distributed(trials[0].device_kind, rank, world, store, timeout=timeout, host_collectives=offload)
     for case, trial in zip(cases, trials, strict=True):
         plan = plan_for(trial.model, trial.training, trial.config, trial.device_kind, world)
         plan = dataclasses.replace(plan, **case["extra"])

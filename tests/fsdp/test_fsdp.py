@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -49,12 +50,13 @@ def batch() -> dict[str, Any]:
     return out
 
 
-def _check(batch: dict[str, Any], refs: dict[str, Any], name: str) -> None:
-    dtype = "bf16" if name.endswith("-bf16") else "fp32"
-    done = fc.check_case(batch, refs, name, batch["keys"][name], dtype)
-    loss, norm = fc.deltas(done, refs["cases"][batch["keys"][name]]["done"][0])
-    print(f"{name}: {done['backend']}, {batch['cases'][name]['seconds']:.1f} s, max |loss delta| "
-          f"{max(map(abs, loss)):.1e}, gradient norm {max(norm):.1e}")
+def _check(batch: dict[str, Any], refs: dict[str, Any], name: str, key: str | None = None) -> None:
+    dtype = "bf16" if "bf16" in name or name in fc.ONE_RANK else "fp32"
+    key = key or batch["keys"][name]
+    done = fc.check_case(batch, refs, name, key, dtype)
+    loss, norm = fc.deltas(done, refs["cases"][key]["done"][0])
+    print(f"| {name} | {done['backend']} | {max(map(abs, loss)):.1e} | {max(norm):.1e} | "
+          f"{statistics.median(done['step_times']):.3f} | {batch['cases'][name]['seconds']:.1f} |")
 
 
 @pytest.mark.parametrize("method", ["full", "lora"])
@@ -79,7 +81,8 @@ def test_bf16_mixed_precision_trains_as_one_device_in_bf16(batch: dict[str, Any]
 def test_one_rank_shards_on_a_one_rank_mesh_with_offload(refs: dict[str, Any], name: str) -> None:
     """What the GPU test runs on one GPU: ``fully_shard`` on a one-rank mesh for bf16 mixed
     precision, with CPU offload, per-op checkpointing and LoRA; the loss of the plain run."""
-    done = fc.check_case(refs, refs, name, fc.ref_key(name.rsplit("/", 1)[1], "bf16"), "bf16")
+    _check(refs, refs, name, fc.ref_key(name.rsplit("/", 1)[1], "bf16"))
+    done = refs["cases"][name]["done"][0]
     assert done["backend"].startswith("fsdp2-one-rank+") and "cpu-offload" in done["backend"]
 
 
@@ -126,6 +129,7 @@ def test_a_bad_candidate_ends_before_the_rendezvous_in_one_line(tmp_path: Path,
 
     path = tmp_path / "candidate.json"
     path.write_text(json.dumps(fc.trial(fc.MODES["fsdp-tp2"], "full").candidate()))
+    monkeypatch.setattr("workers.rank.train.own_session", lambda: False)  # not this test process's session
     monkeypatch.setenv("WORLD_SIZE", "3")
     monkeypatch.setenv("MASTER_PORT", str(fc.free_port()))  # nothing listens: a rendezvous would hang
     with pytest.raises(SpecError) as e:
@@ -159,11 +163,33 @@ def test_the_stage_is_the_deepspeed_runners_model() -> None:
         torch.testing.assert_close(stage(ids), prep.hf(input_ids=ids).logits, rtol=0, atol=1e-5)
 
 
+def test_a_checkpoint_gives_the_base_weights(tmp_path: Path) -> None:
+    """With a local checkpoint (``save_pretrained``) the base weights are its tensors, whatever the
+    seed; LoRA's adapters are drawn as without one (B zero)."""
+    from workers.rank.fsdp_model import build_stages, materialize, meta_model, parameter_names
+    from workers.rank.hf_model import build_llama
+
+    trial = fc.reference("lora")
+    saved = build_llama(trial.model, seed=5)
+    saved.save_pretrained(tmp_path, safe_serialization=True)
+    meta = meta_model(trial.model, trial.training)
+    stage = build_stages(meta, [0], 1, trial.training.seq_len)[0]
+    names = parameter_names(stage)
+    materialize(stage, names, torch.device("cpu"), torch.device("cpu"), 0, meta.std, str(tmp_path))
+    weights = dict(saved.named_parameters())
+    for fqn, p in stage.named_parameters():
+        name = names[fqn].name
+        if "lora_" in name:
+            assert "lora_A" in name or not p.any(), fqn
+        else:
+            assert torch.equal(p, weights[name]), fqn
+
+
 def test_a_gpu_rank_puts_its_tensors_where_nccl_and_fsdp2_want_them(monkeypatch: pytest.MonkeyPatch) -> None:
     """The device answers the GPU path runs on (``rank_devices``), checked without a GPU: compute
     on ``cuda:LOCAL_RANK``; the runner's own collectives on that GPU (NCCL knows no host tensor);
     the sharded parameters made on the host only under CPU offload."""
-    from workers.rank.fsdp_rank import rank_devices
+    from workers.rank.fsdp_rank import process_group_backend, rank_devices
 
     monkeypatch.setenv("LOCAL_RANK", "3")
     gpu = rank_devices("gpu", offload=False)
@@ -171,6 +197,10 @@ def test_a_gpu_rank_puts_its_tensors_where_nccl_and_fsdp2_want_them(monkeypatch:
     assert rank_devices("gpu", offload=True).init == torch.device("cpu")
     cpu = rank_devices("cpu", offload=False)
     assert cpu.compute == cpu.collective == cpu.init == torch.device("cpu")
+    # offloaded gradients are host tensors: a GPU rank's group then runs gloo for them (torchtitan)
+    assert process_group_backend("gpu", host_collectives=True) == "cuda:nccl,cpu:gloo"
+    assert process_group_backend("gpu", host_collectives=False) == "nccl"
+    assert process_group_backend("cpu", host_collectives=True) == "gloo"
 
 
 def test_a_gpu_trial_without_a_gpu_fails_before_the_process_group(monkeypatch: pytest.MonkeyPatch) -> None:

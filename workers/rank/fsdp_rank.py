@@ -168,7 +168,8 @@ class FsdpRank:
         self.optimizer.zero_grad(set_to_none=True)
         # the last stage's ranks hold the loss; each of their dp x tp ranks adds its replica's
         held = mine.detach() if mine is not None else torch.zeros(())
-        out = torch.stack([held.float(), norm.detach().float()]).to(self.devices.collective)
+        # under CPU offload the norm of the (host) gradients is on the host, the loss on the GPU
+        out = torch.stack([t.float().to(self.devices.collective) for t in (held, norm.detach())])
         dist.all_reduce(out)
         self.grad_norm = float(out[1]) / self.plan.world  # every rank holds the whole norm
         return float(out[0]) / (self.plan.dp * self.plan.tp)
@@ -239,9 +240,17 @@ def _device_record(device: torch.device) -> dict[str, Any]:
             "device_memory_bytes": int(props.total_memory), "visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
 
 
+def process_group_backend(device_kind: str, host_collectives: bool) -> str:
+    """gloo on a CPU device, NCCL on a GPU; with ``host_collectives`` (CPU offload: the gradient
+    norm of host gradients, FSDP2's host tensors) a GPU rank's group runs gloo for host tensors
+    too, as torchtitan's ``init_distributed`` asks (``cuda:nccl,cpu:gloo``)."""
+    backend = backend_for(device_kind)
+    return f"cuda:{backend},cpu:gloo" if device_kind == "gpu" and host_collectives else backend
+
+
 def init_distributed(device_kind: str, rank: int, world: int, store: dist.Store,
-                     timeout: timedelta | None = None) -> torch.device:
-    """The default process group (gloo on a CPU device, NCCL bound to the rank's GPU)."""
+                     timeout: timedelta | None = None, host_collectives: bool = False) -> torch.device:
+    """The default process group (``process_group_backend``), bound to the rank's GPU on a GPU."""
     device = rank_device(device_kind)
     if device.type == "cuda":
         if not torch.cuda.is_available():
@@ -251,7 +260,8 @@ def init_distributed(device_kind: str, rank: int, world: int, store: dist.Store,
     options: dict[str, Any] = {"device_id": device} if device.type == "cuda" else {}
     if timeout is not None:
         options["timeout"] = timeout
-    dist.init_process_group(backend_for(device_kind), store=store, rank=rank, world_size=world, **options)
+    backend = process_group_backend(device_kind, host_collectives)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, **options)
     return device
 
 
@@ -275,7 +285,7 @@ def train_or_oom(trial: TrialSpec, plan: FsdpPlan, rank: int, device: torch.devi
 def run_rank(trial: TrialSpec, rank: int, world: int, store: dist.Store) -> int:
     """The whole life of one rank process; returns its exit status."""
     plan = plan_for(trial.model, trial.training, trial.config, trial.device_kind, world)
-    device = init_distributed(trial.device_kind, rank, world, store)
+    device = init_distributed(trial.device_kind, rank, world, store, host_collectives=plan.offload)
     PHASES.mark("rendezvous")
     PHASES.mark("ops")  # no op to build: nothing of DeepSpeed's here
     try:
