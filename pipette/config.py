@@ -8,6 +8,13 @@ Rank order is Megatron-LM's and DeepSpeed's ``PipeModelDataParallelTopology``
 
 so a TP group is ``tp`` consecutive ranks. ``placement[rank]`` is the device index (row
 of the cluster's link matrix) that runs ``rank``; ``None`` means ``rank -> device rank``.
+
+Two options are the ``fsdp`` stack's alone (``workers.rank.fsdp``; DeepSpeed refuses them):
+``dp_shard``, the data-parallel degree FSDP2 shards over (HSDP, torchtitan's
+``data_parallel_shard_degree``: the ``dp`` ranks form ``dp // dp_shard`` replicas of ``dp_shard``
+shards; ``None`` shards over all of ``dp``), and ``offload`` (FSDP2's ``CPUOffloadPolicy``).
+Under that stack ``zero_stage`` names FSDP's sharding: 3 ``FULL_SHARD`` (reshard after forward),
+2 ``SHARD_GRAD_OP`` (kept unsharded until backward), 0 ``NO_SHARD`` (replicated).
 """
 
 from __future__ import annotations
@@ -31,6 +38,10 @@ class ParallelConfig:
     schedule: str = "1f1b"
     virtual_stages: int = 1
     placement: tuple[int, ...] | None = None
+    #: FSDP2's shard degree within dp (HSDP: dp // dp_shard replicas); None: all of dp
+    dp_shard: int | None = None
+    #: FSDP2's CPU offload of parameters, gradients and optimizer states
+    offload: bool = False
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp", "mbs", "global_batch", "virtual_stages"):
@@ -61,6 +72,18 @@ class ParallelConfig:
                 f"global batch {self.global_batch} is not divisible by dp x mbs = {self.dp * self.mbs}",
                 field="config.mbs", fix="choose dp and mbs whose product divides the global batch",
             )
+        if self.dp_shard is not None and (
+            not isinstance(self.dp_shard, int) or isinstance(self.dp_shard, bool) or self.dp_shard < 1
+            or self.dp % self.dp_shard
+        ):
+            raise SpecError(
+                f"is {self.dp_shard!r}, not a divisor of dp={self.dp}", field="config.dp_shard",
+                fix="give a shard degree that divides dp (HSDP: dp // dp_shard replicas), or leave it out",
+            )
+        if self.dp_shard == self.dp:
+            object.__setattr__(self, "dp_shard", None)  # one spelling of "shard over all of dp"
+        if not isinstance(self.offload, bool):
+            raise SpecError(f"is {self.offload!r}", field="config.offload", fix="use true or false")
         if self.placement is not None:
             p = tuple(int(x) for x in self.placement)
             if len(p) != self.world or len(set(p)) != len(p) or min(p) < 0:
@@ -118,9 +141,10 @@ class ParallelConfig:
     def label(self) -> str:
         """A short readable name; unique among candidates of one plan (not placements)."""
         sched = "1f1b" if self.schedule == "1f1b" else f"int{self.virtual_stages}"
+        fsdp = "" if self.dp_shard is None else f"-hsdp{self.dp // self.dp_shard}x{self.dp_shard}"
         return (
             f"tp{self.tp}-pp{self.pp}-dp{self.dp}-mbs{self.mbs}-z{self.zero_stage}"
-            f"-rc:{self.recompute}-{sched}"
+            f"-rc:{self.recompute}-{sched}{fsdp}{'-offload' if self.offload else ''}"
         )
 
     def with_placement(self, placement: tuple[int, ...] | list[int] | None) -> ParallelConfig:
@@ -133,6 +157,9 @@ class ParallelConfig:
             "zero_stage": self.zero_stage, "recompute": self.recompute,
             "schedule": self.schedule, "virtual_stages": self.virtual_stages,
             "placement": None if self.placement is None else list(self.placement),
+            # the fsdp stack's options, written only when set: a DeepSpeed candidate's dict is unchanged
+            **({"dp_shard": self.dp_shard} if self.dp_shard is not None else {}),
+            **({"offload": True} if self.offload else {}),
         }
 
     @classmethod

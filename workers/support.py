@@ -40,6 +40,9 @@ def runner_refusals(model: ModelSpec, config: ParallelConfig) -> list[str]:
     """Why Pipette's runner (DeepSpeed's engines, its tensor parallelism) cannot run ``config``."""
     m, c = model, config
     out = []
+    if c.dp_shard is not None or c.offload:
+        out.append("HSDP (dp_shard) and CPU offload are options of the fsdp stack (workers.rank.fsdp); DeepSpeed's "
+                   "runner has neither: leave them out, or run the candidate with the fsdp stack")
     if c.pp > 1 and c.zero_stage >= 2:
         out.append(f"DeepSpeed's pipeline engine refuses ZeRO-{c.zero_stage} (pp={c.pp}); use ZeRO 0 or 1")
     if c.schedule != "1f1b":

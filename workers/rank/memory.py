@@ -30,8 +30,13 @@ def live_tensor_bytes() -> int:
     seen: dict[int, int] = {}
     for obj in gc.get_objects():
         if isinstance(obj, torch.Tensor) and not obj.is_meta:
-            storage = obj.untyped_storage()
-            seen[storage.data_ptr()] = storage.nbytes()
+            try:
+                storage = obj.untyped_storage()
+                seen[storage.data_ptr()] = storage.nbytes()
+            except RuntimeError:
+                # a wrapper subclass (DTensor) has no storage of its own (its local tensor is
+                # counted), and a storage FSDP2 freed after a reshard has no data pointer
+                continue
     return sum(seen.values())
 
 

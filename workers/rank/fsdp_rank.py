@@ -1,0 +1,298 @@
+"""One rank of a PyTorch-native trial: the Hugging Face Llama under FSDP2, tensor and pipeline
+parallelism on a ``DeviceMesh``, composed as torchtitan composes them, trained with AdamW
+(the process's entry is ``workers.rank.fsdp``).
+
+The events are the DeepSpeed runner's (``workers.rank.trial``): ``phase``, ``step`` after each step on
+every rank, ``done`` per rank with the same fields (``backend`` names the parallelisms), or
+``oom`` with the bytes asked for.
+
+What a rank does, in torchtitan's order (``torchtitan/train.py``): the mesh (pp, dp_replicate,
+dp_shard, tp; ``workers.rank.fsdp_spec``); the model on the meta device with PEFT's LoRA; its
+pipeline stages (``fsdp_model``); TP, activation checkpointing and FSDP2 on each
+(``fsdp_parallel``); values for what it holds; AdamW on its shards; the pipeline schedule
+(``fsdp_pipeline``). Each step trains on the same global batch every candidate of the job sees
+(``fsdp_data``), and reports the mean loss over the whole global batch.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipette.contract import OOM_EXIT
+from workers.phases import PHASES, Phases
+from workers.rank.devices import backend_for, collective_device, rank_device
+from workers.rank.fsdp_data import GlobalBatches, micro_batches
+from workers.rank.fsdp_model import build_stages, held_param_bytes, lm_loss, materialize, meta_model, parameter_names
+from workers.rank.fsdp_parallel import parallelize
+from workers.rank.fsdp_pipeline import pipeline_schedule, pipeline_step
+from workers.rank.fsdp_spec import MESH_DIMS, FsdpPlan, plan_for
+from workers.rank.memory import (
+    PeakTensorBytes,
+    allocator_record,
+    apply_memory_cap,
+    oom_bytes,
+    oom_where,
+    peak_rss_bytes,
+)
+from workers.rank.trial import _agree, _tight, emit
+from workers.spec import TrialSpec
+
+#: the gradient norm clipped to: ``pipette.emit``'s DeepSpeed config (``gradient_clipping``)
+GRAD_CLIP = 1.0
+Report = Callable[[dict[str, Any]], None]
+
+
+def backend_name(trial: TrialSpec, plan: FsdpPlan) -> str:
+    """The parallelisms a trial ran, e.g. ``fsdp2-full-shard+tp-sp+pp-1f1b+ac-full+peft-lora``."""
+    if plan.dp == 1:
+        mode = "one-rank"  # fully_shard on one rank: its mixed precision or offload
+    elif plan.dp_replicate > 1 and plan.dp_shard > 1:
+        mode = f"hsdp{plan.dp_replicate}x{plan.dp_shard}"
+    elif plan.dp_shard == 1:
+        mode = "replicate"
+    else:
+        mode = "full-shard" if plan.reshard_after_forward else "no-reshard"
+    parts = [f"fsdp2-{mode}" if plan.fsdp else "torch"]
+    if plan.tp > 1:
+        parts.append("tp-sp")
+    if plan.pp > 1:
+        parts.append(f"pp-{plan.schedule}" + (f"{plan.stages_per_rank}" if plan.schedule == "interleaved" else ""))
+    parts += [f"ac-{plan.recompute}"] if plan.recompute != "none" else []
+    parts += ["cpu-offload"] if plan.offload else []
+    parts += [f"mp-{plan.dtype}"] if plan.dtype != "fp32" else []
+    parts += ["peft-lora"] if trial.training.is_lora else []
+    return "+".join(parts)
+
+
+def clip_grad_norm(params: list[nn.Parameter], max_norm: float, pp_group: Any) -> torch.Tensor:
+    """Clip by the norm of the whole model's gradient: DTensor norms are reduced over their mesh
+    (``full_tensor``), then the stages' squares summed over the pipeline (torchtitan's
+    ``dist_utils.clip_grad_norm_``)."""
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in params if p.grad is not None]
+    total = torch.nn.utils.get_total_norm(grads, foreach=True)
+    if isinstance(total, DTensor):
+        total = total.full_tensor()
+    if pp_group is not None:
+        total = total**2
+        dist.all_reduce(total, group=pp_group)
+        total = total.sqrt()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
+    return total
+
+
+@dataclass(frozen=True)
+class RankDevices:
+    """Where one rank's tensors live: ``workers.rank.devices``' rule, with FSDP2's offload."""
+
+    #: the forward and backward, the batch, the pipeline's messages, the values drawn at build
+    compute: torch.device
+    #: where ``to_empty`` puts the sharded parameters: the host under CPU offload (torchtitan's
+    #: ``init_device``), else the compute device
+    init: torch.device
+    #: the tensors of this runner's own collectives (the loss, the step agreement)
+    collective: torch.device
+
+
+def rank_devices(device_kind: str, offload: bool) -> RankDevices:
+    """The devices of a rank of ``device_kind`` (pure: the GPU answers are tested on a CPU)."""
+    compute = rank_device(device_kind)
+    init = torch.device("cpu") if offload else compute
+    return RankDevices(compute, init, collective_device(backend_for(device_kind), compute))
+
+
+class FsdpRank:
+    """This rank's share of the model, its optimizer and pipeline schedule, and one step."""
+
+    def __init__(self, trial: TrialSpec, plan: FsdpPlan, rank: int, phases: Phases | None = None):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        t = trial.training
+        self.trial, self.plan = trial, plan
+        self.devices = rank_devices(trial.device_kind, plan.offload)
+        self.device = self.devices.compute
+        self.mesh = init_device_mesh(self.device.type, plan.mesh_shape, mesh_dim_names=MESH_DIMS)
+        coords = plan.coords(rank)
+        dp_index = coords["dp_replicate"] * plan.dp_shard + coords["dp_shard"]
+        self.batches = GlobalBatches(trial.model.vocab, t.seq_len, t.global_batch, plan.dp, dp_index, trial.seed,
+                                     trial.data)
+        meta = meta_model(trial.model, t)
+        self.stage_ids = plan.stage_ids(coords["pp"])
+        self.stages = build_stages(meta, self.stage_ids, plan.stages, t.seq_len)
+        for stage in self.stages:
+            names = parameter_names(stage)
+            parallelize(stage, self.mesh, plan, self.device, names)
+            materialize(stage, names, self.devices.compute, self.devices.init, trial.seed, meta.std, trial.checkpoint)
+        self.params = [p for s in self.stages for p in s.parameters() if p.requires_grad]
+        self.trainable = sum(p.numel() for p in self.params)
+        self.held_bytes = held_param_bytes(list(self.stages))
+        if phases is not None:
+            phases.mark("build")
+        self.optimizer = torch.optim.AdamW(self.params, lr=trial.lr, weight_decay=0.0)
+        self.pp_group = self.mesh["pp"].get_group() if plan.pp > 1 else None
+        self.schedule: Any = None
+        self.grad_norm = 0.0
+        if plan.pp > 1:
+            self.schedule = pipeline_schedule(list(self.stages), self.stage_ids, plan, self.device, self.pp_group,
+                                              lm_loss)
+        if phases is not None:
+            phases.mark("engine")
+
+    def step(self) -> float:
+        """One optimizer step over the replica's rows; returns the mean loss of the whole global
+        batch (every replica's, averaged: one all-reduce, the step's one read), and keeps the
+        gradient's norm before clipping (``grad_norm``): AdamW with clipping hides a gradient
+        scaled by a constant from the losses, not from the norm."""
+        ids, labels = (t.to(self.device) for t in self.batches.next())
+        if self.schedule is not None:
+            mine = pipeline_step(self.schedule, self.stage_ids, self.plan, ids, labels)
+        else:
+            total = torch.zeros((), device=self.device)
+            for mb_ids, mb_labels in micro_batches(ids, labels, self.plan.mbs):
+                loss = lm_loss(self.stages[0](mb_ids), mb_labels)
+                torch.autograd.backward(loss / self.plan.microbatches)
+                total += loss.detach()
+            mine = total / self.plan.microbatches
+        norm = clip_grad_norm(self.params, GRAD_CLIP, self.pp_group)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        # the last stage's ranks hold the loss; each of their dp x tp ranks adds its replica's
+        held = mine.detach() if mine is not None else torch.zeros(())
+        # under CPU offload the norm of the (host) gradients is on the host, the loss on the GPU
+        out = torch.stack([t.float().to(self.devices.collective) for t in (held, norm.detach())])
+        dist.all_reduce(out)
+        self.grad_norm = float(out[1]) / self.plan.world  # every rank holds the whole norm
+        return float(out[0]) / (self.plan.dp * self.plan.tp)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed_step(runner: FsdpRank, track: bool) -> tuple[float, float, float, int]:
+    """(loss, wall seconds, CPU seconds, peak tensor bytes when tracked) of one step."""
+    _sync(runner.device)
+    start, cpu = time.perf_counter(), time.process_time()
+    peak = 0
+    if track:
+        with PeakTensorBytes() as tracker:
+            loss = runner.step()
+        peak = tracker.peak_bytes
+    else:
+        loss = runner.step()
+    _sync(runner.device)
+    return loss, time.perf_counter() - start, time.process_time() - cpu, peak
+
+
+def train(trial: TrialSpec, plan: FsdpPlan, rank: int, report: Report, phases: Phases = PHASES) -> None:
+    """Run the trial's steps on this rank (distributed is initialized): warm-up, then timed steps
+    until the mean is known to ``rel_ci`` or ``max_steps`` (``workers.rank.trial.train``'s rule)."""
+    runner = FsdpRank(trial, plan, rank, phases)
+    gpu = runner.device.type == "cuda"
+    times: list[float] = []
+    cpu_times: list[float] = []
+    losses: list[float] = []
+    grad_norms: list[float] = []
+    peak_tensor, step = 0, 0
+    while True:
+        warm = step < trial.warmup_steps
+        track = step == trial.warmup_steps - 1 and not gpu
+        loss, elapsed, cpu, peak = _timed_step(runner, track)
+        peak_tensor = peak if track else peak_tensor
+        phases.mark("warmup" if warm else "steps", then="steps" if step + 1 >= trial.warmup_steps else None)
+        losses.append(loss)
+        grad_norms.append(runner.grad_norm)
+        if not warm:
+            times.append(elapsed)
+            cpu_times.append(cpu)
+        report({"event": "step", "rank": rank, "step": step, "time": elapsed, "loss": loss, "warmup": warm})
+        step += 1
+        if not warm:
+            done = len(times) >= trial.max_steps or (len(times) >= trial.min_steps and _tight(times, trial.rel_ci))
+            if _agree(done, runner.device):
+                break
+    device = _device_record(runner.device) if gpu else {"device": str(runner.device)}
+    peak_tensor = int(torch.cuda.max_memory_allocated(runner.device)) if gpu else peak_tensor
+    phases.mark("end")
+    report({
+        "event": "done", "rank": rank, "step_times": times, "losses": losses, "phases": phases.seconds,
+        "peak_tensor_bytes": peak_tensor, "peak_rss_bytes": peak_rss_bytes(), "step_cpu_times": cpu_times,
+        "trainable_params": runner.trainable, "held_param_bytes": runner.held_bytes,
+        "backend": backend_name(trial, plan), "grad_norms": grad_norms, **device,
+    })
+
+
+def _device_record(device: torch.device) -> dict[str, Any]:
+    """A GPU rank's device and what its caching allocator held (``workers.rank.trial.train``'s fields)."""
+    props = torch.cuda.get_device_properties(device)
+    return {"device": str(device), **allocator_record(device), "device_name": props.name,
+            "device_memory_bytes": int(props.total_memory), "visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+
+
+def process_group_backend(device_kind: str, host_collectives: bool) -> str:
+    """gloo on a CPU device, NCCL on a GPU; with ``host_collectives`` (CPU offload: the gradient
+    norm of host gradients, FSDP2's host tensors) a GPU rank's group runs gloo for host tensors
+    too, as torchtitan's ``init_distributed`` asks (``cuda:nccl,cpu:gloo``)."""
+    backend = backend_for(device_kind)
+    return f"cuda:{backend},cpu:gloo" if device_kind == "gpu" and host_collectives else backend
+
+
+def init_distributed(device_kind: str, rank: int, world: int, store: dist.Store,
+                     timeout: timedelta | None = None, host_collectives: bool = False) -> torch.device:
+    """The default process group (``process_group_backend``), bound to the rank's GPU on a GPU."""
+    device = rank_device(device_kind)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"a GPU trial, but this process sees no GPU (CUDA_VISIBLE_DEVICES="
+                               f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
+        torch.cuda.set_device(device)
+    options: dict[str, Any] = {"device_id": device} if device.type == "cuda" else {}
+    if timeout is not None:
+        options["timeout"] = timeout
+    backend = process_group_backend(device_kind, host_collectives)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, **options)
+    return device
+
+
+def train_or_oom(trial: TrialSpec, plan: FsdpPlan, rank: int, device: torch.device, report: Report) -> int:
+    """``train``, or the ``oom`` event (``workers.rank.trial.run_rank``'s fields) when memory ran out."""
+    if trial.memory_cap_bytes is not None:
+        apply_memory_cap(trial.memory_cap_bytes, device)
+    try:
+        train(trial, plan, rank, report)
+    except (RuntimeError, MemoryError) as e:
+        asked = oom_bytes(e)
+        if asked is None:
+            raise
+        allocator = allocator_record(device) if device.type == "cuda" else {}
+        report({"event": "oom", "rank": rank, "bytes": asked, "where": oom_where(e), "phase": PHASES.current(),
+                "error": str(e)[:2000], **allocator})
+        return OOM_EXIT
+    return 0
+
+
+def run_rank(trial: TrialSpec, rank: int, world: int, store: dist.Store) -> int:
+    """The whole life of one rank process; returns its exit status."""
+    plan = plan_for(trial.model, trial.training, trial.config, trial.device_kind, world)
+    device = init_distributed(trial.device_kind, rank, world, store, host_collectives=plan.offload)
+    PHASES.mark("rendezvous")
+    PHASES.mark("ops")  # no op to build: nothing of DeepSpeed's here
+    try:
+        status = train_or_oom(trial, plan, rank, device, emit)
+        if status == 0:
+            dist.barrier()
+        return status
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
