@@ -28,9 +28,11 @@ from typing import Any
 EVENT_PREFIX = "@@pipette "
 #: the exit status of a rank that ran out of memory (after its ``oom`` event)
 OOM_EXIT = 3
-#: the modules a rank runs as ``python -m``: Pipette's runner (what launch files run too) and
+#: the modules a rank runs as ``python -m``: Pipette's runners (what launch files run too) and
 #: the probe's rank; ``workers.train`` is the runner's old name, kept for earlier launch files
 TRAIN_ENTRY = "workers.rank.train"
+#: the PyTorch-native runner (FSDP2, TP, PP on a DeviceMesh): the ``fsdp`` stack's trials
+FSDP_ENTRY = "workers.rank.fsdp"
 PROBE_ENTRY = "workers.rank.probe"
 OLD_TRAIN_ENTRY = "workers.train"
 

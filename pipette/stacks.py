@@ -159,6 +159,7 @@ FSDP = Stack(
     memory_options=replace(MEGATRON_OPTIONS, grad_accum_fp32=True), gpu_fits_prior=FSDP_GPU,
     tensor_parallel=True, pipeline_parallel=True, zero_stages=(0, 2, 3), schedules=("1f1b", "interleaved"),
     recompute=("none", "selective", "full"), launch_files=CANDIDATE_FILES, available_options=("compile", "fp8"),
+    runner_runs=True,
 )
 
 STACKS: dict[str, Stack] = {s.name: s for s in (PIPETTE, HF_DEEPSPEED, MEGATRON, FSDP)}
@@ -200,6 +201,9 @@ def stack_to_tune(name: str | None, *, script: bool, script_kind: str | None = N
 
 def check_runner_runs(stack: Stack, *, field: str = "stack") -> None:
     """Refuse to tune ``stack`` with Pipette's own runner when the runner does not run it."""
+    if stack.runner_runs and stack.options:
+        raise SpecError(f"{stack.key}: Pipette's runner runs {stack.name} without {', '.join(stack.options)}",
+                        field=field, fix=f"tune --stack {stack.name}, or your own script with --script")
     if not stack.runner_runs:
         raise SpecError(
             f"{stack.key} cannot be tuned by Pipette's runner, which runs {', '.join(runner_stacks())} only",

@@ -155,7 +155,7 @@ class JobDriver:
                                 max_steps=steps, min_steps=min(3, steps), seed=int(options["seed"]),
                                 node_wait_s=self.settings.node_wait_s, on_wait=self.on_wait,
                                 script=script, ship_workdir=script is not None and script.workdir is not None,
-                                should_stop=self.should_stop)
+                                should_stop=self.should_stop, stack=_runner_stack(options.get("stack"), script))
         start = time.perf_counter()
         margin = DEFAULT_MARGIN if options["margin"] is None else float(options["margin"])
         plan = make_plan(model, training, cluster, margin=margin, seed=int(options["seed"]),
@@ -411,3 +411,12 @@ def _float(value: Any) -> float | None:
         return None if value is None else float(value)
     except (TypeError, ValueError):
         return None
+
+
+def _runner_stack(stack: str | None, script: object) -> str:
+    """The stack Pipette's runner trains a job's candidates with: the job's when a runner runs it
+    (``fsdp``: the PyTorch-native runner), else DeepSpeed's (a script's trials run the script)."""
+    from pipette.stacks import get_stack
+
+    chosen = get_stack(stack)
+    return chosen.name if script is None and chosen.runner_runs else "pipette"

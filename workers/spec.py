@@ -12,6 +12,9 @@ from pipette.model import ModelSpec
 from pipette.script import ScriptSpec
 from pipette.training import TrainingSpec
 
+#: the stacks Pipette's own runners train (a script trial's stack is the script's business)
+RUNNER_STACKS = ("pipette", "fsdp")
+
 
 @dataclass(frozen=True)
 class TrialSpec:
@@ -35,6 +38,9 @@ class TrialSpec:
     checkpoint: str | None = None
     #: the user's own training script, run instead of Pipette's runner (``workers.host.script_trial``)
     script: ScriptSpec | None = None
+    #: the stack Pipette's runner trains the candidate with: ``pipette`` (DeepSpeed,
+    #: ``workers.rank.train``) or ``fsdp`` (PyTorch-native, ``workers.rank.fsdp``)
+    stack: str = "pipette"
 
     def __post_init__(self) -> None:
         for name in ("min_steps", "max_steps"):
@@ -46,6 +52,8 @@ class TrialSpec:
             raise SpecError("is below min_steps", field="trial.max_steps", fix="raise max_steps")
         if self.device_kind not in ("cpu", "gpu"):
             raise SpecError(f"is {self.device_kind!r}", field="trial.device_kind", fix="use cpu or gpu")
+        if self.stack not in RUNNER_STACKS:
+            raise SpecError(f"is {self.stack!r}", field="trial.stack", fix=f"use one of {', '.join(RUNNER_STACKS)}")
         if self.memory_cap_bytes is not None and self.memory_cap_bytes <= 0:
             raise SpecError("must be positive", field="trial.memory_cap_bytes", fix="give bytes, or no cap")
 

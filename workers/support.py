@@ -18,13 +18,14 @@ from pipette.errors import InfeasibleError
 from pipette.model import ModelSpec
 from pipette.script import ScriptSpec
 from pipette.training import TrainingSpec
+from workers.fsdp_spec import fsdp_problems
 from workers.spec import TrialSpec
 
 DEVICE_KINDS = ("cpu", "gpu")
 
 
 def refusals_for(model: ModelSpec, training: TrainingSpec, config: ParallelConfig, device_kind: str,
-                 script: ScriptSpec | None = None, nodes: list[int] | None = None) -> list[str]:
+                 script: ScriptSpec | None = None, nodes: list[int] | None = None, stack: str = "pipette") -> list[str]:
     """Why the backends cannot run ``config`` for this job on ``device_kind`` devices; empty
     when they can. With ``script``, why the user's script cannot (``ScriptSpec.refusals``;
     ``nodes``: the node of each device). Pure: builds no model and starts no process."""
@@ -33,7 +34,15 @@ def refusals_for(model: ModelSpec, training: TrainingSpec, config: ParallelConfi
         out.append(f"device kind {device_kind!r} is not one of {', '.join(DEVICE_KINDS)}")
     if script is not None:
         return out + script.refusals(training, config, nodes) + job_refusals(model, training, device_kind, script)
+    if stack == "fsdp":
+        return out + job_refusals(model, training, device_kind) + fsdp_refusals(model, training, config, device_kind)
     return out + job_refusals(model, training, device_kind) + runner_refusals(model, config)
+
+
+def fsdp_refusals(model: ModelSpec, training: TrainingSpec, config: ParallelConfig, device_kind: str) -> list[str]:
+    """Why the PyTorch-native runner (``workers.rank.fsdp``) cannot run ``config``."""
+    return [f"{message} ({field}: {fix})" for message, field, fix in
+            fsdp_problems(model, training, config, device_kind, world=config.world)]
 
 
 def runner_refusals(model: ModelSpec, config: ParallelConfig) -> list[str]:
@@ -79,7 +88,8 @@ def job_refusals(model: ModelSpec, training: TrainingSpec, device_kind: str | No
 
 def refusals(trial: TrialSpec) -> list[str]:
     """Why the backends cannot run ``trial``; empty when they can."""
-    return refusals_for(trial.model, trial.training, trial.config, trial.device_kind, trial.script)
+    return refusals_for(trial.model, trial.training, trial.config, trial.device_kind, trial.script,
+                        stack=trial.stack)
 
 
 def check_runnable(trial: TrialSpec) -> None:

@@ -153,6 +153,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     runner = RayTrialRunner(model, training, cluster, device_kind=device_kind, timeout_s=timeout,
                             max_steps=steps, seed=options.seed, data=args.data, checkpoint=args.checkpoint,
                             script=script, ship_workdir=bool(os.environ.get("RAY_ADDRESS")),
+                            stack=stack.name if script is None else "pipette",
                             env={"PIPETTE_RANK_TAG": tag}, should_stop=stop.is_set, on_note=ui.say,
                             on_phase=ui.phase)
     # A script's trials measure the script: they are kept apart from the runner's.

@@ -23,9 +23,9 @@ from typing import Any
 def main() -> int:
     import torch.distributed as dist
 
+    from workers.fsdp_spec import plan_for
     from workers.phases import Phases
     from workers.rank.fsdp_rank import init_distributed, train
-    from workers.rank.fsdp_spec import plan_for
     from workers.rank.store import rendezvous_store
     from workers.rank.trial import emit
     from workers.spec import TrialSpec

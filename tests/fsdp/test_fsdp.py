@@ -220,8 +220,8 @@ OOM_ERRORS = ["CUDA out of memory. Tried to allocate 2.00 GiB", "std::bad_alloc:
 @pytest.mark.parametrize("error", OOM_ERRORS)
 def test_out_of_memory_is_reported_as_the_deepspeed_runner_does(monkeypatch: pytest.MonkeyPatch, error: str) -> None:
     from pipette.contract import OOM_EXIT
+    from workers.fsdp_spec import plan_for
     from workers.rank import fsdp_rank
-    from workers.rank.fsdp_spec import plan_for
 
     def no_memory(*args: Any, **kwargs: Any) -> None:
         raise RuntimeError(error)

@@ -1,4 +1,4 @@
-"""The fsdp runner's candidate check and plan (``workers.rank.fsdp_spec``), and the config fields
+"""The fsdp runner's candidate check and plan (``workers.fsdp_spec``), and the config fields
 it added (``ParallelConfig.dp_shard``, ``offload``): pure, no torch, no process."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pipette.config import ParallelConfig
 from pipette.errors import SpecError
 from pipette.model import ModelSpec
 from pipette.training import TrainingSpec
-from workers.rank.fsdp_spec import check_fsdp, plan_for
+from workers.fsdp_spec import check_fsdp, plan_for
 from workers.support import refusals_for
 
 MODEL = ModelSpec(name="tiny-fsdp", layers=4, hidden=64, heads=4, kv_heads=2, ffn_hidden=128, vocab=256,

@@ -42,7 +42,7 @@ def test_the_registry_holds_the_four_stacks_with_their_own_models() -> None:
     assert PIPETTE.fits_prior("gpu") is PIPETTE_GPU and MEGATRON.fits_prior("gpu") is NANOTRON_GPU
     assert FSDP.fits_prior("gpu") is FSDP_GPU  # fitted on torchtitan (docs/models.md)
     assert all(s.fits_prior("cpu") is CPU for s in STACKS.values())
-    assert runner_stacks() == ["pipette"]
+    assert runner_stacks() == ["pipette", "fsdp"]
     assert get_stack(FSDP) is FSDP  # an object is taken as is
 
 
@@ -203,13 +203,13 @@ def test_plan_refuses_a_bad_stack_in_one_line(stack: str, words: list[str]) -> N
     assert all(w in line for w in words), line
 
 
-@pytest.mark.parametrize("stack", ["megatron", "fsdp", "hf-deepspeed"])
+@pytest.mark.parametrize("stack", ["megatron", "hf-deepspeed"])
 def test_tune_without_a_script_refuses_a_stack_its_runner_does_not_run(stack: str, tmp_path: Path) -> None:
     r = pipette("tune", "--stack", stack, "--home", str(tmp_path), "--max-trials", "1")
     assert r.returncode == 1 and "Traceback" not in r.stderr
     line = r.stderr.strip().splitlines()[-1]
     assert line.startswith(f"pipette: error: --stack: {stack} cannot be tuned by Pipette's runner, "
-                           "which runs pipette only"), line
+                           "which runs pipette, fsdp only"), line
     assert "--script" in line and not (tmp_path / "profiles").exists()  # refused before measuring
 
 

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from pipette.contract import TRAIN_ENTRY
+from pipette.contract import FSDP_ENTRY, TRAIN_ENTRY
 from pipette.measurement import Measurement, last_error_line
 from workers.host.monitor import Finished, Watched, exit_text
 from workers.host.outcome import Outcome, measurement
@@ -32,8 +32,9 @@ EXIT_GRACE_S = 30.0
 
 
 class RunnerTrial:
-    """Pipette's runner: rank 0 reports every step, every rank its ``done``; a rank that ran out
-    of memory says so (``oom``) and exits with ``OOM_EXIT``."""
+    """Pipette's runners (DeepSpeed's, ``workers.rank.train``, or the PyTorch-native one,
+    ``workers.rank.fsdp``, by the trial's stack): rank 0 reports every step, every rank its
+    ``done``; a rank that ran out of memory says so (``oom``) and exits with ``OOM_EXIT``."""
 
     def __init__(self, trial: TrialSpec) -> None:
         self.trial, self.world = trial, trial.config.world
@@ -42,8 +43,10 @@ class RunnerTrial:
         self.ooms: list[dict[str, Any]] = []
 
     def launch(self, transport: Transport) -> Launch:
-        files = {"candidate.json": json.dumps(self.trial.candidate()),
-                 "ds_config.json": json.dumps(self.trial.ds_config())}
+        files = {"candidate.json": json.dumps(self.trial.candidate())}
+        if self.trial.stack == "fsdp":  # PyTorch-native: the candidate is all it reads
+            return Launch(files, [sys.executable, "-m", FSDP_ENTRY, "--candidate", "candidate.json"])
+        files["ds_config.json"] = json.dumps(self.trial.ds_config())
         argv = [sys.executable, "-m", TRAIN_ENTRY, "--deepspeed_config", "ds_config.json",
                 "--candidate", "candidate.json"]
         return Launch(files, argv)

@@ -50,8 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rank_map", default=os.environ.get("PIPETTE_RANK_MAP"),
                         help="rank_map.json: renumber this process to its rank in the candidate's placement")
     args = parser.parse_args(argv)
+    from workers.fsdp_spec import plan_for
     from workers.rank.fsdp_rank import run_rank
-    from workers.rank.fsdp_spec import plan_for
     from workers.rank.store import rendezvous_store
     from workers.rank.train import pipette_rank
     from workers.rank.trial import emit

@@ -41,8 +41,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from workers.fsdp_spec import FsdpPlan
 from workers.rank.fsdp_model import LlamaStage, ParamInfo, restore_trainable
-from workers.rank.fsdp_spec import FsdpPlan
 
 #: each projection of a decoder layer and how TP cuts it (Megatron-LM's column/row split)
 PROJECTIONS: dict[str, str] = {

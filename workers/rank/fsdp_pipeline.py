@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from workers.rank.fsdp_spec import FsdpPlan
+from workers.fsdp_spec import FsdpPlan
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 

@@ -7,7 +7,7 @@ every rank, ``done`` per rank with the same fields (``backend`` names the parall
 ``oom`` with the bytes asked for.
 
 What a rank does, in torchtitan's order (``torchtitan/train.py``): the mesh (pp, dp_replicate,
-dp_shard, tp; ``workers.rank.fsdp_spec``); the model on the meta device with PEFT's LoRA; its
+dp_shard, tp; ``workers.fsdp_spec``); the model on the meta device with PEFT's LoRA; its
 pipeline stages (``fsdp_model``); TP, activation checkpointing and FSDP2 on each
 (``fsdp_parallel``); values for what it holds; AdamW on its shards; the pipeline schedule
 (``fsdp_pipeline``). Each step trains on the same global batch every candidate of the job sees
@@ -28,13 +28,13 @@ import torch.distributed as dist
 from torch import nn
 
 from pipette.contract import OOM_EXIT
+from workers.fsdp_spec import MESH_DIMS, FsdpPlan, plan_for
 from workers.phases import PHASES, Phases
 from workers.rank.devices import backend_for, collective_device, rank_device
 from workers.rank.fsdp_data import GlobalBatches, micro_batches
 from workers.rank.fsdp_model import build_stages, held_param_bytes, lm_loss, materialize, meta_model, parameter_names
 from workers.rank.fsdp_parallel import parallelize
 from workers.rank.fsdp_pipeline import pipeline_schedule, pipeline_step
-from workers.rank.fsdp_spec import MESH_DIMS, FsdpPlan, plan_for
 from workers.rank.memory import (
     PeakTensorBytes,
     allocator_record,

@@ -1,0 +1,61 @@
+"""The PyTorch-native runner as a kind of trial: an ``fsdp`` candidate runs through the product's
+path (Ray transport, the monitor, ``RunnerTrial`` with ``workers.rank.fsdp``) and ``pipette tune
+--stack fsdp`` tunes with it; a DeepSpeed and an FSDP trial of one job are measured alike."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from pipette.errors import InfeasibleError
+from workers.host.executor import run_trial
+from workers.spec import TrialSpec
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_trials import trial
+from test_tune import _env, _no_rank_left, _tune
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+
+def _fsdp(spec: TrialSpec) -> TrialSpec:
+    return replace(spec, stack="fsdp")
+
+
+def test_an_fsdp_candidate_is_a_trial_like_a_deepspeed_one() -> None:
+    spec = trial(dp=2, zero=3, method="lora")
+    ds, fsdp = run_trial(spec, timeout_s=240), run_trial(_fsdp(spec), timeout_s=240)
+    for m in (ds, fsdp):
+        assert m.status == "ok", f"{m.error}\n{m.extra.get('output_tail')}"
+        assert spec.min_steps <= len(m.step_times) <= spec.max_steps and len(m.peak_memory) == 2
+        assert m.extra["trainable_params"] == ds.extra["trainable_params"]
+    assert ds.extra["backend"].startswith("deepspeed") and fsdp.extra["backend"].startswith("fsdp2-full-shard")
+    assert "peft-lora" in fsdp.extra["backend"]
+    # the same model at the start (the two runners cut the global batch into ranks differently)
+    assert fsdp.losses[0] == pytest.approx(ds.losses[0], rel=0.05)
+
+
+def test_tensor_parallel_fsdp_trial_runs_and_a_bad_split_is_refused_before_any_rank() -> None:
+    m = run_trial(_fsdp(trial(tp=2, dp=2, zero=2)), timeout_s=240)
+    assert m.status == "ok", f"{m.error}\n{m.extra.get('output_tail')}"
+    assert "tp" in m.extra["backend"]
+    with pytest.raises(InfeasibleError) as e:
+        run_trial(_fsdp(trial(dp=2, zero=1)), timeout_s=60)  # FSDP has no ZeRO-1
+    assert "zero" in str(e.value).lower()
+
+
+def test_tune_with_the_fsdp_stack_runs_fsdp_trials(tmp_path: Path) -> None:
+    done = subprocess.run(_tune(tmp_path, "--stack", "fsdp", "--max-trials", "2", "--json"), capture_output=True,
+                          text=True, env=_env(), timeout=850)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout)
+    assert result["stack"] == "fsdp" and result["trials_run"] == 2
+    ran = [t for t in result["trials"] if t["measurement"]["status"] == "ok"]
+    assert ran and all(t["measurement"]["extra"]["backend"].startswith("fsdp2") for t in ran)
+    assert json.loads((tmp_path / "best" / "candidate.json").read_text())["stack"]["name"] == "fsdp"
+    assert _no_rank_left()
