@@ -221,16 +221,15 @@ OOM_ERRORS = ["CUDA out of memory. Tried to allocate 2.00 GiB", "std::bad_alloc:
 def test_out_of_memory_is_reported_as_the_deepspeed_runner_does(monkeypatch: pytest.MonkeyPatch, error: str) -> None:
     from pipette.contract import OOM_EXIT
     from workers.fsdp_spec import plan_for
-    from workers.rank import fsdp_rank
+    from workers.rank.trial import train_or_oom
 
-    def no_memory(*args: Any, **kwargs: Any) -> None:
+    def no_memory() -> None:
         raise RuntimeError(error)
 
-    monkeypatch.setattr(fsdp_rank, "train", no_memory)
     trial = fc.reference("full")
     events: list[dict[str, Any]] = []
-    plan = plan_for(trial.model, trial.training, trial.config)
-    assert fsdp_rank.train_or_oom(trial, plan, 0, torch.device("cpu"), events.append) == OOM_EXIT
+    plan_for(trial.model, trial.training, trial.config)
+    assert train_or_oom(no_memory, trial, 0, torch.device("cpu"), events.append) == OOM_EXIT
     (event,) = events
     assert event["event"] == "oom" and event["rank"] == 0 and event["error"] == error
     assert event["bytes"] == (2 * 2**30 if "GiB" in error else 0)

@@ -55,8 +55,8 @@ def test_a_job_stores_its_stack(api: Api) -> None:
 
 @pytest.mark.parametrize(("stack", "words"), [
     ("bogus", ["unknown stack 'bogus'"]),
-    ("megatron", ["megatron cannot be tuned by Pipette's runner, which runs pipette only"]),
-    ("fsdp+compile", ["fsdp+compile cannot be tuned by Pipette's runner"]),
+    ("megatron", ["megatron cannot be tuned by Pipette's runner, which runs pipette, fsdp only"]),
+    ("fsdp+compile", ["fsdp+compile: Pipette's runner runs fsdp without compile"]),
 ])
 def test_a_job_of_pipettes_runner_refuses_a_stack_it_does_not_run(api: Api, stack: str, words: list[str]) -> None:
     h = api.token()

@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import sys
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -52,23 +51,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from workers.fsdp_spec import plan_for
     from workers.rank.fsdp_rank import run_rank
-    from workers.rank.store import rendezvous_store
-    from workers.rank.train import pipette_rank
-    from workers.rank.trial import emit
+    from workers.rank.train import join
 
     PHASES.mark("imports")
     trial = read_candidate(args.candidate)
-    launcher_rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     plan_for(trial.model, trial.training, trial.config, trial.device_kind, world)  # refused before the rendezvous
-    rank = launcher_rank
-    if args.rank_map:
-        rank = pipette_rank(launcher_rank, json.loads(Path(args.rank_map).read_text()))
-        os.environ["RANK"] = str(rank)
-    emit({"event": "rank", "rank": rank, "launcher_rank": launcher_rank, "local_rank": os.environ.get("LOCAL_RANK"),
-          "visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "device_kind": trial.device_kind,
-          "master_port": os.environ.get("MASTER_PORT")})
-    store = rendezvous_store(world, is_master=launcher_rank == 0, timeout=timedelta(seconds=120))
+    rank, world, store = join(args.rank_map, trial.device_kind)
     code: int = run_rank(trial, rank, world, store)
     return code
 

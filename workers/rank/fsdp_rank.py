@@ -27,7 +27,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipette.contract import OOM_EXIT
 from workers.fsdp_spec import MESH_DIMS, FsdpPlan, plan_for
 from workers.phases import PHASES, Phases
 from workers.rank.devices import backend_for, collective_device, rank_device
@@ -38,12 +37,9 @@ from workers.rank.fsdp_pipeline import pipeline_schedule, pipeline_step
 from workers.rank.memory import (
     PeakTensorBytes,
     allocator_record,
-    apply_memory_cap,
-    oom_bytes,
-    oom_where,
     peak_rss_bytes,
 )
-from workers.rank.trial import _agree, _tight, emit
+from workers.rank.trial import _agree, _tight, emit, train_or_oom
 from workers.spec import TrialSpec
 
 #: the gradient norm clipped to: ``pipette.emit``'s DeepSpeed config (``gradient_clipping``)
@@ -265,23 +261,6 @@ def init_distributed(device_kind: str, rank: int, world: int, store: dist.Store,
     return device
 
 
-def train_or_oom(trial: TrialSpec, plan: FsdpPlan, rank: int, device: torch.device, report: Report) -> int:
-    """``train``, or the ``oom`` event (``workers.rank.trial.run_rank``'s fields) when memory ran out."""
-    if trial.memory_cap_bytes is not None:
-        apply_memory_cap(trial.memory_cap_bytes, device)
-    try:
-        train(trial, plan, rank, report)
-    except (RuntimeError, MemoryError) as e:
-        asked = oom_bytes(e)
-        if asked is None:
-            raise
-        allocator = allocator_record(device) if device.type == "cuda" else {}
-        report({"event": "oom", "rank": rank, "bytes": asked, "where": oom_where(e), "phase": PHASES.current(),
-                "error": str(e)[:2000], **allocator})
-        return OOM_EXIT
-    return 0
-
-
 def run_rank(trial: TrialSpec, rank: int, world: int, store: dist.Store) -> int:
     """The whole life of one rank process; returns its exit status."""
     plan = plan_for(trial.model, trial.training, trial.config, trial.device_kind, world)
@@ -289,7 +268,7 @@ def run_rank(trial: TrialSpec, rank: int, world: int, store: dist.Store) -> int:
     PHASES.mark("rendezvous")
     PHASES.mark("ops")  # no op to build: nothing of DeepSpeed's here
     try:
-        status = train_or_oom(trial, plan, rank, device, emit)
+        status = train_or_oom(lambda: train(trial, plan, rank, emit), trial, rank, device, emit)
         if status == 0:
             dist.barrier()
         return status

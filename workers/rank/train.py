@@ -93,8 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     import peft  # noqa: F401
     import transformers  # noqa: F401
 
-    from workers.rank.store import rendezvous_store
-    from workers.rank.trial import emit, run_rank
+    from workers.rank.trial import run_rank
     from workers.spec import TrialSpec
 
     PHASES.mark("imports")
@@ -107,17 +106,27 @@ def main(argv: list[str] | None = None) -> int:
         options["device_kind"] = "gpu" if torch.cuda.is_available() else "cpu"
     trial = TrialSpec.from_candidate(candidate)
     ds_config = json.loads(Path(args.deepspeed_config).read_text())
+    rank, world, store = join(args.rank_map, trial.device_kind)
+    return run_rank(trial, ds_config, rank, world, store)
+
+
+def join(rank_map: str | None, device_kind: str) -> tuple[int, int, Any]:
+    """This process's rank (renumbered by ``rank_map.json`` when given: a launcher numbers its
+    processes its own way), the world size, and the rendezvous store; says which it is (``rank``)."""
+    from workers.rank.store import rendezvous_store
+    from workers.rank.trial import emit
+
     launcher_rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = launcher_rank
-    if args.rank_map:
-        rank = pipette_rank(launcher_rank, json.loads(Path(args.rank_map).read_text()))
+    if rank_map:
+        rank = pipette_rank(launcher_rank, json.loads(Path(rank_map).read_text()))
         os.environ["RANK"] = str(rank)
     emit({"event": "rank", "rank": rank, "launcher_rank": launcher_rank, "local_rank": os.environ.get("LOCAL_RANK"),
-          "visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "device_kind": trial.device_kind,
+          "visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "device_kind": device_kind,
           "master_port": os.environ.get("MASTER_PORT")})
     store = rendezvous_store(world, is_master=launcher_rank == 0, timeout=timedelta(seconds=120))
-    return run_rank(trial, ds_config, rank, world, store)
+    return rank, world, store
 
 
 def _exit(code: int) -> None:

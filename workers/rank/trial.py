@@ -231,23 +231,34 @@ def run_rank(trial: TrialSpec, ds_config: dict[str, Any], rank: int, world: int,
     deepspeed.init_distributed(dist_backend=backend)  # adopts the process group above
     PHASES.mark("ops")
     try:
-        if trial.memory_cap_bytes is not None:
-            apply_memory_cap(trial.memory_cap_bytes, device)
-        try:
-            train(trial, ds_config, rank, emit)
-        except (RuntimeError, MemoryError) as e:
-            asked = oom_bytes(e)
-            if asked is None:
-                raise
-            allocator = allocator_record(device) if device.type == "cuda" else {}
-            emit({"event": "oom", "rank": rank, "bytes": asked, "where": oom_where(e), "phase": PHASES.current(),
-                  "error": str(e)[:2000], **allocator})
-            return OOM_EXIT
+        code = train_or_oom(lambda: train(trial, ds_config, rank, emit), trial, rank, device, emit)
+        if code:
+            return code
         dist.barrier()
         return 0
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def train_or_oom(train: Callable[[], None], trial: TrialSpec, rank: int, device: torch.device,
+                 report: Callable[[dict[str, Any]], None]) -> int:
+    """Run ``train`` under the trial's memory cap; 0, or ``OOM_EXIT`` after an ``oom`` event (the
+    rank, the bytes asked for, where and in which phase, the allocator's figures on a GPU) when
+    memory ran out. Either runner's ranks (DeepSpeed's, the PyTorch-native one) end this way."""
+    if trial.memory_cap_bytes is not None:
+        apply_memory_cap(trial.memory_cap_bytes, device)
+    try:
+        train()
+    except (RuntimeError, MemoryError) as e:
+        asked = oom_bytes(e)
+        if asked is None:
+            raise
+        allocator = allocator_record(device) if device.type == "cuda" else {}
+        report({"event": "oom", "rank": rank, "bytes": asked, "where": oom_where(e), "phase": PHASES.current(),
+                "error": str(e)[:2000], **allocator})
+        return OOM_EXIT
+    return 0
 
 
 def layout(config: ParallelConfig, rank: int) -> dict[str, int]:
