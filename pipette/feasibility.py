@@ -47,6 +47,7 @@ from pipette.config import ParallelConfig
 from pipette.estimates import MEMORY_PARTS, MemoryEstimate
 from pipette.fits import CPU, FitsPrior
 from pipette.measurement import Measurement
+from pipette.trials import Details
 
 FloatArray = gp.FloatArray
 
@@ -121,7 +122,8 @@ class MemoryPoint:
 
 def measured_need(memory: MemoryEstimate, m: Measurement) -> int | None:
     """What a trial that ran needed of its device, in the estimate's terms (module docstring)."""
-    reserved, outside = m.extra.get("peak_reserved_bytes"), m.extra.get("outside_allocator_bytes")
+    allocator = Details.of(m).allocator
+    reserved, outside = allocator.peak_reserved_bytes, allocator.outside_allocator_bytes
     if reserved and outside:
         return max(int(r) + int(o) for r, o in zip(reserved, outside, strict=True))
     if m.peak_memory_max:
