@@ -34,7 +34,8 @@ from pipette.options import TRIAL_TIMEOUT_S
 from pipette.script import KINDS, KNOBS, ScriptSpec
 
 if TYPE_CHECKING:
-    from pipette.trials import TrialRecord
+    from pipette.trials import TrialRecord, TrialStore
+    from pipette.tuner import TuneEvent
 
 GiB = 1024**3
 #: A profile younger than this is reused instead of measuring again.
@@ -371,8 +372,8 @@ def _links_summary(cluster: Any) -> str:
             f"memory {cluster.min_usable_memory / GiB:.1f} GiB per device")
 
 
-def _on_event(event: Any, ui: Progress, store: Any, interference: Any = None) -> None:
-    if event.kind == "trial_started":
+def _on_event(event: TuneEvent, ui: Progress, store: TrialStore | None, interference: Any = None) -> None:
+    if event.kind == "trial_started" and event.trial is not None:
         ui.start(event.trial, event.data)
         if interference is not None:
             interference.start()
@@ -381,9 +382,12 @@ def _on_event(event: Any, ui: Progress, store: Any, interference: Any = None) ->
     elif event.kind == "trial_ended":
         if interference is not None:
             interference.end()
-        ui.end(event.record)
+        from pipette.trials import TrialRecord
+
+        record = event.record if event.record is not None else TrialRecord.from_dict(event.data)
+        ui.end(record)
         if store is not None:
-            store.append(event.record)
+            store.append(record)
 
 
 #: lines of a failed trial's reason shown under its line (the whole of it is in the record)
