@@ -34,6 +34,7 @@ from pipette.options import TRIAL_TIMEOUT_S
 from pipette.script import KINDS, KNOBS, ScriptSpec
 
 if TYPE_CHECKING:
+    from pipette.measurement import Measurement
     from pipette.trials import TrialRecord, TrialStore
     from pipette.tuner import TuneEvent
 
@@ -394,12 +395,14 @@ def _on_event(event: TuneEvent, ui: Progress, store: TrialStore | None, interfer
 REASON_LINES = 40
 
 
-def _reason_lines(r: TrialRecord) -> list[str]:
+def _reason_lines(m: Measurement) -> list[str]:
     """The whole reason a trial failed, not its first line cut at 160 characters; and the end
     of what its rank said, where the reason does not already hold it (a timeout)."""
-    error = r.measurement.error
+    from pipette.trials import Details
+
+    error = m.error
     lines = [x for x in error.splitlines() if x.strip()]
-    said = [x for x in r.details.output_tail.splitlines() if x.strip()]
+    said = [x for x in Details.of(m).output_tail.splitlines() if x.strip()]
     if said and said[-1] not in error:
         lines += ["its output ended with:", *("  " + x for x in said[-10:])]
     if len(lines) > REASON_LINES:
@@ -409,12 +412,13 @@ def _reason_lines(r: TrialRecord) -> list[str]:
     return lines
 
 
-def _peak_text(r: TrialRecord) -> str:
+def _peak_text(m: Measurement) -> str:
     """The tensors' peak in MiB; a script trial on CPU has none, its ranks' peak RSS stands in."""
-    peak = r.measurement.peak_memory_max
-    if peak is not None:
-        return f"{peak / 2**20:.0f}"
-    rss = [x for x in r.details.peak_rss_bytes if x]
+    from pipette.trials import Details
+
+    if m.peak_memory_max is not None:
+        return f"{m.peak_memory_max / 2**20:.0f}"
+    rss = [x for x in Details.of(m).peak_rss_bytes if x]
     return f"{max(rss) / 2**20:.0f} RSS" if rss else "-"
 
 
@@ -472,7 +476,7 @@ class Progress:
         colour = {"ok": "32", "oom": "31", "failed": "31", "timeout": "33", "pruned": "33"}.get(status, "0")
         measured = f"{m.step_time:.3f} s" if m.step_time else "-"
         error = f"{r.error_pct:+.0f}%" if r.error_pct is not None else ""
-        peak = _peak_text(r)
+        peak = _peak_text(m)
         if status == "ok" and m.step_time and (self.best is None or m.step_time < self.best):
             self.best, self.best_label = m.step_time, r.label
         self.done_trials = r.number + 1
@@ -481,7 +485,7 @@ class Progress:
         self.say(f"{'#' + str(r.number):>5}  {label:<38} {self._c(f'{status:<8}', colour)} "
                  f"{r.predicted_step_time:>8.3f} s {measured:>10} {error:>7} {peak:>9}")
         if status not in ("ok", "pruned") and m.error:
-            for line in _reason_lines(r):
+            for line in _reason_lines(m):
                 self.say(f"       {line}")
         not_retried = r.details.not_retried
         if not_retried:
