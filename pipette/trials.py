@@ -5,7 +5,7 @@ what the trial measured, which job and stack it belongs to, and when it ran. The
 them; a ``TrialStore`` keeps them. Two stores implement the protocol: the CLI's JSON-lines file
 (``JsonlTrialStore``, here: ``pipette tune`` learns from it) and the service's database
 (``service.repositories.trials.SqlTrialStore``: a job resumes from it). Both hold the JSON of
-``TrialRecord.to_dict``; nothing else reads a record by its keys.
+``TrialRecord.to_dict``; nothing else reads a stored record by its keys.
 
 ``TrialRecord.from_dict`` reads every format written since the first (2026-11-21): a key added
 since (``purpose``, ``stack``, ``hfu``, ``statistic``, the timestamps) takes the value that an
