@@ -47,7 +47,6 @@ from pipette.config import ParallelConfig
 from pipette.estimates import MEMORY_PARTS, MemoryEstimate
 from pipette.fits import CPU, FitsPrior
 from pipette.measurement import Measurement
-from pipette.trials import Details
 
 FloatArray = gp.FloatArray
 
@@ -122,7 +121,7 @@ class MemoryPoint:
 
 def measured_need(memory: MemoryEstimate, m: Measurement) -> int | None:
     """What a trial that ran needed of its device, in the estimate's terms (module docstring)."""
-    allocator = Details.of(m).allocator
+    allocator = m.details.allocator
     reserved, outside = allocator.peak_reserved_bytes, allocator.outside_allocator_bytes
     if reserved and outside:
         return max(int(r) + int(o) for r, o in zip(reserved, outside, strict=True))

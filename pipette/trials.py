@@ -5,7 +5,8 @@ what the trial measured, which job and stack it belongs to, and when it ran. The
 them; a ``TrialStore`` keeps them. Two stores implement the protocol: the CLI's JSON-lines file
 (``JsonlTrialStore``, here: ``pipette tune`` learns from it) and the service's database
 (``service.repositories.trials.SqlTrialStore``: a job resumes from it). Both hold the JSON of
-``TrialRecord.to_dict``; nothing else reads a stored record by its keys.
+``TrialRecord.to_dict``; nothing else reads a stored record by its keys (the workers' extras of
+its measurement are read typed by ``Measurement.details``).
 
 ``TrialRecord.from_dict`` reads every format written since the first (2026-11-21): a key added
 since (``purpose``, ``stack``, ``hfu``, ``statistic``, the timestamps) takes the value that an
@@ -26,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from pipette.config import ParallelConfig
 from pipette.errors import PipetteError, SpecError, StoreError
 from pipette.estimates import MemoryEstimate, PerfEstimate
-from pipette.measurement import Measurement
+from pipette.measurement import Details, Measurement
 from pipette.stacks import DEFAULT_STACK
 
 if TYPE_CHECKING:
@@ -44,56 +45,6 @@ def tensor_peak_bytes(memory: MemoryEstimate) -> int:
     on a GPU). The process overhead (CUDA context and fragmentation, or the 512 MiB of a CPU
     rank's interpreter) is no tensor: compared with it, estimate and trial were 24x apart."""
     return memory.peak_bytes - memory.breakdown.get("overhead", 0)
-
-
-@dataclass(frozen=True)
-class Allocator:
-    """The GPU caching allocator's figures of a trial, one entry per rank (``torch.cuda``'s
-    memory stats, ``workers.memory``); empty where none was measured (CPU devices)."""
-
-    peak_allocated_bytes: tuple[int, ...] = ()
-    peak_reserved_bytes: tuple[int, ...] = ()
-    peak_inactive_split_bytes: tuple[int, ...] = ()
-    #: the device memory in use beyond what the allocator reserved (CUDA context, NCCL, ...)
-    outside_allocator_bytes: tuple[int, ...] = ()
-    alloc_retries: tuple[int, ...] = ()
-    allocator_ooms: tuple[int, ...] = ()
-
-
-@dataclass(frozen=True)
-class Details:
-    """What a trial's ranks said beyond its step times, typed. The workers write these into
-    ``Measurement.extra`` (its keys are their wire format); this is the one place that reads
-    them back. Keys it does not name stay in ``Measurement.extra``."""
-
-    #: the trial's wall time, from the placement of its ranks to their exit
-    wall_s: float | None = None
-    #: what ran the steps ("deepspeed+zero1", "script"); None where no rank got that far
-    backend: str | None = None
-    #: rank 0's wall time by phase (``workers.phases``: imports, ops, build, warmup, steps)
-    phases: Mapping[str, float] = field(default_factory=dict)
-    #: the phase the ranks were in when a failed or timed-out trial stopped
-    stopped_in: str | None = None
-    allocator: Allocator = field(default_factory=Allocator)
-    #: each rank's peak resident set (the process, not only its tensors)
-    peak_rss_bytes: tuple[int, ...] = ()
-    #: the end of what rank 0 printed (a failed trial's reason is often there)
-    output_tail: str = ""
-    #: why a crashed attempt was not retried ("" where it was, or did not crash)
-    not_retried: str = ""
-
-    @classmethod
-    def of(cls, m: Measurement) -> Details:
-        x = m.extra
-        wall = x.get("wall_s")
-        return cls(
-            wall_s=None if wall is None else float(wall), backend=_str_or_none(x.get("backend")),
-            phases={str(k): float(v) for k, v in (x.get("phases") or {}).items()},
-            stopped_in=_str_or_none(x.get("phase")),
-            allocator=Allocator(**{name: _ints(x.get(name)) for name in Allocator.__dataclass_fields__}),
-            peak_rss_bytes=_ints(x.get("peak_rss_bytes")),
-            output_tail=str(x.get("output_tail") or ""), not_retried=str(x.get("not_retried") or ""),
-        )
 
 
 @dataclass(frozen=True)
@@ -148,7 +99,7 @@ class TrialRecord:
 
     @property
     def details(self) -> Details:
-        return Details.of(self.measurement)
+        return self.measurement.details
 
     def observation(self) -> Observation:
         from pipette.learned import Observation
@@ -285,11 +236,3 @@ def _iso(when: datetime | None) -> str | None:
 
 def _time(value: Any) -> datetime | None:
     return None if value is None else datetime.fromisoformat(str(value))
-
-
-def _str_or_none(value: Any) -> str | None:
-    return None if value is None else str(value)
-
-
-def _ints(values: Any) -> tuple[int, ...]:
-    return tuple(int(v) for v in values or () if v is not None)

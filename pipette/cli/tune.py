@@ -398,11 +398,9 @@ REASON_LINES = 40
 def _reason_lines(m: Measurement) -> list[str]:
     """The whole reason a trial failed, not its first line cut at 160 characters; and the end
     of what its rank said, where the reason does not already hold it (a timeout)."""
-    from pipette.trials import Details
-
     error = m.error
     lines = [x for x in error.splitlines() if x.strip()]
-    said = [x for x in Details.of(m).output_tail.splitlines() if x.strip()]
+    said = [x for x in m.details.output_tail.splitlines() if x.strip()]
     if said and said[-1] not in error:
         lines += ["its output ended with:", *("  " + x for x in said[-10:])]
     if len(lines) > REASON_LINES:
@@ -414,11 +412,9 @@ def _reason_lines(m: Measurement) -> list[str]:
 
 def _peak_text(m: Measurement) -> str:
     """The tensors' peak in MiB; a script trial on CPU has none, its ranks' peak RSS stands in."""
-    from pipette.trials import Details
-
     if m.peak_memory_max is not None:
         return f"{m.peak_memory_max / 2**20:.0f}"
-    rss = [x for x in Details.of(m).peak_rss_bytes if x]
+    rss = [x for x in m.details.peak_rss_bytes if x]
     return f"{max(rss) / 2**20:.0f} RSS" if rss else "-"
 
 

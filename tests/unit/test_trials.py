@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from pipette.errors import PipetteError, StoreError
-from pipette.measurement import Measurement
-from pipette.trials import Allocator, Details, JsonlTrialStore, TrialRecord
+from pipette.measurement import Allocator, Details, Measurement
+from pipette.trials import JsonlTrialStore, TrialRecord
 from tests.trial_records import FIXTURES, ROOT, a_plan, a_record
 
 FORMATS = sorted(p.name for p in FIXTURES.glob("*.jsonl"))
@@ -66,8 +66,8 @@ def test_the_details_read_what_the_workers_write() -> None:
                         peak_rss_bytes=(501_000_000, 498_000_000), output_tail="step 3 done")
     timed_out = Measurement("timeout", extra={"wall_s": 180.0, "backend": None, "phase": "ops",
                                               "not_retried": "crashed again"})
-    assert Details.of(timed_out) == Details(wall_s=180.0, stopped_in="ops", not_retried="crashed again")
-    assert Details.of(Measurement("ok")) == Details()
+    assert timed_out.details == Details(wall_s=180.0, stopped_in="ops", not_retried="crashed again")
+    assert Measurement("ok").details == Details()
 
 
 def test_the_allocator_fields_are_the_ones_the_workers_send() -> None:
