@@ -64,3 +64,8 @@ class InfeasibleError(PipetteError):
         super().__init__(message, field=field, fix=fix)
         self.shortfall_bytes = shortfall_bytes
         self.reasons = dict(reasons or {})
+
+
+class StoreError(PipetteError):
+    """A kept record cannot be read or written (a trial store's file or row): names which, and
+    how to repair it."""

@@ -121,7 +121,8 @@ class MemoryPoint:
 
 def measured_need(memory: MemoryEstimate, m: Measurement) -> int | None:
     """What a trial that ran needed of its device, in the estimate's terms (module docstring)."""
-    reserved, outside = m.extra.get("peak_reserved_bytes"), m.extra.get("outside_allocator_bytes")
+    allocator = m.details.allocator
+    reserved, outside = allocator.peak_reserved_bytes, allocator.outside_allocator_bytes
     if reserved and outside:
         return max(int(r) + int(o) for r, o in zip(reserved, outside, strict=True))
     if m.peak_memory_max:

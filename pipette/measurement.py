@@ -1,8 +1,10 @@
-"""``Measurement``: what a real trial observed."""
+"""``Measurement``: what a real trial observed; ``Details``: what its ranks said beyond the step
+times, typed."""
 
 from __future__ import annotations
 
 import statistics
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -47,6 +49,11 @@ class Measurement:
     def peak_memory_max(self) -> int | None:
         return max(self.peak_memory) if self.peak_memory else None
 
+    @property
+    def details(self) -> Details:
+        """The workers' extras, typed (``Details``)."""
+        return Details.of(self)
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "status": self.status,
@@ -80,6 +87,56 @@ class Measurement:
         )
 
 
+@dataclass(frozen=True)
+class Allocator:
+    """The GPU caching allocator's figures of a trial, one entry per rank (``torch.cuda``'s
+    memory stats, ``workers.rank.memory``); empty where none was measured (CPU devices)."""
+
+    peak_allocated_bytes: tuple[int, ...] = ()
+    peak_reserved_bytes: tuple[int, ...] = ()
+    peak_inactive_split_bytes: tuple[int, ...] = ()
+    #: the device memory in use beyond what the allocator reserved (CUDA context, NCCL, ...)
+    outside_allocator_bytes: tuple[int, ...] = ()
+    alloc_retries: tuple[int, ...] = ()
+    allocator_ooms: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Details:
+    """What a trial's ranks said beyond its step times, typed. The workers write these into
+    ``Measurement.extra`` (its keys are their wire format); this is the one place that reads
+    them back. Keys it does not name stay in ``Measurement.extra``."""
+
+    #: the trial's wall time, from the placement of its ranks to their exit
+    wall_s: float | None = None
+    #: what ran the steps ("deepspeed+zero1", "script"); None where no rank got that far
+    backend: str | None = None
+    #: rank 0's wall time by phase (``workers.phases``: imports, ops, build, warmup, steps)
+    phases: Mapping[str, float] = field(default_factory=dict)
+    #: the phase the ranks were in when a failed or timed-out trial stopped
+    stopped_in: str | None = None
+    allocator: Allocator = field(default_factory=Allocator)
+    #: each rank's peak resident set (the process, not only its tensors)
+    peak_rss_bytes: tuple[int, ...] = ()
+    #: the end of what rank 0 printed (a failed trial's reason is often there)
+    output_tail: str = ""
+    #: why a crashed attempt was not retried ("" where it was, or did not crash)
+    not_retried: str = ""
+
+    @classmethod
+    def of(cls, m: Measurement) -> Details:
+        x = m.extra
+        wall = x.get("wall_s")
+        return cls(
+            wall_s=None if wall is None else float(wall), backend=_str_or_none(x.get("backend")),
+            phases={str(k): float(v) for k, v in (x.get("phases") or {}).items()},
+            stopped_in=_str_or_none(x.get("phase")),
+            allocator=Allocator(**{name: _ints(x.get(name)) for name in Allocator.__dataclass_fields__}),
+            peak_rss_bytes=_ints(x.get("peak_rss_bytes")),
+            output_tail=str(x.get("output_tail") or ""), not_retried=str(x.get("not_retried") or ""),
+        )
+
+
 def last_error_line(text: str) -> str:
     """The line of a process's output or a trial's error that says why it stopped (its
     exception, a ``[rank N]:`` prefix dropped), else its last line."""
@@ -90,3 +147,11 @@ def last_error_line(text: str) -> str:
         if head.endswith(("Error", "Exception", "Interrupt", "Exit")) and " " not in head:
             return text[:300]
     return lines[-1][:300] if lines else "(no output)"
+
+
+def _str_or_none(value: Any) -> str | None:
+    return None if value is None else str(value)
+
+
+def _ints(values: Any) -> tuple[int, ...]:
+    return tuple(int(v) for v in values or () if v is not None)

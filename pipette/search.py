@@ -39,8 +39,8 @@ from pipette.config import ParallelConfig
 from pipette.feasibility import P_FIT_MIN, P_RUNS_MIN, RUNS_PRIOR
 from pipette.fits import CPU, KEEP_THRESHOLD, FitsPrior
 from pipette.learned import LearnedModel, Observation, Prediction, collapse
-from pipette.measurement import Measurement
 from pipette.plan import Planned
+from pipette.trials import TrialRecord
 
 #: The parameters that name a candidate in the study.
 PARAMS: tuple[str, ...] = ("tp", "pp", "dp", "mbs", "zero_stage", "recompute", "schedule")
@@ -90,16 +90,21 @@ def observations(
     """The study's finished trials as the learned model's observations."""
     out = []
     for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED)):
-        record = t.user_attrs.get(RECORD_ATTR)
+        record = study_record(t)
         planned = by_key.get(params_key(t.params)) if set(PARAMS) <= t.params.keys() else None
         if record is None or planned is None:
             continue
         # the study keeps a trial's last attempt; the attempts before it failed (a retry
         # follows a failure; a rerun after a lost node is counted too, a slight over-count)
-        out.append(Observation(planned.config, planned.perf, planned.memory,
-                               Measurement.from_dict(record["measurement"]), job_key,
-                               int(record.get("attempt", 1))))
+        out.append(Observation(planned.config, planned.perf, planned.memory, record.measurement, job_key,
+                               record.attempt))
     return out
+
+
+def study_record(t: FrozenTrial) -> TrialRecord | None:
+    """The record the tuner kept with a study's trial (None while it runs)."""
+    raw = t.user_attrs.get(RECORD_ATTR)
+    return None if raw is None else TrialRecord.from_dict(raw)
 
 
 def tried_keys(study: Study) -> set[tuple[Any, ...]]:
@@ -110,22 +115,19 @@ def tried_keys(study: Study) -> set[tuple[Any, ...]]:
     }
 
 
-def _ok_records(study: Study) -> list[dict[str, Any]]:
+def _ok_records(study: Study) -> list[TrialRecord]:
     """The records of the study's trials that ran to the end."""
-    return [
-        t.user_attrs[RECORD_ATTR]
-        for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-        if RECORD_ATTR in t.user_attrs and t.user_attrs[RECORD_ATTR]["measurement"]["status"] == "ok"
-    ]
+    records = (study_record(t) for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
+    return [r for r in records if r is not None and r.status == "ok"]
 
 
 def measured_means(study: Study) -> dict[str, tuple[float, int]]:
     """Per tried candidate (by label): the mean log step time of its ok trials and their number."""
     logs: dict[str, list[float]] = {}
     for r in _ok_records(study):
-        t = r["measurement"].get("step_time")
+        t = r.measurement.step_time
         if t:
-            logs.setdefault(r["label"], []).append(math.log(t))
+            logs.setdefault(r.label, []).append(math.log(t))
     return {label: (sum(v) / len(v), len(v)) for label, v in logs.items()}
 
 
@@ -142,7 +144,7 @@ def incumbent_step_time(study: Study) -> float | None:
 
 def incumbent_throughput(study: Study) -> float | None:
     """The best measured tokens/s (what trials report as intermediate values)."""
-    values = [r["measurement"]["tokens_per_s"] for r in _ok_records(study)]
+    values = [r.measurement.tokens_per_s for r in _ok_records(study) if r.measurement.tokens_per_s is not None]
     return max(values) if values else None
 
 

@@ -48,6 +48,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
+from datetime import UTC, datetime
 from itertools import pairwise
 from pathlib import Path
 from typing import Any, Protocol, TypeVar, cast
@@ -58,10 +59,9 @@ from scipy.stats import t as student_t
 
 from pipette.config import ParallelConfig
 from pipette.errors import InfeasibleError, SpecError
-from pipette.estimates import MemoryEstimate, PerfEstimate
 from pipette.feasibility import measured_need
 from pipette.fits import default_prior, memory_headroom
-from pipette.learned import NOISE_PRIOR_DOF, Observation
+from pipette.learned import NOISE_PRIOR_DOF
 from pipette.measurement import Measurement, last_error_line
 from pipette.model import ModelSpec
 from pipette.options import check_values, default
@@ -79,6 +79,8 @@ from pipette.search import (
 )
 from pipette.stacks import DEFAULT_STACK, Stack, get_stack
 from pipette.training import TrainingSpec
+from pipette.trials import TrialRecord as TrialRecord  # re-exported: the records' home is pipette.trials
+from pipette.trials import tensor_peak_bytes as tensor_peak_bytes
 
 T = TypeVar("T")
 
@@ -188,77 +190,12 @@ class TrialRunner(Protocol):
 
 
 @dataclass(frozen=True)
-class TrialRecord:
-    """One attempt of one trial: the candidate, what was predicted, what was measured."""
-
-    number: int
-    config: ParallelConfig
-    measurement: Measurement
-    perf: PerfEstimate
-    memory: MemoryEstimate
-    #: the learned model's step time when the trial was proposed, and its log-space sd
-    predicted_step_time: float
-    predicted_sd: float = 0.0
-    attempt: int = 1
-    job_key: str = ""
-    #: "search" (proposed by the sampler) or "retime" (a contender re-run before the verdict)
-    purpose: str = "search"
-    #: the stack the trial ran (``pipette.stacks``): records written before stacks were the runner's
-    stack: str = DEFAULT_STACK
-
-    @property
-    def label(self) -> str:
-        return self.config.label
-
-    @property
-    def analytic_step_time(self) -> float:
-        return self.perf.step_time
-
-    def observation(self) -> Observation:
-        return Observation(self.config, self.perf, self.memory, self.measurement, self.job_key)
-
-    def to_dict(self) -> dict[str, Any]:
-        m = self.measurement
-        return {
-            "number": self.number, "attempt": self.attempt, "label": self.label, "job_key": self.job_key,
-            "stack": self.stack, "purpose": self.purpose, "config": self.config.to_dict(), "measurement": m.to_dict(),
-            "perf": self.perf.to_dict(), "memory": self.memory.to_dict(),
-            "analytic_step_time": self.analytic_step_time,
-            "predicted_step_time": self.predicted_step_time, "predicted_sd": self.predicted_sd,
-            # the tensors, as the trial's measured peak counts them (the process overhead apart)
-            "predicted_peak_bytes": tensor_peak_bytes(self.memory),
-            # one convention with the API's prediction_error: (measured - predicted) / predicted,
-            # positive when the trial ran slower than predicted
-            "error_pct": None if m.step_time is None or m.status != "ok"
-            else 100.0 * (m.step_time - self.predicted_step_time) / self.predicted_step_time,
-        }
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> TrialRecord:
-        try:
-            p, mem = d["perf"], d["memory"]
-            return cls(
-                number=int(d["number"]), attempt=int(d.get("attempt", 1)), job_key=str(d.get("job_key", "")),
-                config=ParallelConfig.from_dict(d["config"]),
-                measurement=Measurement.from_dict(d["measurement"]),
-                perf=PerfEstimate(float(p["step_time"]), {k: float(v) for k, v in p["breakdown"].items()},
-                                  float(p["tokens_per_s"]), float(p["mfu"]), float(p.get("hfu", 0.0))),
-                memory=MemoryEstimate(int(mem["peak_bytes"]), int(mem["capacity_bytes"]),
-                                      {k: int(v) for k, v in mem["breakdown"].items()}, int(mem.get("stage", 0)),
-                                      tuple(mem.get("notes", ()))),
-                predicted_step_time=float(d["predicted_step_time"]), predicted_sd=float(d.get("predicted_sd", 0.0)),
-                purpose=str(d.get("purpose", "search")), stack=str(d.get("stack", DEFAULT_STACK)),
-            )
-        except (KeyError, TypeError, ValueError) as e:
-            raise SpecError(f"is not a trial record ({type(e).__name__}: {e})", field="trial",
-                            fix="pass what TrialRecord.to_dict wrote") from None
-
-
-@dataclass(frozen=True)
 class TuneEvent:
     kind: str  # trial_started | trial_step | trial_ended | stopped
     trial: int | None
     data: dict[str, Any]
+    #: the attempt's record, on trial_ended (``data`` is its ``to_dict``)
+    record: TrialRecord | None = None
 
 
 @dataclass
@@ -350,13 +287,6 @@ class TuneResult:
             return None
         prior = self.plan.fits_prior or default_prior(self.plan.cluster.device_spec.kind)
         return memory_headroom(self.best.memory, prior, measured_need(self.best.memory, self.best.measurement))
-
-
-def tensor_peak_bytes(memory: MemoryEstimate) -> int:
-    """The estimate's tensors alone: what a trial's measured peak counts (the allocator's peak
-    on a GPU). The process overhead (CUDA context and fragmentation, or the 512 MiB of a CPU
-    rank's interpreter) is no tensor: compared with it, estimate and trial were 24x apart."""
-    return memory.peak_bytes - memory.breakdown.get("overhead", 0)
 
 
 def trial_outcomes(trials: Sequence[TrialRecord]) -> dict[str, int]:
@@ -733,11 +663,12 @@ class Tuner:
             cancelled = should_stop is not None and should_stop()
             return cancelled
 
+        started = _now()
         m = runner(planned.config, on_step)
         if cancelled or _stopped_by(m, should_stop):
             return "cancelled"  # not recorded: a cut-short re-timing says nothing
         record = TrialRecord(number, planned.config, m, planned.perf, planned.memory, prediction.step_time,
-                             prediction.sd, 1, self.job_key, "retime", self.stack)
+                             prediction.sd, 1, self.job_key, "retime", self.stack, started, _now())
         state, value, constraints = _outcome(m)
         params = candidate_params(planned.config)
         self.study.add_trial(optuna.trial.create_trial(
@@ -745,7 +676,7 @@ class Tuner:
             user_attrs={RECORD_ATTR: record.to_dict()}, constraints=constraints, intermediate_values=_intermediate(m),
         ))
         self.records.append(record)
-        emit(TuneEvent("trial_ended", number, record.to_dict()))
+        emit(TuneEvent("trial_ended", number, record.to_dict(), record))
         return m.status
 
     def step(
@@ -791,6 +722,7 @@ class Tuner:
                     reported += 1
                     return self.options.prune and trial.should_prune()
 
+                started = _now()
                 m = runner(planned.config, on_step)
                 cancelled = cancelled or _stopped_by(m, should_stop)
                 if cancelled:
@@ -800,7 +732,7 @@ class Tuner:
                 retry = crashed and not lost and retries_left > 0
                 record = TrialRecord(trial.number, planned.config, m, planned.perf, planned.memory,
                                      prediction.step_time, prediction.sd, attempt, self.job_key,
-                                     stack=self.stack)
+                                     stack=self.stack, started_at=started, ended_at=_now())
                 if retry:
                     kind = crash_kind(m)
                     chance = retry_chance([*self.records, record], kind)
@@ -811,7 +743,7 @@ class Tuner:
                             f"ran with chance {chance:.0%} "
                             f"in this job (< {RETRY_MIN_CHANCE:.0%}): its earlier retries crashed again")}))
                 self.records.append(record)
-                emit(TuneEvent("trial_ended", trial.number, record.to_dict()))
+                emit(TuneEvent("trial_ended", trial.number, record.to_dict(), record))
                 if lost:
                     lost_left -= 1  # the cluster's failure, not the candidate's: rerun it
                 elif retry:
@@ -829,6 +761,10 @@ class Tuner:
         trial.set_user_attr(RECORD_ATTR, record.to_dict())
         self.study.tell(trial, value, state=state)
         return "cancelled" if cancelled else record.measurement.status
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
 
 
 def _stopped_by(m: Measurement, should_stop: Callable[[], bool] | None) -> bool:

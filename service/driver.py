@@ -44,7 +44,8 @@ from pipette.options import defaults
 from pipette.plan import DEFAULT_MARGIN, make_plan
 from pipette.result_text import result_dict
 from pipette.training import TrainingSpec
-from pipette.tuner import TrialRecord, Tuner
+from pipette.trials import TrialRecord
+from pipette.tuner import Tuner
 from service.db import Database
 from service.errors import stored_error
 from service.leasekeeper import LeaseKeeper
@@ -164,12 +165,11 @@ class JobDriver:
 
         with self.db.write() as session:
             job = self._job(session)
-            history = [TrialRecord.from_dict(d) for d in trials.finished_records(session, job.id)]
+            history = trials.SqlTrialStore(session, job.id).records()
             # A script's trials measure the script: other jobs' trials (of Pipette's runner or of
             # other scripts) do not tell about it.
-            prior = [] if script is not None else [
-                TrialRecord.from_dict(d)
-                for d in trials.prior_records(session, cluster_row.resource, exclude_job=job.id)]
+            prior = [] if script is not None else trials.prior_records(session, cluster_row.resource,
+                                                                       exclude_job=job.id)
             used = job.tuning_s
             set_state(session, job, "running", plan=planned)
         self._check_interrupt()
@@ -182,7 +182,7 @@ class JobDriver:
 
         outcome = result_dict(result)
         outcome.pop("trials", None)  # every attempt is in the trials table already
-        best = _best_summary(result.best.to_dict()) if result.best is not None else None
+        best = _best_summary(result.best) if result.best is not None else None
         if self.cancelled:
             state = "cancelled"
         elif best is not None:
@@ -210,12 +210,13 @@ class JobDriver:
             elif kind == "trial_step" and number is not None:
                 trials.add_step(session, job.id, number, {k: data.get(k) for k in ("step", "time", "warmup", "loss")})
             elif kind == "trial_ended" and number is not None:
-                if self.interrupt_reason is not None and _cancel_prune(data):
+                record = event.record or TrialRecord.from_dict(data)
+                if self.interrupt_reason is not None and _cancel_prune(record):
                     trials.interrupt_trial(session, job.id, number)
                     events.add_event(session, job.id, "trial_interrupted", {"reason": self.interrupt_reason},
                                      trial=number)
                     return
-                trials.end_trial(session, job.id, number, data)
+                trials.SqlTrialStore(session, job.id).append(record)
                 _add_seconds(session, job.id, self._uncharged())
                 self._update_progress(session, job)
             elif kind == "stopped" and self.interrupt_reason is not None:
@@ -308,9 +309,9 @@ class JobDriver:
         ok = [t for t in done if t.state == "ok" and t.measured_step_time]
         job.progress = {"trials_done": len(done), "trials_ok": len(ok), "running_trial": None,
                         "max_trials": int(job.options.get("max_trials", 0))}
-        if ok:
-            best = min(ok, key=lambda t: float(t.measured_step_time or 0.0))
-            job.best = _best_summary(best.record or {})
+        best = trials.row_record(min(ok, key=lambda t: float(t.measured_step_time or 0.0))) if ok else None
+        if best is not None:
+            job.best = _best_summary(best)
 
     @contextlib.contextmanager
     def _charging(self) -> Iterator[None]:
@@ -378,32 +379,18 @@ def record_profile(db: Database, profile_id: str, *, profile: dict[str, Any] | N
         row.finished_at = utcnow()
 
 
-def _best_summary(record: dict[str, Any]) -> dict[str, Any]:
-    measurement = record.get("measurement") or {}
-    config = record.get("config") or {}
+def _best_summary(record: TrialRecord) -> dict[str, Any]:
+    m = record.measurement
     return {
-        "trial": int(record.get("number", 0)),
-        "label": str(record.get("label") or _label(config)),
-        "config": config,
-        "measured_step_time": measurement.get("step_time"),
-        "tokens_per_s": measurement.get("tokens_per_s"),
-        "predicted_step_time": _float(record.get("predicted_step_time")),
+        "trial": record.number, "label": record.label, "config": record.config.to_dict(),
+        "measured_step_time": m.step_time, "tokens_per_s": m.tokens_per_s,
+        "predicted_step_time": record.predicted_step_time,
     }
 
 
-def _label(config: dict[str, Any]) -> str:
-    from pipette.config import ParallelConfig
-
-    try:
-        return ParallelConfig.from_dict(config).label
-    except PipetteError:
-        return ""
-
-
-def _cancel_prune(record: dict[str, Any]) -> bool:
+def _cancel_prune(record: TrialRecord) -> bool:
     """The tuner's record of a trial it stopped because ``should_stop`` said so."""
-    measurement = record.get("measurement") or {}
-    return measurement.get("status") == "pruned" and "cancel" in str(measurement.get("error", ""))
+    return record.status == "pruned" and "cancel" in record.measurement.error
 
 
 def _float(value: Any) -> float | None:

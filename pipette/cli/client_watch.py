@@ -203,29 +203,35 @@ class WatchView:
             self._line(f"{stamp} {kind} {json.dumps(data)[:200]}")
 
     def _trial_ended(self, stamp: str, number: int | None, data: dict[str, Any]) -> None:
-        m = data.get("measurement") or {}
-        status = str(m.get("status", "?"))
+        from pipette.errors import PipetteError
+        from pipette.trials import TrialRecord
+
         self.running, self.step = None, ""
+        try:
+            record = TrialRecord.from_dict(data)
+        except PipetteError as e:  # a service of another version: say so, and go on watching
+            self._line(f"{stamp} trial {number} ended; its record is not one this client reads ({e.message})")
+            return
+        m = record.measurement
+        status = m.status
         # A failed or timed-out attempt is retried (same number) while retries are left: not done yet.
-        retried = status in ("failed", "timeout") and int(data.get("attempt", 1)) <= self.retries
+        retried = status in ("failed", "timeout") and record.attempt <= self.retries
         if number is not None and not retried:
             self.ended.add(int(number))
-        text = f"{stamp} trial {number:<3} {data.get('label', '')}  {out.state(f'{status:<7}', self.stream)}"
-        step_time, predicted = m.get("step_time"), data.get("predicted_step_time")
+        text = f"{stamp} trial {number:<3} {record.label}  {out.state(f'{status:<7}', self.stream)}"
+        step_time, predicted = m.step_time, record.predicted_step_time
         if step_time:
-            text += f" {out.seconds(step_time)}/step  {out.rate(m.get('tokens_per_s'))} tok/s"
+            text += f" {out.seconds(step_time)}/step  {out.rate(m.tokens_per_s)} tok/s"
             if predicted:
                 text += f"  (predicted {out.seconds(predicted)}, {(step_time - predicted) / predicted:+.0%})"
-        peak = m.get("peak_memory") or []
-        if peak:
-            text += f"  peak {out.size(max(peak))}"
+        if m.peak_memory_max is not None:
+            text += f"  peak {out.size(m.peak_memory_max)}"
         if status == "ok" and step_time and (self.best is None or step_time < self.best["step_time"]):
-            self.best = {"number": number, "step_time": step_time, "tokens_per_s": m.get("tokens_per_s"),
-                         "label": data.get("label", "")}
+            self.best = {"number": number, "step_time": step_time, "tokens_per_s": m.tokens_per_s,
+                         "label": record.label}
             text += "  " + out.paint("* best so far", "32", self.stream)
-        error = str(m.get("error") or "")
-        if status != "ok" and error:
-            text += f"\n      {error.splitlines()[0][:160]}"
+        if status != "ok" and m.error:
+            text += f"\n      {m.error.splitlines()[0][:160]}"
         self._line(text)
         if not self.tty:
             self._line(f"         {self._progress()}")

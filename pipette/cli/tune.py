@@ -25,13 +25,18 @@ import uuid
 from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipette.cli.inputs import add_option_flags, add_recipe_flags, load_model, load_recipe, option_values
 from pipette.cli.signals import Terminated, exit_code, signal_name, terminate_like_interrupt
 from pipette.errors import SpecError
 from pipette.options import TRIAL_TIMEOUT_S
 from pipette.script import KINDS, KNOBS, ScriptSpec
+
+if TYPE_CHECKING:
+    from pipette.measurement import Measurement
+    from pipette.trials import TrialRecord, TrialStore
+    from pipette.tuner import TuneEvent
 
 GiB = 1024**3
 #: A profile younger than this is reused instead of measuring again.
@@ -105,6 +110,7 @@ def add_parser(sub: Any) -> None:
 
 def cmd_tune(args: argparse.Namespace) -> int:
     from pipette.plan import DEFAULT_MARGIN, check_recipe, make_plan
+    from pipette.trials import JsonlTrialStore
     from pipette.tuner import TuneOptions, Tuner, cluster_key
 
     if args.devices < 1:
@@ -143,6 +149,11 @@ def cmd_tune(args: argparse.Namespace) -> int:
     ui.say(f"planning {model.name} ({training.method}, global batch {training.global_batch} x {training.seq_len}) "
            f"on {cluster.world} x {cluster.device_spec.name}, stack {stack.key} ...")
     plan = make_plan(model, training, cluster, margin=margin, seed=options.seed, stack=stack)
+    # A script's trials measure the script: they are kept apart from the runner's. Read before
+    # Ray starts: a store it cannot read is refused at once.
+    suffix = f"-script-{_script_key(script)}" if script is not None else ""
+    store = None if args.no_memory else JsonlTrialStore(home / "trials" / f"{cluster_key(plan)}{suffix}.jsonl")
+    prior = store.records() if store is not None else []
     from workers.host.ray_cluster import check_devices, ensure_ray
 
     ensure_ray()
@@ -156,10 +167,6 @@ def cmd_tune(args: argparse.Namespace) -> int:
                             stack=stack.name if script is None else "pipette",
                             env={"PIPETTE_RANK_TAG": tag}, should_stop=stop.is_set, on_note=ui.say,
                             on_phase=ui.phase)
-    # A script's trials measure the script: they are kept apart from the runner's.
-    suffix = f"-script-{_script_key(script)}" if script is not None else ""
-    store = None if args.no_memory else home / "trials" / f"{cluster_key(plan)}{suffix}.jsonl"
-    prior = _read_records(store) if store is not None else []
     tuner = Tuner(plan, options, prior=prior, runnable=runner.refusals)
     runs = "your script" if script is not None else "the backend"
     unsure = sum(not p.sure_to_fit for p in tuner.candidates)
@@ -366,22 +373,8 @@ def _links_summary(cluster: Any) -> str:
             f"memory {cluster.min_usable_memory / GiB:.1f} GiB per device")
 
 
-def _read_records(path: Path) -> list[Any]:
-    from pipette.tuner import TrialRecord
-
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(TrialRecord.from_dict(json.loads(line)))
-        except (ValueError, SpecError):
-            continue  # a line cut by a crash: the others still count
-    return out
-
-
-def _on_event(event: Any, ui: Progress, store: Path | None, interference: Any = None) -> None:
-    if event.kind == "trial_started":
+def _on_event(event: TuneEvent, ui: Progress, store: TrialStore | None, interference: Any = None) -> None:
+    if event.kind == "trial_started" and event.trial is not None:
         ui.start(event.trial, event.data)
         if interference is not None:
             interference.start()
@@ -390,24 +383,25 @@ def _on_event(event: Any, ui: Progress, store: Path | None, interference: Any = 
     elif event.kind == "trial_ended":
         if interference is not None:
             interference.end()
-        ui.end(event.data)
+        from pipette.trials import TrialRecord
+
+        record = event.record if event.record is not None else TrialRecord.from_dict(event.data)
+        ui.end(record)
         if store is not None:
-            store.parent.mkdir(parents=True, exist_ok=True)
-            with store.open("a") as f:
-                f.write(json.dumps(event.data) + "\n")
+            store.append(record)
 
 
 #: lines of a failed trial's reason shown under its line (the whole of it is in the record)
 REASON_LINES = 40
 
 
-def _reason_lines(m: dict[str, Any]) -> list[str]:
+def _reason_lines(m: Measurement) -> list[str]:
     """The whole reason a trial failed, not its first line cut at 160 characters; and the end
     of what its rank said, where the reason does not already hold it (a timeout)."""
-    lines = [x for x in m["error"].splitlines() if x.strip()]
-    tail = str(m.get("extra", {}).get("output_tail") or "")
-    said = [x for x in tail.splitlines() if x.strip()]
-    if said and said[-1] not in m["error"]:
+    error = m.error
+    lines = [x for x in error.splitlines() if x.strip()]
+    said = [x for x in m.details.output_tail.splitlines() if x.strip()]
+    if said and said[-1] not in error:
         lines += ["its output ended with:", *("  " + x for x in said[-10:])]
     if len(lines) > REASON_LINES:
         cut = len(lines) - REASON_LINES
@@ -416,11 +410,11 @@ def _reason_lines(m: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _peak_text(m: dict[str, Any]) -> str:
+def _peak_text(m: Measurement) -> str:
     """The tensors' peak in MiB; a script trial on CPU has none, its ranks' peak RSS stands in."""
-    if m["peak_memory"]:
-        return f"{max(m['peak_memory']) / 2**20:.0f}"
-    rss = [int(x) for x in m.get("extra", {}).get("peak_rss_bytes") or () if x]
+    if m.peak_memory_max is not None:
+        return f"{m.peak_memory_max / 2**20:.0f}"
+    rss = [x for x in m.details.peak_rss_bytes if x]
     return f"{max(rss) / 2**20:.0f} RSS" if rss else "-"
 
 
@@ -472,25 +466,26 @@ class Progress:
         self.where = f"{shown}, {elapsed:.0f} s"
         self._bar()
 
-    def end(self, r: dict[str, Any]) -> None:
-        m = r["measurement"]
-        status = m["status"]
+    def end(self, r: TrialRecord) -> None:
+        m = r.measurement
+        status = m.status
         colour = {"ok": "32", "oom": "31", "failed": "31", "timeout": "33", "pruned": "33"}.get(status, "0")
-        measured = f"{m['step_time']:.3f} s" if m["step_time"] else "-"
-        error = f"{r['error_pct']:+.0f}%" if r["error_pct"] is not None else ""
+        measured = f"{m.step_time:.3f} s" if m.step_time else "-"
+        error = f"{r.error_pct:+.0f}%" if r.error_pct is not None else ""
         peak = _peak_text(m)
-        if status == "ok" and (self.best is None or m["step_time"] < self.best):
-            self.best, self.best_label = m["step_time"], r["label"]
-        self.done_trials = r["number"] + 1
-        label = (r["label"] + (f" (attempt {r['attempt']})" if r.get("attempt", 1) > 1 else "")
-                 + (" (re-time)" if r.get("purpose") == "retime" else ""))
-        self.say(f"{'#' + str(r['number']):>5}  {label:<38} {self._c(f'{status:<8}', colour)} "
-                 f"{r['predicted_step_time']:>8.3f} s {measured:>10} {error:>7} {peak:>9}")
-        if status not in ("ok", "pruned") and m["error"]:
+        if status == "ok" and m.step_time and (self.best is None or m.step_time < self.best):
+            self.best, self.best_label = m.step_time, r.label
+        self.done_trials = r.number + 1
+        label = (r.label + (f" (attempt {r.attempt})" if r.attempt > 1 else "")
+                 + (" (re-time)" if r.purpose == "retime" else ""))
+        self.say(f"{'#' + str(r.number):>5}  {label:<38} {self._c(f'{status:<8}', colour)} "
+                 f"{r.predicted_step_time:>8.3f} s {measured:>10} {error:>7} {peak:>9}")
+        if status not in ("ok", "pruned") and m.error:
             for line in _reason_lines(m):
                 self.say(f"       {line}")
-        if m.get("extra", {}).get("not_retried"):
-            self.say(f"       not retried: {m['extra']['not_retried']}")
+        not_retried = r.details.not_retried
+        if not_retried:
+            self.say(f"       not retried: {not_retried}")
 
     def done(self, reason: str) -> None:
         self.say(f"stopped after {time.monotonic() - self.start_time:.0f} s: {reason}")
@@ -513,7 +508,7 @@ class Progress:
 
 def _print_result(result: Any, out: str, files: dict[str, str]) -> None:
     from pipette.result_text import confidence_lines, placement_line, precision_line, verdict_first, what_happened
-    from pipette.tuner import tensor_peak_bytes
+    from pipette.trials import tensor_peak_bytes
 
     print()
     if result.best is None:
@@ -541,7 +536,7 @@ def _print_result(result: Any, out: str, files: dict[str, str]) -> None:
         # the process's resident size (interpreter, libraries) beside them.
         tensors = tensor_peak_bytes(b.memory)
         print(f"  {'peak tensors (MiB)':<18}{tensors / 2**20:>12,.0f}{max(m.peak_memory) / 2**20:>12,.0f}")
-        rss = m.extra.get("peak_rss_bytes")
+        rss = b.details.peak_rss_bytes
         if rss:
             print(f"  {'peak RSS (MiB)':<18}{'':>12}{max(rss) / 2**20:>12,.0f}")
     headroom = result.memory_headroom()

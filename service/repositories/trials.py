@@ -1,17 +1,23 @@
 """Trials: one row per (job, number), written as the tuner reports, read back to resume.
 
 A trial that was running when its service died is rerun under the same number, so the row is
-replaced (``runs`` counts the starts), never duplicated.
+replaced (``runs`` counts the starts), never duplicated. Its ended attempts' records are the
+service's trial store (``SqlTrialStore``, the ``pipette.trials.TrialStore`` the CLI's JSON-lines
+file implements too); the columns copy their figures for the lists.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from pipette.errors import PipetteError, StoreError
+from pipette.trials import TrialRecord
 from service.errors import NotFoundError
 from service.models import Cluster, Job, Trial, utcnow
 
@@ -54,30 +60,29 @@ def add_step(session: Session, job_id: str, number: int, step: dict[str, Any]) -
         trial.steps = [*trial.steps, step]
 
 
-def end_trial(session: Session, job_id: str, number: int, record: dict[str, Any]) -> Trial:
-    """Store the tuner's ``TrialRecord`` dict (measurement with every step time)."""
-    trial = get_row(session, job_id, number)
+def end_trial(session: Session, job_id: str, record: TrialRecord) -> Trial:
+    """Keep an ended attempt (``SqlTrialStore.append``): its record, with every step time, joins
+    the row's attempts, and the row's columns take its figures (a list reads no record)."""
+    trial = get_row(session, job_id, record.number)
     now = utcnow()
-    config = record.get("config") or {}
     if trial is None:  # ended without a start report (a resumed job's replayed end)
-        trial = Trial(job_id=job_id, number=number, runs=1, started_at=now, steps=[],
-                      label=str(record.get("label", "")), config=config)
+        trial = Trial(job_id=job_id, number=record.number, runs=1, started_at=record.started_at or now, steps=[],
+                      label=record.label, config=record.config.to_dict())
         session.add(trial)
-    measurement = record.get("measurement") or {}
-    trial.attempts = [*(trial.attempts or []), record]
-    trial.record = record
-    trial.state = str(measurement.get("status", "failed"))
-    trial.measured_step_time = _number(measurement.get("step_time"))
-    trial.tokens_per_s = _number(measurement.get("tokens_per_s"))
-    peaks = [int(x) for x in measurement.get("peak_memory") or []]
-    trial.peak_memory_bytes = max(peaks) if peaks else None
-    trial.error = str(measurement.get("error") or "") or None
-    trial.analytic_step_time = _number(record.get("analytic_step_time"))
-    peak = record.get("predicted_peak_bytes")
-    trial.predicted_peak_bytes = int(peak) if peak is not None else None
-    trial.attempt = int(record.get("attempt", trial.attempt or 1))
-    if record.get("predicted_step_time") is not None:
-        trial.predicted_step_time = float(record["predicted_step_time"])
+    # the attempt's own times; the row's where the record has none (made outside the tuner)
+    stored = replace(record, started_at=record.started_at or trial.started_at, ended_at=record.ended_at or now)
+    m = stored.measurement
+    trial.attempts = [*(trial.attempts or []), stored.to_dict()]
+    trial.record = stored.to_dict()
+    trial.state = m.status
+    trial.measured_step_time = m.step_time
+    trial.tokens_per_s = m.tokens_per_s
+    trial.peak_memory_bytes = m.peak_memory_max
+    trial.error = m.error or None
+    trial.analytic_step_time = stored.analytic_step_time
+    trial.predicted_peak_bytes = stored.predicted_peak_bytes
+    trial.attempt = stored.attempt
+    trial.predicted_step_time = stored.predicted_step_time
     trial.ended_at = now
     trial.duration_s = (now - trial.started_at).total_seconds()
     session.flush()
@@ -125,27 +130,79 @@ def list_trials(session: Session, job_id: str) -> Sequence[Trial]:
     return session.execute(select(Trial).where(Trial.job_id == job_id).order_by(Trial.number)).scalars().all()
 
 
-def finished_records(session: Session, job_id: str) -> list[dict[str, Any]]:
-    """Every attempt of the job's ended trials, in order: the tuner's history when it resumes.
-    A trial that was running or interrupted is left out, so the tuner proposes it again."""
-    rows = session.execute(
-        select(Trial.attempts).where(
-            Trial.job_id == job_id, Trial.record.is_not(None), Trial.state.not_in(("running", "interrupted"))
-        ).order_by(Trial.number)
-    ).scalars().all()
-    return [dict(a) for attempts in rows for a in (attempts or [])]
+class SqlTrialStore:
+    """The service's trial store (``pipette.trials.TrialStore``): the ended attempts of one job,
+    in its rows of the trials table, within the caller's session (its transaction).
+
+    ``records`` is the job's history when it resumes: a trial that was running or interrupted
+    is left out, so the tuner proposes it again under its number."""
+
+    def __init__(self, session: Session, job_id: str) -> None:
+        self.session = session
+        self.job_id = job_id
+
+    def append(self, record: TrialRecord) -> None:
+        end_trial(self.session, self.job_id, record)
+
+    def records(self, job_key: str | None = None) -> list[TrialRecord]:
+        rows = self.session.execute(
+            select(Trial.number, Trial.attempts, Trial.started_at, Trial.ended_at).where(
+                Trial.job_id == self.job_id, Trial.record.is_not(None),
+                Trial.state.not_in(("running", "interrupted")),
+            ).order_by(Trial.number)
+        ).all()
+        out = [r for row in rows for r in _attempts(self.job_id, row.number, row.attempts or [], row.started_at,
+                                                     row.ended_at)]
+        return out if job_key is None else [r for r in out if r.job_key == job_key]
+
+    def find(self, label: str, job_key: str | None = None) -> list[TrialRecord]:
+        return [r for r in self.records(job_key) if r.label == label]
+
+    def count(self) -> int:
+        return len(self.records())
 
 
-def prior_records(session: Session, resource: str, exclude_job: str, limit: int = 500) -> list[dict[str, Any]]:
+def row_record(trial: Trial) -> TrialRecord | None:
+    """The record of a trial row's last ended attempt (None while it runs or after an interruption)."""
+    if trial.record is None:
+        return None
+    return _parse(trial.record, trial.job_id, trial.number, trial.started_at, trial.ended_at)
+
+
+def prior_records(session: Session, resource: str, exclude_job: str, limit: int = 500) -> list[TrialRecord]:
     """Recorded trials of other jobs (of Pipette's runner) on the same devices, newest first:
     what the tuner learns from before this job's first trial."""
     rows = session.execute(
-        select(Trial.record).join(Job, Trial.job_id == Job.id).join(Cluster, Job.cluster_id == Cluster.id)
+        select(Trial.job_id, Trial.number, Trial.record, Trial.started_at, Trial.ended_at)
+        .join(Job, Trial.job_id == Job.id).join(Cluster, Job.cluster_id == Cluster.id)
         .where(Cluster.resource == resource, Trial.job_id != exclude_job, Trial.record.is_not(None),
                Job.script.is_(None))  # a user's script's trials measure that script, not Pipette's runner
         .order_by(Trial.ended_at.desc()).limit(limit)
-    ).scalars().all()
-    return [dict(r) for r in rows if r]
+    ).all()
+    return [_parse(r.record, r.job_id, r.number, r.started_at, r.ended_at) for r in rows if r.record]
+
+
+def _attempts(job_id: str, number: int, attempts: list[dict[str, Any]], started: datetime | None,
+              ended: datetime | None) -> list[TrialRecord]:
+    last = len(attempts) - 1
+    return [_parse(a, job_id, number, started if i == last else None, ended if i == last else None, attempt=i + 1)
+            for i, a in enumerate(attempts)]
+
+
+def _parse(data: dict[str, Any], job_id: str, number: int, started: datetime | None, ended: datetime | None,
+           attempt: int | None = None) -> TrialRecord:
+    """A stored record, typed; the row's times stand for the last attempt's where a record
+    written before records kept their own has none."""
+    try:
+        record = TrialRecord.from_dict(data)
+    except PipetteError as e:
+        which = f"attempt {attempt} of trial {number}" if attempt is not None else f"trial {number}"
+        why = e.message if e.field == "trial" else f"{e.field}: {e.message}"
+        raise StoreError(
+            f"the record of {which} is not a trial record ({why})", field=f"job {job_id}",
+            fix=f"restore the trials row from a backup, or delete it (job_id '{job_id}', number {number}) so that "
+                "the job reruns that trial when it resumes") from None
+    return replace(record, started_at=record.started_at or started, ended_at=record.ended_at or ended)
 
 
 def counts_by_state(session: Session) -> dict[str, int]:
@@ -156,7 +213,3 @@ def counts_by_state(session: Session) -> dict[str, int]:
 def durations(session: Session) -> list[float]:
     rows = session.execute(select(Trial.duration_s).where(Trial.duration_s.is_not(None))).scalars().all()
     return [float(d) for d in rows if d is not None]
-
-
-def _number(value: Any) -> float | None:
-    return None if value is None else float(value)

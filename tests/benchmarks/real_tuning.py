@@ -195,11 +195,11 @@ def run(args: argparse.Namespace, model: ModelSpec | None = None, training: Trai
         return runner.refusals(c) + ([] if c.label in chosen else ["outside --limit"])
 
     def on_event(e: TuneEvent) -> None:
-        if e.kind == "trial_ended":
-            m = e.data["measurement"]
-            shown = f"{m['step_time']:.3f} s" if m["step_time"] else "-"
-            log(f"  {'tuner #' + str(e.trial):<12} {e.data['label']:<40} {m['status']:<7} "
-                f"{shown} (predicted {e.data['predicted_step_time']:.3f} s)")
+        if e.kind == "trial_ended" and e.record is not None:
+            r, m = e.record, e.record.measurement
+            shown = f"{m.step_time:.3f} s" if m.step_time else "-"
+            log(f"  {'tuner #' + str(e.trial):<12} {r.label:<40} {m.status:<7} "
+                f"{shown} (predicted {r.predicted_step_time:.3f} s)")
 
     runs = []
     for n in range(args.runs):

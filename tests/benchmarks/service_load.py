@@ -240,7 +240,7 @@ def _seed_trials(url: str, job_ids: list[str]) -> None:
     from pipette.model import ModelSpec
     from pipette.plan import make_plan
     from pipette.training import TrainingSpec
-    from pipette.tuner import TrialRecord
+    from pipette.trials import TrialRecord
     from service.db import Database
     from service.repositories import trials
 
@@ -257,7 +257,7 @@ def _seed_trials(url: str, job_ids: list[str]) -> None:
                 record = TrialRecord(number, planned.config, m, planned.perf, planned.memory, planned.perf.step_time)
                 trials.start_trial(session, job_id, number, label=planned.config.label,
                                    config=planned.config.to_dict(), predicted_step_time=planned.perf.step_time)
-                trials.end_trial(session, job_id, number, record.to_dict())
+                trials.SqlTrialStore(session, job_id).append(record)
     db.dispose()
 
 

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from pipette.trials import JsonlTrialStore
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -122,9 +124,9 @@ def test_a_hung_scripts_timeout_keeps_its_output_and_ctrl_c_stops_it_at_once(tmp
     assert done.returncode == 1, done.stderr[-3000:]
     # the script's last line, in the timeout's reason (workers.phases.script_timeout_text)
     assert "its last line: waiting for a lock that never comes" in done.stderr, done.stderr[-3000:]
-    record = json.loads(next((tmp_path / "home" / "trials").glob("*.jsonl")).read_text().splitlines()[0])
-    assert record["measurement"]["status"] == "timeout"
-    assert "waiting for a lock that never comes" in record["measurement"]["extra"]["output_tail"]
+    record = JsonlTrialStore(next((tmp_path / "home" / "trials").glob("*.jsonl"))).records()[0]
+    assert record.status == "timeout"
+    assert "waiting for a lock that never comes" in record.details.output_tail
 
     proc = subprocess.Popen(_hung_tune(tmp_path, 600), stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
                             text=True, env=_env(), cwd=tmp_path)

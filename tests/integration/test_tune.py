@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from pipette.trials import JsonlTrialStore
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
@@ -66,11 +68,12 @@ def test_tune_runs_real_trials_and_writes_the_best(tmp_path: Path) -> None:
     assert best["label"] in done.stderr and "stopped after" in done.stderr
     # what it measured is kept for the next job on this cluster
     store = list((tmp_path / "home" / "trials").glob("*.jsonl"))
-    assert len(store) == 1 and len(store[0].read_text().splitlines()) == len(result["trials"])
+    kept = JsonlTrialStore(store[0]).records()
+    assert len(store) == 1 and [r.to_dict() for r in kept] == result["trials"]
     # the stack it tuned for (Pipette's runner by default), in the result, the files and the records
     assert result["stack"] == "pipette"
     assert json.loads((tmp_path / "best" / "candidate.json").read_text())["stack"]["name"] == "pipette"
-    assert all(json.loads(line)["stack"] == "pipette" for line in store[0].read_text().splitlines())
+    assert all(r.stack == "pipette" and r.started_at and r.ended_at for r in kept)
     assert list((tmp_path / "home" / "profiles").glob("*.json"))
     assert _no_rank_left()
 
@@ -82,8 +85,8 @@ def test_ctrl_c_stops_the_running_trial_and_keeps_what_was_measured(tmp_path: Pa
     assert proc.returncode == 130, text[-3000:]
     assert "interrupted" in text
     store = list((tmp_path / "home" / "trials").glob("*.jsonl"))
-    kept = [json.loads(x) for x in store[0].read_text().splitlines()]
-    assert kept and kept[0]["number"] == 0
+    kept = JsonlTrialStore(store[0]).records()
+    assert kept and kept[0].number == 0
     time.sleep(2)
     assert _no_rank_left()
 

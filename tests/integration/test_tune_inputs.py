@@ -57,6 +57,27 @@ def test_a_bad_budget_names_its_flag_before_profiling(tmp_path: Path, args: list
     assert not (tmp_path / "home").exists()
 
 
+def test_a_trial_memory_it_cannot_read_is_refused_before_ray_starts(tmp_path: Path) -> None:
+    """A line of the cluster's trial memory that is not a record (a crash cut it, a hand edit)
+    was skipped in silence: the job learned from less than the user believed. Now it is named,
+    with its line and the fix, in one line, before Ray or any trial starts."""
+    from types import SimpleNamespace
+
+    from pipette.clusterfile import load_cluster
+    from pipette.tuner import cluster_key
+
+    cluster = ROOT / "examples" / "clusters" / "cpu-4.yaml"
+    store = tmp_path / "home" / "trials" / f"{cluster_key(SimpleNamespace(cluster=load_cluster(cluster)))}.jsonl"
+    store.parent.mkdir(parents=True)
+    store.write_text('{"number": 0, "attempt": 1, "label": "tp1-pp1-dp4-mb\n')
+    done = tune(tmp_path, "--cluster", str(cluster))
+    last = done.stderr.strip().splitlines()[-1]
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert last.startswith(f"pipette: error: {store}: line 1 is not a trial record (not JSON: "), last
+    assert "delete or repair line 1" in last and "--no-memory" in last
+    assert "ray" not in done.stderr.lower()
+
+
 def _processes_with(marker: str) -> list[str]:
     """The command lines of live processes whose environment holds ``marker``."""
     out = []

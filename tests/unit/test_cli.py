@@ -265,16 +265,18 @@ def test_a_failed_trials_whole_reason_and_output_are_shown() -> None:
     """Issue 32, item 10: trial lines were cut at 160 characters and to their first line, and a
     timed-out script's output was not kept."""
     from pipette.cli.tune import _peak_text, _reason_lines
+    from pipette.measurement import Measurement
 
     long = "RuntimeError: " + "x" * 300
     error = f"rank 1 exited with status 1\nTraceback (most recent call last):\n  File \"t.py\", line 3\n{long}"
-    lines = _reason_lines({"error": error, "extra": {}})
+    lines = _reason_lines(Measurement("failed", error=error))
     assert lines == error.splitlines(), lines
-    timeout = {"error": "the script reported no step in 180 s", "extra": {"output_tail": "loading\nwaiting for a lock"}}
+    timeout = Measurement("timeout", error="the script reported no step in 180 s",
+                          extra={"output_tail": "loading\nwaiting for a lock"})
     assert _reason_lines(timeout)[-3:] == ["its output ended with:", "  loading", "  waiting for a lock"]
-    many = {"error": "\n".join(f"line {i}" for i in range(100)), "extra": {}}
+    many = Measurement("failed", error="\n".join(f"line {i}" for i in range(100)))
     shown = _reason_lines(many)
     assert len(shown) <= 41 and shown[0] == "line 0" and shown[-1] == "line 99" and "in the trial's record" in shown[1]
     # a CPU script trial has no tensor peak: its peak RSS stands in, marked as such
-    assert _peak_text({"peak_memory": [], "extra": {"peak_rss_bytes": [600 * 2**20, 812 * 2**20]}}) == "812 RSS"
-    assert _peak_text({"peak_memory": [2**20 * 40], "extra": {}}) == "40"
+    assert _peak_text(Measurement("ok", extra={"peak_rss_bytes": [600 * 2**20, 812 * 2**20]})) == "812 RSS"
+    assert _peak_text(Measurement("ok", peak_memory=(2**20 * 40,))) == "40"

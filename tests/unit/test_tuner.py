@@ -443,13 +443,13 @@ def test_a_crash_whose_retry_crashed_too_is_not_retried_again(plan: Plan) -> Non
     from pipette.cli.tune import Progress
 
     out = io.StringIO()
-    Progress(10, out).end(later[0].to_dict())
+    Progress(10, out).end(later[0])
     assert "not retried: a retry of this kind of crash" in out.getvalue()
     # in the crash's own words, not its numbers-blanked kind ("rank # exited with status #")
     assert "(failed: rank 0 exited with status 1 (illegal instruction))" in out.getvalue()
     assert "#" not in later[0].measurement.extra["not_retried"]
     retried = next(t for t in result.trials if t.attempt == 2)
-    Progress(10, out).end(retried.to_dict())
+    Progress(10, out).end(retried)
     assert f"{retried.label} (attempt 2)" in out.getvalue()  # a retry's line is told from the first's
     # another kind of crash still gets its retry, and runs
     assert [attempts[n] for n in {t.number for t in result.trials if t.label == flaky}] == [["failed", "ok"]]
