@@ -25,7 +25,8 @@ def main() -> int:
 
     from workers.fsdp_spec import plan_for
     from workers.phases import Phases
-    from workers.rank.fsdp_rank import init_distributed, train
+    from workers.rank.devices import init_distributed
+    from workers.rank.fsdp_rank import train
     from workers.rank.store import rendezvous_store
     from workers.rank.trial import emit
     from workers.spec import TrialSpec

@@ -189,7 +189,8 @@ def test_a_gpu_rank_puts_its_tensors_where_nccl_and_fsdp2_want_them(monkeypatch:
     """The device answers the GPU path runs on (``rank_devices``), checked without a GPU: compute
     on ``cuda:LOCAL_RANK``; the runner's own collectives on that GPU (NCCL knows no host tensor);
     the sharded parameters made on the host only under CPU offload."""
-    from workers.rank.fsdp_rank import process_group_backend, rank_devices
+    from workers.rank.devices import process_group_backend
+    from workers.rank.fsdp_rank import rank_devices
 
     monkeypatch.setenv("LOCAL_RANK", "3")
     gpu = rank_devices("gpu", offload=False)
@@ -206,7 +207,7 @@ def test_a_gpu_rank_puts_its_tensors_where_nccl_and_fsdp2_want_them(monkeypatch:
 def test_a_gpu_trial_without_a_gpu_fails_before_the_process_group(monkeypatch: pytest.MonkeyPatch) -> None:
     import torch.distributed as dist
 
-    from workers.rank.fsdp_rank import init_distributed
+    from workers.rank.devices import init_distributed
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(RuntimeError, match="sees no GPU"):

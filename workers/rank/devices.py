@@ -17,8 +17,11 @@ agreement was broadcast as a host tensor under NCCL.
 from __future__ import annotations
 
 import os
+from datetime import timedelta
+from typing import Any
 
 import torch
+import torch.distributed as dist
 
 #: the ``torch.distributed`` backend of each device kind
 BACKENDS = {"gpu": "nccl", "cpu": "gloo"}
@@ -55,3 +58,28 @@ def to_device(tensors: tuple[torch.Tensor, ...], device: torch.device) -> tuple[
     """The batch on the rank's device (pinned host memory copies asynchronously)."""
     non_blocking = device.type == "cuda"
     return tuple(t.to(device, non_blocking=non_blocking) for t in tensors)
+
+
+def process_group_backend(device_kind: str, host_collectives: bool) -> str:
+    """gloo on a CPU device, NCCL on a GPU; with ``host_collectives`` (CPU offload: the gradient
+    norm of host gradients, FSDP2's host tensors) a GPU rank's group runs gloo for host tensors
+    too, as torchtitan's ``init_distributed`` asks (``cuda:nccl,cpu:gloo``)."""
+    backend = backend_for(device_kind)
+    return f"cuda:{backend},cpu:gloo" if device_kind == "gpu" and host_collectives else backend
+
+
+def init_distributed(device_kind: str, rank: int, world: int, store: dist.Store,
+                     timeout: timedelta | None = None, host_collectives: bool = False) -> torch.device:
+    """The default process group (``process_group_backend``), bound to the rank's GPU on a GPU."""
+    device = rank_device(device_kind)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"a GPU trial, but this process sees no GPU (CUDA_VISIBLE_DEVICES="
+                               f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
+        torch.cuda.set_device(device)
+    options: dict[str, Any] = {"device_id": device} if device.type == "cuda" else {}
+    if timeout is not None:
+        options["timeout"] = timeout
+    backend = process_group_backend(device_kind, host_collectives)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, **options)
+    return device

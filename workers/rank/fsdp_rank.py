@@ -20,7 +20,6 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -29,7 +28,7 @@ from torch import nn
 
 from workers.fsdp_spec import MESH_DIMS, FsdpPlan, plan_for
 from workers.phases import PHASES, Phases
-from workers.rank.devices import backend_for, collective_device, rank_device
+from workers.rank.devices import backend_for, collective_device, init_distributed, rank_device
 from workers.rank.fsdp_data import GlobalBatches, micro_batches
 from workers.rank.fsdp_model import build_stages, held_param_bytes, lm_loss, materialize, meta_model, parameter_names
 from workers.rank.fsdp_parallel import parallelize
@@ -234,31 +233,6 @@ def _device_record(device: torch.device) -> dict[str, Any]:
     props = torch.cuda.get_device_properties(device)
     return {"device": str(device), **allocator_record(device), "device_name": props.name,
             "device_memory_bytes": int(props.total_memory), "visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
-
-
-def process_group_backend(device_kind: str, host_collectives: bool) -> str:
-    """gloo on a CPU device, NCCL on a GPU; with ``host_collectives`` (CPU offload: the gradient
-    norm of host gradients, FSDP2's host tensors) a GPU rank's group runs gloo for host tensors
-    too, as torchtitan's ``init_distributed`` asks (``cuda:nccl,cpu:gloo``)."""
-    backend = backend_for(device_kind)
-    return f"cuda:{backend},cpu:gloo" if device_kind == "gpu" and host_collectives else backend
-
-
-def init_distributed(device_kind: str, rank: int, world: int, store: dist.Store,
-                     timeout: timedelta | None = None, host_collectives: bool = False) -> torch.device:
-    """The default process group (``process_group_backend``), bound to the rank's GPU on a GPU."""
-    device = rank_device(device_kind)
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise RuntimeError(f"a GPU trial, but this process sees no GPU (CUDA_VISIBLE_DEVICES="
-                               f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
-        torch.cuda.set_device(device)
-    options: dict[str, Any] = {"device_id": device} if device.type == "cuda" else {}
-    if timeout is not None:
-        options["timeout"] = timeout
-    backend = process_group_backend(device_kind, host_collectives)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world, **options)
-    return device
 
 
 def run_rank(trial: TrialSpec, rank: int, world: int, store: dist.Store) -> int:

@@ -22,7 +22,7 @@ from scipy import stats
 from pipette.config import ParallelConfig
 from pipette.contract import OOM_EXIT, event_line
 from workers.phases import PHASES, Phases
-from workers.rank.devices import backend_for, collective_device, rank_device, to_device
+from workers.rank.devices import backend_for, collective_device, init_distributed, rank_device, to_device
 from workers.rank.memory import (
     PeakTensorBytes,
     allocator_record,
@@ -214,14 +214,7 @@ def run_rank(trial: TrialSpec, ds_config: dict[str, Any], rank: int, world: int,
     if world != trial.config.world:
         raise ValueError(f"{world} processes for a candidate of world {trial.config.world}")
     backend = backend_for(trial.device_kind)
-    device = rank_device(trial.device_kind)
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise RuntimeError(f"a GPU trial, but this process sees no GPU (CUDA_VISIBLE_DEVICES="
-                               f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
-        torch.cuda.set_device(device)
-    options: dict[str, Any] = {"device_id": device} if device.type == "cuda" else {}
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world, **options)
+    device = init_distributed(trial.device_kind, rank, world, store)
     PHASES.mark("rendezvous")
     from workers.ops import ensure_ops
 
