@@ -1,4 +1,4 @@
-"""Trial records for the tests of the trial stores (``tests/unit/test_trials.py``,
+"""Trial records for the tests of the trial stores (``tests/unit/test_trial_records.py``,
 ``tests/service/test_trial_store.py``)."""
 
 from __future__ import annotations
