@@ -90,6 +90,10 @@ SGD_BYTES_PER_PARAM = 30.0
 # Fp32 softmax + cross-entropy over the logits: the loss reads the logits, writes fp32
 # probabilities, and the backward reads them and writes the logit gradient: 4 passes of 4 B.
 LOSS_BYTES_PER_LOGIT = 16.0
+# A fused (Megatron-LM's vocab-parallel cross-entropy, Shoeybi et al. 2019 sec. 3; or a chunked)
+# loss reads the bf16 logits once in the forward and writes their gradient once in the backward,
+# in place: 2 passes of 2 B, the fp32 softmax kept in registers.
+FUSED_LOSS_BYTES_PER_LOGIT = 4.0
 
 
 @dataclass(frozen=True)
@@ -118,6 +122,33 @@ class PerfConstants:
     #: GEMM curves by device family for devices the probe has not measured (the profile's own
     #: measured points come first): (family, curve) pairs
     curves: tuple[tuple[str, EfficiencyCurve], ...] = ()
+    #: Fraction of the device's peak a fused attention kernel reaches (0: the GEMM curve's
+    #: efficiency at the attention matmul's size). FlashAttention-2 reaches 50-73% of an A100's
+    #: peak in the forward and less in the backward (Dao 2023, sec. 4.1, fig. 4-6), far below a
+    #: large GEMM at long sequences; with ``flash_attention`` only.
+    attention_efficiency: float = 0.0
+    #: Fraction of a micro-batch's compute under which FSDP/ZeRO-3 parameter gathers and the
+    #: gradient reduce-scatters run (None: the older ``dp_overlap`` rule). FSDP prefetches the
+    #: next unit's all-gather on a separate stream while the current unit computes (forward and
+    #: backward prefetch; PyTorch FSDP docs, "BackwardPrefetch"; FSDP2's implicit prefetching in
+    #: torchtitan, docs/fsdp.md), and reduce-scatters a unit's gradients while the previous unit's
+    #: backward runs: per phase only what the compute does not cover is exposed.
+    shard_overlap: float | None = None
+    #: Whether full recomputation gathers the sharded parameters a third time. DeepSpeed ZeRO-3
+    #: re-gathers for the recomputed forward; FSDP's backward pre-hook gathers a unit once and the
+    #: checkpointed forward is recomputed inside it (torch.distributed.fsdp, "activation
+    #: checkpointing" with FSDP: the recomputation runs under the unit's unsharded parameters).
+    recompute_regathers: bool = True
+    #: Data-parallel collectives across nodes on one NCCL channel per member with this share of
+    #: the summed NIC bandwidth (``pipette.comm.channel_links``; None: one link's speed). NCCL
+    #: runs one ring per NIC, so a data-parallel group with k members on a node crosses the node
+    #: cut on k NICs at once (NCCL's multi-ring all-gather/reduce-scatter; Jeaugey, "Massively
+    #: scale your deep learning training with NCCL 2.4", NVIDIA 2019).
+    dp_cut_fraction: float | None = None
+    #: Bytes of memory touched per logit by the loss (forward and backward together):
+    #: ``LOSS_BYTES_PER_LOGIT`` for an eager fp32 softmax + cross-entropy; a fused or chunked
+    #: loss touches fewer (see ``FUSED_LOSS_BYTES_PER_LOGIT``).
+    loss_bytes_per_logit: float = LOSS_BYTES_PER_LOGIT
 
 
 #: The constants above: Megatron-LM (vTrain) and nanotron (Ultra-Scale) runs, fused kernels.
@@ -213,7 +244,10 @@ class PerfModel:
         # Attention core QK^T and softmax x V: 2 x 2 T s h / tp FLOPs, causal half skipped
         # by fused kernels (FlashAttention; Dao et al. 2022).
         attn_gemm = 2.0 * t * s * model.hidden / tp * 0.5
-        attn_f = self._gemm_time(attn_gemm, 2)
+        if self.k.flash_attention and self.k.attention_efficiency > 0:
+            attn_f = 2.0 * attn_gemm / (self.peak * self.k.attention_efficiency)
+        else:
+            attn_f = self._gemm_time(attn_gemm, 2)
         # FlashAttention-2's backward recomputes the scores: 5 matmuls against the forward's 2
         # (Dao 2023, sec. 3.1); an unfused backward runs 4 (the gradients of both inputs).
         attn_b = (2.5 if self.k.flash_attention else 2.0) * attn_f
@@ -239,7 +273,7 @@ class PerfModel:
         # LM head on the last stage: the logits GEMM 2 T h V / tp (2x backward) and the
         # memory-bound fp32 loss over the T V / tp logits.
         head = self._gemm_time(2.0 * t * model.hidden * model.vocab / tp, 1)
-        loss = t * model.vocab / tp * LOSS_BYTES_PER_LOGIT / self.device.memory_bandwidth
+        loss = t * model.vocab / tp * self.k.loss_bytes_per_logit / self.device.memory_bandwidth
         forward[-1] += head + loss / 2.0
         backward[-1] += (head if lora is not None else 2.0 * head) + loss / 2.0
         return _Compute(forward=forward, backward=backward)
@@ -306,7 +340,10 @@ class PerfModel:
 
         # Data parallelism: ring all-reduce of the gradients (ZeRO-1 reduce-scatter +
         # all-gather moves the same bytes; Rajbhandari et al. 2020, sec. 7).
-        bw_d, lat_d = comm.ring_links(self.cluster, comm.dp_groups(grid))
+        if k.dp_cut_fraction is None:
+            bw_d, lat_d = comm.ring_links(self.cluster, comm.dp_groups(grid))
+        else:
+            bw_d, lat_d = comm.channel_links(self.cluster, comm.dp_groups(grid), k.dp_cut_fraction)
         bw_d = (bw_d * frac).reshape(p, tp)
         lat_d = lat_d.reshape(p, tp)
         gb = self.grad_bytes[:, None]
@@ -322,6 +359,8 @@ class PerfModel:
             t_dp_mb = np.maximum(rs - k.dp_overlap * back, 0.0)
             ag = comm.allgather_time(gb, dp, bw_d, lat_d).max(axis=1)
             t_dp = ag if cfg.zero_stage == 2 else np.zeros(p)
+            gather = np.zeros(p)
+            n_g = 0.0
             if cfg.zero_stage == 3:
                 # Parameter gathers before each forward and backward (and the recomputed
                 # forward), prefetched under compute (Rajbhandari et al. 2020, sec. 5.3), of
@@ -329,9 +368,13 @@ class PerfModel:
                 # gathered at every use, though only the adapters' gradients are reduced.
                 wb = self.weight_bytes[:, None]
                 gather = comm.allgather_time(wb, dp, bw_d, lat_d).max(axis=1)
-                n_g = 2.0 + (1.0 if cfg.recompute == "full" else 0.0)
+                regather = cfg.recompute == "full" and k.recompute_regathers
+                n_g = 2.0 + (1.0 if regather else 0.0)
                 comp = self.compute.forward + back
                 t_z3 = np.maximum(n_g * gather - k.dp_overlap * comp, 0.0)[:, None] * np.ones(dp)
+            if k.shard_overlap is not None:
+                t_z3_p, t_dp_mb = _shard_exposed(gather, n_g, rs, self.compute.forward, back, k.shard_overlap)
+                t_z3 = t_z3_p[:, None] * np.ones(dp)
         t_dp_exposed = np.maximum(t_dp - k.dp_overlap * back, 0.0)
 
         # Critical path: per pipeline replica, then the slowest replica.
@@ -420,6 +463,22 @@ def _pipeline(stage: FloatArray, m: int, v: int) -> FloatArray:
     return np.asarray(m * top + (stage.sum(axis=0) - top) / v, dtype=np.float64)
 
 
+def _shard_exposed(gather: FloatArray, n_gathers: float, reduce_scatter: FloatArray, forward: FloatArray,
+                   backward: FloatArray, overlap: float) -> tuple[FloatArray, FloatArray]:
+    """Exposed (gather, reduce-scatter) time per micro-batch and stage when FSDP/ZeRO-3 runs them
+    on a communication stream beside the compute (``PerfConstants.shard_overlap``): the forward
+    hides its one gather under ``overlap`` of the forward compute; the backward its other gathers
+    and the reduce-scatter under ``overlap`` of the backward compute (two streams: the phase takes
+    the longer of the two, so ``max(comm - overlap * compute, 0)`` is exposed). The backward's
+    exposed part is split over gathers and reduce-scatter by their shares."""
+    fwd = np.maximum(gather * min(n_gathers, 1.0) - overlap * forward, 0.0)
+    bwd_gather = gather * max(n_gathers - 1.0, 0.0)
+    bwd_comm = bwd_gather + reduce_scatter
+    bwd = np.maximum(bwd_comm - overlap * backward, 0.0)
+    share = np.divide(bwd_gather, bwd_comm, out=np.zeros_like(bwd_comm), where=bwd_comm > 0)
+    return fwd + bwd * share, bwd * (1.0 - share)
+
+
 def _curve(k: PerfConstants, device: DeviceSpec) -> EfficiencyCurve:
     """The GEMM efficiency curve: the constants' own, else the device's measured points (the
     probe), else the constants' curve for the device's family, else the family default."""
@@ -461,5 +520,6 @@ def _stage_params(model: ModelSpec, training: TrainingSpec, config: ParallelConf
 
 
 __all__ = [
-    "DEFAULT_CONSTANTS", "HF_DEEPSPEED_CONSTANTS", "MEGATRON_CONSTANTS", "PerfConstants", "PerfModel", "estimate_perf",
+    "DEFAULT_CONSTANTS", "FUSED_LOSS_BYTES_PER_LOGIT", "HF_DEEPSPEED_CONSTANTS",
+    "MEGATRON_CONSTANTS", "PerfConstants", "PerfModel", "estimate_perf",
 ]

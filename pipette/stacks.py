@@ -148,14 +148,35 @@ MEGATRON = Stack(
     tensor_parallel=True, pipeline_parallel=True, zero_stages=(0, 1), schedules=("1f1b", "interleaved"),
     recompute=("none", "selective", "full"), launch_files=CANDIDATE_FILES, available_options=("fp8",),
 )
+#: PyTorch FSDP's own terms (``pipette.perf.PerfConstants``): fused attention (SDPA /
+#: flash-attn 2) at its own efficiency, gathers and reduce-scatters prefetched under compute,
+#: one gather per unit and pass under activation checkpointing (no re-gather for the
+#: recomputation), cross-node rings on every NIC of a node. The H100 GEMM curve and the link
+#: share are the Megatron stack's (Ultra-Scale). Fitted (least squares on log(predicted /
+#: measured), soft-L1) by tests/benchmarks/stack_fit.py on llm-foundry's bf16 FULL_SHARD runs of
+#: MPT 760M, 3B, 13B and 70B (38 rows of llmfoundry_h100_fsdp.csv); checked on its 1B, 7B and
+#: 30B runs and on torchtitan's FSDP2 runs (docs/stacks.md).
+FSDP_CONSTANTS = replace(
+    MEGATRON_CONSTANTS, flash_attention=True, recompute_regathers=False,
+    #: memory passes over T x h per layer forward: LayerNorm with biases, GeLU over 4h, residuals
+    elementwise_passes=27.2,
+    #: fixed time per layer per forward-equivalent pass (FSDP's per-unit hooks, small kernels)
+    layer_overhead_s=1.42e-3,
+    #: fraction of the bf16 peak the flash-attn 2 kernels reach on an H100
+    attention_efficiency=0.181,
+    #: share of a phase's compute that hides its gathers and reduce-scatters (prefetch)
+    shard_overlap=0.809,
+    #: share of a node's summed NIC bandwidth its data-parallel rings reach (fit at the bound: 1.0)
+    dp_cut_fraction=1.0,
+)
 #: PyTorch FSDP/FSDP2 (torchtitan, Accelerate FSDP, llm-foundry): ZeRO-3-like FULL_SHARD with
-#: fp32 sharded master and fp32 gradient reduction; torchtitan adds TP and PP schedules. Until
-#: FSDP's own terms are fitted (prefetch overlap), it is priced with the Megatron constants
-#: and its flash attention (SDPA), the memory with fp32 gradients (docs/stacks.md).
+#: fp32 sharded master and fp32 gradient reduction; torchtitan adds TP and PP schedules. Priced
+#: with ``FSDP_CONSTANTS``, the memory with fp32 gradients (docs/stacks.md).
 FSDP = Stack(
     name="fsdp", frameworks="PyTorch FSDP/FSDP2: torchtitan, Accelerate FSDP, llm-foundry",
-    description="FULL_SHARD/SHARD_GRAD_OP/NO_SHARD; Megatron constants with fused attention, fp32 gradients",
-    constants=replace(MEGATRON_CONSTANTS, flash_attention=True),
+    description="FULL_SHARD/SHARD_GRAD_OP/NO_SHARD; its own constants (prefetch overlap, flash attention), "
+                "fp32 gradients",
+    constants=FSDP_CONSTANTS,
     memory_options=replace(MEGATRON_OPTIONS, grad_accum_fp32=True), gpu_fits_prior=FSDP_GPU,
     tensor_parallel=True, pipeline_parallel=True, zero_stages=(0, 2, 3), schedules=("1f1b", "interleaved"),
     recompute=("none", "selective", "full"), launch_files=CANDIDATE_FILES, available_options=("compile", "fp8"),
@@ -213,6 +234,7 @@ def check_runner_runs(stack: Stack, *, field: str = "stack") -> None:
 
 
 __all__ = [
-    "DEFAULT_STACK", "FSDP", "HF_DEEPSPEED", "MEGATRON", "OPTIONS", "PIPETTE", "STACKS", "STACK_RULES",
+    "DEFAULT_STACK", "FSDP", "FSDP_CONSTANTS", "HF_DEEPSPEED", "MEGATRON", "OPTIONS", "PIPETTE", "STACKS",
+    "STACK_RULES",
     "Stack", "check_runner_runs", "get_stack", "runner_stacks", "stack_to_tune",
 ]
