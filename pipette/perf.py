@@ -94,6 +94,9 @@ LOSS_BYTES_PER_LOGIT = 16.0
 # loss reads the bf16 logits once in the forward and writes their gradient once in the backward,
 # in place: 2 passes of 2 B, the fp32 softmax kept in registers.
 FUSED_LOSS_BYTES_PER_LOGIT = 4.0
+# Bytes touched per element by FP8 dynamic scaling: an amax pass (2 B read) and the scaled cast
+# (2 B read, 1 B written); torchao.float8 and Transformer Engine cast each GEMM operand so.
+FP8_CAST_BYTES = 5.0
 
 
 @dataclass(frozen=True)
@@ -149,6 +152,20 @@ class PerfConstants:
     #: ``LOSS_BYTES_PER_LOGIT`` for an eager fp32 softmax + cross-entropy; a fused or chunked
     #: loss touches fewer (see ``FUSED_LOSS_BYTES_PER_LOGIT``).
     loss_bytes_per_logit: float = LOSS_BYTES_PER_LOGIT
+    #: Selective recomputation as per-op checkpointing (0: Korthikanti's selective mode, which
+    #: re-runs the attention core only): the share of the linear layers' forward recomputed,
+    #: with every elementwise op, while the fused attention's output is saved. torchtitan's op
+    #: mode saves the output of every other matmul (torchtitan, models/llama3/infra/parallelize.py,
+    #: ``_apply_ac``: ``_save_list`` and the matmul counter), so it recomputes half of them.
+    op_sac_linear_share: float = 0.0
+    #: FP8 linear layers (the stack's ``fp8`` option: Transformer Engine, torchao Float8): the
+    #: forward and both backward GEMMs of every linear layer at the device's ``fp8`` peak, the
+    #: attention, the LM head and LoRA adapters in the training dtype (both libraries keep them
+    #: there). A device without an ``fp8`` peak runs them in the training dtype.
+    fp8_gemms: bool = False
+    #: Achieved FP8 GEMM throughput relative to the bf16 curve at the same kernel duration
+    #: (fitted: tests/benchmarks/stack_fit.py).
+    fp8_efficiency: float = 1.0
 
 
 #: The constants above: Megatron-LM (vTrain) and nanotron (Ultra-Scale) runs, fused kernels.
@@ -200,6 +217,9 @@ class PerfModel:
         self.k = constants or DEFAULT_CONSTANTS
         self.device = _slowest_device(cluster, training.dtype)
         self.peak = self.device.peak(training.dtype)
+        #: the linear layers' peak: FP8 where the stack runs them so and the device has it
+        self.fp8 = self.k.fp8_gemms and "fp8" in self.device.peak_flops
+        self.linear_peak = self.device.peak_flops["fp8"] if self.fp8 else self.peak
         self.curve = _curve(self.k, self.device)
         self.layers = np.asarray(config.layers_per_stage(model.layers), dtype=np.float64)
         self.m = config.grad_accum
@@ -224,6 +244,23 @@ class PerfModel:
         eff = float(self.curve(flops_per_gemm))
         return count * flops_per_gemm / (self.peak * eff)
 
+    def _linear_time(self, flops_per_gemm: float, tokens: float, fan_in: int, fan_out: int) -> float:
+        """One linear layer's forward GEMM, in the training dtype or in FP8 (``fp8_gemms``). An FP8
+        GEMM runs at the FP8 peak times the bf16 curve at the same duration (the curve's size
+        scaled by bf16 / fp8 peak: a kernel fills the SMs in the same time), times
+        ``fp8_efficiency``; plus the dynamic-scaling casts of its input, weight and (in the
+        backward, counted here at 2x with the GEMMs) output gradient: an amax read (2 B) and a
+        scaled cast (2 B read, 1 B written) per element (torchao float8 / Transformer Engine
+        delayed or dynamic scaling), at the memory bandwidth."""
+        if not self.fp8:
+            return self._gemm_time(flops_per_gemm, 1)
+        if flops_per_gemm <= 0:
+            return 0.0
+        eff = float(self.curve(flops_per_gemm * self.peak / self.linear_peak)) * self.k.fp8_efficiency
+        gemm = flops_per_gemm / (self.linear_peak * eff)
+        cast_elements = tokens * fan_in + fan_in * fan_out / self.config.tp
+        return gemm + FP8_CAST_BYTES * cast_elements / self.device.memory_bandwidth
+
     def _compute_times(self) -> _Compute:
         model, cfg, tr = self.model, self.config, self.training
         t, tp, s = float(self.tokens), cfg.tp, tr.seq_len
@@ -233,7 +270,7 @@ class PerfModel:
         # gradients), 1x for a frozen LoRA base, which needs no weight gradient.
         lin_f = lin_b = 0.0
         for name, (i, o) in model.linear_shapes().items():
-            g = self._gemm_time(2.0 * t * i * o / tp, 1)
+            g = self._linear_time(2.0 * t * i * o / tp, t, i, o)
             lin_f += g
             lin_b += g if lora is not None else 2.0 * g
             if lora is not None and name in targets:
@@ -266,6 +303,11 @@ class PerfModel:
         # in the backward; selective re-runs only the attention core.
         if cfg.recompute == "full":
             layer_b += layer_f
+        elif cfg.recompute == "selective" and self.k.op_sac_linear_share > 0:
+            # Per-op selective checkpointing (torchtitan's "op" mode): the attention kernel's
+            # output and a share of the matmuls' outputs are saved, everything else (the other
+            # matmuls, norms, activations) is recomputed in the backward.
+            layer_b += self.k.op_sac_linear_share * lin_f + elementwise + over
         elif cfg.recompute == "selective":
             layer_b += attn_f
         forward = self.layers * layer_f

@@ -39,8 +39,11 @@ OPTIONS: dict[str, str] = {
     "compile": "torch.compile of the model (fused elementwise kernels)",
     "fp8": "FP8 GEMMs (Transformer Engine or torchao Float8) on a device with FP8 tensor cores",
 }
-#: Said wherever an option is shown: what the models do with it today.
+#: Said wherever an option the models do not price is shown.
 OPTION_NOT_MODELLED = "not modelled yet: predicted as the stack without it"
+#: Options the performance model prices (``PerfConstants.fp8_gemms``); the others are shown and
+#: kept with the trials only.
+MODELLED_OPTIONS = ("fp8",)
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,17 @@ class Stack:
         """The name with its chosen options: ``fsdp+compile``."""
         return "+".join((self.name, *self.options))
 
+    @property
+    def unmodelled_options(self) -> tuple[str, ...]:
+        """The chosen options the models predict as the stack without them."""
+        return tuple(o for o in self.options if o not in MODELLED_OPTIONS)
+
+    @property
+    def options_note(self) -> str | None:
+        """What the models do with the chosen options, or None when every one is priced."""
+        missing = self.unmodelled_options
+        return f"{', '.join(missing)}: {OPTION_NOT_MODELLED}" if missing else None
+
     def fits_prior(self, device_kind: str) -> FitsPrior:
         return CPU if device_kind == "cpu" else self.gpu_fits_prior
 
@@ -106,7 +120,7 @@ class Stack:
     def to_dict(self) -> dict[str, Any]:
         return {
             "name": self.key, "frameworks": self.frameworks, "options": list(self.options),
-            "options_note": OPTION_NOT_MODELLED if self.options else None,
+            "options_note": self.options_note,
             "runs": {"tp": self.tensor_parallel, "pp": self.pipeline_parallel, "zero_stages": list(self.zero_stages),
                      "schedules": list(self.schedules), "recompute": list(self.recompute)},
             "launch_files": list(self.launch_files), "runner_runs": self.runner_runs,
@@ -168,6 +182,12 @@ FSDP_CONSTANTS = replace(
     shard_overlap=0.809,
     #: share of a node's summed NIC bandwidth its data-parallel rings reach (fit at the bound: 1.0)
     dp_cut_fraction=1.0,
+    #: selective recomputation is torchtitan's per-op checkpointing: half of the matmuls (counted)
+    op_sac_linear_share=0.5,
+    #: ``fsdp+fp8``: FP8 GEMM throughput relative to the bf16 curve, fitted on llm-foundry's 7 fp8
+    #: runs (Transformer Engine). Above 1 because TE fuses the casts into the norm and the GEMM
+    #: (LayerNormLinear), which the counted cast passes (perf.FP8_CAST_BYTES) charge in full.
+    fp8_efficiency=1.365,
 )
 #: PyTorch FSDP/FSDP2 (torchtitan, Accelerate FSDP, llm-foundry): ZeRO-3-like FULL_SHARD with
 #: fp32 sharded master and fp32 gradient reduction; torchtitan adds TP and PP schedules. Priced
@@ -202,7 +222,9 @@ def get_stack(stack: str | Stack | None, *, field: str = "stack") -> Stack:
             offered = ", ".join(f"{name}+{o}" for o in found.available_options) or "none"
             raise SpecError(f"{name} has no option {option!r}", field=field,
                             fix=f"use {name} alone or one of its options ({offered})")
-    return replace(found, options=tuple(sorted(set(options))))
+    chosen = tuple(sorted(set(options)))
+    constants = replace(found.constants, fp8_gemms=True) if "fp8" in chosen else found.constants
+    return replace(found, options=chosen, constants=constants)
 
 
 def runner_stacks() -> list[str]:
@@ -234,7 +256,7 @@ def check_runner_runs(stack: Stack, *, field: str = "stack") -> None:
 
 
 __all__ = [
-    "DEFAULT_STACK", "FSDP", "FSDP_CONSTANTS", "HF_DEEPSPEED", "MEGATRON", "OPTIONS", "PIPETTE", "STACKS",
-    "STACK_RULES",
+    "DEFAULT_STACK", "FSDP", "FSDP_CONSTANTS", "HF_DEEPSPEED", "MEGATRON", "MODELLED_OPTIONS", "OPTIONS",
+    "PIPETTE", "STACKS", "STACK_RULES",
     "Stack", "check_runner_runs", "get_stack", "runner_stacks", "stack_to_tune",
 ]

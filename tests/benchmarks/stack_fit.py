@@ -122,6 +122,22 @@ def main() -> int:
         print(f"  {name:<24} {value:.4g}")
     report("fitted", fsdp_parts, fsdp_constants(x))
 
+    # FP8 (the fsdp+fp8 option): the FP8 GEMMs' efficiency relative to the bf16 curve, fitted on
+    # llm-foundry's fp8 rows (Transformer Engine) with the bf16 constants above, checked on
+    # torchtitan's Float8 rows (torchao; compiled, which is not modelled).
+    fp8_base = replace(fsdp_constants(x), fp8_gemms=True)
+    foundry8 = [r for r in load_stack_set(directory, "llmfoundry_h100_fsdp.csv").rows if r.stack == "fsdp+fp8"]
+    fp8_parts = {
+        "fit: llm-foundry fp8": foundry8,
+        "held out: torchtitan fsdp+compile+fp8 (as fsdp+fp8)": [r for r in titan if r.stack == "fsdp+compile+fp8"],
+    }
+    print("fsdp+fp8 before (FP8 GEMMs at the bf16 curve, fp8_efficiency 1):")
+    report("fp8=1", fp8_parts, fp8_base)
+    xf = fit(foundry8, lambda z: replace(fp8_base, fp8_efficiency=float(z[0])), np.array([1.0]),
+             np.array([0.1]), np.array([1.5]), np.array([1.0]))
+    print(f"fitted fp8_efficiency (llm-foundry fp8, {len(foundry8)} rows): {xf[0]:.4g}")
+    report("fitted", fp8_parts, replace(fp8_base, fp8_efficiency=float(xf[0])))
+
     simumax = load_stack_set(directory, "simumax_b200_megatron.csv").rows
     b200_fit = [r for r in simumax if r.model.name in B200_FIT_MODELS]
     b200_parts = {
