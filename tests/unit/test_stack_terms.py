@@ -100,3 +100,30 @@ def test_the_fsdp_stack_prices_with_its_own_terms() -> None:
     for name in ("pipette", "megatron"):
         other: PerfConstants = get_stack(name).constants
         assert other.shard_overlap is None and other.recompute_regathers and other.dp_cut_fraction is None
+
+
+def test_fp8_runs_the_linear_layers_at_the_fp8_peak_where_the_device_has_one() -> None:
+    cfg = ParallelConfig(tp=1, pp=1, dp=8, mbs=4, global_batch=64)
+    h100 = homogeneous_cluster("H100-80GB", 1, 8, 450 * GB, 50 * GB)
+    a100 = homogeneous_cluster("A100-80GB", 1, 8, 300 * GB, 25 * GB)
+    bf16, fp8 = get_stack("fsdp"), get_stack("fsdp+fp8")
+    assert fp8.constants.fp8_gemms and not bf16.constants.fp8_gemms and fp8.options_note is None
+    fast = fp8.estimate_perf(MODEL, TRAIN, cfg, h100).breakdown["compute"]
+    slow = bf16.estimate_perf(MODEL, TRAIN, cfg, h100).breakdown["compute"]
+    assert 1.2 * fast < slow < 2.0 * fast  # the linear layers only, not attention, loss or norms
+    # an A100 has no FP8 tensor cores: the option changes nothing there
+    assert fp8.estimate_perf(MODEL, TRAIN, cfg, a100).step_time == bf16.estimate_perf(MODEL, TRAIN, cfg, a100).step_time
+    assert get_stack("fsdp+compile").options_note == "compile: not modelled yet: predicted as the stack without it"
+
+
+def test_per_op_selective_checkpointing_recomputes_matmuls_and_elementwise_ops() -> None:
+    cfg = ParallelConfig(tp=1, pp=1, dp=8, mbs=2, global_batch=64, recompute="selective")
+    none = replace(cfg, recompute="none")
+    node = homogeneous_cluster("H100-80GB", 1, 8, 450 * GB, 50 * GB)
+    korthikanti = replace(EAGER, attention_efficiency=0.2)
+    op_sac = replace(korthikanti, op_sac_linear_share=0.5)
+    t = {name: estimate_perf(MODEL, TRAIN, c, node, constants=k).breakdown["compute"]
+         for name, c, k in (("none", none, korthikanti), ("attn", cfg, korthikanti), ("op", cfg, op_sac))}
+    assert t["none"] < t["attn"] < t["op"]
+    full = estimate_perf(MODEL, TRAIN, replace(cfg, recompute="full"), node, constants=op_sac).breakdown["compute"]
+    assert t["op"] < full
