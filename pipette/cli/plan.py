@@ -120,7 +120,6 @@ def _chance(p: float) -> str:
 def _print_plan(plan: Any, top: int, elapsed: float) -> None:
     from pipette.estimates import MEMORY_PARTS, TIME_PARTS
     from pipette.plan import DROP_REASONS
-    from pipette.stacks import OPTION_NOT_MODELLED
 
     c = plan.cluster
     print(
@@ -130,7 +129,7 @@ def _print_plan(plan: Any, top: int, elapsed: float) -> None:
     )
     print(f"cluster {c.name}: {len(c.nodes)} nodes, {c.world} x {c.device_spec.name}")
     print(f"stack {plan.stack.key}: {plan.stack.frameworks}"
-          + (f" ({', '.join(plan.stack.options)}: {OPTION_NOT_MODELLED})" if plan.stack.options else ""))
+          + (f" ({plan.stack.options_note})" if plan.stack.options_note else ""))
     dropped = sum(plan.dropped.values())
     sure = sum(p.sure_to_fit for p in plan.ranked)
     kept_free = f", {plan.margin:.0%} of memory kept free" if plan.margin else ""
