@@ -138,7 +138,7 @@ def stack_points(directory: Path, name: str) -> list[Point]:
     out = []
     for r in load_stack_set(directory, name).rows:
         capacity = r.cluster.device_spec.memory_bytes
-        est = estimate_memory(r.model, r.training, r.config, capacity, stack=r.stack.split("+")[0])
+        est = get_stack(r.stack.split("+")[0]).estimate_memory(r.model, r.training, r.config, capacity)
         error = math.log(float(r.peak_memory) / est.peak_bytes) if r.peak_memory else math.nan
         out.append(Point(f"{r.model.name} {r.config.label} {r.stack}", math.log(capacity / est.peak_bytes), error))
     return out
