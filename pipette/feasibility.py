@@ -89,6 +89,24 @@ RUNS_SAME_PP_WEIGHT = 1.0
 _RECOMPUTE = {"none": 0.0, "selective": 0.5, "full": 1.0}
 
 
+def needs_at_least(config: ParallelConfig, other: ParallelConfig) -> bool:
+    """Whether ``config`` needs at least the memory ``other`` needs, whatever the estimator's
+    error: the same layout (degrees, schedule, FSDP sharding and offload) with a micro-batch no
+    smaller (activations grow with it: Korthikanti et al. 2022, eq. 2), no more recomputation
+    (none keeps every activation, selective all but attention's, full only the layer inputs)
+    and a ZeRO stage no higher (each stage partitions one more of optimizer states, gradients,
+    parameters across dp and keeps the rest whole: Rajbhandari et al. 2020, fig. 1). So an
+    out-of-memory trial of ``other`` is one of ``config`` too: a monotonicity rule, not a
+    neighbourhood."""
+    same_layout = (config.tp, config.pp, config.dp, config.schedule, config.virtual_stages, config.dp_shard,
+                   config.offload) == (other.tp, other.pp, other.dp, other.schedule, other.virtual_stages,
+                                       other.dp_shard, other.offload)
+    recompute = _RECOMPUTE.get(config.recompute)
+    other_recompute = _RECOMPUTE.get(other.recompute)
+    return (same_layout and config.mbs >= other.mbs and config.zero_stage <= other.zero_stage
+            and recompute is not None and other_recompute is not None and recompute <= other_recompute)
+
+
 def layout_features(config: ParallelConfig) -> list[float]:
     """The candidate's shape: degrees, micro-batch, ZeRO stage and recomputation."""
     return [
@@ -136,6 +154,8 @@ class MemoryModel:
     def __init__(self, points: Sequence[MemoryPoint] = (), prior: FitsPrior = CPU) -> None:
         self.prior = prior
         xs, ys, noise = [], [], []
+        #: the candidates that ran out of memory (``needs_at_least``: what dominates one does too)
+        self.out_of_memory: list[ParallelConfig] = [p.config for p in points if p.measurement.status == "oom"]
         for p in points:
             if p.memory.peak_bytes <= 0:
                 continue
@@ -183,9 +203,15 @@ class MemoryModel:
         return self._fit.mean(ks) + self.prior.mu, np.sqrt(var + PEAK_NOISE_SD**2)
 
     def p_fit(self, configs: Sequence[ParallelConfig], memories: Sequence[MemoryEstimate]) -> list[float]:
-        """The chance that each candidate's true peak is within its capacity."""
+        """The chance that each candidate's true peak is within its capacity: 0 for one that
+        needs at least what a candidate that ran out of memory needed (``needs_at_least``).
+        Without the rule the Gaussian process left such a candidate above ``P_FIT_MIN`` when
+        the out-of-memory trial was one the prior expected (a wide site) and the two differ in
+        a feature it weighs: replay, Ultra-Scale 1B on 2 nodes, ZeRO-1 mbs 32 ran out of memory
+        and its ZeRO-0 twin was tried next (docs/models.md, 2026-11-27)."""
         mean, sd = self.error(configs, memories)
-        return [float(norm.cdf((h - mu) / s)) for h, mu, s in zip(_headroom(memories), mean, sd, strict=True)]
+        return [0.0 if any(needs_at_least(c, o) for o in self.out_of_memory) else float(norm.cdf((h - mu) / s))
+                for c, h, mu, s in zip(configs, _headroom(memories), mean, sd, strict=True)]
 
 
 def _headroom(memories: Sequence[MemoryEstimate]) -> list[float]:
@@ -255,5 +281,5 @@ class RunsModel:
 
 __all__ = [
     "P_FIT_MIN", "P_RUNS_MIN", "RUNS_PRIOR", "MemoryModel", "MemoryPoint", "RunsModel", "layout_features",
-    "measured_need", "memory_features",
+    "measured_need", "memory_features", "needs_at_least",
 ]

@@ -427,6 +427,19 @@ class Tuner:
                 out[label] = float(student_t.cdf((m + math.log(1.0 + self.options.tolerance) - mp) / se, dof))
         return out
 
+    def _faster_chance(self) -> dict[str, float]:
+        """Per other tried candidate: the probability that it is faster than the pick at all
+        (its true mean log step time below the pick's), under the noise of ``_pairwise``."""
+        means = measured_means(self.study)
+        pick = self.best
+        if pick is None:
+            return {}
+        learned = self.sampler.learned(self.study)
+        noise, dof = learned.trial_noise_sd, NOISE_PRIOR_DOF + learned.noise_dof
+        mp, n_p = means[pick.label]
+        return {label: float(student_t.cdf((mp - m) / (noise * math.sqrt(1.0 / n_p + 1.0 / n)), dof))
+                for label, (m, n) in means.items() if label != pick.label}
+
     def confidence(self) -> float | None:
         """Probability that the pick is within the tolerance of the best candidate tried."""
         if self.best is None:
@@ -453,7 +466,8 @@ class Tuner:
         """The pick and the candidates to re-time it against, ``retime`` at most. Until the
         pick was timed twice: the pick, and every candidate within ``prune_slower`` of it (the
         trial-to-trial noise is not measured yet: the prior may be over-confident); then those
-        it is not yet ``confidence`` sure to be within the tolerance of. Either way the least
+        it is not yet ``confidence`` sure to be within the tolerance of, and those that may be
+        faster than it (a chance of 1 - ``confidence`` or more: ``_faster_chance``). Either way the least
         sure first (``_pairwise``; then the best mean): a candidate timed once, as slow as one
         timed twice, is the likelier to beat the pick. By mean alone, a real CPU run (2026-11-26,
         run 3) never re-timed the best candidate after its one trial ran 26% slow."""
@@ -467,7 +481,14 @@ class Tuner:
             near = -math.log(1.0 - self.options.prune_slower) if self.options.prune_slower > 0 else math.inf
             others = [k for k, (m, _) in means.items() if k != pick.label and m - mp < near]
         else:
-            others = [k for k, p in sure.items() if p < self.options.confidence]
+            # Those it is not sure to be within the tolerance of, and those with a chance of at
+            # least 1 - ``confidence`` to be faster than it at all: sure to be within 2% of a
+            # candidate that is 1% faster, the re-timing stopped and handed over the slower one
+            # (replay, Ultra-Scale 8B on 8 nodes: the pick 0.9% slower than a candidate tried,
+            # on every seed; docs/models.md, 2026-11-27).
+            faster = self._faster_chance()
+            others = [k for k, p in sure.items()
+                      if p < self.options.confidence or faster[k] >= 1.0 - self.options.confidence]
         others.sort(key=lambda k: (sure[k], means[k][0], k))
         if n_p == 1:  # the pick is timed twice before any verdict: its repeat measures the noise
             return [pick.label, *others[: self.options.retime - 1]]

@@ -97,7 +97,7 @@ def llama8b_points(folder: str = "h100-2026-11-27", names: tuple[str, ...] = ("g
                 mbs = int(row["label"].split(" mbs")[1].split()[0])
                 recompute = row["label"].split("rc:")[1]
                 config = ParallelConfig(tp=1, pp=1, dp=1, mbs=mbs, global_batch=8, zero_stage=0,
-                                        recompute=recompute)  # type: ignore[arg-type]
+                                        recompute=recompute)
                 est = estimate_memory(model, training, config, capacity)
                 headroom = math.log(capacity / est.peak_bytes)
                 if row["status"] == "oom":
@@ -138,7 +138,7 @@ def stack_points(directory: Path, name: str) -> list[Point]:
     out = []
     for r in load_stack_set(directory, name).rows:
         capacity = r.cluster.device_spec.memory_bytes
-        est = estimate_memory(r.model, r.training, r.config, capacity, stack=r.stack.split("+")[0])
+        est = get_stack(r.stack.split("+")[0]).estimate_memory(r.model, r.training, r.config, capacity)
         error = math.log(float(r.peak_memory) / est.peak_bytes) if r.peak_memory else math.nan
         out.append(Point(f"{r.model.name} {r.config.label} {r.stack}", math.log(capacity / est.peak_bytes), error))
     return out
@@ -173,14 +173,14 @@ def single_gpu_jobs(directory: Path) -> list[Job]:
             for row in csv.DictReader(f):
                 mbs = int(row["label"].split(" mbs")[1].split()[0])
                 config = ParallelConfig(tp=1, pp=1, dp=1, mbs=mbs, global_batch=8, zero_stage=0,
-                                        recompute=row["label"].split("rc:")[1])  # type: ignore[arg-type]
+                                        recompute=row["label"].split("rc:")[1])
                 step = float(row["step_s"]) if row["step_s"] else None
                 groups.setdefault("llama3-8b lora seq4096 (not fitted)", []).append((config, row["status"], step))
     jobs = []
     for name, rows in groups.items():
         base_model, base_training = specs[name]
         recipe = replace(base_training, micro_batches=tuple(sorted({c.mbs for c, _, _ in rows})),
-                         recompute=tuple(sorted({c.recompute for c, _, _ in rows})),  # type: ignore[arg-type]
+                         recompute=tuple(sorted({c.recompute for c, _, _ in rows})),
                          zero_stages=(0,), schedules=("1f1b",))
         jobs.append(Job(name, base_model, recipe, {c.label: (status, t) for c, status, t in rows}))
     return jobs

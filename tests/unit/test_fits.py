@@ -11,7 +11,7 @@ the next best it kept was 3.6 s.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from dataclasses import replace
 
 import pytest
 
@@ -22,9 +22,9 @@ from pipette.feasibility import MemoryModel, MemoryPoint, measured_need
 from pipette.fits import KEEP_THRESHOLD, PIPETTE_GPU, SURE_TO_FIT, FitsPrior, expected_step_time, memory_headroom
 from pipette.measurement import Measurement
 from pipette.model import ModelSpec
-from pipette.plan import Plan, make_plan
+from pipette.plan import Plan, Planned, make_plan
 from pipette.training import LoraSpec, TrainingSpec
-from pipette.tuner import StepProgress, TuneOptions, Tuner
+from pipette.tuner import OnStep, StepProgress, TrialRunner, TuneOptions, Tuner
 
 GiB = 2**30
 #: what each configuration did on the H100 (label -> status, median step time in s)
@@ -80,16 +80,16 @@ def test_the_fastest_layout_next_to_the_limit_is_kept_and_ranked_first(plan_8b: 
 
 
 def _measured_runner(plan: Plan, measured: dict[str, tuple[str, float | None]],
-                     calls: list[str]) -> Callable[[ParallelConfig, object], Measurement]:
+                     calls: list[str]) -> TrialRunner:
     tokens = plan.training.tokens_per_step
 
-    def run(config: ParallelConfig, on_step: object) -> Measurement:
+    def run(config: ParallelConfig, on_step: OnStep) -> Measurement:
         status, step = measured[config.label]
         calls.append(status)
         if step is None:
             return Measurement("oom", tokens_per_step=tokens, error="rank 0 ran out of device memory")
         for i in range(4):
-            on_step(StepProgress(i, step, False))  # type: ignore[operator]
+            on_step(StepProgress(i, step, False))
         return Measurement("ok", (step,) * 4, tokens)
 
     return run
@@ -171,3 +171,67 @@ def test_the_allocator_figures_of_every_rank_reach_the_measurement() -> None:
     # a CPU rank reports none of them, and none is made up
     cpu = {r: {k: v for k, v in d.items() if k not in ALLOCATOR_FIELDS} for r, d in done.items()}
     assert not set(ALLOCATOR_FIELDS) & set(measurement(spec, Outcome("ok"), [], cpu, [], 1.0).extra)
+
+
+def test_an_oom_rules_out_every_candidate_that_needs_at_least_as_much() -> None:
+    """Monotonicity: after ZeRO-1 at micro-batch 32 ran out of memory, its ZeRO-0 twin, a
+    larger micro-batch and less recomputation of the same layout need at least as much and are
+    out; another layout, a smaller micro-batch, more recomputation or a higher ZeRO stage are
+    not. The Gaussian process alone left the ZeRO-0 twin at a chance above ``P_FIT_MIN`` (replay,
+    Ultra-Scale 1B on 2 nodes: it was tried and ran out of memory too)."""
+    from pipette.feasibility import P_FIT_MIN, needs_at_least
+
+    oom = ParallelConfig(tp=8, pp=1, dp=2, mbs=4, global_batch=64, zero_stage=1, recompute="selective")
+    at_limit = _estimate(1.1 * 80 * GiB)  # an out-of-memory trial the prior half expected
+    model = MemoryModel([MemoryPoint(oom, at_limit, Measurement("oom", error="oom"))], PIPETTE_GPU)
+    bigger = [replace(oom, zero_stage=0), replace(oom, mbs=8), replace(oom, recompute="none"),
+              replace(oom, mbs=8, zero_stage=0, recompute="none")]
+    others = [replace(oom, mbs=2), replace(oom, recompute="full"), replace(oom, zero_stage=2),
+              replace(oom, tp=4, dp=4), replace(oom, mbs=8, recompute="full")]
+    assert all(needs_at_least(c, oom) for c in bigger)
+    assert not any(needs_at_least(c, oom) for c in others)
+    assert model.p_fit(bigger, [at_limit] * len(bigger)) == [0.0] * len(bigger)
+    # the rule is about what was measured, not the estimate: the same bytes predicted for the
+    # others leave them to the Gaussian process (lowered, not ruled out)
+    assert all(p > 0.0 for p in model.p_fit(others, [at_limit] * len(others)))
+    # without the rule the ZeRO-0 twin (the same estimate) stayed worth a trial
+    twin = MemoryModel([], PIPETTE_GPU)
+    assert twin.p_fit([oom], [_estimate(0.97 * 80 * GiB)])[0] > P_FIT_MIN
+
+
+def test_the_search_weighs_a_chance_the_trials_lowered_once_more(plan_8b: Plan) -> None:
+    """A candidate predicted 35% faster than the incumbent at a 29% chance to fit against one
+    10% faster and sure to fit. At its plan chance (no trial lowered it) constrained EI tries
+    the risky one first, as before: the fastest candidates sit at the boundary. When trials
+    lowered its chance from the plan's 58% to 29%, the search is next to a boundary it measured
+    (in the Ultra-Scale replay such proposals ran out of memory in 12 of 12 cases): its EI is
+    weighted by the chance and by the share of the plan's chance left, and the sure one goes
+    first. The chance to beat the incumbent stays a probability."""
+    from pipette.fits import PIPETTE_GPU as prior
+    from pipette.learned import LearnedModel, Observation
+    from pipette.search import score
+
+    p = plan_8b.ranked[0]
+    t0 = p.perf.step_time
+
+    def scaled(time_factor: float, peak_fraction: float) -> Planned:
+        perf = replace(p.perf, step_time=t0 * time_factor,
+                       breakdown={k: v * time_factor for k, v in p.perf.breakdown.items()})
+        memory = replace(p.memory, peak_bytes=int(p.memory.capacity_bytes * peak_fraction))
+        return replace(p, perf=perf, memory=memory, chance_to_fit=prior.chance_to_fit(memory))
+
+    learned = LearnedModel([Observation(p.config, p.perf, p.memory, Measurement("ok", (t0,) * 4, 1))],
+                           fits_prior=prior)
+    risky, sure = scaled(0.65, 1.08), scaled(0.9, 0.5)
+
+    def ranked(*candidates: Planned) -> list[tuple[float, float, float]]:
+        out = score(list(candidates), learned, (math.log(t0), 1), 0.02)
+        return [(round(s.planned.perf.step_time / t0, 2), s.p_fit, s.p_beat) for s in out]
+
+    at_plan = ranked(risky, sure)
+    assert [t for t, _, _ in at_plan] == [0.65, 0.9], at_plan
+    assert 0.2 < at_plan[0][1] < 0.4 and at_plan[1][1] > 0.99
+    lowered = ranked(replace(risky, chance_to_fit=0.58), sure)
+    assert [t for t, _, _ in lowered] == [0.9, 0.65], lowered
+    risky_beat = next(b for t, f, b in lowered if t == 0.65)
+    assert risky_beat == pytest.approx(next(b for t, f, b in at_plan if t == 0.65))  # a probability, unweighted
