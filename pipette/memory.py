@@ -303,7 +303,7 @@ def _fsdp2_state(
       final norm, head): the root is not resharded after forward (FSDP2 keeps it for the backward
       that follows at once), so its unsharded parameters are held throughout;
     - in the backward a layer's unsharded gradients (d bytes) and their fp32 copy for the
-      reduce-scatter (``reduce_dtype``) are alive together: one unit's worth, the largest unit;
+      reduce-scatter (``reduce_dtype``) are alive together: one decoder layer's worth;
     - ``CPUOffloadPolicy`` keeps the sharded parameters, gradients and optimizer states in host
       memory (the optimizer steps on the CPU): they leave the device and count as host bytes;
       the unsharded (gathered) parameters are on the device as before.
@@ -317,8 +317,9 @@ def _fsdp2_state(
     held_layers = 2 if c.zero_stage == 3 else layers
     kept = root_psi * d + (0 if c.zero_stage == 3 else layers * layer_psi * d)
     in_flight = min(held_layers, layers) * layer_psi * d if c.zero_stage == 3 else 0.0
-    root_trainable = root_psi if training.method == "full" else 0.0
-    reduce = max(layer_trainable if layers else 0.0, root_trainable) * (d + FP32_BYTES)
+    # one decoder layer's: the root's (embedding, head) are reduced at the end of the backward,
+    # after the activations that make the peak are freed
+    reduce = (layer_trainable if layers else 0.0) * (d + FP32_BYTES)
     host = 0.0
     if offload:
         host = sharded + gradients + optimizer

@@ -210,10 +210,11 @@ def make_plan(
         prior = fits_prior or st.fits_prior(kind)
         options = memory_options or st.memory_options
         tries = [config]
-        if st.offload and kind == "gpu":
+        if st.offload and kind == "gpu" and config.zero_stage >= 2:
             # CPU offload as the option of last resort: its host transfers are not priced by the
             # step-time model, so it is offered only where the candidate without it is too unlikely
-            # to fit (an offload twin of a fitting candidate would tie it on time and win on memory)
+            # to fit (an offload twin of a fitting candidate would tie it on time and win on memory);
+            # sharded candidates only: under NO_SHARD every replica would keep the whole model on its host
             tries.append(replace(config, offload=True))
         for k, each in enumerate(tries):
             mem = estimate_memory(model, training, each, capacity, device_kind=kind, options=options)
