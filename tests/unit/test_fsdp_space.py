@@ -77,7 +77,8 @@ def test_fsdp_shards_under_a_pipeline_and_hsdp_shards_within_a_node() -> None:
     assert any(c.pp > 1 and c.zero_stage == 3 for c in configs)  # DeepSpeed's pipeline engine refuses it
     hsdp = [c for c in configs if c.dp_shard is not None]
     assert hsdp and {c.zero_stage for c in hsdp} <= {2, 3}
-    assert all(c.dp_shard * c.tp == 8 and c.dp // c.dp_shard >= 2 for c in hsdp)  # a node's 8 shard, nodes replicate
+    shards = [(c.dp_shard or 0, c) for c in hsdp]
+    assert all(d * c.tp == 8 and c.dp // d >= 2 for d, c in shards)  # a node's 8 shard, the nodes replicate
     # one node: nothing to replicate across
     one_node = make_plan(TINY, TUNE_DEFAULT, CPU4, stack="fsdp")
     assert all(p.config.dp_shard is None for p in one_node.ranked)
@@ -166,7 +167,7 @@ def test_several_stacks_are_named_once_each_and_tuned_by_the_runners_only() -> N
 
 
 def _observation(config: ParallelConfig, perf: PerfEstimate, memory: MemoryEstimate, seconds: float) -> Observation:
-    m = Measurement("ok", step_times=[seconds] * 5, tokens_per_step=2048)
+    m = Measurement("ok", step_times=(seconds,) * 5, tokens_per_step=2048)
     return Observation(config, perf, memory, m, job_key="job")
 
 
