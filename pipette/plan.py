@@ -216,14 +216,24 @@ def make_plan(
             # to fit (an offload twin of a fitting candidate would tie it on time and win on memory);
             # sharded candidates only: under NO_SHARD every replica would keep the whole model on its host
             tries.append(replace(config, offload=True))
-        for k, each in enumerate(tries):
+        closest: Dropped | None = None
+        for each in tries:
             mem = estimate_memory(model, training, each, capacity, device_kind=kind, options=options)
+            if mem.host_bytes:
+                host, fits_host = _host_check(mem, cluster)
+                if not fits_host and closest is not None:
+                    # the candidate stays out of memory: its offload twin's host bytes do not fit a node
+                    closest = replace(closest, memory=replace(closest.memory, notes=(*closest.memory.notes, host)))
+                    break
+                mem = replace(mem, notes=(*mem.notes, host))
             chance = prior.chance_to_fit(mem, int(capacity / (1.0 + margin)))
             if chance >= KEEP_THRESHOLD:
                 fitting.append((each, mem, chance))
+                closest = None
                 break
-            if k == len(tries) - 1:
-                oom.append(Dropped(each, mem, chance))
+            closest = Dropped(each, mem, chance)
+        if closest is not None:
+            oom.append(closest)
     prior = fits_prior or chosen.fits_prior(kind)
     dropped[OUT_OF_MEMORY] = len(oom)
     if not fitting:
@@ -258,6 +268,20 @@ def make_plan(
     oom.sort(key=lambda d: -d.chance_to_fit)
     return Plan(model, training, cluster, ranked, dropped, oom, margin, space.total, prior, chosen,
                 chosen_all if several else ())
+
+
+def _host_check(memory: MemoryEstimate, cluster: ClusterProfile) -> tuple[str, bool]:
+    """Whether an offload candidate's host bytes fit every node's host memory (a node holds its
+    devices' ranks), and the note that says so; a host memory the cluster does not give is said."""
+    gib = memory.host_bytes / GiB
+    limits = [(node.host_memory, len(cluster.devices_on(i))) for i, node in enumerate(cluster.nodes)]
+    if any(host is None for host, _ in limits):
+        return f"CPU offload: {gib:.1f} GiB per rank in host memory, not checked (no host_memory in the cluster)", True
+    need = max(ranks for _, ranks in limits) * gib
+    if any(ranks * memory.host_bytes > (host or 0) for host, ranks in limits):
+        have = min(host or 0 for host, _ in limits) / GiB
+        return f"with CPU offload: {need:.0f} GiB of host memory a node, more than the {have:.0f} GiB a node has", False
+    return f"CPU offload: {gib:.1f} GiB per rank in host memory, {need:.0f} GiB a node (fits its host memory)", True
 
 
 def _named(stacks: tuple[Stack, ...], key: str) -> Stack:

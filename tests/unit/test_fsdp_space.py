@@ -201,3 +201,27 @@ def test_the_trial_runs_on_the_candidates_own_stack() -> None:
     assert runner.refusals(fsdp) == [] and runner.refusals(ds) == []
     # ZeRO-1 is DeepSpeed's: the same candidate named for the fsdp stack is refused by its runner
     assert runner.refusals(replace(ds, stack="fsdp"))
+
+
+def _a100_40(host_memory: str | None) -> dict[str, object]:
+    data: dict[str, object] = {"name": "a100-40-x8", "device": {"preset": "A100-40GB"}, "nodes": 1,
+                               "devices_per_node": 8, "intra_node": {"bandwidth": "300 GB/s", "latency": "5 us"}}
+    return data if host_memory is None else {**data, "host_memory": host_memory}
+
+
+def test_offload_keeps_the_ranks_host_bytes_within_the_nodes_host_memory() -> None:
+    from pipette.clusterfile import cluster_from_dict
+
+    model, training = ModelSpec.preset("llama2-13b"), BF16
+    unknown = make_plan(model, training, cluster_from_dict(_a100_40(None)), stack="fsdp")
+    offloaded = [p for p in unknown.ranked if p.config.offload]
+    assert offloaded and all("not checked" in " ".join(p.memory.notes) for p in offloaded)
+    need = max(p.memory.host_bytes for p in offloaded) * 8  # a node holds its 8 ranks
+    roomy = cluster_from_dict(_a100_40(f"{need / GiB + 1:.0f} GiB"))
+    assert roomy.nodes[0].host_memory is not None and roomy.to_dict()["nodes"][0]["host_memory"] > need
+    kept = make_plan(model, training, roomy, stack="fsdp")
+    assert {p.config.label for p in kept.ranked if p.config.offload} == {p.config.label for p in offloaded}
+    small = make_plan(model, training, cluster_from_dict(_a100_40("64 GiB")), stack="fsdp")
+    smallest = min(p.memory.host_bytes for p in offloaded) * 8
+    assert 64 * GiB < smallest and not any(p.config.offload for p in small.ranked)
+    assert any("more than the 64 GiB a node has" in " ".join(d.memory.notes) for d in small.out_of_memory)
