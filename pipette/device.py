@@ -128,10 +128,13 @@ def cpu_device(memory_bytes: int, flops: float = 50e9, memory_bandwidth: float =
     )
 
 
-def _gpu(name: str, mem: float, bf16: float | None, fp16: float, fp32: float, bw: float) -> DeviceSpec:
+def _gpu(name: str, mem: float, bf16: float | None, fp16: float, fp32: float, bw: float,
+         fp8: float | None = None) -> DeviceSpec:
     peaks = {"fp16": fp16 * TFLOPS, "fp32": fp32 * TFLOPS}
     if bf16 is not None:
         peaks["bf16"] = bf16 * TFLOPS
+    if fp8 is not None:
+        peaks["fp8"] = fp8 * TFLOPS
     return DeviceSpec(name, int(mem), peaks, bw * 1e12, "gpu")
 
 
@@ -139,6 +142,8 @@ def _gpu(name: str, mem: float, bf16: float | None, fp16: float, fp32: float, bw
 # fp32 means what PyTorch runs for fp32 matmuls by default (TF32 off): the CUDA-core peak.
 # B200: NVIDIA HGX B200 data sheet, per GPU (the sheet gives 8): 180 GB HBM3e at 8 TB/s,
 # FP16/BF16 tensor 2.25 PFLOPS dense (4.5 with sparsity), FP32 75 TFLOPS.
+# FP8 (dense): H100 SXM / H200 SXM / GH200 3,958 TFLOPS with sparsity = 1,979 dense; HGX B200
+# 72 PFLOPS with sparsity for 8 GPUs = 4.5 PFLOPS dense per GPU. A100, V100, T4 have no FP8.
 # GH200: NVIDIA GH200 Grace Hopper Superchip data sheet: the H100's peaks (BF16 989 TFLOPS
 # dense, FP32 67 TFLOPS) with 96 GB HBM3 at 4 TB/s, or 144 GB HBM3e at 4.9 TB/s.
 DEVICE_PRESETS: dict[str, DeviceSpec] = {
@@ -146,11 +151,11 @@ DEVICE_PRESETS: dict[str, DeviceSpec] = {
     for d in [
         _gpu("A100-40GB", 40 * GiB, 312, 312, 19.5, 1.555),
         _gpu("A100-80GB", 80 * GiB, 312, 312, 19.5, 2.039),
-        _gpu("H100-80GB", 80 * GiB, 989, 989, 67, 3.35),
-        _gpu("H200-141GB", 141 * GB, 989, 989, 67, 4.8),
-        _gpu("B200-180GB", 180 * GB, 2250, 2250, 75, 8.0),
-        _gpu("GH200-96GB", 96 * GB, 989, 989, 67, 4.0),
-        _gpu("GH200-144GB", 144 * GB, 989, 989, 67, 4.9),
+        _gpu("H100-80GB", 80 * GiB, 989, 989, 67, 3.35, fp8=1979),
+        _gpu("H200-141GB", 141 * GB, 989, 989, 67, 4.8, fp8=1979),
+        _gpu("B200-180GB", 180 * GB, 2250, 2250, 75, 8.0, fp8=4500),
+        _gpu("GH200-96GB", 96 * GB, 989, 989, 67, 4.0, fp8=1979),
+        _gpu("GH200-144GB", 144 * GB, 989, 989, 67, 4.9, fp8=1979),
         _gpu("V100-32GB", 32 * GiB, None, 125, 15.7, 0.9),
         _gpu("T4-16GB", 16 * GiB, None, 65, 8.1, 0.32),
         cpu_device(4 * GiB),

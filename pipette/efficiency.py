@@ -63,6 +63,12 @@ H100_MAX_FRACTION = 0.672  # Ultra-Scale H100 set (healthy rows)
 H100_HALF_FLOPS = 5.06e10  # Ultra-Scale H100 set (healthy rows)
 # Hill exponent of the curve, shared by the families (both sets).
 STEEPNESS = 1.20
+# B200 (HGX B200, 148 SMs, 2.25 PFLOP/s dense bf16 from the data sheet: DeviceSpec preset). No
+# GEMM of ours was timed on one: fitted (tests/benchmarks/stack_fit.py, the megatron stack with
+# its vTrain + Ultra-Scale constants) on SimuMax's Megatron-LM llama3-70b-l12 runs on 8x B200
+# (simumax_b200_megatron.csv) and checked on its llama3-405b-l4 and llama3-70b-l8 runs.
+B200_MAX_FRACTION = 0.488  # SimuMax llama3-70b-l12 (Megatron-LM, bf16)
+B200_HALF_FLOPS = 5.50e10  # SimuMax llama3-70b-l12
 # GPUs of no calibrated family: the A100 curve, the best-documented one, is the neutral default.
 DEFAULT_MAX_FRACTION = A100_MAX_FRACTION
 DEFAULT_HALF_FLOPS = A100_HALF_FLOPS
@@ -89,8 +95,8 @@ H100_MEASURED_BF16: tuple[tuple[float, float], ...] = (
 
 
 def family(device: DeviceSpec) -> str:
-    """The calibrated device family: ``a100``, ``h100`` (H100 and H200: same SMs), ``cpu`` or
-    ``other``."""
+    """The calibrated device family: ``a100``, ``h100`` (H100 and H200: same SMs), ``b200``,
+    ``cpu`` or ``other``."""
     if device.kind == "cpu":
         return "cpu"
     if device.kind != "gpu":
@@ -100,6 +106,8 @@ def family(device: DeviceSpec) -> str:
         return "a100"
     if "H100" in name or "H200" in name or "GH200" in name:
         return "h100"
+    if "B200" in name:
+        return "b200"
     return "other"
 
 
@@ -110,6 +118,8 @@ def default_curve(device: DeviceSpec) -> EfficiencyCurve:
         curve = EfficiencyCurve(A100_MAX_FRACTION, A100_HALF_FLOPS, STEEPNESS)
     elif fam == "h100":
         curve = EfficiencyCurve(H100_MAX_FRACTION, H100_HALF_FLOPS, STEEPNESS)
+    elif fam == "b200":
+        curve = EfficiencyCurve(B200_MAX_FRACTION, B200_HALF_FLOPS, STEEPNESS)
     elif fam == "cpu":
         curve = EfficiencyCurve(CPU_MAX_FRACTION, CPU_HALF_FLOPS, CPU_STEEPNESS)
     else:

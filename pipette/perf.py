@@ -90,6 +90,13 @@ SGD_BYTES_PER_PARAM = 30.0
 # Fp32 softmax + cross-entropy over the logits: the loss reads the logits, writes fp32
 # probabilities, and the backward reads them and writes the logit gradient: 4 passes of 4 B.
 LOSS_BYTES_PER_LOGIT = 16.0
+# A fused (Megatron-LM's vocab-parallel cross-entropy, Shoeybi et al. 2019 sec. 3; or a chunked)
+# loss reads the bf16 logits once in the forward and writes their gradient once in the backward,
+# in place: 2 passes of 2 B, the fp32 softmax kept in registers.
+FUSED_LOSS_BYTES_PER_LOGIT = 4.0
+# Bytes touched per element by FP8 dynamic scaling: an amax pass (2 B read) and the scaled cast
+# (2 B read, 1 B written); torchao.float8 and Transformer Engine cast each GEMM operand so.
+FP8_CAST_BYTES = 5.0
 
 
 @dataclass(frozen=True)
@@ -118,6 +125,47 @@ class PerfConstants:
     #: GEMM curves by device family for devices the probe has not measured (the profile's own
     #: measured points come first): (family, curve) pairs
     curves: tuple[tuple[str, EfficiencyCurve], ...] = ()
+    #: Fraction of the device's peak a fused attention kernel reaches (0: the GEMM curve's
+    #: efficiency at the attention matmul's size). FlashAttention-2 reaches 50-73% of an A100's
+    #: peak in the forward and less in the backward (Dao 2023, sec. 4.1, fig. 4-6), far below a
+    #: large GEMM at long sequences; with ``flash_attention`` only.
+    attention_efficiency: float = 0.0
+    #: Fraction of a micro-batch's compute under which FSDP/ZeRO-3 parameter gathers and the
+    #: gradient reduce-scatters run (None: the older ``dp_overlap`` rule). FSDP prefetches the
+    #: next unit's all-gather on a separate stream while the current unit computes (forward and
+    #: backward prefetch; PyTorch FSDP docs, "BackwardPrefetch"; FSDP2's implicit prefetching in
+    #: torchtitan, docs/fsdp.md), and reduce-scatters a unit's gradients while the previous unit's
+    #: backward runs: per phase only what the compute does not cover is exposed.
+    shard_overlap: float | None = None
+    #: Whether full recomputation gathers the sharded parameters a third time. DeepSpeed ZeRO-3
+    #: re-gathers for the recomputed forward; FSDP's backward pre-hook gathers a unit once and the
+    #: checkpointed forward is recomputed inside it (torch.distributed.fsdp, "activation
+    #: checkpointing" with FSDP: the recomputation runs under the unit's unsharded parameters).
+    recompute_regathers: bool = True
+    #: Data-parallel collectives across nodes on one NCCL channel per member with this share of
+    #: the summed NIC bandwidth (``pipette.comm.channel_links``; None: one link's speed). NCCL
+    #: runs one ring per NIC, so a data-parallel group with k members on a node crosses the node
+    #: cut on k NICs at once (NCCL's multi-ring all-gather/reduce-scatter; Jeaugey, "Massively
+    #: scale your deep learning training with NCCL 2.4", NVIDIA 2019).
+    dp_cut_fraction: float | None = None
+    #: Bytes of memory touched per logit by the loss (forward and backward together):
+    #: ``LOSS_BYTES_PER_LOGIT`` for an eager fp32 softmax + cross-entropy; a fused or chunked
+    #: loss touches fewer (see ``FUSED_LOSS_BYTES_PER_LOGIT``).
+    loss_bytes_per_logit: float = LOSS_BYTES_PER_LOGIT
+    #: Selective recomputation as per-op checkpointing (0: Korthikanti's selective mode, which
+    #: re-runs the attention core only): the share of the linear layers' forward recomputed,
+    #: with every elementwise op, while the fused attention's output is saved. torchtitan's op
+    #: mode saves the output of every other matmul (torchtitan, models/llama3/infra/parallelize.py,
+    #: ``_apply_ac``: ``_save_list`` and the matmul counter), so it recomputes half of them.
+    op_sac_linear_share: float = 0.0
+    #: FP8 linear layers (the stack's ``fp8`` option: Transformer Engine, torchao Float8): the
+    #: forward and both backward GEMMs of every linear layer at the device's ``fp8`` peak, the
+    #: attention, the LM head and LoRA adapters in the training dtype (both libraries keep them
+    #: there). A device without an ``fp8`` peak runs them in the training dtype.
+    fp8_gemms: bool = False
+    #: Achieved FP8 GEMM throughput relative to the bf16 curve at the same kernel duration
+    #: (fitted: tests/benchmarks/stack_fit.py).
+    fp8_efficiency: float = 1.0
 
 
 #: The constants above: Megatron-LM (vTrain) and nanotron (Ultra-Scale) runs, fused kernels.
@@ -169,6 +217,9 @@ class PerfModel:
         self.k = constants or DEFAULT_CONSTANTS
         self.device = _slowest_device(cluster, training.dtype)
         self.peak = self.device.peak(training.dtype)
+        #: the linear layers' peak: FP8 where the stack runs them so and the device has it
+        self.fp8 = self.k.fp8_gemms and "fp8" in self.device.peak_flops
+        self.linear_peak = self.device.peak_flops["fp8"] if self.fp8 else self.peak
         self.curve = _curve(self.k, self.device)
         self.layers = np.asarray(config.layers_per_stage(model.layers), dtype=np.float64)
         self.m = config.grad_accum
@@ -193,6 +244,23 @@ class PerfModel:
         eff = float(self.curve(flops_per_gemm))
         return count * flops_per_gemm / (self.peak * eff)
 
+    def _linear_time(self, flops_per_gemm: float, tokens: float, fan_in: int, fan_out: int) -> float:
+        """One linear layer's forward GEMM, in the training dtype or in FP8 (``fp8_gemms``). An FP8
+        GEMM runs at the FP8 peak times the bf16 curve at the same duration (the curve's size
+        scaled by bf16 / fp8 peak: a kernel fills the SMs in the same time), times
+        ``fp8_efficiency``; plus the dynamic-scaling casts of its input, weight and (in the
+        backward, counted here at 2x with the GEMMs) output gradient: an amax read (2 B) and a
+        scaled cast (2 B read, 1 B written) per element (torchao float8 / Transformer Engine
+        delayed or dynamic scaling), at the memory bandwidth."""
+        if not self.fp8:
+            return self._gemm_time(flops_per_gemm, 1)
+        if flops_per_gemm <= 0:
+            return 0.0
+        eff = float(self.curve(flops_per_gemm * self.peak / self.linear_peak)) * self.k.fp8_efficiency
+        gemm = flops_per_gemm / (self.linear_peak * eff)
+        cast_elements = tokens * fan_in + fan_in * fan_out / self.config.tp
+        return gemm + FP8_CAST_BYTES * cast_elements / self.device.memory_bandwidth
+
     def _compute_times(self) -> _Compute:
         model, cfg, tr = self.model, self.config, self.training
         t, tp, s = float(self.tokens), cfg.tp, tr.seq_len
@@ -202,7 +270,7 @@ class PerfModel:
         # gradients), 1x for a frozen LoRA base, which needs no weight gradient.
         lin_f = lin_b = 0.0
         for name, (i, o) in model.linear_shapes().items():
-            g = self._gemm_time(2.0 * t * i * o / tp, 1)
+            g = self._linear_time(2.0 * t * i * o / tp, t, i, o)
             lin_f += g
             lin_b += g if lora is not None else 2.0 * g
             if lora is not None and name in targets:
@@ -213,7 +281,10 @@ class PerfModel:
         # Attention core QK^T and softmax x V: 2 x 2 T s h / tp FLOPs, causal half skipped
         # by fused kernels (FlashAttention; Dao et al. 2022).
         attn_gemm = 2.0 * t * s * model.hidden / tp * 0.5
-        attn_f = self._gemm_time(attn_gemm, 2)
+        if self.k.flash_attention and self.k.attention_efficiency > 0:
+            attn_f = 2.0 * attn_gemm / (self.peak * self.k.attention_efficiency)
+        else:
+            attn_f = self._gemm_time(attn_gemm, 2)
         # FlashAttention-2's backward recomputes the scores: 5 matmuls against the forward's 2
         # (Dao 2023, sec. 3.1); an unfused backward runs 4 (the gradients of both inputs).
         attn_b = (2.5 if self.k.flash_attention else 2.0) * attn_f
@@ -232,6 +303,11 @@ class PerfModel:
         # in the backward; selective re-runs only the attention core.
         if cfg.recompute == "full":
             layer_b += layer_f
+        elif cfg.recompute == "selective" and self.k.op_sac_linear_share > 0:
+            # Per-op selective checkpointing (torchtitan's "op" mode): the attention kernel's
+            # output and a share of the matmuls' outputs are saved, everything else (the other
+            # matmuls, norms, activations) is recomputed in the backward.
+            layer_b += self.k.op_sac_linear_share * lin_f + elementwise + over
         elif cfg.recompute == "selective":
             layer_b += attn_f
         forward = self.layers * layer_f
@@ -239,7 +315,7 @@ class PerfModel:
         # LM head on the last stage: the logits GEMM 2 T h V / tp (2x backward) and the
         # memory-bound fp32 loss over the T V / tp logits.
         head = self._gemm_time(2.0 * t * model.hidden * model.vocab / tp, 1)
-        loss = t * model.vocab / tp * LOSS_BYTES_PER_LOGIT / self.device.memory_bandwidth
+        loss = t * model.vocab / tp * self.k.loss_bytes_per_logit / self.device.memory_bandwidth
         forward[-1] += head + loss / 2.0
         backward[-1] += (head if lora is not None else 2.0 * head) + loss / 2.0
         return _Compute(forward=forward, backward=backward)
@@ -306,7 +382,10 @@ class PerfModel:
 
         # Data parallelism: ring all-reduce of the gradients (ZeRO-1 reduce-scatter +
         # all-gather moves the same bytes; Rajbhandari et al. 2020, sec. 7).
-        bw_d, lat_d = comm.ring_links(self.cluster, comm.dp_groups(grid))
+        if k.dp_cut_fraction is None:
+            bw_d, lat_d = comm.ring_links(self.cluster, comm.dp_groups(grid))
+        else:
+            bw_d, lat_d = comm.channel_links(self.cluster, comm.dp_groups(grid), k.dp_cut_fraction)
         bw_d = (bw_d * frac).reshape(p, tp)
         lat_d = lat_d.reshape(p, tp)
         gb = self.grad_bytes[:, None]
@@ -322,6 +401,8 @@ class PerfModel:
             t_dp_mb = np.maximum(rs - k.dp_overlap * back, 0.0)
             ag = comm.allgather_time(gb, dp, bw_d, lat_d).max(axis=1)
             t_dp = ag if cfg.zero_stage == 2 else np.zeros(p)
+            gather = np.zeros(p)
+            n_g = 0.0
             if cfg.zero_stage == 3:
                 # Parameter gathers before each forward and backward (and the recomputed
                 # forward), prefetched under compute (Rajbhandari et al. 2020, sec. 5.3), of
@@ -329,9 +410,13 @@ class PerfModel:
                 # gathered at every use, though only the adapters' gradients are reduced.
                 wb = self.weight_bytes[:, None]
                 gather = comm.allgather_time(wb, dp, bw_d, lat_d).max(axis=1)
-                n_g = 2.0 + (1.0 if cfg.recompute == "full" else 0.0)
+                regather = cfg.recompute == "full" and k.recompute_regathers
+                n_g = 2.0 + (1.0 if regather else 0.0)
                 comp = self.compute.forward + back
                 t_z3 = np.maximum(n_g * gather - k.dp_overlap * comp, 0.0)[:, None] * np.ones(dp)
+            if k.shard_overlap is not None:
+                t_z3_p, t_dp_mb = _shard_exposed(gather, n_g, rs, self.compute.forward, back, k.shard_overlap)
+                t_z3 = t_z3_p[:, None] * np.ones(dp)
         t_dp_exposed = np.maximum(t_dp - k.dp_overlap * back, 0.0)
 
         # Critical path: per pipeline replica, then the slowest replica.
@@ -420,6 +505,22 @@ def _pipeline(stage: FloatArray, m: int, v: int) -> FloatArray:
     return np.asarray(m * top + (stage.sum(axis=0) - top) / v, dtype=np.float64)
 
 
+def _shard_exposed(gather: FloatArray, n_gathers: float, reduce_scatter: FloatArray, forward: FloatArray,
+                   backward: FloatArray, overlap: float) -> tuple[FloatArray, FloatArray]:
+    """Exposed (gather, reduce-scatter) time per micro-batch and stage when FSDP/ZeRO-3 runs them
+    on a communication stream beside the compute (``PerfConstants.shard_overlap``): the forward
+    hides its one gather under ``overlap`` of the forward compute; the backward its other gathers
+    and the reduce-scatter under ``overlap`` of the backward compute (two streams: the phase takes
+    the longer of the two, so ``max(comm - overlap * compute, 0)`` is exposed). The backward's
+    exposed part is split over gathers and reduce-scatter by their shares."""
+    fwd = np.maximum(gather * min(n_gathers, 1.0) - overlap * forward, 0.0)
+    bwd_gather = gather * max(n_gathers - 1.0, 0.0)
+    bwd_comm = bwd_gather + reduce_scatter
+    bwd = np.maximum(bwd_comm - overlap * backward, 0.0)
+    share = np.divide(bwd_gather, bwd_comm, out=np.zeros_like(bwd_comm), where=bwd_comm > 0)
+    return fwd + bwd * share, bwd * (1.0 - share)
+
+
 def _curve(k: PerfConstants, device: DeviceSpec) -> EfficiencyCurve:
     """The GEMM efficiency curve: the constants' own, else the device's measured points (the
     probe), else the constants' curve for the device's family, else the family default."""
@@ -461,5 +562,6 @@ def _stage_params(model: ModelSpec, training: TrainingSpec, config: ParallelConf
 
 
 __all__ = [
-    "DEFAULT_CONSTANTS", "HF_DEEPSPEED_CONSTANTS", "MEGATRON_CONSTANTS", "PerfConstants", "PerfModel", "estimate_perf",
+    "DEFAULT_CONSTANTS", "FUSED_LOSS_BYTES_PER_LOGIT", "HF_DEEPSPEED_CONSTANTS",
+    "MEGATRON_CONSTANTS", "PerfConstants", "PerfModel", "estimate_perf",
 ]

@@ -119,7 +119,8 @@ def confidence_lines(result: TuneResult) -> list[str]:
 
 def interference_words(interference: dict[str, Any]) -> str:
     """The machine's other work during the trials, beside the noise it causes: the cores that
-    processes other than this job's ranks kept busy (``pipette.cli.interference``)."""
+    processes other than this job's ranks kept busy, and other processes on the GPUs
+    (``pipette.cli.interference``)."""
     others = interference.get("others_cores") or []
     cores = interference.get("cores")
     if not others or not cores:
@@ -128,6 +129,12 @@ def interference_words(interference: dict[str, Any]) -> str:
     text = f"; other processes kept {low:.1f}-{high:.1f} of the {cores} cores busy during the trials"
     if high >= 0.25 * cores:
         text += ": a busy machine, its load moves the step times"
+    on_gpus = interference.get("gpu_others") or []
+    if on_gpus and max(on_gpus) > 0:
+        most = max(on_gpus)
+        held = max(interference.get("gpu_others_bytes") or [0]) / 2**30
+        text += (f"; {most} other process{'es' if most > 1 else ''} on the GPUs (up to {held:.1f} GiB) during "
+                 f"{sum(1 for n in on_gpus if n)} of {len(on_gpus)} trials: they share the devices' compute and memory")
     return text
 
 

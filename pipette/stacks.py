@@ -41,8 +41,11 @@ OPTIONS: dict[str, str] = {
     "compile": "torch.compile of the model (fused elementwise kernels)",
     "fp8": "FP8 GEMMs (Transformer Engine or torchao Float8) on a device with FP8 tensor cores",
 }
-#: Said wherever an option is shown: what the models do with it today.
+#: Said wherever an option the models do not price is shown.
 OPTION_NOT_MODELLED = "not modelled yet: predicted as the stack without it"
+#: Options the performance model prices (``PerfConstants.fp8_gemms``); the others are shown and
+#: kept with the trials only.
+MODELLED_OPTIONS = ("fp8",)
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,17 @@ class Stack:
         """The name with its chosen options: ``fsdp+compile``."""
         return "+".join((self.name, *self.options))
 
+    @property
+    def unmodelled_options(self) -> tuple[str, ...]:
+        """The chosen options the models predict as the stack without them."""
+        return tuple(o for o in self.options if o not in MODELLED_OPTIONS)
+
+    @property
+    def options_note(self) -> str | None:
+        """What the models do with the chosen options, or None when every one is priced."""
+        missing = self.unmodelled_options
+        return f"{', '.join(missing)}: {OPTION_NOT_MODELLED}" if missing else None
+
     def fits_prior(self, device_kind: str) -> FitsPrior:
         return CPU if device_kind == "cpu" else self.gpu_fits_prior
 
@@ -125,7 +139,7 @@ class Stack:
     def to_dict(self) -> dict[str, Any]:
         return {
             "name": self.key, "frameworks": self.frameworks, "options": list(self.options),
-            "options_note": OPTION_NOT_MODELLED if self.options else None,
+            "options_note": self.options_note,
             "runs": {"tp": self.tensor_parallel, "pp": self.pipeline_parallel, "zero_stages": list(self.zero_stages),
                      "schedules": list(self.schedules), "recompute": list(self.recompute)},
             "launch_files": list(self.launch_files), "runner_runs": self.runner_runs,
@@ -170,14 +184,41 @@ MEGATRON = Stack(
     tensor_parallel=True, pipeline_parallel=True, zero_stages=(0, 1), schedules=("1f1b", "interleaved"),
     recompute=("none", "selective", "full"), launch_files=CANDIDATE_FILES, available_options=("fp8",),
 )
+#: PyTorch FSDP's own terms (``pipette.perf.PerfConstants``): fused attention (SDPA /
+#: flash-attn 2) at its own efficiency, gathers and reduce-scatters prefetched under compute,
+#: one gather per unit and pass under activation checkpointing (no re-gather for the
+#: recomputation), cross-node rings on every NIC of a node. The H100 GEMM curve and the link
+#: share are the Megatron stack's (Ultra-Scale). Fitted (least squares on log(predicted /
+#: measured), soft-L1) by tests/benchmarks/stack_fit.py on llm-foundry's bf16 FULL_SHARD runs of
+#: MPT 760M, 3B, 13B and 70B (38 rows of llmfoundry_h100_fsdp.csv); checked on its 1B, 7B and
+#: 30B runs and on torchtitan's FSDP2 runs (docs/stacks.md).
+FSDP_CONSTANTS = replace(
+    MEGATRON_CONSTANTS, flash_attention=True, recompute_regathers=False,
+    #: memory passes over T x h per layer forward: LayerNorm with biases, GeLU over 4h, residuals
+    elementwise_passes=27.2,
+    #: fixed time per layer per forward-equivalent pass (FSDP's per-unit hooks, small kernels)
+    layer_overhead_s=1.42e-3,
+    #: fraction of the bf16 peak the flash-attn 2 kernels reach on an H100
+    attention_efficiency=0.181,
+    #: share of a phase's compute that hides its gathers and reduce-scatters (prefetch)
+    shard_overlap=0.809,
+    #: share of a node's summed NIC bandwidth its data-parallel rings reach (fit at the bound: 1.0)
+    dp_cut_fraction=1.0,
+    #: selective recomputation is torchtitan's per-op checkpointing: half of the matmuls (counted)
+    op_sac_linear_share=0.5,
+    #: ``fsdp+fp8``: FP8 GEMM throughput relative to the bf16 curve, fitted on llm-foundry's 7 fp8
+    #: runs (Transformer Engine). Above 1 because TE fuses the casts into the norm and the GEMM
+    #: (LayerNormLinear), which the counted cast passes (perf.FP8_CAST_BYTES) charge in full.
+    fp8_efficiency=1.365,
+)
 #: PyTorch FSDP/FSDP2 (torchtitan, Accelerate FSDP, llm-foundry): ZeRO-3-like FULL_SHARD with
-#: fp32 sharded master and fp32 gradient reduction; torchtitan adds TP and PP schedules. Until
-#: FSDP's own terms are fitted (prefetch overlap), it is priced with the Megatron constants
-#: and its flash attention (SDPA), the memory with fp32 gradients (docs/stacks.md).
+#: fp32 sharded master and fp32 gradient reduction; torchtitan adds TP and PP schedules. Priced
+#: with ``FSDP_CONSTANTS``, the memory with FSDP2's terms (``FSDP_OPTIONS``; docs/fsdp.md).
 FSDP = Stack(
     name="fsdp", frameworks="PyTorch FSDP/FSDP2: torchtitan, Accelerate FSDP, llm-foundry",
-    description="FULL_SHARD/SHARD_GRAD_OP/NO_SHARD; Megatron constants with fused attention, fp32 gradients",
-    constants=replace(MEGATRON_CONSTANTS, flash_attention=True),
+    description="FULL_SHARD/SHARD_GRAD_OP/NO_SHARD, HSDP, CPU offload; its own constants (prefetch overlap, flash "
+                "attention), FSDP2's memory (sharded fp32 states, per-layer gathers)",
+    constants=FSDP_CONSTANTS,
     memory_options=FSDP_OPTIONS, gpu_fits_prior=FSDP_GPU,
     tensor_parallel=True, pipeline_parallel=True, zero_stages=(0, 2, 3), schedules=("1f1b", "interleaved"),
     recompute=("none", "selective", "full"), launch_files=CANDIDATE_FILES, available_options=("compile", "fp8"),
@@ -203,7 +244,9 @@ def get_stack(stack: str | Stack | None, *, field: str = "stack") -> Stack:
             offered = ", ".join(f"{name}+{o}" for o in found.available_options) or "none"
             raise SpecError(f"{name} has no option {option!r}", field=field,
                             fix=f"use {name} alone or one of its options ({offered})")
-    return replace(found, options=tuple(sorted(set(options))))
+    chosen = tuple(sorted(set(options)))
+    constants = replace(found.constants, fp8_gemms=True) if "fp8" in chosen else found.constants
+    return replace(found, options=chosen, constants=constants)
 
 
 #: Between the stacks of a plan that ranks several side by side: ``pipette,fsdp``.
@@ -278,8 +321,10 @@ def check_runner_runs(stack: Stack, *, field: str = "stack") -> None:
 __all__ = [
     "DEFAULT_STACK",
     "FSDP",
+    "FSDP_CONSTANTS",
     "HF_DEEPSPEED",
     "MEGATRON",
+    "MODELLED_OPTIONS",
     "OPTIONS",
     "PIPETTE",
     "STACKS",

@@ -14,7 +14,8 @@ ORDER = ("start", "imports", "rendezvous", "ops", "build", "engine", "warmup", "
 WORDS = {
     "start": "start-up", "imports": "imports (torch, DeepSpeed, transformers)", "rendezvous": "rendezvous",
     "ops": "op build (DeepSpeed's CPU op)", "build": "model build",
-    "engine": "engine set-up (deepspeed.initialize)", "warmup": "warm-up steps", "steps": "timed steps",
+    "engine": "engine set-up (deepspeed.initialize; FSDP: optimizer and pipeline schedule)",
+    "warmup": "warm-up steps", "steps": "timed steps",
     "end": "end",
 }
 

@@ -127,7 +127,6 @@ def _variant(plan: Any, cfg: Any) -> str:
 def _print_plan(plan: Any, top: int, elapsed: float) -> None:
     from pipette.estimates import MEMORY_PARTS, TIME_PARTS
     from pipette.plan import DROP_REASONS
-    from pipette.stacks import OPTION_NOT_MODELLED
 
     c = plan.cluster
     print(
@@ -137,8 +136,7 @@ def _print_plan(plan: Any, top: int, elapsed: float) -> None:
     )
     print(f"cluster {c.name}: {len(c.nodes)} nodes, {c.world} x {c.device_spec.name}")
     for st in plan.all_stacks:
-        print(f"stack {st.key}: {st.frameworks}"
-              + (f" ({', '.join(st.options)}: {OPTION_NOT_MODELLED})" if st.options else ""))
+        print(f"stack {st.key}: {st.frameworks}" + (f" ({st.options_note})" if st.options_note else ""))
     dropped = sum(plan.dropped.values())
     sure = sum(p.sure_to_fit for p in plan.ranked)
     kept_free = f", {plan.margin:.0%} of memory kept free" if plan.margin else ""

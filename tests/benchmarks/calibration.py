@@ -195,7 +195,8 @@ STACK_SETS = {
 # nodes 400 Gbit/s per GPU = 50 GB/s (what the llm-foundry rows assume; torchtitan's cluster alike).
 B200_NVLINK = 900e9
 #: torchtitan's H100s: 96 GB HBM2e at 2.4 TB/s, 500 W (the rows' assumptions); peak kept at 989 TF.
-H100_96GB = DeviceSpec("H100-96GB-HBM2e", 96 * GB, {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}, 2.4e12)
+H100_96GB = DeviceSpec("H100-96GB-HBM2e", 96 * GB, {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12, "fp8": 1979e12},
+                       2.4e12)
 
 
 @dataclass

@@ -199,7 +199,11 @@ def test_a_signal_ends_a_command_with_the_shells_code_and_a_word(tmp_path: Path,
     # `login --with-token` waits on stdin: a command blocked where the user might stop it
     proc = subprocess.Popen([sys.executable, "-m", "pipette.cli", "login", "--with-token"], stdin=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
-    time.sleep(3)  # the interpreter and the CLI's imports
+    # wait until it blocks reading stdin (a fixed sleep raced the imports on a loaded machine)
+    wchan, deadline = Path(f"/proc/{proc.pid}/wchan"), time.monotonic() + 60
+    while "pipe_read" not in wchan.read_text() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert "pipe_read" in wchan.read_text(), "the command never read its stdin"
     proc.send_signal(signum)
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == code and said in err and "Traceback" not in err, (proc.returncode, err)

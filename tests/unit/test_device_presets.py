@@ -9,7 +9,7 @@ from pipette.efficiency import family
 
 
 @pytest.mark.parametrize(("name", "memory", "bf16", "bandwidth", "fam"), [
-    ("B200-180GB", 180 * GB, 2250e12, 8.0e12, "other"),
+    ("B200-180GB", 180 * GB, 2250e12, 8.0e12, "b200"),
     ("GH200-96GB", 96 * GB, 989e12, 4.0e12, "h100"),
     ("GH200-144GB", 144 * GB, 989e12, 4.9e12, "h100"),
     ("H200-141GB", 141 * GB, 989e12, 4.8e12, "h100"),

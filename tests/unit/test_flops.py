@@ -3,8 +3,6 @@ of a LoRA run priced on the frozen base it shards."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from pipette import flops
@@ -55,7 +53,6 @@ def test_lora_plans_report_a_physical_mfu_for_every_preset(device: str) -> None:
     """bf16 dense training of these models reaches at most ~65% of the tensor-core peak;
     counting a LoRA step's FLOPs as full training's (6N) reported 81.5% for llama2-7b."""
     cluster = homogeneous_cluster(device, 2, 8, 300e9, 25e9)
-    start = time.monotonic()
     checked = 0
     for name, model in MODEL_PRESETS.items():
         if name.startswith(("tiny", "vtrain")) or model.total_params() > 200e9:
@@ -67,7 +64,7 @@ def test_lora_plans_report_a_physical_mfu_for_every_preset(device: str) -> None:
         assert plan.best is not None and 0 < plan.best.perf.mfu <= 0.65, (name, plan.best.perf.mfu)
         assert plan.best.perf.hfu >= plan.best.perf.mfu
         checked += 1
-    assert checked >= 10 and time.monotonic() - start < 60
+    assert checked >= 10  # planning time is tests/benchmarks/planning_speed.py's
 
 
 def test_zero3_gathers_the_frozen_base_of_a_lora_run() -> None:

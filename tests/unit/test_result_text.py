@@ -169,3 +169,55 @@ def test_nothing_left_to_try_says_how_many_were_tried(cpu_plan: Plan) -> None:
     assert result.stop_reason.startswith(f"no untried candidate is left worth a trial: {tried} of "
                                          f"{len(cpu_plan.ranked)} tried"), result.stop_reason
     assert "every candidate predicted to fit was tried" not in result.stop_reason
+
+
+def test_other_processes_on_the_gpus_are_named_beside_the_noise(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 32, item 9: the GPU's interference. NVML cannot run here (no GPU): a stand-in
+    module answers NVML's calls, listing one real process of the job (tagged) and one other,
+    and one pid from another pid namespace; only the other is interference."""
+    import os
+    import subprocess
+    import sys
+    import types
+    from collections import namedtuple
+
+    from pipette.cli.interference import Interference, foreign_gpu_processes
+    from pipette.result_text import interference_words
+
+    assert foreign_gpu_processes("t") is None  # this machine: NVML not found, nothing said
+    sleep = [sys.executable, "-c", "import time; time.sleep(30)"]
+    other = subprocess.Popen(sleep)
+    rank = subprocess.Popen(sleep, env={**os.environ, "PIPETTE_RANK_TAG": "gpu-tag"})
+    Proc = namedtuple("Proc", "pid usedGpuMemory")
+    fake = types.ModuleType("pynvml")
+
+    class NVMLError(Exception):
+        pass
+
+    listed = {0: [Proc(rank.pid, 30 * 2**30)], 1: [Proc(other.pid, 6 * 2**30), Proc(2**22 + 7, 2**30)]}
+    fake.NVMLError = NVMLError  # type: ignore[attr-defined]
+    fake.nvmlInit = lambda: None  # type: ignore[attr-defined]
+    fake.nvmlShutdown = lambda: None  # type: ignore[attr-defined]
+    fake.nvmlDeviceGetCount = lambda: 2  # type: ignore[attr-defined]
+    fake.nvmlDeviceGetHandleByIndex = lambda i: i  # type: ignore[attr-defined]
+    fake.nvmlDeviceGetComputeRunningProcesses = lambda h: listed[h]  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    try:
+        assert foreign_gpu_processes("gpu-tag") == [(1, other.pid, 6 * 2**30)]
+        seen = Interference("gpu-tag")
+        for _ in range(3):
+            seen.start()
+            seen.end()
+        listed[1] = []  # the other process left: a fourth trial without it
+        seen.start()
+        seen.end()
+        summary = seen.summary()
+        assert summary["gpu_others"] == [1, 1, 1, 0] and summary["gpu_others_bytes"][0] == 6 * 2**30
+        words = interference_words(summary)
+        assert "1 other process on the GPUs (up to 6.0 GiB) during 3 of 4 trials" in words, words
+    finally:
+        for p in (other, rank):
+            p.kill()
+            p.wait()
+    quiet = {"cores": 2, "others_cores": [0.1], "gpu_others": [0, 0]}
+    assert "GPUs" not in interference_words(quiet)

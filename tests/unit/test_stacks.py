@@ -166,7 +166,8 @@ def test_launch_files_per_stack_name_it(tmp_path: Path) -> None:
     mg = write_launch_files(tmp_path / "mg", MODEL, TRAINING, cfg, A100S, stack="megatron+fp8")
     assert set(mg) == {"hostfile", "rank_map.json", "candidate.json"}  # no DeepSpeed config for Megatron
     stack = json.loads(mg["candidate.json"].read_text())["stack"]
-    assert stack["name"] == "megatron+fp8" and "not modelled" in stack["options_note"]
+    assert stack["name"] == "megatron+fp8" and stack["options_note"] is None  # fp8 is priced
+    assert "compile: not modelled" in (get_stack("fsdp+compile+fp8").options_note or "")
 
 
 # ---- the command line -------------------------------------------------------------------

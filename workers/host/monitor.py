@@ -151,7 +151,7 @@ class Monitor:
             for line in lines:
                 event = json.loads(line)
                 if event.get("event") == "phase":
-                    self.phases.enter(rank, str(event["phase"]))
+                    self.phases.enter(rank, str(event["phase"]), self.elapsed())
                     continue
                 step = self.kind.take(rank, event)
                 if step is not None and relay:
@@ -217,8 +217,11 @@ class RankPhases:
         self.world, self.on_phase = world, on_phase
         self.told: tuple[str, float] | None = None
 
-    def enter(self, rank: int, phase: str) -> None:
+    def enter(self, rank: int, phase: str, elapsed: float) -> None:
+        """Keep ``rank``'s phase; tell each phase the slowest rank enters, even one it leaves
+        before the next poll (a short trial's ranks pass through several within one)."""
         self.of[rank] = phase
+        self.tick(elapsed)
 
     def behind(self) -> str | None:
         """The phase of the rank furthest behind (a rank not heard from yet: ``start``)."""

@@ -124,13 +124,13 @@ class RayTrialRunner:
         m = run_trial(spec, self.cluster, timeout_s=self.timeout_s, on_step=relay, env=self.env,
                       ship_workdir=self.ship_workdir, should_stop=self.should_stop,
                       on_phase=self.on_phase)
-        if m.status in ("failed", "timeout") and m.extra.get("phase") == "ops" and self.device_kind == "cpu":
+        if m.status in ("failed", "timeout") and m.details.stopped_in == "ops" and self.device_kind == "cpu":
             # Caught building the op after all (the environment changed under the job): the
             # environment's failure, not the candidate's. Build it outside the trial, run again.
             self.prepare(force=True)
             m = run_trial(spec, self.cluster, timeout_s=self.timeout_s, on_step=relay, env=self.env,
                           ship_workdir=self.ship_workdir, should_stop=self.should_stop, on_phase=self.on_phase)
-            if m.status in ("failed", "timeout") and m.extra.get("phase") == "ops":
+            if m.status in ("failed", "timeout") and m.details.stopped_in == "ops":
                 from workers.ops import WHAT, OpsBuildError
 
                 raise OpsBuildError(f"the trial's ranks were stuck in {WHAT} twice, once after building it: "
