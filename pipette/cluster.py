@@ -23,6 +23,9 @@ Matrix = npt.NDArray[np.float64]
 class Node:
     name: str
     address: str = ""
+    #: the node's host memory in bytes, where FSDP2's CPU offload keeps the ranks' sharded states
+    #: (``MemoryEstimate.host_bytes``); None: not known (a cluster file's ``host_memory``)
+    host_memory: int | None = None
 
 
 @dataclass(frozen=True)
@@ -132,7 +135,8 @@ class ClusterProfile:
             "name": self.name,
             "measured_at": self.measured_at,
             "method": self.method,
-            "nodes": [{"name": n.name, "address": n.address} for n in self.nodes],
+            "nodes": [{"name": n.name, "address": n.address,
+                       **({"host_memory": n.host_memory} if n.host_memory is not None else {})} for n in self.nodes],
             "devices": [
                 {
                     "node": d.node,

@@ -41,7 +41,7 @@ _QUANTITY = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([^\s0-9].*
 
 _TOP_KEYS = {
     "name", "device", "nodes", "devices_per_node", "intra_node", "inter_node",
-    "slow_links", "links", "devices", "measured_at", "method",
+    "slow_links", "links", "devices", "measured_at", "method", "host_memory",
 }
 
 
@@ -145,7 +145,7 @@ def _nodes(data: dict[str, Any]) -> tuple[tuple[Node, ...], list[int]]:
                 f"is {per!r}", field="cluster.devices_per_node",
                 fix="give a positive number of devices per node",
             )
-        return tuple(Node(f"node{i}") for i in range(raw)), [per] * raw
+        return tuple(Node(f"node{i}", host_memory=_host_memory(data, None, "cluster")) for i in range(raw)), [per] * raw
     if not isinstance(raw, list) or not raw:
         raise ClusterFileError("must be a count or a non-empty list", field="cluster.nodes", fix="e.g. nodes: 2")
     nodes, counts = [], []
@@ -160,9 +160,19 @@ def _nodes(data: dict[str, Any]) -> tuple[tuple[Node, ...], list[int]]:
                 f"node {i} has devices={count!r}", field=f"cluster.nodes[{i}].devices",
                 fix="give a positive device count per node, or devices_per_node",
             )
-        nodes.append(Node(str(item.get("name", f"node{i}")), str(item.get("address", ""))))
+        nodes.append(Node(str(item.get("name", f"node{i}")), str(item.get("address", "")),
+                          _host_memory(data, item, f"cluster.nodes[{i}]")))
         counts.append(count)
     return tuple(nodes), counts
+
+
+def _host_memory(data: dict[str, Any], node: dict[str, Any] | None, where: str) -> int | None:
+    """A node's host memory: its own ``host_memory``, else the file's (every node's), else None."""
+    if node is not None and "host_memory" in node:
+        return size(node["host_memory"], f"{where}.host_memory")
+    if "host_memory" in data:
+        return size(data["host_memory"], "cluster.host_memory")
+    return None
 
 
 def _device_spec(raw: Any) -> DeviceSpec:
@@ -329,7 +339,8 @@ def _from_full(data: dict[str, Any], name: str) -> ClusterProfile:
     for i, x in enumerate(raw_nodes):
         if not isinstance(x, dict):
             raise ClusterFileError("is not a mapping", field=f"cluster.nodes[{i}]", fix="give {name, address}")
-    nodes = tuple(Node(str(x.get("name", f"node{i}")), str(x.get("address", ""))) for i, x in enumerate(raw_nodes))
+    nodes = tuple(Node(str(x.get("name", f"node{i}")), str(x.get("address", "")),
+                       _host_memory(data, x, f"cluster.nodes[{i}]")) for i, x in enumerate(raw_nodes))
     devices = []
     for i, d in enumerate(data["devices"]):
         where = f"cluster.devices[{i}]"

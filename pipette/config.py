@@ -42,6 +42,9 @@ class ParallelConfig:
     dp_shard: int | None = None
     #: FSDP2's CPU offload of parameters, gradients and optimizer states
     offload: bool = False
+    #: the stack that runs this candidate when one plan ranks candidates of several stacks
+    #: (``pipette.plan.make_plan`` with ``pipette,fsdp``); None: the plan's one stack
+    stack: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp", "mbs", "global_batch", "virtual_stages"):
@@ -84,6 +87,9 @@ class ParallelConfig:
             object.__setattr__(self, "dp_shard", None)  # one spelling of "shard over all of dp"
         if not isinstance(self.offload, bool):
             raise SpecError(f"is {self.offload!r}", field="config.offload", fix="use true or false")
+        if self.stack is not None and (not isinstance(self.stack, str) or not self.stack.strip()):
+            raise SpecError(f"is {self.stack!r}", field="config.stack",
+                            fix="name the stack that runs the candidate (pipette, fsdp), or leave it out")
         if self.placement is not None:
             p = tuple(int(x) for x in self.placement)
             if len(p) != self.world or len(set(p)) != len(p) or min(p) < 0:
@@ -145,6 +151,7 @@ class ParallelConfig:
         return (
             f"tp{self.tp}-pp{self.pp}-dp{self.dp}-mbs{self.mbs}-z{self.zero_stage}"
             f"-rc:{self.recompute}-{sched}{fsdp}{'-offload' if self.offload else ''}"
+            f"{'' if self.stack is None else '-' + self.stack}"
         )
 
     def with_placement(self, placement: tuple[int, ...] | list[int] | None) -> ParallelConfig:
@@ -160,6 +167,7 @@ class ParallelConfig:
             # the fsdp stack's options, written only when set: a DeepSpeed candidate's dict is unchanged
             **({"dp_shard": self.dp_shard} if self.dp_shard is not None else {}),
             **({"offload": True} if self.offload else {}),
+            **({"stack": self.stack} if self.stack is not None else {}),
         }
 
     @classmethod

@@ -28,6 +28,8 @@ class MemoryEstimate:
     breakdown: dict[str, int]
     stage: int = 0
     notes: tuple[str, ...] = field(default=())
+    #: bytes of this rank held in host memory, not the device's (FSDP2's CPU offload); 0: none
+    host_bytes: int = 0
 
     def fits(self, margin: float = 0.0) -> bool:
         """True when ``peak * (1 + margin)`` is within capacity."""
@@ -44,6 +46,7 @@ class MemoryEstimate:
             "stage": self.stage,
             "breakdown": dict(self.breakdown),
             "notes": list(self.notes),
+            **({"host_bytes": self.host_bytes} if self.host_bytes else {}),
         }
 
 

@@ -15,7 +15,13 @@ mean and variance) with a kernel made of
   factor per regime (the 80B runs were 2-7x slow at tp 8-32 and pp 2-8), so one trial at tp 8
   moves every tp-8 candidate, however far its other features are;
 - observations from another job on the same cluster (``job_key`` differs) enter the RBF
-  and regime terms scaled by ``CROSS_JOB_CORRELATION``: they inform, but less than this job's own.
+  and regime terms scaled by ``CROSS_JOB_CORRELATION``: they inform, but less than this job's own;
+- a plan over several stacks (``ParallelConfig.stack``): the stack is a task of a multi-task GP
+  (the intrinsic coregionalization model, Bonilla, Chai & Williams 2008, "Multi-task Gaussian
+  Process Prediction", eq. 2: ``k((x, s), (x', s')) = B[s, s'] k(x, x')``) with ``B`` 1 on the
+  diagonal and ``CROSS_STACK_CORRELATION`` off it, over the whole kernel, offset included: each
+  stack's analytic model is off by its own factor, and a DeepSpeed trial teaches an FSDP
+  candidate only through that correlation. One stack: ``B = 1``, the kernel above unchanged.
 
 Hyperparameters. The residual sd ``s``, length scale ``l`` and regime sd ``a`` are not fixed
 at one value: every setting of a small grid is weighted by its posterior (the marginal
@@ -120,6 +126,11 @@ REGIME_SD_GRID = tuple(REGIME_SD_PRIOR)
 HYPER_MASS = 0.99
 #: Correlation of the candidate-specific correction between two different jobs.
 CROSS_JOB_CORRELATION = 0.5
+#: Correlation of the correction (offset included) between two stacks' candidates of one plan:
+#: the off-diagonal of the coregionalization matrix (module docstring). Both stacks train the same
+#: model on the same devices (a machine slower than its profile slows both), but with other code
+#: and other constants; 0.5 lets one stack's trials move the other's predictions by half as much.
+CROSS_STACK_CORRELATION = 0.5
 
 #: A residual this far (log) above the median residual is an outlier run (a 3x slow run of a
 #: candidate whose neighbours ran at 1.1x, in the Ultra-Scale set): it is trusted less.
@@ -173,6 +184,7 @@ class LearnedModel:
         self.observations = tuple(observations)
         timed = [o for o in self.observations if _observed_time(o) is not None]
         self._keys = [o.job_key == job_key for o in timed]
+        self._stacks = [o.config.stack or "" for o in timed]
         self._x = np.array([features(o.config, o.perf) for o in timed]) if timed else np.zeros((0, 0))
         self._r = np.array([regimes(o.config) for o in timed], dtype=np.int64) if timed else np.zeros((0, 0), np.int64)
         self.trial_noise_sd, self.noise_dof = trial_noise(timed)
@@ -203,11 +215,15 @@ class LearnedModel:
             self.residual_sd, self.length_scale, self.regime_sd = (
                 sum(w * h[i] for w, h, _ in self._mixture) for i in range(3))
         own = [o for o in self.observations if o.job_key == job_key]  # another job's memory teaches nothing here
+        self._own, self._fits_prior = own, fits_prior
         self.memory = MemoryModel([MemoryPoint(o.config, o.memory, o.measurement) for o in own], fits_prior)
         self.runs = RunsModel([(o.config, o.measurement, o.attempts) for o in own])
+        #: per stack of a plan over several: what its own trials taught about memory and crashes
+        self._by_stack: dict[str, tuple[MemoryModel, RunsModel]] = {}
 
     def _factor(self, s: float, ell: float, a: float) -> gp.Factor:
-        k = self._kernel(self._x, self._r, self._keys, self._x, self._r, self._keys, s, ell, a)
+        k = self._kernel(self._x, self._r, self._keys, self._x, self._r, self._keys, s, ell, a,
+                         self._stacks, self._stacks)
         return gp.factor(k + np.diag(self._noise**2), self._y)
 
     def _posterior(
@@ -238,13 +254,16 @@ class LearnedModel:
 
     def _kernel(
         self, xa: FloatArray, ra: IntArray, ka: list[bool], xb: FloatArray, rb: IntArray, kb: list[bool],
-        s: float, ell: float, a: float,
+        s: float, ell: float, a: float, sa: list[str], sb: list[str],
     ) -> FloatArray:
         d2 = gp.squared_distances(xa, xb)
         shared = (ra[:, None, :] == rb[None, :, :]).mean(-1)  # share of the regimes two candidates share
         same = np.equal.outer(np.array(ka), np.array(kb))
         rho = np.where(same, 1.0, CROSS_JOB_CORRELATION)
         k = PRIOR_OFFSET_SD**2 + (s**2 * np.exp(-d2 / (2 * ell**2)) + a**2 * shared) * rho
+        if len(set(sa) | set(sb)) > 1:  # the coregionalization matrix B (module docstring)
+            k = k * np.where(np.equal.outer(np.array(sa, dtype=object), np.array(sb, dtype=object)), 1.0,
+                             CROSS_STACK_CORRELATION)
         return np.asarray(k, dtype=np.float64)
 
     def components(
@@ -261,7 +280,8 @@ class LearnedModel:
         r = np.array([regimes(c) for c in configs], dtype=np.int64)
         weights, means, sds = [], [], []
         for w, (s, ell, a), fit in self._mixture:
-            ks = self._kernel(x, r, [True] * n, self._x, self._r, self._keys, s, ell, a)
+            ks = self._kernel(x, r, [True] * n, self._x, self._r, self._keys, s, ell, a,
+                              [c.stack or "" for c in configs], self._stacks)
             weights.append(w)
             means.append(fit.mean(ks))
             sds.append(np.sqrt(fit.variance(ks, PRIOR_OFFSET_SD**2 + s**2 + a**2)))
@@ -280,8 +300,30 @@ class LearnedModel:
     def feasibility(
         self, configs: Sequence[ParallelConfig], memories: Sequence[MemoryEstimate]
     ) -> list[tuple[float, float]]:
-        """``(p_fit, p_runs)`` per candidate: its chance to fit in memory and to run at all."""
-        return list(zip(self.memory.p_fit(configs, memories), self.runs.p_runs(configs), strict=True))
+        """``(p_fit, p_runs)`` per candidate: its chance to fit in memory and to run at all; in a
+        plan over several stacks, from the trials of the candidate's own stack only (another
+        stack's estimator errs otherwise, and its crashes are its code's)."""
+        stacks = {c.stack for c in configs} | {o.config.stack for o in self._own}
+        if len(stacks) <= 1:
+            return list(zip(self.memory.p_fit(configs, memories), self.runs.p_runs(configs), strict=True))
+        out: list[tuple[float, float]] = [(0.0, 0.0)] * len(configs)
+        for stack in {c.stack or "" for c in configs}:
+            index = [i for i, c in enumerate(configs) if (c.stack or "") == stack]
+            memory, runs = self._stack_models(stack)
+            mine = [configs[i] for i in index]
+            for i, p_fit, p_runs in zip(index, memory.p_fit(mine, [memories[i] for i in index]), runs.p_runs(mine),
+                                        strict=True):
+                out[i] = (p_fit, p_runs)
+        return out
+
+    def _stack_models(self, stack: str) -> tuple[MemoryModel, RunsModel]:
+        if stack not in self._by_stack:
+            own = [o for o in self._own if (o.config.stack or "") == stack]
+            self._by_stack[stack] = (
+                MemoryModel([MemoryPoint(o.config, o.memory, o.measurement) for o in own], self._fits_prior),
+                RunsModel([(o.config, o.measurement, o.attempts) for o in own]),
+            )
+        return self._by_stack[stack]
 
     def summary(self) -> dict[str, float | int]:
         """How much the model trusts the analytic prior, and the noise it measured."""

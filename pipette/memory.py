@@ -107,12 +107,20 @@ class MemoryOptions:
     stage_layers: tuple[int, ...] | None = None
     loss_fp32_copies: int = LOSS_FP32_COPIES
     deepspeed_bf16_fp32_grads: bool = DEEPSPEED_BF16_FP32_GRADS
+    #: FSDP2's sharding (``fully_shard`` per decoder layer, then the stage: ``_fsdp2_state``)
+    #: instead of DeepSpeed's ZeRO; ``zero_stage`` 3/2/0 is FULL_SHARD / no reshard / NO_SHARD
+    fsdp2: bool = False
 
 
 DEFAULT_OPTIONS = MemoryOptions()
 #: Megatron-LM's and nanotron's loss (vocab-parallel cross entropy) and no DeepSpeed
 #: BF16_Optimizer: how the calibration sets of those frameworks are planned.
 MEGATRON_OPTIONS = MemoryOptions(loss_fp32_copies=2, deepspeed_bf16_fp32_grads=False)
+#: PyTorch FSDP2 as torchtitan and Pipette's PyTorch-native runner compose it: the model's fp32
+#: parameters sharded, fp32 gradient reduction, and the loss over the logits cast to fp32
+#: (torchtitan's ``cross_entropy_loss``, ``workers.rank.fsdp_model.lm_loss``: 3 fp32 copies, as
+#: Pipette's DeepSpeed runner).
+FSDP_OPTIONS = MemoryOptions(grad_accum_fp32=True, deepspeed_bf16_fp32_grads=False, fsdp2=True)
 
 
 def estimate_memory(
@@ -132,13 +140,14 @@ def estimate_memory(
             f"capacity must be positive, got {capacity_bytes!r}",
             field="device.memory_bytes", fix="give the device memory in bytes",
         )
-    stages = stage_breakdowns(model, training, config, device_kind=device_kind, options=options)
+    stages = stage_breakdowns(model, training, config, device_kind=device_kind, options=options, host=True)
     totals = [sum(part.values()) for part in stages]
     heaviest = max(range(len(totals)), key=totals.__getitem__)
     notes = _notes(training, config, options)
+    host = [part.pop(HOST_KEY, 0) for part in stages]
     return MemoryEstimate(
-        peak_bytes=totals[heaviest], capacity_bytes=int(capacity_bytes),
-        breakdown=stages[heaviest], stage=heaviest, notes=notes,
+        peak_bytes=totals[heaviest] - host[heaviest], capacity_bytes=int(capacity_bytes),
+        breakdown=stages[heaviest], stage=heaviest, notes=notes, host_bytes=max(host),
     )
 
 
@@ -149,8 +158,10 @@ def stage_breakdowns(
     *,
     device_kind: str = "gpu",
     options: MemoryOptions = DEFAULT_OPTIONS,
+    host: bool = False,
 ) -> list[dict[str, int]]:
-    """The breakdown over ``MEMORY_PARTS`` of one rank of every pipeline stage, in order."""
+    """The breakdown over ``MEMORY_PARTS`` of one rank of every pipeline stage, in order; with
+    ``host``, the bytes FSDP2's CPU offload keeps in host memory under ``HOST_KEY`` too."""
     if device_kind not in DEVICE_KINDS:
         raise SpecError(
             f"unknown device kind {device_kind!r}", field="device.kind", fix="use gpu or cpu"
@@ -242,6 +253,13 @@ def stage_breakdowns(
             activations += head_act
             stage_logits = logits
         buffers = _buffers(config, trainable, layer_psi, grad_bytes, d, options)
+        offloaded = 0.0
+        if options.fsdp2:
+            root = (embed_psi if i == 0 else 0) + (head_psi if i == p - 1 else 0)
+            weights, gradients, optimizer, buffers, offloaded = _fsdp2_state(
+                config, training, layers_i, layer_psi + lora_psi, root, psi, trainable,
+                lora_psi if not trainable_full else layer_psi + lora_psi, offload=config.offload and gpu,
+            )
         if gpu:
             overhead = GPU_OVERHEAD_BYTES + (FRAGMENTATION - 1.0) * (activations + stage_logits)
         else:
@@ -251,8 +269,62 @@ def stage_breakdowns(
             "weights": int(weights), "gradients": int(gradients), "optimizer": int(optimizer),
             "activations": int(activations), "logits": int(stage_logits),
             "buffers": int(buffers), "overhead": int(overhead),
+            **({HOST_KEY: int(offloaded)} if host else {}),
         })
     return stages
+
+
+#: The key under which ``stage_breakdowns(..., host=True)`` gives a stage's host bytes.
+HOST_KEY = "host"
+
+
+def _fsdp2_state(
+    config: ParallelConfig, training: TrainingSpec, layers: int, layer_psi: float, root_psi: float,
+    psi: float, trainable: float, layer_trainable: float, *, offload: bool,
+) -> tuple[float, float, float, float, float]:
+    """(weights, gradients, optimizer, buffers, host) bytes of one rank of a stage under FSDP2.
+
+    Sources: the ``fully_shard`` documentation (torch.distributed.fsdp, FSDP2) and torchtitan's
+    ``apply_fsdp`` / docs/fsdp.md, with the ZeRO paper's accounting (Rajbhandari et al. 2020,
+    sec. 3, Psi parameters, N_d shards):
+
+    - the parameters are kept sharded on dim 0 in the dtype the model was built in (fp32: the
+      runner and torchtitan build it so) over the shard degree ``N_s`` (``dp_shard`` under HSDP,
+      all of dp otherwise; 1 under NO_SHARD): ``4 Psi / N_s``; they are also the optimizer's
+      (fp32) master, so there is no separate master copy;
+    - the gradients are reduce-scattered in ``reduce_dtype`` fp32 into sharded fp32 gradients
+      (``MixedPrecisionPolicy``): ``4 Psi_train / N_s``; Adam's two moments ``8 Psi_train / N_s``;
+    - each decoder layer is one FSDP unit, all-gathered to unsharded parameters in
+      ``param_dtype`` (d bytes) before use: with ``reshard_after_forward`` (zero_stage 3) they are
+      freed after the layer's forward and gathered again for its backward, and FSDP2's implicit
+      prefetching gathers the next layer while one computes: two layers in flight. Without it
+      (zero_stage 2, and NO_SHARD's replicas) every layer's unsharded parameters stay from its
+      forward until its backward: the whole stage. The stage itself is the root unit (embedding,
+      final norm, head): the root is not resharded after forward (FSDP2 keeps it for the backward
+      that follows at once), so its unsharded parameters are held throughout;
+    - in the backward a layer's unsharded gradients (d bytes) and their fp32 copy for the
+      reduce-scatter (``reduce_dtype``) are alive together: one decoder layer's worth;
+    - ``CPUOffloadPolicy`` keeps the sharded parameters, gradients and optimizer states in host
+      memory (the optimizer steps on the CPU): they leave the device and count as host bytes;
+      the unsharded (gathered) parameters are on the device as before.
+    """
+    c, d = config, training.dtype_bytes
+    shards = 1 if c.zero_stage == 0 else (c.dp_shard or c.dp)
+    state_bytes = (2 if training.optimizer in ("adam", "adamw") else 1) * FP32_BYTES
+    sharded = psi * FP32_BYTES / shards
+    gradients = trainable * FP32_BYTES / shards
+    optimizer = trainable * state_bytes / shards
+    held_layers = 2 if c.zero_stage == 3 else layers
+    kept = root_psi * d + (0 if c.zero_stage == 3 else layers * layer_psi * d)
+    in_flight = min(held_layers, layers) * layer_psi * d if c.zero_stage == 3 else 0.0
+    # one decoder layer's: the root's (embedding, head) are reduced at the end of the backward,
+    # after the activations that make the peak are freed
+    reduce = (layer_trainable if layers else 0.0) * (d + FP32_BYTES)
+    host = 0.0
+    if offload:
+        host = sharded + gradients + optimizer
+        sharded = gradients = optimizer = 0.0
+    return sharded + kept, gradients, optimizer, in_flight + reduce, host
 
 
 def _layer_activations(
@@ -357,7 +429,9 @@ def _notes(training: TrainingSpec, config: ParallelConfig, options: MemoryOption
 __all__ = [
     "DEFAULT_OPTIONS",
     "FRAGMENTATION",
+    "FSDP_OPTIONS",
     "GPU_OVERHEAD_BYTES",
+    "HOST_KEY",
     "MEGATRON_OPTIONS",
     "SAFETY_MARGIN",
     "MemoryOptions",

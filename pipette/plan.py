@@ -10,6 +10,7 @@ configuration next to the memory limit is tried first when it is likely enough t
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -22,8 +23,8 @@ from pipette.memory import MemoryOptions, estimate_memory
 from pipette.model import ModelSpec
 from pipette.perf import PerfConstants, PerfModel
 from pipette.placement import default_placement, optimize_placement
-from pipette.space import RULES, Space, enumerate_space
-from pipette.stacks import STACK_RULES, Stack, get_stack
+from pipette.space import RULES, Space, enumerate_space, hsdp_shard
+from pipette.stacks import STACK_RULES, Stack, get_stack, get_stacks, stacks_key
 from pipette.training import TrainingSpec
 
 OUT_OF_MEMORY = "out_of_memory"
@@ -99,10 +100,32 @@ class Plan:
     enumerated: int = 0
     fits_prior: FitsPrior | None = None
     stack: Stack = field(default_factory=lambda: get_stack(None))
+    #: every stack the plan ranks candidates of (``pipette,fsdp``); empty: ``stack`` alone. With
+    #: more than one, each candidate names its own (``ParallelConfig.stack``)
+    stacks: tuple[Stack, ...] = ()
 
     @property
     def best(self) -> Planned:
         return self.ranked[0]
+
+    @property
+    def all_stacks(self) -> tuple[Stack, ...]:
+        return self.stacks or (self.stack,)
+
+    @property
+    def stack_key(self) -> str:
+        """What the plan is for, as a user names it: ``fsdp``, ``pipette,fsdp``."""
+        return stacks_key(self.all_stacks)
+
+    def stack_of(self, config: ParallelConfig) -> Stack:
+        """The stack that runs ``config``: the one it names, else the plan's."""
+        if config.stack is None:
+            return self.stack
+        for s in self.all_stacks:
+            if s.key == config.stack:
+                return s
+        raise SpecError(f"names stack {config.stack!r}, not one of this plan's ({self.stack_key})",
+                        field="config.stack", fix=f"use one of {self.stack_key}")
 
     def to_dict(self, top: int | None = None) -> dict[str, Any]:
         ranked = self.ranked if top is None else self.ranked[:top]
@@ -112,6 +135,7 @@ class Plan:
             "cluster": {"name": self.cluster.name, "devices": self.cluster.world,
                         "nodes": len(self.cluster.nodes)},
             "stack": self.stack.to_dict(),
+            **({"stacks": [st.to_dict() for st in self.stacks]} if len(self.stacks) > 1 else {}),
             "safety_margin": self.margin,
             "fits_prior": self.fits_prior.to_dict() if self.fits_prior else None,
             "keep_threshold": KEEP_THRESHOLD,
@@ -146,39 +170,71 @@ def make_plan(
     constants: PerfConstants | None = None,
     memory_options: MemoryOptions | None = None,
     fits_prior: FitsPrior | None = None,
-    stack: str | Stack | None = None,
+    stack: str | Stack | Sequence[str | Stack] | None = None,
 ) -> Plan:
     """Every candidate likely enough to fit, ranked by the step time to expect from trying it.
 
     ``stack``: the software that runs the job (a name such as ``megatron`` or a ``Stack``;
     default Pipette's runner): it gives the constants, the memory options and the fits prior
     unless ``constants``, ``memory_options`` or ``fits_prior`` are given, and drops the
-    candidates it cannot run. ``fits_prior``: the estimator's error for the stack and device.
+    candidates it cannot run. Several (``pipette,fsdp`` or a list): the candidates of each,
+    side by side in one ranking, each priced with its own stack and naming it
+    (``ParallelConfig.stack``, in its label: ``...-1f1b-fsdp``). ``fits_prior``: the
+    estimator's error for the stack and device.
     ``margin``: capacity the user keeps free (the chance to fit
     is taken against ``capacity / (1 + margin)``). Raises ``InfeasibleError`` when no candidate
     is valid (with the rejection counts) or none is likely to fit (with the shortfall of the
     closest one and what would help).
     """
     check_recipe(model, training)
-    chosen = get_stack(stack)
-    space = _runnable(enumerate_space(model, training, cluster.world), chosen)
+    chosen_all = get_stacks(stack)
+    chosen = chosen_all[0]
+    several = len(chosen_all) > 1
+    kind = cluster.device_spec.kind
+    candidates: list[ParallelConfig] = []
+    rejected: Counter[str] = Counter()
+    for st in chosen_all:
+        base = enumerate_space(model, training, cluster.world, sharded_pipeline=st.sharded_pipeline)
+        runnable = _runnable(_stack_space(base, st, cluster), st, model, training, kind)
+        rejected.update(runnable.rejected)
+        candidates += [replace(c, stack=st.key) if several else c for c in runnable.candidates]
+    space = Space(candidates, rejected)
     if not space.candidates:
         raise _no_valid_candidate(model, training, cluster, space.rejected, chosen)
     capacity = cluster.min_usable_memory
-    kind = cluster.device_spec.kind
-    prior = fits_prior or chosen.fits_prior(kind)
-    constants = constants or chosen.constants
-    memory_options = memory_options or chosen.memory_options
     dropped: Counter[str] = Counter(space.rejected)
     fitting: list[tuple[ParallelConfig, MemoryEstimate, float]] = []
     oom: list[Dropped] = []
     for config in space.candidates:
-        mem = estimate_memory(model, training, config, capacity, device_kind=kind, options=memory_options)
-        chance = prior.chance_to_fit(mem, int(capacity / (1.0 + margin)))
-        if chance >= KEEP_THRESHOLD:
-            fitting.append((config, mem, chance))
-        else:
-            oom.append(Dropped(config, mem, chance))
+        st = chosen if config.stack is None else next(s for s in chosen_all if s.key == config.stack)
+        prior = fits_prior or st.fits_prior(kind)
+        options = memory_options or st.memory_options
+        tries = [config]
+        if st.offload and kind == "gpu" and config.zero_stage >= 2:
+            # CPU offload as the option of last resort: its host transfers are not priced by the
+            # step-time model, so it is offered only where the candidate without it is too unlikely
+            # to fit (an offload twin of a fitting candidate would tie it on time and win on memory);
+            # sharded candidates only: under NO_SHARD every replica would keep the whole model on its host
+            tries.append(replace(config, offload=True))
+        closest: Dropped | None = None
+        for each in tries:
+            mem = estimate_memory(model, training, each, capacity, device_kind=kind, options=options)
+            if mem.host_bytes:
+                host, fits_host = _host_check(mem, cluster)
+                if not fits_host and closest is not None:
+                    # the candidate stays out of memory: its offload twin's host bytes do not fit a node
+                    closest = replace(closest, memory=replace(closest.memory, notes=(*closest.memory.notes, host)))
+                    break
+                mem = replace(mem, notes=(*mem.notes, host))
+            chance = prior.chance_to_fit(mem, int(capacity / (1.0 + margin)))
+            if chance >= KEEP_THRESHOLD:
+                fitting.append((each, mem, chance))
+                closest = None
+                break
+            closest = Dropped(each, mem, chance)
+        if closest is not None:
+            oom.append(closest)
+    prior = fits_prior or chosen.fits_prior(kind)
     dropped[OUT_OF_MEMORY] = len(oom)
     if not fitting:
         raise _nothing_fits(model, training, cluster, oom, margin, dropped)
@@ -190,7 +246,9 @@ def make_plan(
         if key not in placements:
             placements[key] = default_placement(config, cluster)
         placed = config.with_placement(placements[key])
-        perf_model = PerfModel(model, training, placed, cluster, constants=constants)
+        perf_model = PerfModel(model, training, placed, cluster,
+                               constants=constants or (chosen if config.stack is None else
+                                                       _named(chosen_all, config.stack)).constants)
         perf = perf_model.estimate()
         planned.append((Planned(placed, mem, perf, perf.step_time, chance_to_fit=chance), perf_model))
     planned = [(_with_expectation(p, _fallback([q for q, _ in planned])), m) for p, m in planned]
@@ -208,15 +266,50 @@ def make_plan(
     fallback = _fallback(ranked)
     ranked = sorted((_with_expectation(p, fallback) for p in ranked), key=_rank_key)
     oom.sort(key=lambda d: -d.chance_to_fit)
-    return Plan(model, training, cluster, ranked, dropped, oom, margin, space.total, prior, chosen)
+    return Plan(model, training, cluster, ranked, dropped, oom, margin, space.total, prior, chosen,
+                chosen_all if several else ())
 
 
-def _runnable(space: Space, stack: Stack) -> Space:
+def _host_check(memory: MemoryEstimate, cluster: ClusterProfile) -> tuple[str, bool]:
+    """Whether an offload candidate's host bytes fit every node's host memory (a node holds its
+    devices' ranks), and the note that says so; a host memory the cluster does not give is said."""
+    gib = memory.host_bytes / GiB
+    limits = [(node.host_memory, len(cluster.devices_on(i))) for i, node in enumerate(cluster.nodes)]
+    if any(host is None for host, _ in limits):
+        return f"CPU offload: {gib:.1f} GiB per rank in host memory, not checked (no host_memory in the cluster)", True
+    need = max(ranks for _, ranks in limits) * gib
+    if any(ranks * memory.host_bytes > (host or 0) for host, ranks in limits):
+        have = min(host or 0 for host, _ in limits) / GiB
+        return f"with CPU offload: {need:.0f} GiB of host memory a node, more than the {have:.0f} GiB a node has", False
+    return f"CPU offload: {gib:.1f} GiB per rank in host memory, {need:.0f} GiB a node (fits its host memory)", True
+
+
+def _named(stacks: tuple[Stack, ...], key: str) -> Stack:
+    return next(s for s in stacks if s.key == key)
+
+
+def _stack_space(space: Space, stack: Stack, cluster: ClusterProfile) -> Space:
+    """``space`` with the candidates only ``stack`` has: FSDP2's HSDP twin of a sharded candidate
+    on a cluster of several nodes (``pipette.space.hsdp_shard``)."""
+    if not stack.hsdp:
+        return space
+    per_node = tuple(len(cluster.devices_on(n)) for n in range(len(cluster.nodes)))
+    out: list[ParallelConfig] = []
+    for config in space.candidates:
+        out.append(config)
+        shard = hsdp_shard(config, per_node)
+        if shard is not None:
+            out.append(replace(config, dp_shard=shard))
+    return Space(out, Counter(space.rejected))
+
+
+def _runnable(space: Space, stack: Stack, model: ModelSpec | None = None, training: TrainingSpec | None = None,
+              device_kind: str = "gpu") -> Space:
     """The valid candidates ``stack`` runs; the others counted by the first stack rule they break."""
     kept: list[ParallelConfig] = []
     rejected = Counter(space.rejected)
     for config in space.candidates:
-        broken = stack.refusals(config)
+        broken = stack.refusals(config, model, training, device_kind)
         if broken:
             rejected[broken[0]] += 1
         else:

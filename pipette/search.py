@@ -43,16 +43,21 @@ from pipette.plan import Planned
 from pipette.trials import TrialRecord
 
 #: The parameters that name a candidate in the study.
-PARAMS: tuple[str, ...] = ("tp", "pp", "dp", "mbs", "zero_stage", "recompute", "schedule")
+PARAMS: tuple[str, ...] = ("tp", "pp", "dp", "mbs", "zero_stage", "recompute", "schedule", "variant")
 #: The user attribute holding a trial's record (``pipette.tuner.TrialRecord.to_dict``).
 RECORD_ATTR = "record"
 
 
 def candidate_params(config: ParallelConfig) -> dict[str, Any]:
     sched = "1f1b" if config.schedule == "1f1b" else f"interleaved-{config.virtual_stages}"
+    # the stack of a plan over several, FSDP2's HSDP shard degree and CPU offload: "" for a
+    # DeepSpeed candidate of a one-stack plan
+    variant = "/".join(part for part in (
+        config.stack or "", "" if config.dp_shard is None else f"hsdp{config.dp_shard}",
+        "offload" if config.offload else "") if part)
     return {
         "tp": config.tp, "pp": config.pp, "dp": config.dp, "mbs": config.mbs,
-        "zero_stage": config.zero_stage, "recompute": config.recompute, "schedule": sched,
+        "zero_stage": config.zero_stage, "recompute": config.recompute, "schedule": sched, "variant": variant,
     }
 
 

@@ -33,8 +33,11 @@ RULES: dict[str, str] = {
 }
 
 
-def check(model: ModelSpec, training: TrainingSpec, config: ParallelConfig, world: int) -> list[str]:
-    """The codes of every rule ``config`` breaks (empty when it is valid)."""
+def check(model: ModelSpec, training: TrainingSpec, config: ParallelConfig, world: int, *,
+          sharded_pipeline: bool = False) -> list[str]:
+    """The codes of every rule ``config`` breaks (empty when it is valid); ``sharded_pipeline``:
+    the stack shards gradients and parameters under a pipeline (FSDP2 with
+    ``torch.distributed.pipelining``), so ``zero_pipeline`` is not a rule."""
     broken = []
     if config.world != world:
         broken.append("world_mismatch")
@@ -44,7 +47,7 @@ def check(model: ModelSpec, training: TrainingSpec, config: ParallelConfig, worl
         broken.append("tp_kv_heads")
     if config.pp > model.layers:
         broken.append("pp_layers")
-    if config.pp > 1 and config.zero_stage >= 2:
+    if config.pp > 1 and config.zero_stage >= 2 and not sharded_pipeline:
         broken.append("zero_pipeline")
     if config.schedule == "interleaved":
         if config.pp == 1:
@@ -95,8 +98,9 @@ def micro_batch_sizes(training: TrainingSpec, dp: int) -> list[int]:
     return sizes
 
 
-def enumerate_space(model: ModelSpec, training: TrainingSpec, world: int) -> Space:
-    """All candidates for ``world`` devices; each rejection is counted by its first rule.
+def enumerate_space(model: ModelSpec, training: TrainingSpec, world: int, *, sharded_pipeline: bool = False) -> Space:
+    """All candidates for ``world`` devices; each rejection is counted by its first rule
+    (``sharded_pipeline``: as ``check``).
 
     Degree tuples whose tp or pp break a model rule are counted once per tuple, not once
     per (mbs, zero, recompute, schedule) combination, so the counts stay readable.
@@ -130,12 +134,30 @@ def enumerate_space(model: ModelSpec, training: TrainingSpec, world: int) -> Spa
                                 global_batch=training.global_batch, zero_stage=zero,
                                 recompute=recompute, schedule=schedule, virtual_stages=v,
                             )
-                            broken = check(model, training, config, world)
+                            broken = check(model, training, config, world, sharded_pipeline=sharded_pipeline)
                             if broken:
                                 space.rejected[broken[0]] += 1
                             else:
                                 space.candidates.append(config)
     return space
+
+
+def hsdp_shard(config: ParallelConfig, devices_per_node: tuple[int, ...]) -> int | None:
+    """FSDP2's HSDP shard degree for ``config`` on nodes of ``devices_per_node`` devices, or None
+    when HSDP does not apply: shard within a node, replicate across nodes (torchtitan's
+    ``data_parallel_shard_degree`` x ``data_parallel_replicate_degree``; the FSDP2 documentation's
+    2-D mesh). Ranks are laid out tp fastest, then dp (``ParallelConfig.rank``), so a shard group
+    of ``dp_shard`` replicas' shards spans ``dp_shard * tp`` consecutive ranks: it fills one node
+    when ``dp_shard = devices per node / tp``, and the replicas sit on other nodes. Only for a
+    sharded candidate (ZeRO-2/3: NO_SHARD has no shard group) whose data-parallel group spans
+    more than one node of equal ones."""
+    if len(devices_per_node) < 2 or len(set(devices_per_node)) != 1 or config.zero_stage not in (2, 3):
+        return None
+    per_node = devices_per_node[0]
+    if per_node % config.tp or config.dp * config.tp <= per_node:
+        return None
+    shard = per_node // config.tp
+    return shard if 1 < shard < config.dp and config.dp % shard == 0 else None
 
 
 def _schedules(training: TrainingSpec, pp: int) -> list[tuple[str, int]]:

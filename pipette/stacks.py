@@ -15,6 +15,7 @@ each stack's numbers come from.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -23,7 +24,8 @@ from pipette.config import ParallelConfig
 from pipette.errors import SpecError
 from pipette.estimates import MemoryEstimate, PerfEstimate
 from pipette.fits import CPU, FSDP_GPU, NANOTRON_GPU, PIPETTE_GPU, FitsPrior
-from pipette.memory import DEFAULT_OPTIONS, MEGATRON_OPTIONS, MemoryOptions, estimate_memory
+from pipette.fsdp_rules import fsdp_problems
+from pipette.memory import DEFAULT_OPTIONS, FSDP_OPTIONS, MEGATRON_OPTIONS, MemoryOptions, estimate_memory
 from pipette.model import ModelSpec
 from pipette.perf import HF_DEEPSPEED_CONSTANTS, MEGATRON_CONSTANTS, PerfConstants, estimate_perf
 from pipette.training import TrainingSpec
@@ -71,6 +73,16 @@ class Stack:
     #: options the stack offers (keys of ``OPTIONS``)
     available_options: tuple[str, ...] = ()
     options: tuple[str, ...] = ()
+    #: HSDP (``ParallelConfig.dp_shard``: shard within a node, replicate across) and CPU offload
+    #: of parameters, gradients and optimizer states (``ParallelConfig.offload``): FSDP2's
+    hsdp: bool = False
+    offload: bool = False
+    #: the PyTorch-native runner's splitting rules apply (``pipette.fsdp_rules``: tp dividing the
+    #: FFN and vocabulary, no tied embeddings under tp or pp, enough micro-batches for 1F1B)
+    native_rules: bool = False
+    #: ZeRO-2/3 (FSDP's sharding) under a pipeline: FSDP2 with ``torch.distributed.pipelining``
+    #: runs it, DeepSpeed's pipeline engine refuses it (``pipette.space``'s ``zero_pipeline``)
+    sharded_pipeline: bool = False
 
     @property
     def key(self) -> str:
@@ -91,9 +103,13 @@ class Stack:
     def fits_prior(self, device_kind: str) -> FitsPrior:
         return CPU if device_kind == "cpu" else self.gpu_fits_prior
 
-    def refusals(self, config: ParallelConfig) -> list[str]:
-        """The codes of ``STACK_RULES`` that ``config`` breaks on this stack (empty: it runs it)."""
+    def refusals(self, config: ParallelConfig, model: ModelSpec | None = None,
+                 training: TrainingSpec | None = None, device_kind: str = "gpu") -> list[str]:
+        """The codes of ``STACK_RULES`` that ``config`` breaks on this stack (empty: it runs it);
+        with ``model`` and ``training``, the runner's splitting rules too (``native_rules``)."""
         broken = []
+        if (config.dp_shard is not None and not self.hsdp) or (config.offload and not self.offload):
+            broken.append("stack_fsdp_options")
         if config.tp > 1 and not self.tensor_parallel:
             broken.append("stack_tp")
         if config.pp > 1 and not self.pipeline_parallel:
@@ -104,6 +120,9 @@ class Stack:
             broken.append("stack_schedule")
         if config.recompute not in self.recompute:
             broken.append("stack_recompute")
+        if self.native_rules and model is not None and training is not None \
+                and fsdp_problems(model, training, config, device_kind, world=None):
+            broken.append("stack_native_split")
         return broken
 
     def estimate_memory(self, model: ModelSpec, training: TrainingSpec, config: ParallelConfig,
@@ -134,6 +153,9 @@ STACK_RULES: dict[str, str] = {
     "stack_zero": "the stack has no such ZeRO/FSDP sharding mode",
     "stack_schedule": "the stack has no such pipeline schedule",
     "stack_recompute": "the stack has no such recomputation granularity",
+    "stack_fsdp_options": "HSDP and CPU offload are FSDP's (the stack has neither)",
+    "stack_native_split": "the PyTorch-native runner cannot split the model so (tp and the FFN/vocabulary, tied "
+                          "embeddings, too few micro-batches for the pipeline)",
 }
 
 PIPETTE = Stack(
@@ -191,16 +213,16 @@ FSDP_CONSTANTS = replace(
 )
 #: PyTorch FSDP/FSDP2 (torchtitan, Accelerate FSDP, llm-foundry): ZeRO-3-like FULL_SHARD with
 #: fp32 sharded master and fp32 gradient reduction; torchtitan adds TP and PP schedules. Priced
-#: with ``FSDP_CONSTANTS``, the memory with fp32 gradients (docs/stacks.md).
+#: with ``FSDP_CONSTANTS``, the memory with FSDP2's terms (``FSDP_OPTIONS``; docs/fsdp.md).
 FSDP = Stack(
     name="fsdp", frameworks="PyTorch FSDP/FSDP2: torchtitan, Accelerate FSDP, llm-foundry",
-    description="FULL_SHARD/SHARD_GRAD_OP/NO_SHARD; its own constants (prefetch overlap, flash attention), "
-                "fp32 gradients",
+    description="FULL_SHARD/SHARD_GRAD_OP/NO_SHARD, HSDP, CPU offload; its own constants (prefetch overlap, flash "
+                "attention), FSDP2's memory (sharded fp32 states, per-layer gathers)",
     constants=FSDP_CONSTANTS,
-    memory_options=replace(MEGATRON_OPTIONS, grad_accum_fp32=True), gpu_fits_prior=FSDP_GPU,
+    memory_options=FSDP_OPTIONS, gpu_fits_prior=FSDP_GPU,
     tensor_parallel=True, pipeline_parallel=True, zero_stages=(0, 2, 3), schedules=("1f1b", "interleaved"),
     recompute=("none", "selective", "full"), launch_files=CANDIDATE_FILES, available_options=("compile", "fp8"),
-    runner_runs=True,
+    runner_runs=True, hsdp=True, offload=True, native_rules=True, sharded_pipeline=True,
 )
 
 STACKS: dict[str, Stack] = {s.name: s for s in (PIPETTE, HF_DEEPSPEED, MEGATRON, FSDP)}
@@ -227,6 +249,32 @@ def get_stack(stack: str | Stack | None, *, field: str = "stack") -> Stack:
     return replace(found, options=chosen, constants=constants)
 
 
+#: Between the stacks of a plan that ranks several side by side: ``pipette,fsdp``.
+STACK_SEPARATOR = ","
+
+
+def get_stacks(stacks: str | Stack | Sequence[str | Stack] | None, *, field: str = "stack") -> tuple[Stack, ...]:
+    """One stack or several (``pipette,fsdp``, or a list of names): each as ``get_stack`` says, in
+    the order given; the same stack twice is a ``SpecError``."""
+    if stacks is None or isinstance(stacks, Stack):
+        return (get_stack(stacks, field=field),)
+    parts = stacks.split(STACK_SEPARATOR) if isinstance(stacks, str) else list(stacks)
+    if not parts or any(isinstance(p, str) and not p.strip() for p in parts):
+        raise SpecError(f"is {stacks!r}", field=field,
+                        fix=f"name one stack or several separated by commas (pipette,fsdp); known: {', '.join(STACKS)}")
+    chosen = tuple(get_stack(p, field=field) for p in parts)
+    keys = [s.key for s in chosen]
+    twice = sorted({k for k in keys if keys.count(k) > 1})
+    if twice:
+        raise SpecError(f"names {', '.join(twice)} twice", field=field, fix="name each stack once")
+    return chosen
+
+
+def stacks_key(stacks: tuple[Stack, ...]) -> str:
+    """The stacks' keys joined as a user writes them (``pipette,fsdp``); one stack: its key."""
+    return STACK_SEPARATOR.join(s.key for s in stacks)
+
+
 def runner_stacks() -> list[str]:
     """The stacks Pipette's own trial runner runs."""
     return [s.name for s in STACKS.values() if s.runner_runs]
@@ -240,6 +288,21 @@ def stack_to_tune(name: str | None, *, script: bool, script_kind: str | None = N
     if not script:
         check_runner_runs(stack, field=field)
     return stack
+
+
+def stacks_to_tune(names: str | None, *, script: bool, script_kind: str | None = None,
+                   field: str = "stack") -> tuple[Stack, ...]:
+    """The stacks a tuning job is for: one (``stack_to_tune``), or several side by side
+    (``pipette,fsdp``: Pipette's runners only, each candidate trained by its own stack's)."""
+    if names is None or STACK_SEPARATOR not in names:
+        return (stack_to_tune(names, script=script, script_kind=script_kind, field=field),)
+    chosen = get_stacks(names, field=field)
+    if script:
+        raise SpecError(f"names {len(chosen)} stacks for one script", field=field,
+                        fix="give the one stack your script runs (a script is one stack's code)")
+    for stack in chosen:
+        check_runner_runs(stack, field=field)
+    return chosen
 
 
 def check_runner_runs(stack: Stack, *, field: str = "stack") -> None:
@@ -256,7 +319,23 @@ def check_runner_runs(stack: Stack, *, field: str = "stack") -> None:
 
 
 __all__ = [
-    "DEFAULT_STACK", "FSDP", "FSDP_CONSTANTS", "HF_DEEPSPEED", "MEGATRON", "MODELLED_OPTIONS", "OPTIONS",
-    "PIPETTE", "STACKS", "STACK_RULES",
-    "Stack", "check_runner_runs", "get_stack", "runner_stacks", "stack_to_tune",
+    "DEFAULT_STACK",
+    "FSDP",
+    "FSDP_CONSTANTS",
+    "HF_DEEPSPEED",
+    "MEGATRON",
+    "MODELLED_OPTIONS",
+    "OPTIONS",
+    "PIPETTE",
+    "STACKS",
+    "STACK_RULES",
+    "STACK_SEPARATOR",
+    "Stack",
+    "check_runner_runs",
+    "get_stack",
+    "get_stacks",
+    "runner_stacks",
+    "stack_to_tune",
+    "stacks_key",
+    "stacks_to_tune",
 ]

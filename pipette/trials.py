@@ -134,7 +134,7 @@ class TrialRecord:
                                   float(p["tokens_per_s"]), float(p["mfu"]), float(p.get("hfu", 0.0))),
                 memory=MemoryEstimate(int(mem["peak_bytes"]), int(mem["capacity_bytes"]),
                                       {k: int(v) for k, v in mem["breakdown"].items()}, int(mem.get("stage", 0)),
-                                      tuple(str(n) for n in mem.get("notes", ()))),
+                                      tuple(str(n) for n in mem.get("notes", ())), int(mem.get("host_bytes", 0))),
                 predicted_step_time=float(d["predicted_step_time"]), predicted_sd=float(d.get("predicted_sd", 0.0)),
                 purpose=str(d.get("purpose", "search")), stack=str(d.get("stack", DEFAULT_STACK)),
                 started_at=_time(d.get("started_at")), ended_at=_time(d.get("ended_at")),

@@ -61,7 +61,7 @@ from pipette.config import ParallelConfig
 from pipette.errors import InfeasibleError, SpecError
 from pipette.feasibility import measured_need
 from pipette.fits import default_prior, memory_headroom
-from pipette.learned import NOISE_PRIOR_DOF
+from pipette.learned import NOISE_PRIOR_DOF, Observation
 from pipette.measurement import Measurement, last_error_line
 from pipette.model import ModelSpec
 from pipette.options import check_values, default
@@ -77,7 +77,7 @@ from pipette.search import (
     params_key,
     search_space,
 )
-from pipette.stacks import DEFAULT_STACK, Stack, get_stack
+from pipette.stacks import DEFAULT_STACK, Stack, get_stacks, stacks_key
 from pipette.training import TrainingSpec
 from pipette.trials import TrialRecord as TrialRecord  # re-exported: the records' home is pipette.trials
 from pipette.trials import tensor_peak_bytes as tensor_peak_bytes
@@ -276,7 +276,8 @@ class TuneResult:
                 fix="look at the trials' errors; allow more trials or more memory headroom",
             )
         p = self.plan
-        return write_launch_files(out_dir, p.model, p.training, self.best.config, p.cluster, stack=p.stack,
+        return write_launch_files(out_dir, p.model, p.training, self.best.config, p.cluster,
+                                  stack=p.stack_of(self.best.config),
                                   extra={"tuning": {"stop_reason": self.stop_reason,
                                                     "best": self.to_dict()["best"]["side_by_side"]},
                                          "memory_headroom": self.memory_headroom()})
@@ -299,13 +300,15 @@ def trial_outcomes(trials: Sequence[TrialRecord]) -> dict[str, int]:
     return dict(sorted(counts.items()))
 
 
-def job_key(model: ModelSpec, training: TrainingSpec, stack: str | Stack | None = None) -> str:
-    """Identifies what is tuned (model, recipe and stack): trials of the same key share the most.
-    The default stack keeps the key it had before stacks existed, so its stored trials still match."""
-    chosen = get_stack(stack)
+def job_key(model: ModelSpec, training: TrainingSpec,
+            stack: str | Stack | Sequence[str | Stack] | None = None) -> str:
+    """Identifies what is tuned (model, recipe and stack, or stacks: ``pipette,fsdp``): trials of the
+    same key share the most. The default stack keeps the key it had before stacks existed, so its
+    stored trials still match."""
+    key = stacks_key(get_stacks(stack))
     what: dict[str, Any] = {"model": model.to_dict(), "training": training.to_dict()}
-    if chosen.key != DEFAULT_STACK:
-        what["stack"] = chosen.key
+    if key != DEFAULT_STACK:
+        what["stack"] = key
     text = json.dumps(what, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -331,8 +334,8 @@ class Tuner:
     ) -> None:
         self.plan = plan
         self.options = options or TuneOptions()
-        self.job_key = job_key(plan.model, plan.training, plan.stack)
-        self.stack = plan.stack.key
+        self.job_key = job_key(plan.model, plan.training, plan.all_stacks)
+        self.stack = plan.stack_key
         self.unrunnable: Counter[str] = Counter()
         candidates: list[Planned] = []
         for p in plan.ranked:
@@ -352,7 +355,7 @@ class Tuner:
         self.sampler = PerfModelSampler(
             # another stack's trials measure other code: they never teach this one
             candidates, job_key=self.job_key,
-            prior=[r.observation() for r in prior if r.job_key != "" and r.stack == self.stack],
+            prior=_prior_observations(prior, plan),
             tolerance=self.options.tolerance, seed=self.options.seed, space=self.space,
             fits_prior=plan.fits_prior or default_prior(plan.cluster.device_spec.kind),
         )
@@ -364,6 +367,10 @@ class Tuner:
         self._retimed: set[str] = {r.label for r in self.records if r.purpose == "retime"}
         self._rounds = 0
         self._started = time.monotonic()
+
+    def stack_of(self, config: ParallelConfig) -> str:
+        """The stack that runs ``config`` (its own in a plan over several): what its record says."""
+        return self.plan.stack_of(config).key
 
     # ---- the study, rebuilt from records ------------------------------------------------
     def _replay(self, history: Sequence[TrialRecord]) -> None:
@@ -689,7 +696,8 @@ class Tuner:
         if cancelled or _stopped_by(m, should_stop):
             return "cancelled"  # not recorded: a cut-short re-timing says nothing
         record = TrialRecord(number, planned.config, m, planned.perf, planned.memory, prediction.step_time,
-                             prediction.sd, 1, self.job_key, "retime", self.stack, started, _now())
+                             prediction.sd, 1, self.job_key, "retime", self.stack_of(planned.config), started,
+                             _now())
         state, value, constraints = _outcome(m)
         params = candidate_params(planned.config)
         self.study.add_trial(optuna.trial.create_trial(
@@ -753,7 +761,7 @@ class Tuner:
                 retry = crashed and not lost and retries_left > 0
                 record = TrialRecord(trial.number, planned.config, m, planned.perf, planned.memory,
                                      prediction.step_time, prediction.sd, attempt, self.job_key,
-                                     stack=self.stack, started_at=started, ended_at=_now())
+                                     stack=self.stack_of(planned.config), started_at=started, ended_at=_now())
                 if retry:
                     kind = crash_kind(m)
                     chance = retry_chance([*self.records, record], kind)
@@ -855,6 +863,21 @@ def _outcome(m: Measurement) -> tuple[TrialState, float | None, dict[str, float]
 
 def _intermediate(m: Measurement) -> dict[int, float]:
     return {i: m.tokens_per_step / t for i, t in enumerate(m.step_times) if t > 0}
+
+
+def _prior_observations(prior: Sequence[TrialRecord], plan: Plan) -> list[Observation]:
+    """Other jobs' trials on this cluster that teach this plan: those of its stacks only (another
+    stack's trials measure other code). Each is the candidate of the stack it ran on: named in a
+    plan over several stacks (the learned model's stack task), unnamed in a plan of one."""
+    several = len(plan.all_stacks) > 1
+    keys = {s.key for s in plan.all_stacks}
+    out = []
+    for r in prior:
+        if r.job_key == "" or r.stack not in keys:
+            continue
+        o = r.observation()
+        out.append(replace(o, config=replace(o.config, stack=r.stack if several else None)))
+    return out
 
 
 def _as_planned(r: TrialRecord) -> Planned:

@@ -402,8 +402,9 @@ def _float(value: Any) -> float | None:
 
 def _runner_stack(stack: str | None, script: object) -> str:
     """The stack Pipette's runner trains a job's candidates with: the job's when a runner runs it
-    (``fsdp``: the PyTorch-native runner), else DeepSpeed's (a script's trials run the script)."""
-    from pipette.stacks import get_stack
+    (``fsdp``: the PyTorch-native runner), else DeepSpeed's (a script's trials run the script). A
+    job over several stacks: the first's, unless the candidate names its own (it always does)."""
+    from pipette.stacks import get_stacks
 
-    chosen = get_stack(stack)
+    chosen = get_stacks(stack)[0]
     return chosen.name if script is None and chosen.runner_runs else "pipette"

@@ -200,10 +200,11 @@ class ScriptIn(StrictTypes):
                        "(`pipette submit` sends it); empty: the script must be on every node already")
 
 
-#: A stack name with its options (pipette.stacks.get_stack says which are known).
-STACK_PATTERN = r"^[A-Za-z0-9+_ -]+$"
+#: A stack name with its options, or several separated by commas (pipette.stacks.get_stacks says
+#: which are known).
+STACK_PATTERN = r"^[A-Za-z0-9+_, -]+$"
 STACK_DOC = ("the software that runs the job: pipette, hf-deepspeed, megatron, fsdp; an option with +: "
-             "fsdp+compile (docs/stacks.md)")
+             "fsdp+compile; several side by side with commas: pipette,fsdp (docs/stacks.md)")
 
 
 class JobIn(Strict):

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from pipette.config import ParallelConfig
 from pipette.errors import SpecError
+from pipette.fsdp_rules import fsdp_problems as fsdp_problems  # the rules live with the planner
 from pipette.model import ModelSpec
 from pipette.training import TrainingSpec
 
@@ -108,72 +109,3 @@ def check_fsdp(model: ModelSpec, training: TrainingSpec, config: ParallelConfig,
     if problem:
         message, field, fix = problem[0]
         raise SpecError(message, field=field, fix=fix)
-
-
-def fsdp_problems(model: ModelSpec, training: TrainingSpec, config: ParallelConfig, device_kind: str,
-                  world: int | None) -> list[tuple[str, str, str]]:
-    """Every (message, field, fix) that stops ``config`` on the fsdp runner; empty when it runs."""
-    m, c = model, config
-    out: list[tuple[str, str, str]] = []
-    if world is not None and world != c.world:
-        out.append((f"{world} processes for a candidate of tp x pp x dp = {c.tp} x {c.pp} x {c.dp} = {c.world}",
-                    "config", f"start {c.world} ranks, or choose degrees whose product is {world}"))
-    if m.arch != "llama":
-        out.append((f"the runner builds Llama models, not {m.arch!r}", "model.arch", "use a Llama model"))
-    if c.zero_stage == 1:
-        out.append(("FSDP has no optimizer-only sharding (ZeRO-1)", "config.zero_stage",
-                    "use 3 (FULL_SHARD), 2 (SHARD_GRAD_OP: no reshard after forward) or 0 (NO_SHARD)"))
-    if c.zero_stage == 0 and c.dp_shard not in (None, 1):
-        out.append((f"NO_SHARD (zero_stage 0) replicates, but dp_shard is {c.dp_shard}", "config.dp_shard",
-                    "leave dp_shard out with zero_stage 0, or shard with zero_stage 2 or 3"))
-    out += _split_problems(m, c)
-    out += _pipeline_problems(m, c)
-    if device_kind == "cpu" and training.dtype == "fp16":
-        out.append(("fp16 needs a GPU", "training.dtype", "use fp32 or bf16 on CPU devices"))
-    if training.seq_len > m.max_seq:
-        out.append((f"seq_len {training.seq_len} exceeds the model's max_seq {m.max_seq}", "training.seq_len",
-                    f"use at most {m.max_seq}"))
-    return out
-
-
-def _split_problems(m: ModelSpec, c: ParallelConfig) -> list[tuple[str, str, str]]:
-    """Tensor parallelism shards heads, the MLP and the vocabulary over tp (DTensor
-    ``parallelize_module``), and the sequence between them (sequence parallelism)."""
-    out = []
-    if c.tp > 1:
-        for name, width in (("heads", m.heads), ("kv_heads", m.kv_heads), ("ffn_hidden", m.ffn_hidden),
-                            ("vocab", m.vocab)):
-            if width % c.tp:
-                out.append((f"tp={c.tp} does not divide the model's {name}={width}", "config.tp",
-                            f"use a tp that divides {name} ({_divisors(width)})"))
-        if m.tied_embeddings:
-            out.append(("tied embeddings cannot be split over tp: the embedding is cut by rows and the LM head "
-                        "by columns of one weight", "config.tp", "use tp=1, or an untied model"))
-    return out
-
-
-def _pipeline_problems(m: ModelSpec, c: ParallelConfig) -> list[tuple[str, str, str]]:
-    """``torch.distributed.pipelining``'s own limits (``schedules.py``): 1F1B needs at least as
-    many micro-batches as stages, interleaved 1F1B a whole number of rounds."""
-    if c.pp == 1:
-        return []
-    out = []
-    stages = c.pp * (c.virtual_stages if c.schedule == "interleaved" else 1)
-    if stages > m.layers:
-        out.append((f"{stages} pipeline stages for {m.layers} layers", "config.pp",
-                    f"use at most {m.layers} stages (pp x virtual_stages)"))
-    if m.tied_embeddings:
-        out.append(("tied embeddings across pipeline stages (the first stage's embedding is the last one's "
-                    "head) are not supported by this runner", "config.pp", "use pp=1, or an untied model"))
-    n = c.grad_accum
-    if c.schedule == "1f1b" and n < c.pp:
-        out.append((f"1F1B needs at least pp={c.pp} micro-batches per step, this candidate has {n}", "config.mbs",
-                    f"use a micro-batch size of at most {c.global_batch // (c.dp * c.pp)}"))
-    if c.schedule == "interleaved" and n % max(1, n // c.pp):
-        out.append((f"interleaved 1F1B runs micro-batches in rounds of pp={c.pp}; {n} is not a whole number "
-                    "of rounds", "config.mbs", f"choose mbs so that the {n} micro-batches are a multiple of pp"))
-    return out
-
-
-def _divisors(n: int) -> str:
-    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0 and d <= 64)

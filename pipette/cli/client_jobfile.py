@@ -5,7 +5,7 @@
     training: {global_batch: 4, seq_len: 32, method: lora}
     budget: {max_trials: 2}
     name: my first job
-    stack: pipette                 # optional: pipette (default), hf-deepspeed (hf-trainer scripts), ...
+    stack: pipette                 # optional: pipette (default), hf-deepspeed, ...; several: [pipette, fsdp]
 
 The file is only read and parsed here; the service checks every field and answers with the
 field's name and the fix, so the CLI and the API can never disagree on what is valid.
@@ -41,6 +41,8 @@ def load_job_file(path: str, overrides: Sequence[str] = ()) -> dict[str, Any]:
         data["model"] = _read_hf_config(file.parent / model if not Path(model).is_absolute() else Path(model))
     if isinstance(data.get("script"), dict):
         data["script"] = _script_body(data["script"], file.parent)
+    if isinstance(data.get("stack"), list):  # stack: [pipette, fsdp]: several side by side, as the API's
+        data["stack"] = ",".join(str(s) for s in data["stack"])
     return data
 
 

@@ -51,19 +51,20 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from pipette.emit import launch_command, write_launch_files
     from pipette.fits import memory_headroom
     from pipette.plan import DEFAULT_MARGIN, make_plan
-    from pipette.stacks import get_stack
+    from pipette.stacks import get_stacks
 
     # Every input is checked, cheapest first, and the first real error is the one reported.
     options = option_values(args, "plan")
     top = int(options["top"] or 0)
     margin = DEFAULT_MARGIN if options["margin"] is None else float(options["margin"])
-    stack = get_stack(args.stack, field="--stack")
+    stacks = get_stacks(args.stack, field="--stack")
     cluster = load_cluster(args.cluster)
     model = load_model(args.model)
     training = load_recipe(args.recipe, args)
     start = time.perf_counter()
-    plan = make_plan(model, training, cluster, margin=margin, stack=stack)
+    plan = make_plan(model, training, cluster, margin=margin, stack=stacks)
     elapsed = time.perf_counter() - start
+    stack = plan.stack_of(plan.best.config)  # with several stacks: the one that runs the best
     files: dict[str, str] = {}
     if not args.no_files:
         try:
@@ -117,6 +118,12 @@ def _chance(p: float) -> str:
     return f"{p:.0%}"
 
 
+def _variant(plan: Any, cfg: Any) -> str:
+    """The candidate's stack, with FSDP2's HSDP degrees and CPU offload when it has them."""
+    hsdp = "" if cfg.dp_shard is None else f" hsdp {cfg.dp // cfg.dp_shard}x{cfg.dp_shard}"
+    return f"{plan.stack_of(cfg).key}{hsdp}{' offload' if cfg.offload else ''}"
+
+
 def _print_plan(plan: Any, top: int, elapsed: float) -> None:
     from pipette.estimates import MEMORY_PARTS, TIME_PARTS
     from pipette.plan import DROP_REASONS
@@ -128,8 +135,8 @@ def _print_plan(plan: Any, top: int, elapsed: float) -> None:
         f"x {plan.training.seq_len} tokens"
     )
     print(f"cluster {c.name}: {len(c.nodes)} nodes, {c.world} x {c.device_spec.name}")
-    print(f"stack {plan.stack.key}: {plan.stack.frameworks}"
-          + (f" ({plan.stack.options_note})" if plan.stack.options_note else ""))
+    for st in plan.all_stacks:
+        print(f"stack {st.key}: {st.frameworks}" + (f" ({st.options_note})" if st.options_note else ""))
     dropped = sum(plan.dropped.values())
     sure = sum(p.sure_to_fit for p in plan.ranked)
     kept_free = f", {plan.margin:.0%} of memory kept free" if plan.margin else ""
@@ -141,7 +148,7 @@ def _print_plan(plan: Any, top: int, elapsed: float) -> None:
         print(f"fit: the chance to fit in memory, from the estimator's measured error ({plan.fits_prior.name}: "
               f"{plan.fits_prior.source}); ranked by the step time to expect from trying each\n")
     header = f"{'#':>3} {'tp':>3} {'pp':>3} {'dp':>4} {'mbs':>3} {'zero':>4} {'recompute':>9} {'schedule':>8} " \
-             f"{'step s':>9} {'tokens/s':>11} {'MFU':>6} {'HFU':>6} {'peak GiB':>15} {'fit':>5}"
+             f"{'step s':>9} {'tokens/s':>11} {'MFU':>6} {'HFU':>6} {'peak GiB':>15} {'fit':>5}  stack"
     print(header)
     for i, p in enumerate(plan.ranked[:top], 1):
         cfg = p.config
@@ -150,7 +157,7 @@ def _print_plan(plan: Any, top: int, elapsed: float) -> None:
         print(
             f"{i:>3} {cfg.tp:>3} {cfg.pp:>3} {cfg.dp:>4} {cfg.mbs:>3} {cfg.zero_stage:>4} "
             f"{cfg.recompute:>9} {sched:>8} {p.perf.step_time:>9.3f} {p.perf.tokens_per_s:>11,.0f} "
-            f"{p.perf.mfu:>6.1%} {p.perf.hfu:>6.1%} {mem:>15} {_chance(p.chance_to_fit):>5}"
+            f"{p.perf.mfu:>6.1%} {p.perf.hfu:>6.1%} {mem:>15} {_chance(p.chance_to_fit):>5}  {_variant(plan, cfg)}"
         )
     print("\ndropped:" if dropped else "\ndropped: none")
     for code, count in plan.dropped.most_common():

@@ -135,7 +135,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
         check_checkpoint(model, args.checkpoint)
     script = _script(args)
-    stack = _stack(args, script)
+    stacks = _stack(args, script)
+    stack = stacks[0]
     if script is not None:
         from workers.host.script_trial import check_script
 
@@ -147,8 +148,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
     cluster = _cluster(args, home, ui, model)
     device_kind = cluster.device_spec.kind
     ui.say(f"planning {model.name} ({training.method}, global batch {training.global_batch} x {training.seq_len}) "
-           f"on {cluster.world} x {cluster.device_spec.name}, stack {stack.key} ...")
-    plan = make_plan(model, training, cluster, margin=margin, seed=options.seed, stack=stack)
+           f"on {cluster.world} x {cluster.device_spec.name}, stack {','.join(s.key for s in stacks)} ...")
+    plan = make_plan(model, training, cluster, margin=margin, seed=options.seed, stack=stacks)
     # A script's trials measure the script: they are kept apart from the runner's. Read before
     # Ray starts: a store it cannot read is refused at once.
     suffix = f"-script-{_script_key(script)}" if script is not None else ""
@@ -210,7 +211,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         out = result_dict(result)
         out["files"] = files
         out["cluster"] = {"name": cluster.name, "devices": cluster.world, "measured_at": cluster.measured_at}
-        out["stack"] = stack.key
+        out["stack"] = plan.stack_key
         json.dump(out, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
@@ -286,11 +287,12 @@ def _script(args: argparse.Namespace) -> ScriptSpec | None:
 
 
 def _stack(args: argparse.Namespace, script: ScriptSpec | None) -> Any:
-    """The stack to tune for (``pipette.stacks.stack_to_tune``), refused before anything is measured."""
-    from pipette.stacks import stack_to_tune
+    """The stacks to tune for (``pipette.stacks.stacks_to_tune``: one, or several side by side),
+    refused before anything is measured."""
+    from pipette.stacks import stacks_to_tune
 
-    return stack_to_tune(args.stack, script=script is not None, script_kind=script.kind if script else None,
-                         field="--stack")
+    return stacks_to_tune(args.stack, script=script is not None, script_kind=script.kind if script else None,
+                          field="--stack")
 
 
 def pipette_flags_in(words: list[str]) -> list[str]:

@@ -18,7 +18,7 @@ from pipette.emit_script import write_script_launch_files
 from pipette.model import ModelSpec
 from pipette.plan import check_recipe
 from pipette.script import ScriptSpec, script_ds_config
-from pipette.stacks import get_stack, stack_to_tune
+from pipette.stacks import get_stacks, stacks_key, stacks_to_tune
 from pipette.training import TrainingSpec
 from service.deps import Caller, State
 from service.errors import NotFoundError
@@ -65,7 +65,7 @@ def submit_job(body: JobIn, state: State, caller: Caller, response: Response) ->
     check_recipe(model, training)  # at submit, not when planning starts (issue 17, item 14)
     tune_options(body.budget.model_dump())  # what the schema cannot check (a reserve below max_trials)
     script, files = script_parts(body.script) if body.script is not None else (None, None)
-    stack = stack_to_tune(body.stack, script=script is not None, script_kind=script.kind if script else None)
+    stacks = stacks_to_tune(body.stack, script=script is not None, script_kind=script.kind if script else None)
     with state.db.write() as session:
         cluster = cluster_repo.get_cluster(session, caller.tenant, body.cluster)
         if script is not None:
@@ -75,7 +75,7 @@ def submit_job(body: JobIn, state: State, caller: Caller, response: Response) ->
         check_room(session, caller.tenant, state.settings.max_queued_per_tenant)
         job = repo.create_job(
             session, tenant=caller.tenant, cluster=cluster, name=body.name, model=model.to_dict(),
-            training=training.to_dict(), options={**body.budget.model_dump(), "stack": stack.key},
+            training=training.to_dict(), options={**body.budget.model_dump(), "stack": stacks_key(stacks)},
         )
         if script is not None:
             job.script, job.script_files = stored(script), files
@@ -193,7 +193,9 @@ def download_best_file(job_id: JobId, name: FileName, state: State, caller: Call
         raise NotFoundError(f"{name} is not a file of {kind}", field="name",
                             fix="use a name from the files of GET /v1/jobs/{id}/best")
     extra = {"job_id": job_id, "trial": best["trial"].number}
-    stack = get_stack(job.options.get("stack"))
+    # the stack that ran the best candidate (its own, in a job over several stacks)
+    stacks = get_stacks(job.options.get("stack"))
+    stack = next((s for s in stacks if s.key == best["config"].stack), stacks[0])
     with tempfile.TemporaryDirectory(prefix="pipette-best-") as tmp:
         if script is not None:
             written = write_script_launch_files(tmp, best["model"], best["training"], best["config"],

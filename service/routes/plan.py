@@ -10,7 +10,7 @@ from fastapi import APIRouter
 from pipette.cluster import ClusterProfile
 from pipette.clusterfile import cluster_from_dict
 from pipette.plan import DEFAULT_MARGIN, check_recipe, make_plan
-from pipette.stacks import get_stack
+from pipette.stacks import get_stacks
 from service.deps import Caller, State
 from service.errors import NotFoundError
 from service.planning import plan_dict
@@ -30,7 +30,7 @@ def what_if(body: PlanIn, state: State, caller: Caller) -> PlanOut:
     model = model_spec(body.model)
     training = training_spec(body.training)
     check_recipe(model, training)
-    stack = get_stack(body.stack)  # an unknown one is refused before the cluster is read
+    stack = get_stacks(body.stack)  # an unknown one is refused before the cluster is read
     cluster = _cluster(body, state, caller.tenant)
     options = given_options(body, "plan")
     margin = DEFAULT_MARGIN if options["margin"] is None else float(options["margin"])

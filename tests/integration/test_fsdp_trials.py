@@ -59,3 +59,29 @@ def test_tune_with_the_fsdp_stack_runs_fsdp_trials(tmp_path: Path) -> None:
     assert ran and all(t["measurement"]["extra"]["backend"].startswith("fsdp2") for t in ran)
     assert json.loads((tmp_path / "best" / "candidate.json").read_text())["stack"]["name"] == "fsdp"
     assert _no_rank_left()
+
+
+def test_tune_over_both_families_runs_trials_of_each_and_picks_one(tmp_path: Path) -> None:
+    """``--stack pipette,fsdp`` on the embedded default's 4 CPU devices (the cluster file) and recipe:
+    one plan of DeepSpeed and FSDP candidates, each trial on its own runner, one pick."""
+    cluster = Path(__file__).resolve().parents[2] / "examples" / "clusters" / "cpu-4.yaml"
+    argv = [sys.executable, "-m", "pipette.cli", "tune", "--cluster", str(cluster), "--dtype", "fp32",
+            "--stack", "pipette,fsdp", "--max-trials", "6", "--steps", "3", "--home", str(tmp_path / "home"),
+            "--out", str(tmp_path / "best"), "--json"]
+    done = subprocess.run(argv, capture_output=True, text=True, env=_env(), timeout=1500)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout)
+    assert result["stack"] == "pipette,fsdp"
+    ran = [t for t in result["trials"] if t["measurement"]["status"] in ("ok", "pruned")]  # both stepped
+    assert {t["stack"] for t in ran} == {"pipette", "fsdp"}, [t["label"] for t in result["trials"]]
+    runner = {"pipette": "deepspeed", "fsdp": "fsdp2"}
+    for t in ran:
+        assert t["config"]["stack"] == t["stack"] and t["label"].endswith("-" + t["stack"])
+        backend = t["measurement"]["extra"].get("backend")  # what ran it (an ok trial reports it)
+        assert backend is None or backend.startswith(runner[t["stack"]]), (t["label"], backend)
+    assert any(t["measurement"]["status"] == "ok" for t in ran)
+    best = result["best"]
+    assert best is not None and best["measurement"]["status"] == "ok"
+    written = json.loads((tmp_path / "best" / "candidate.json").read_text())
+    assert written["stack"]["name"] == best["config"]["stack"]  # the pick's launch files are its own stack's
+    assert _no_rank_left()

@@ -66,3 +66,18 @@ def test_a_job_of_pipettes_runner_refuses_a_stack_it_does_not_run(api: Api, stac
     err = r.json()["error"]
     assert err["field"] == "stack" and all(w in err["message"] for w in words), err
     assert api.client.get("/v1/jobs", headers=h).json()["items"] == []  # nothing queued
+
+
+def test_plan_and_job_take_several_stacks_side_by_side(api: Api) -> None:
+    h = api.token()
+    both = api.client.post("/v1/plan", json={**PLAN, "stack": "pipette,fsdp", "top": 1000}, headers=h)
+    assert both.status_code == 200, both.text
+    plan = both.json()
+    assert [s["name"] for s in plan["stacks"]] == ["pipette", "fsdp"]
+    assert {c["config"]["stack"] for c in plan["ranked"]} == {"pipette", "fsdp"}
+    api.local_cluster(h)
+    accepted = api.client.post("/v1/jobs", json=_job(stack="pipette,fsdp"), headers=h)
+    assert accepted.status_code == 202, accepted.text
+    assert api.client.get(f"/v1/jobs/{accepted.json()['id']}", headers=h).json()["stack"] == "pipette,fsdp"
+    twice = api.client.post("/v1/jobs", json=_job(stack="fsdp,fsdp"), headers=h)
+    assert twice.status_code == 422 and twice.json()["error"]["field"] == "stack", twice.text

@@ -221,3 +221,6 @@ def test_a_job_file_carries_its_stack_to_the_api(tmp_path: Path) -> None:
     job.write_text("cluster: local\nmodel: tiny-llama\ntraining: {global_batch: 4, seq_len: 32}\nstack: pipette\n")
     assert load_job_file(str(job))["stack"] == "pipette"
     assert load_job_file(str(job), ["stack=hf-deepspeed"])["stack"] == "hf-deepspeed"
+    # several side by side: a list, or the API's comma-separated words
+    assert load_job_file(str(job), ["stack=[pipette, fsdp]"])["stack"] == "pipette,fsdp"
+    assert load_job_file(str(job), ["stack=pipette,fsdp"])["stack"] == "pipette,fsdp"

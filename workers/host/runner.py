@@ -50,7 +50,8 @@ class RayTrialRunner:
     checkpoint: str | None = None
     #: the user's own training script, run instead of Pipette's runner (``pipette.script``)
     script: ScriptSpec | None = None
-    #: the stack Pipette's runner trains with (``workers.spec.RUNNER_STACKS``); unused for a script
+    #: the stack Pipette's runner trains with (``workers.spec.RUNNER_STACKS``) unless the candidate
+    #: names its own (a plan over several stacks: ``ParallelConfig.stack``); unused for a script
     stack: str = "pipette"
     #: ship the script's working directory to the ranks' nodes with Ray's runtime environment
     #: (the service; a remote cluster) instead of running it in place (a local Ray)
@@ -85,14 +86,15 @@ class RayTrialRunner:
             self.model, self.training, config, warmup_steps=self.warmup_steps,
             min_steps=min(self.min_steps, self.max_steps), max_steps=self.max_steps, rel_ci=self.rel_ci,
             memory_cap_bytes=cap, device_kind=self.device_kind, peak_flops=peak, seed=self.seed, data=self.data,
-            checkpoint=self.checkpoint, script=self.script, stack=self.stack,
+            checkpoint=self.checkpoint, script=self.script, stack=config.stack or self.stack,
         )
 
     def refusals(self, config: ParallelConfig) -> list[str]:
         """Why the backends (or the user's script) cannot run ``config`` (empty when they can);
         starts nothing."""
         nodes = [d.node for d in self.cluster.devices]
-        return refusals_for(self.model, self.training, config, self.device_kind, self.script, nodes, self.stack)
+        return refusals_for(self.model, self.training, config, self.device_kind, self.script, nodes,
+                            config.stack or self.stack)
 
     def prepare(self, force: bool = False) -> None:
         """Build DeepSpeed's CPU op on every node once, before the first trial of either kind
