@@ -156,12 +156,12 @@ def stop_local_ray(grace_s: float = 1.0) -> None:
     """Stop the local Ray this process started (its GCS, raylet, agents and workers, and what
     they started: the zygote, ranks); a Ray cluster it only connected to is left running.
 
-    ``ray.shutdown`` ends Ray's own processes one after the other, a second or more each (5 s
-    under ``serve`` here), and their agents and workers notice only later (6-64 s after a
-    SIGTERM of ``serve``, issue 32 item 21). So once the driver has disconnected, the whole
-    tree under Ray's processes is sent SIGTERM at once, and SIGKILL after ``grace_s`` (Ray's own
-    wait for each of its processes: they do not all end on SIGTERM); Ray's loop then only
-    reaps them."""
+    ``ray.shutdown`` ends Ray's own processes one after the other, a second or more each, and
+    the raylet's agents and workers notice only later (issue 32 item 21; the agents ignore a
+    SIGTERM for seconds). So once the driver has disconnected, the whole tree under Ray's
+    processes is sent SIGTERM at once, and SIGKILL after ``grace_s`` (Ray's own wait for each
+    of its processes); Ray's loop then only reaps them. This needs the GCS and the raylet alive
+    until then: see ``RayParent`` for what ended them early under ``serve``."""
     global _STARTED_LOCAL, _PARENT
     if _STARTED_LOCAL and ray.is_initialized():
         tree = _ray_process_tree()
