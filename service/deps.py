@@ -91,15 +91,26 @@ Caller = Annotated[Principal, Depends(principal)]
 async def reject_unknown_query(request: Request) -> None:
     """A query parameter the route does not take is an error (a typo such as ``?stat=running``
     would otherwise be ignored and answer as if no filter had been asked for)."""
-    route = request.scope.get("route")
-    dependant = getattr(route, "dependant", None)
-    if dependant is None:
+    if not request.scope.get("query_string"):
         return
-    known = _query_names(dependant)
+    route = request.scope.get("route")
+    if getattr(route, "dependant", None) is None:
+        return
+    known = _route_query_names(route)
     for name in request.query_params:
         if name not in known:
             raise RequestError(f"unknown query parameter {name!r}", field=name or "query",
                                fix=f"use only {', '.join(sorted(known))}" if known else "send no query parameters")
+
+
+def _route_query_names(route: Any) -> frozenset[str]:
+    """The query parameters a route takes, worked out once per route (kept on the route
+    object), not per request."""
+    known: frozenset[str] | None = getattr(route, "_pipette_query_names", None)
+    if known is None:
+        known = frozenset(_query_names(route.dependant))
+        route._pipette_query_names = known
+    return known
 
 
 def _query_names(dependant: Any) -> set[str]:

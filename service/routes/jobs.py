@@ -26,7 +26,6 @@ from service.models import Cluster, Job, Profile
 from service.repositories import clusters as cluster_repo
 from service.repositories import jobs as repo
 from service.repositories import trials as trial_repo
-from service.repositories.leases import get_lease
 from service.repositories.quotas import check_room, serialize_tenant
 from service.routes import AUTHED, errors, json_errors
 from service.schemas import (
@@ -118,8 +117,7 @@ def read_job(job_id: JobId, state: State, caller: Caller) -> Response:
         job = repo.get_job(session, caller.tenant, job_id)
         out = job_out(job)
         if job.state == "queued":  # the hot path (running and finished jobs) pays no extra query
-            cluster = session.get(Cluster, job.cluster_id)
-            out.notice = unserved_notice(job, cluster, get_lease(session, cluster.resource) if cluster else None)
+            out.notice = unserved_notice(job, *cluster_repo.cluster_and_lease(session, job.cluster_id))
         return as_json(out)
 
 
@@ -134,8 +132,8 @@ def cancel_job(job_id: JobId, state: State, caller: Caller) -> JobOut:
 @router.get("/{job_id}/trials", response_model=TrialList, responses=errors(*AUTHED, 404))
 def list_trials(job_id: JobId, state: State, caller: Caller) -> Response:
     with state.db.read() as session:
-        job = repo.get_job(session, caller.tenant, job_id)
-        return as_json(TrialList(items=[trial_out(t) for t in trial_repo.list_trials(session, job.id)]))
+        return as_json(TrialList(items=[trial_out(t) for t in trial_repo.list_tenant_trials(session, caller.tenant,
+                                                                                             job_id)]))
 
 
 @router.get("/{job_id}/trials/{number}", response_model=TrialDetail, responses=errors(*AUTHED, 404))

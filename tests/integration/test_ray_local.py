@@ -130,3 +130,60 @@ def test_the_embedded_ray_listens_on_loopback_wants_its_token_and_stops_whole(tm
     assert "PIPETTE-IN 7" in str(pipette["pipette_out"]), pipette
     assert "FIX: the cluster wants Ray's token: set RAY_AUTH_MODE=token" in str(pipette["pipette_out"]), pipette
     assert stopped["alive_after_stop"] == [], stopped
+
+
+THREAD_DRIVER = r"""
+import json, threading, time, psutil, ray
+from workers.host.ray_cluster import ensure_ray, stop_local_ray
+
+# Started on a thread that then ends, as the service's scheduler thread ends at a SIGTERM
+# before the service stops its Ray.
+starter = threading.Thread(target=ensure_ray, kwargs={"num_cpus": 2})
+starter.start()
+starter.join()
+time.sleep(2)
+
+@ray.remote
+class Pinger:
+    def ping(self):
+        return "pong"
+
+try:
+    pong = ray.get(Pinger.remote().ping.remote(), timeout=60)
+except Exception as e:
+    pong = f"{type(e).__name__}: {e}"[:300]
+me = psutil.Process()
+procs = me.children(recursive=True)
+asked = time.monotonic()
+stop_local_ray()
+stopped = time.monotonic() - asked
+while True:
+    alive = []
+    for p in procs:
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE:
+                alive.append(" ".join(p.cmdline())[:80])
+        except psutil.NoSuchProcess:
+            pass
+    if not alive or time.monotonic() - asked > 30:
+        break
+    time.sleep(0.05)
+print(json.dumps({"pong": pong, "processes": len(procs), "stop_s": stopped, "gone_s": time.monotonic() - asked,
+                  "alive": alive}), flush=True)
+"""
+
+
+def test_a_ray_started_on_an_ended_thread_keeps_running_and_stops_whole_within_5_s() -> None:
+    """Ray kills its GCS and raylet when the *thread* that started them ends (PR_SET_PDEATHSIG):
+    the service's scheduler thread ended at a SIGTERM, ``ray.shutdown`` then exited the service
+    on the spot, and the orphaned agents lived ~60 s more (issue 32 item 21)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE")}
+    env["PYTHONPATH"] = str(ROOT)
+    done = subprocess.run([sys.executable, "-c", THREAD_DRIVER], env=env, capture_output=True, text=True,
+                          timeout=240, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    facts = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")][-1]
+    assert facts["pong"] == "pong", facts
+    assert facts["processes"] >= 4, facts  # GCS, raylet, agents, the actor's worker
+    assert facts["alive"] == [], facts
+    assert facts["gone_s"] <= 5, facts

@@ -131,3 +131,35 @@ def ray_processes_of(pid: int) -> list[str]:
         if pattern.search(cmd):
             found.append(f"{entry.name}: {cmd[:200]}")
     return found
+
+
+def session_processes(pid: int) -> list[str]:
+    """Command lines of the live processes in the session of ``pid`` (a ``ServiceProcess`` is
+    started in its own session), other than ``pid`` itself: Ray's GCS and raylet, its agents and
+    workers (their command lines, set by Ray, no longer name the session folder); the ranks
+    start their own sessions."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == pid:
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()  # state, ppid, pgrp, session, ...
+        if int(fields[3]) == pid and fields[0] != "Z":
+            found.append(f"{entry.name}: {cmd[:200]}")
+    return found
+
+
+def commands(processes: list[tuple[int, int]]) -> list[str]:
+    """``PID: command line`` of each of ``processes`` (from ``workers.host.ray_cluster.descendants``)."""
+    out = []
+    for pid, _ in processes:
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        out.append(f"{pid}: {cmd[:200]}")
+    return out

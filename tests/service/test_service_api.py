@@ -427,7 +427,7 @@ def test_openapi_documents_the_api(api: Api) -> None:
 def _job(**changes: Any) -> dict[str, Any]:
     from tests.service.conftest import JOB_BODY
 
-    body = json.loads(json.dumps(JOB_BODY))
+    body: dict[str, Any] = json.loads(json.dumps(JOB_BODY))
     body.update(changes)
     return body
 
@@ -494,3 +494,44 @@ def test_plans_and_clusters_have_per_tenant_limits(tmp_path: Any) -> None:
         error = third.json()["error"]
         assert "PIPETTE_MAX_CLUSTERS_PER_TENANT" in error["message"] and error["field"] == "name" and error["fix"]
         api.local_cluster(other, "one")
+
+
+def _statements(api: Api) -> list[str]:
+    """Every SQL statement the app runs from now on (appended as they run)."""
+    from sqlalchemy import event
+
+    seen: list[str] = []
+
+    def record(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
+        if statement.split(None, 1)[0].upper() not in ("BEGIN", "COMMIT", "ROLLBACK"):
+            seen.append(statement)
+
+    event.listen(api.db.engine, "before_cursor_execute", record)
+    return seen
+
+
+def test_the_hot_reads_cost_one_query_each(api: Api, job_body: Callable[..., dict[str, Any]]) -> None:
+    """The polled reads (issue 32 item 22): a job's trials in one query (the job row was loaded
+    first, its JSON columns decoded only to check the tenant), and a queued job with its
+    cluster and lease in two (were three). The token is cached, so it costs none."""
+    from service.repositories.trials import start_trial
+
+    headers = api.token()
+    api.local_cluster(headers)
+    job = api.client.post("/v1/jobs", json=job_body(), headers=headers).json()
+    with api.db.write() as session:
+        start_trial(session, job["id"], 0, label="tp1-pp1-dp2", config={}, predicted_step_time=1.0)
+    api.client.get("/v1/jobs", headers=headers)  # the token is verified and cached
+    seen = _statements(api)
+    trials = api.client.get(f"/v1/jobs/{job['id']}/trials", headers=headers)
+    assert trials.status_code == 200 and [t["number"] for t in trials.json()["items"]] == [0]
+    assert len(seen) == 1, seen
+    seen.clear()
+    read = api.client.get(f"/v1/jobs/{job['id']}", headers=headers)
+    assert read.status_code == 200 and read.json()["state"] == "queued"
+    assert len(seen) == 2, seen
+    seen.clear()
+    empty = api.client.post("/v1/jobs", json=job_body(), headers=headers).json()
+    seen.clear()
+    assert api.client.get(f"/v1/jobs/{empty['id']}/trials", headers=headers).json()["items"] == []
+    assert len(seen) == 2, seen  # no trials: one more query tells an empty job from a missing one

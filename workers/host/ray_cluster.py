@@ -8,8 +8,9 @@ import ipaddress
 import logging
 import os
 import signal
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +64,15 @@ def start_local_ray(num_cpus: int | None = None) -> None:
     the token it keeps in ``~/.ray/auth_token``; the test checks a wrong token is refused). It
     cannot be switched on from here: Ray reads ``RAY_AUTH_MODE`` when it is imported, and a
     value set later makes the driver and its GCS disagree."""
-    global _STARTED_LOCAL
+    global _STARTED_LOCAL, _PARENT
+    if threading.current_thread() is threading.main_thread():
+        _init_local(num_cpus)
+    else:
+        _PARENT = RayParent(lambda: _init_local(num_cpus))
+    _STARTED_LOCAL = True
+
+
+def _init_local(num_cpus: int | None) -> None:
     with _single_host_mode():
         ray.init(
             address="local",
@@ -72,7 +81,48 @@ def start_local_ray(num_cpus: int | None = None) -> None:
             include_dashboard=False,
             log_to_driver=False,
         )
-    _STARTED_LOCAL = True
+
+
+class RayParent:
+    """A thread that starts the local Ray and lives until ``stop_local_ray``.
+
+    Ray starts its GCS, raylet and monitors with ``PR_SET_PDEATHSIG`` (SIGKILL), which the
+    kernel fires when the *thread* that started them exits, not the process (prctl(2)). The
+    service starts Ray on its scheduler thread, so at a SIGTERM that thread's exit killed the
+    GCS and the raylet under the driver: ``ray.shutdown`` then found its raylet dead and exited
+    the whole process on the spot, before the service's own shutdown ran, and the raylet's
+    agents, which no longer had a parent to end them, lived on for about 60 s (issue 32 item
+    21). Started from this thread, Ray lives as long as the process or until it is stopped."""
+
+    def __init__(self, init: Callable[[], None]) -> None:
+        self._init = init
+        self._error: Exception | None = None
+        self._started = threading.Event()
+        self._release = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="pipette-ray-parent", daemon=True)
+        self._thread.start()
+        self._started.wait()
+        if self._error is not None:
+            raise self._error
+
+    def _run(self) -> None:
+        try:
+            self._init()
+        except Exception as e:  # handed to the caller of __init__, which raises it
+            self._error = e
+            self._started.set()
+            return
+        self._started.set()
+        self._release.wait()
+
+    def release(self) -> None:
+        """Let the thread end (its Ray processes are gone by now)."""
+        self._release.set()
+        self._thread.join(5)
+
+
+#: The thread that started the local Ray, when a thread other than the main one asked for it.
+_PARENT: RayParent | None = None
 
 
 @contextlib.contextmanager
@@ -106,13 +156,13 @@ def stop_local_ray(grace_s: float = 1.0) -> None:
     """Stop the local Ray this process started (its GCS, raylet, agents and workers, and what
     they started: the zygote, ranks); a Ray cluster it only connected to is left running.
 
-    ``ray.shutdown`` ends Ray's own processes one after the other, a second or more each (5 s
-    under ``serve`` here), and their agents and workers notice only later (6-64 s after a
-    SIGTERM of ``serve``, issue 32 item 21). So once the driver has disconnected, the whole
-    tree under Ray's processes is sent SIGTERM at once, and SIGKILL after ``grace_s`` (Ray's own
-    wait for each of its processes: they do not all end on SIGTERM); Ray's loop then only
-    reaps them."""
-    global _STARTED_LOCAL
+    ``ray.shutdown`` ends Ray's own processes one after the other, a second or more each, and
+    the raylet's agents and workers notice only later (issue 32 item 21; the agents ignore a
+    SIGTERM for seconds). So once the driver has disconnected, the whole tree under Ray's
+    processes is sent SIGTERM at once, and SIGKILL after ``grace_s`` (Ray's own wait for each
+    of its processes); Ray's loop then only reaps them. This needs the GCS and the raylet alive
+    until then: see ``RayParent`` for what ended them early under ``serve``."""
+    global _STARTED_LOCAL, _PARENT
     if _STARTED_LOCAL and ray.is_initialized():
         tree = _ray_process_tree()
         node = getattr(ray._private.worker, "_global_node", None)
@@ -126,6 +176,9 @@ def stop_local_ray(grace_s: float = 1.0) -> None:
             node.kill_all_processes = kill_all_processes
         ray.shutdown()
         end_processes(tree, grace_s)  # a worker that was between parents meanwhile
+    if _PARENT is not None:
+        _PARENT.release()
+        _PARENT = None
     _STARTED_LOCAL = False
 
 
