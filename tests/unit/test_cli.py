@@ -192,13 +192,17 @@ def test_a_signal_ends_a_command_with_the_shells_code_and_a_word(tmp_path: Path,
                                                                   said: str) -> None:
     """Issue 32, item 7: SIGTERM ended a command silently (Ray's handler: exit 15, or none)."""
     import os
+    import signal
     import time
 
     env = {**os.environ, "HOME": str(tmp_path), "PIPETTE_CONFIG": str(tmp_path / "c.json")}
     env.pop("PIPETTE_TOKEN", None)
     # `login --with-token` waits on stdin: a command blocked where the user might stop it
+    # SIGINT restored in the child: under a shell's background job (`pytest ... &`) it is
+    # ignored, and Python keeps an ignored SIGINT ignored
     proc = subprocess.Popen([sys.executable, "-m", "pipette.cli", "login", "--with-token"], stdin=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     # wait until it blocks reading stdin (a fixed sleep raced the imports on a loaded machine)
     wchan, deadline = Path(f"/proc/{proc.pid}/wchan"), time.monotonic() + 60
     while "pipe_read" not in wchan.read_text() and time.monotonic() < deadline:
