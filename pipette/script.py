@@ -22,8 +22,8 @@ top of the user's own (``script_ds_config``), and appends the knobs to the argum
 ``accelerate-fsdp``, ``torchtitan``); any knob can be set or cleared on top. A script that shards
 with PyTorch FSDP (``fsdp``: the kinds ``accelerate-fsdp`` and ``torchtitan``, or an
 ``hf-trainer`` script tuned with the ``fsdp`` stack) takes the ``fsdp`` stack's candidates
-(``pipette.script_fsdp``), never a DeepSpeed config. Pure: reads no file and starts nothing (``check_script`` in the CLI and
-the service checks the files).
+(``pipette.script_fsdp``), never a DeepSpeed config. Pure: reads no file and starts nothing
+(``check_script`` in the CLI and the service checks the files).
 """
 
 from __future__ import annotations

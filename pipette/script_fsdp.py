@@ -96,6 +96,14 @@ def accelerate_fsdp_env(training: TrainingSpec, config: ParallelConfig, model: M
         "FSDP_STATE_DICT_TYPE": fsdp["fsdp_state_dict_type"],
         "FSDP_ACTIVATION_CHECKPOINTING": flag(fsdp["fsdp_activation_checkpointing"]),
         "FSDP_CPU_RAM_EFFICIENT_LOADING": flag(fsdp["fsdp_cpu_ram_efficient_loading"]),
+        # the launcher's defaults for what the config leaves out (accelerate/commands/launch.py's
+        # flags), so a trial's ranks see what a launch's see
+        "FSDP_SHARDING_STRATEGY": "FULL_SHARD",  # FSDP1's; FSDP2 reads FSDP_RESHARD_AFTER_FORWARD
+        "FSDP_MIN_NUM_PARAMS": "100000000",
+        "FSDP_FORWARD_PREFETCH": "false",
+        "FSDP_USE_ORIG_PARAMS": "true",
+        "FSDP_SYNC_MODULE_STATES": "true",
+        "FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD": "false",
     }
     if "fsdp_transformer_layer_cls_to_wrap" in fsdp:
         env["FSDP_TRANSFORMER_CLS_TO_WRAP"] = fsdp["fsdp_transformer_layer_cls_to_wrap"]

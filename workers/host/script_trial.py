@@ -252,6 +252,14 @@ def check_script(script: ScriptSpec) -> None:
                         fix="give the folder the script runs in")
     program = script.program
     path = workdir / program
+    if script.is_python and program == "-m":  # python -m package.module: found at run time, on its path
+        if shutil.which(script.argv[0], path=script_path(os.environ.get("PATH", ""))) is None:
+            raise SpecError(f"{script.argv[0]!r} is not on PATH", field="script.argv",
+                            fix="name a Python that is installed, e.g. python")
+        if len(script.argv) < 3:
+            raise SpecError("is python -m without a module", field="script.argv",
+                            fix="give the module, e.g. python -m torchtitan.train")
+        return
     if script.is_python:
         if shutil.which(script.argv[0], path=script_path(os.environ.get("PATH", ""))) is None:
             raise SpecError(f"{script.argv[0]!r} is not on PATH", field="script.argv",
