@@ -121,7 +121,7 @@ def accelerate_fsdp_yaml(training: TrainingSpec, config: ParallelConfig, model: 
         "# Pipette: Accelerate with FSDP2 for " + config.label,
         "compute_environment: LOCAL_MACHINE",
         "distributed_type: FSDP",
-        f"mixed_precision: {_mixed_precision(training)}",
+        f"mixed_precision: '{_mixed_precision(training)}'",  # quoted: YAML reads a bare no as false
         "fsdp_config:",
         *(f"  {k}: {_yaml(v)}" for k, v in accelerate_fsdp_settings(training, config, model).items()),
     ]

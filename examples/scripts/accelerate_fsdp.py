@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -54,7 +55,7 @@ def main() -> None:
     reporter = Reporter()
     reporter.begin()
     model.train()
-    step, total = 0, 0.0
+    step, total, last = 0, 0.0, time.perf_counter()
     for batch in loader:
         with accelerator.accumulate(model):
             loss = model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
@@ -67,7 +68,9 @@ def main() -> None:
         if not accelerator.sync_gradients:
             continue
         mean = accelerator.reduce(torch.tensor(total, device=accelerator.device), reduction="mean").item()
-        accelerator.print(f"step {step} loss {mean:.4f}")
+        now = time.perf_counter()  # the step's time as Pipette's Reporter takes it: from the last step's end
+        accelerator.print(f"step {step} loss {mean:.4f} time {now - last:.4f}")
+        last = now
         step, total = step + 1, 0.0
         if reporter.step(loss=mean, samples=global_batch) or step >= steps:
             break
