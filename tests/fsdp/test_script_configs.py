@@ -59,7 +59,7 @@ def test_the_trainer_reads_the_emitted_fsdp_flags_into_the_candidates_plugin(tmp
     path.write_text(json.dumps(trainer_fsdp_config(training, config, MODEL)))
     argv = script.command(training, config, "", steps=5, fsdp_config_path=str(path))
     (args,) = HfArgumentParser(TrainingArguments).parse_args_into_dataclasses(
-        argv[2:] + ["--output_dir", str(tmp_path / "out")])
+        [*argv[2:], "--output_dir", str(tmp_path / "out")])
     plugin = args.fsdp_plugin_args
     assert plugin["fsdp_version"] == 2
     assert plugin["reshard_after_forward"] is (config.zero_stage == 3)
