@@ -13,6 +13,11 @@
   first node over ssh (DeepSpeed). The candidate's placement is realised by the order of the
   devices each node exposes (``CUDA_VISIBLE_DEVICES`` / ``--include``): launchers number a
   script's ranks node by node, which is why a script's search keeps only placements that do.
+
+An FSDP script (``ScriptSpec.fsdp``) gets its own stack's files instead (``pipette.script_fsdp``):
+``accelerate_config.yaml`` with ``distributed_type: FSDP`` and ``launch-accelerate.sh``
+(``accelerate-fsdp``); ``fsdp_config.json`` and ``launch-torchrun.sh`` (the HF Trainer's
+``--fsdp``); ``torchtitan.toml`` and ``launch-torchrun.sh`` (torchtitan). No DeepSpeed config.
 """
 
 from __future__ import annotations
@@ -28,7 +33,14 @@ from pipette.config import ParallelConfig
 from pipette.contract import RANK_ENV
 from pipette.emit import PYTHON_VAR, build_tool_lines, deepspeed_config, python_finder, rank_map
 from pipette.model import ModelSpec
-from pipette.script import ScriptSpec, script_ds_config
+from pipette.script import ScriptSpec, script_ds_config, sharded
+from pipette.script_fsdp import (
+    TORCHTITAN_CONFIG,
+    TRAINER_FSDP_CONFIG,
+    accelerate_fsdp_yaml,
+    torchtitan_toml,
+    trainer_fsdp_config,
+)
 from pipette.training import TrainingSpec
 
 #: Steps the launches run when the script has a steps knob (the user edits it for a real run).
@@ -85,14 +97,31 @@ def _finder(modules: tuple[str, ...], launcher: str, python: str | None) -> list
     ]
 
 
+def _fsdp_config_file(script: ScriptSpec, config: ParallelConfig) -> str | None:
+    """The file an FSDP script's ``fsdp_config`` knob names (None: none for this candidate)."""
+    if not script.fsdp:
+        return None
+    if script.kind == "torchtitan":
+        return TORCHTITAN_CONFIG
+    return TRAINER_FSDP_CONFIG if sharded(config) else None
+
+
 def _script_part(script: ScriptSpec, training: TrainingSpec, config: ParallelConfig, no_python: str) -> str:
-    """The program and its arguments after the launcher's own flags (``$HERE/ds_config.json``)."""
+    """The program and its arguments after the launcher's own flags (the files beside the
+    launch as ``"$HERE/NAME"``)."""
     q = shlex.quote
-    argv = script.command(training, config, "$HERE/ds_config.json", steps=LAUNCH_STEPS)
+    named = _fsdp_config_file(script, config)
+    argv = script.command(training, config, "$HERE/ds_config.json", steps=LAUNCH_STEPS,
+                          fsdp_config_path=f"$HERE/{named}" if named else None)
     args = argv[2:] if script.is_python else argv[1:]
     head = [] if script.is_python else [no_python]
-    words = [*head, q(script.program)] + [a if a == "$HERE/ds_config.json" else q(a) for a in args]
-    return " ".join(words).replace("$HERE/ds_config.json", '"$HERE/ds_config.json"')
+    return " ".join([*head, q(script.program)] + [f'"{a}"' if _beside(a) else q(a) for a in args])
+
+
+def _beside(word: str) -> bool:
+    """A file Pipette wrote beside the launch (``$HERE/NAME``, NAME a plain file name)."""
+    name = word.removeprefix("$HERE/")
+    return word.startswith("$HERE/") and name.replace(".", "").replace("_", "").replace("-", "").isalnum()
 
 
 def _header(config: ParallelConfig, cluster: ClusterProfile, script: ScriptSpec, launcher: str) -> list[str]:
@@ -129,7 +158,10 @@ def launch_accelerate(config: ParallelConfig, cluster: ClusterProfile, training:
                       script: ScriptSpec, python: str | None = None) -> str:
     blocks = node_blocks(config, cluster)
     lines = _header(config, cluster, script, "accelerate launch")
-    lines += _finder(("accelerate", "deepspeed"), "accelerate and deepspeed", python)
+    if script.fsdp:
+        lines += _finder(("accelerate",), "accelerate", python)
+    else:
+        lines += _finder(("accelerate", "deepspeed"), "accelerate and deepspeed", python)
     lines += build_tool_lines()
     lines += _node_selection(blocks, cluster)
     lines.append(
@@ -197,6 +229,8 @@ def write_script_launch_files(
     """Write the launch files of the user's script into ``out_dir``; returns them by name."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if script.fsdp:
+        return _write(out, fsdp_script_files(model, training, config, cluster, script, extra))
     blocks = node_blocks(config, cluster)
     ds = script_ds_config(deepspeed_config(training, config, model=model), script)
     files = {
@@ -204,13 +238,44 @@ def write_script_launch_files(
         "accelerate_config.yaml": accelerate_config(config, cluster),
         "hostfile": "".join(f"{_host(cluster, n)} slots={len(cluster.devices_on(n))}\n" for n, _ in blocks),
         "rank_map.json": json.dumps(rank_map(config, cluster), indent=2) + "\n",
-        "candidate.json": json.dumps({"model": model.to_dict(), "training": training.to_dict(),
-                                      "config": config.to_dict(), "script": script.to_dict(), **(extra or {})},
-                                     indent=2) + "\n",
+        "candidate.json": _candidate(model, training, config, script, extra),
         "launch-deepspeed.sh": launch_deepspeed(config, cluster, training, script),
         "launch-torchrun.sh": launch_torchrun(config, cluster, training, script),
         "launch-accelerate.sh": launch_accelerate(config, cluster, training, script),
     }
+    return _write(out, files)
+
+
+def _candidate(model: ModelSpec, training: TrainingSpec, config: ParallelConfig, script: ScriptSpec,
+               extra: dict[str, Any] | None) -> str:
+    return json.dumps({"model": model.to_dict(), "training": training.to_dict(), "config": config.to_dict(),
+                       "script": script.to_dict(), **(extra or {})}, indent=2) + "\n"
+
+
+def fsdp_script_files(model: ModelSpec, training: TrainingSpec, config: ParallelConfig, cluster: ClusterProfile,
+                      script: ScriptSpec, extra: dict[str, Any] | None = None) -> dict[str, str]:
+    """An FSDP script's launch files by name (see the module docstring)."""
+    blocks = node_blocks(config, cluster)
+    files = {
+        "rank_map.json": json.dumps(rank_map(config, cluster), indent=2) + "\n",
+        "candidate.json": _candidate(model, training, config, script, extra),
+    }
+    if script.kind == "accelerate-fsdp":
+        main_ip = _host(cluster, blocks[0][0]) if len(blocks) > 1 else "127.0.0.1"
+        files["accelerate_config.yaml"] = accelerate_fsdp_yaml(training, config, model, machines=len(blocks),
+                                                               main_ip=main_ip,
+                                                               use_cpu=cluster.device_spec.kind == "cpu")
+        files["launch-accelerate.sh"] = launch_accelerate(config, cluster, training, script)
+        return files
+    if script.kind == "torchtitan":
+        files[TORCHTITAN_CONFIG] = torchtitan_toml(training, config, model, script)
+    elif sharded(config):
+        files[TRAINER_FSDP_CONFIG] = json.dumps(trainer_fsdp_config(training, config, model), indent=2) + "\n"
+    files["launch-torchrun.sh"] = launch_torchrun(config, cluster, training, script)
+    return files
+
+
+def _write(out: Path, files: dict[str, str]) -> dict[str, Path]:
     written = {}
     for name, text in files.items():
         path = out / name

@@ -14,36 +14,55 @@ top of the user's own (``script_ds_config``), and appends the knobs to the argum
                       not listen to ``pipette.report``: it then stops by itself)
 ``seq_len``           the flag taking the sequence length
 ``bf16`` / ``fp16``   flags present when training in that precision (HF Trainer's ``--bf16``)
+``fsdp``              a flag present when the candidate shards with FSDP (HF Trainer's ``--fsdp``)
+``fsdp_config``       the flag taking the FSDP config file Pipette writes (HF Trainer's
+                      ``--fsdp_config`` JSON; torchtitan's ``--job.config_file`` TOML)
 
-``kind`` fills the usual knobs of a known stack (``hf-trainer``, ``deepspeed``); any knob can be
-set or cleared on top. Pure: reads no file and starts nothing (``check_script`` in the CLI and
-the service checks the files).
+``kind`` fills the usual knobs of a known stack (``hf-trainer``, ``deepspeed``,
+``accelerate-fsdp``, ``torchtitan``); any knob can be set or cleared on top. A script that shards
+with PyTorch FSDP (``fsdp``: the kinds ``accelerate-fsdp`` and ``torchtitan``, or an
+``hf-trainer`` script tuned with the ``fsdp`` stack) takes the ``fsdp`` stack's candidates
+(``pipette.script_fsdp``), never a DeepSpeed config. Pure: reads no file and starts nothing
+(``check_script`` in the CLI and the service checks the files).
 """
 
 from __future__ import annotations
 
 import copy
 import itertools
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from pipette.config import ParallelConfig
 from pipette.errors import SpecError
 from pipette.training import TrainingSpec
 
-KNOBS = ("deepspeed_config", "micro_batch", "grad_accum", "checkpointing", "steps", "seq_len", "bf16", "fp16")
+KNOBS = ("deepspeed_config", "micro_batch", "grad_accum", "checkpointing", "steps", "seq_len", "bf16", "fp16",
+         "fsdp", "fsdp_config")
 #: Knobs that are flags without a value (present when on).
-SWITCHES = ("checkpointing", "bf16", "fp16")
+SWITCHES = ("checkpointing", "bf16", "fp16", "fsdp")
 
 #: The knobs of the stacks Pipette knows (HF ``TrainingArguments`` names; the example loop's).
 KINDS: dict[str, dict[str, str]] = {
     "hf-trainer": {
         "deepspeed_config": "--deepspeed", "micro_batch": "--per_device_train_batch_size",
         "grad_accum": "--gradient_accumulation_steps", "checkpointing": "--gradient_checkpointing",
-        "steps": "--max_steps", "bf16": "--bf16", "fp16": "--fp16",
+        "steps": "--max_steps", "bf16": "--bf16", "fp16": "--fp16", "fsdp": "--fsdp", "fsdp_config": "--fsdp_config",
     },
     "deepspeed": {"deepspeed_config": "--deepspeed_config"},
+    # Accelerate's FSDP plugin reads its settings from what `accelerate launch` exports (the
+    # config YAML's fsdp_config), so the script needs no config flag; these are the Trainer's
+    # names, which examples/scripts/accelerate_fsdp.py takes too.
+    "accelerate-fsdp": {
+        "micro_batch": "--per_device_train_batch_size", "grad_accum": "--gradient_accumulation_steps",
+        "steps": "--max_steps",
+    },
+    # torchtitan's train entry (torchtitan/train.py): everything in the TOML, the step count on top
+    "torchtitan": {"fsdp_config": "--job.config_file", "steps": "--training.steps"},
 }
+#: The kinds whose script shards with FSDP whatever the stack (an ``hf-trainer`` script does
+#: when tuned with the ``fsdp`` stack).
+FSDP_KINDS = ("accelerate-fsdp", "torchtitan")
 
 
 @dataclass(frozen=True)
@@ -61,6 +80,9 @@ class ScriptSpec:
     #: where the script runs (its relative paths are relative to it); None: the current directory
     workdir: str | None = None
     kind: str | None = None
+    #: the script shards with PyTorch FSDP (the ``fsdp`` stack's candidates): set by the kinds
+    #: ``accelerate-fsdp`` and ``torchtitan``, and by ``bind_stack`` for an ``hf-trainer`` script
+    fsdp: bool = False
 
     def __post_init__(self) -> None:
         argv = self.argv
@@ -96,6 +118,12 @@ class ScriptSpec:
         object.__setattr__(self, "knobs", knobs)
         if self.base_config is not None and not isinstance(self.base_config, dict):
             raise SpecError("is not a JSON object", field="script.base_config", fix="give a DeepSpeed config")
+        if not isinstance(self.fsdp, bool):
+            raise SpecError(f"is {self.fsdp!r}", field="script.fsdp", fix="use true or false")
+        if self.kind in FSDP_KINDS:
+            object.__setattr__(self, "fsdp", True)
+        if self.fsdp:
+            _check_fsdp_script(self)
 
     @property
     def program(self) -> str:
@@ -115,7 +143,11 @@ class ScriptSpec:
     def refusals(self, training: TrainingSpec, config: ParallelConfig, nodes: list[int] | None = None) -> list[str]:
         """Why this script cannot run ``config``; empty when it can. ``nodes``: the node of each
         device, to check that launchers which number ranks node by node can place it."""
+        if self.fsdp:
+            return fsdp_script_refusals(self, config) + self._node_refusals(config, nodes)
         out = []
+        if config.dp_shard is not None or config.offload:
+            out.append("HSDP (dp_shard) and CPU offload are FSDP options: a DeepSpeed script has neither")
         if config.pp > 1 and not self.pipeline:
             out.append(f"pp={config.pp}: the script does not build a PipelineModule (say pipeline: true if it does)")
         if config.tp > 1 and not self.autotp:
@@ -130,22 +162,34 @@ class ScriptSpec:
             out.append(f"schedule {config.schedule!r}: DeepSpeed's pipeline runs 1F1B only")
         if not self.micro_batch_settable() and config.mbs != 1 and "deepspeed_config" not in self.knobs:
             out.append(f"mbs={config.mbs}: the script takes neither a DeepSpeed config nor a micro-batch knob")
+        return out + self._node_refusals(config, nodes)
+
+    @staticmethod
+    def _node_refusals(config: ParallelConfig, nodes: list[int] | None) -> list[str]:
         if nodes is not None:
             order = [nodes[d] for d in config.devices()]
             blocks = 1 + sum(a != b for a, b in itertools.pairwise(order))
             if blocks != len(set(order)):
-                out.append("the placement interleaves nodes; launchers number a script's ranks node by node")
-        return out
+                return ["the placement interleaves nodes; launchers number a script's ranks node by node"]
+        return []
 
     def micro_batch_settable(self) -> bool:
         return "micro_batch" in self.knobs or "deepspeed_config" in self.knobs
 
     def command(self, training: TrainingSpec, config: ParallelConfig, ds_config_path: str,
-                steps: int | None = None) -> list[str]:
-        """The argument list that runs ``config``: the user's, then each knob Pipette sets."""
+                steps: int | None = None, fsdp_config_path: str | None = None) -> list[str]:
+        """The argument list that runs ``config``: the user's, then each knob Pipette sets. An
+        FSDP script gets its FSDP switch and config file (``fsdp_config_path``) instead of the
+        DeepSpeed config, and its recomputation from that config (the Trainer's
+        ``fsdp_config.activation_checkpointing``, Accelerate's plugin, torchtitan's TOML)."""
         k = self.knobs
         out = list(self.argv)
-        if "deepspeed_config" in k:
+        if self.fsdp:
+            if "fsdp" in k and sharded(config):
+                out.append(k["fsdp"])
+            if "fsdp_config" in k and fsdp_config_path is not None and (sharded(config) or self.kind == "torchtitan"):
+                out += [k["fsdp_config"], fsdp_config_path]
+        elif "deepspeed_config" in k:
             out += [k["deepspeed_config"], ds_config_path]
         if "micro_batch" in k:
             out += [k["micro_batch"], str(config.mbs)]
@@ -155,7 +199,8 @@ class ScriptSpec:
             out += [k["seq_len"], str(training.seq_len)]
         if "steps" in k and steps is not None:
             out += [k["steps"], str(steps)]
-        if config.recompute == "full" and "checkpointing" in k:
+        recompute_by_flag = not self.fsdp or (self.kind == "hf-trainer" and not sharded(config))
+        if config.recompute == "full" and "checkpointing" in k and recompute_by_flag:
             out.append(k["checkpointing"])
         if training.dtype in ("bf16", "fp16") and training.dtype in k:
             out.append(k[training.dtype])
@@ -164,6 +209,8 @@ class ScriptSpec:
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         out["argv"] = list(self.argv)
+        if not self.fsdp:  # written only when set: a DeepSpeed script's dict (and its trials' key) is unchanged
+            del out["fsdp"]
         return out
 
     @classmethod
@@ -177,6 +224,80 @@ class ScriptSpec:
         if "argv" not in data:
             raise SpecError("is missing", field="script.argv", fix='give the command, e.g. ["python", "train.py"]')
         return cls(**{k: v for k, v in data.items() if k != "knobs"}, knobs=dict(data.get("knobs") or {}))
+
+
+def sharded(config: ParallelConfig) -> bool:
+    """Whether an FSDP script's candidate shards (``zero_stage`` 3 ``FULL_SHARD``, 2
+    ``SHARD_GRAD_OP``) rather than replicates (0: ``NO_SHARD``, which is DDP)."""
+    return config.zero_stage in (2, 3)
+
+
+def fsdp_script_refusals(script: ScriptSpec, config: ParallelConfig) -> list[str]:
+    """Why an FSDP script of ``script.kind`` cannot run ``config`` (empty when it can): what
+    Accelerate's FSDP2 plugin, the HF Trainer's ``--fsdp`` and torchtitan each take."""
+    c, kind = config, script.kind
+    out = []
+    if c.zero_stage == 1:
+        out.append("ZeRO-1 (optimizer-only sharding) is DeepSpeed's: FSDP shards with zero_stage 3, 2 or 0")
+    if c.offload and not sharded(c):
+        out.append(f"CPU offload with zero_stage {c.zero_stage}: FSDP offloads sharded parameters only")
+    if c.dp_shard is not None and not sharded(c):
+        out.append(f"dp_shard={c.dp_shard} with zero_stage {c.zero_stage} (NO_SHARD): nothing is sharded")
+    if kind == "torchtitan":
+        return out  # torchtitan composes FSDP2/HSDP with TP, PP (1F1B, interleaved) and per-op selective AC
+    if c.tp > 1:
+        out.append(f"tp={c.tp}: {kind or 'the script'} shards with FSDP only (torchtitan composes TP with it)")
+    if c.pp > 1 or c.schedule != "1f1b":
+        out.append(f"pp={c.pp}: {kind or 'the script'} has no pipeline parallelism (torchtitan has)")
+    if c.recompute == "selective":
+        out.append("selective recomputation: Accelerate and the Trainer checkpoint whole decoder layers (full)")
+    if kind == "accelerate-fsdp" and c.zero_stage == 0:
+        out.append("zero_stage 0 (NO_SHARD): Accelerate's FSDP2 plugin always shards; a replicated run is DDP")
+    if kind != "accelerate-fsdp" and c.dp_shard is not None:
+        out.append(f"HSDP (dp_shard={c.dp_shard}): the Trainer's fsdp_config has no replicate degree")
+    if c.recompute == "full" and not sharded(c) and "checkpointing" not in script.knobs:
+        out.append("full recomputation without FSDP (zero_stage 0): the script has no checkpointing knob")
+    if "micro_batch" not in script.knobs and c.mbs != 1:
+        out.append(f"mbs={c.mbs}: the script has no micro-batch knob")
+    return out
+
+
+def _check_fsdp_script(script: ScriptSpec) -> None:
+    """An FSDP script with a DeepSpeed-only option: one line, what and how to fix."""
+    if script.kind == "deepspeed":
+        raise SpecError("is deepspeed, a DeepSpeed loop, but the script is to shard with FSDP", field="script.kind",
+                        fix="use --script-kind accelerate-fsdp, torchtitan or hf-trainer for an FSDP script, or "
+                            "tune the DeepSpeed loop with --stack hf-deepspeed")
+    for name, what in (("autotp", "DeepSpeed AutoTP"), ("pipeline", "a DeepSpeed PipelineModule")):
+        if getattr(script, name):
+            raise SpecError(f"is set, but {what} is DeepSpeed's and the script shards with FSDP",
+                            field=f"script.{name}", fix=f"drop --script-{name}: the FSDP candidates' tp and pp come "
+                            "from the stack (torchtitan runs them)")
+    if script.base_config is not None and script.kind != "torchtitan":
+        raise SpecError("is a DeepSpeed config, but the script shards with FSDP", field="script.base_config",
+                        fix="drop --script-config: Pipette writes the FSDP settings (Accelerate config, "
+                            "--fsdp_config); only a torchtitan script takes one (its job TOML)")
+    if "deepspeed_config" in script.knobs and script.kind != "hf-trainer":
+        raise SpecError("is set, but the script shards with FSDP", field="script.knobs.deepspeed_config",
+                        fix="clear it (--script-knob deepspeed_config=)")
+
+
+def bind_stack(script: ScriptSpec, stack: str) -> ScriptSpec:
+    """The script as tuned with ``stack`` (a stack's name, options included): an ``hf-trainer``
+    script shards with FSDP under the ``fsdp`` stack; a script kind that does not match the stack
+    is refused in one line (``SpecError``)."""
+    name = stack.split("+", 1)[0]
+    if name == "fsdp" and not script.fsdp:
+        if script.kind not in (None, "hf-trainer"):
+            raise SpecError(f"is {script.kind}, a DeepSpeed script, but the stack is fsdp", field="--script-kind",
+                            fix="tune it with --stack hf-deepspeed, or use accelerate-fsdp, torchtitan or "
+                                "hf-trainer for an FSDP script")
+        return replace(script, fsdp=True)
+    if name != "fsdp" and script.fsdp:
+        raise SpecError(f"{stack}: the script shards with FSDP ({script.kind or 'fsdp'}), the stack is not fsdp",
+                        field="--stack", fix="use --stack fsdp (the default for accelerate-fsdp and torchtitan "
+                                             "scripts), or a DeepSpeed script kind")
+    return script
 
 
 def script_ds_config(pipette_config: dict[str, Any], script: ScriptSpec) -> dict[str, Any]:

@@ -281,9 +281,14 @@ def runner_stacks() -> list[str]:
 
 
 def stack_to_tune(name: str | None, *, script: bool, script_kind: str | None = None, field: str = "stack") -> Stack:
-    """The stack a tuning job is for: ``name``, else ``hf-deepspeed`` for an hf-trainer script, else
-    Pipette's runner. Without a script only a stack the runner runs is accepted."""
-    default = "hf-deepspeed" if script and script_kind == "hf-trainer" else None
+    """The stack a tuning job is for: ``name``, else ``hf-deepspeed`` for an hf-trainer script,
+    ``fsdp`` for an accelerate-fsdp or torchtitan script, else Pipette's runner. Without a script
+    only a stack the runner runs is accepted."""
+    default = None
+    if script and script_kind == "hf-trainer":
+        default = "hf-deepspeed"
+    elif script and script_kind in ("accelerate-fsdp", "torchtitan"):
+        default = "fsdp"
     stack = get_stack(name or default, field=field)
     if not script:
         check_runner_runs(stack, field=field)

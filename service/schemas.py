@@ -188,7 +188,8 @@ class ScriptIn(StrictTypes):
     argv: list[Annotated[str, Field(min_length=1, max_length=4096)]] = Field(
         min_length=1, max_length=256,
         description='the command that trains, as an argument list: ["python", "train.py"]')
-    kind: Literal["hf-trainer", "deepspeed"] | None = Field(None, description="fills the knobs of a known stack")
+    kind: Literal["hf-trainer", "deepspeed", "accelerate-fsdp", "torchtitan"] | None = Field(
+        None, description="fills the knobs of a known stack")
     knobs: dict[str, str] = Field(default_factory=dict, max_length=16,
                                   description="knob -> the script's flag (pipette.script.KNOBS)")
     autotp: bool = False

@@ -66,3 +66,26 @@ def deepspeed_on_cpu() -> dict[str, bool]:
     finally:
         del os.environ["ACCELERATE_USE_DEEPSPEED"]
     return {"use_configured_state": True}
+
+
+def fsdp_on_cpu() -> None:
+    """On a machine without a GPU, set up Accelerate's state so that its FSDP plugin shards
+    the model over gloo, as on GPUs; a no-op on a GPU and outside a launch.
+
+    Accelerate (1.15) turns FSDP on only for an accelerator (``AcceleratorState``: the
+    ``MULTI_GPU``-like types become ``FSDP``); on CPU each rank sees one process and trains
+    alone, and a CPU run with ``use_cpu`` is ``MULTI_CPU``, which drops the plugin silently.
+    FSDP2 itself shards on CPU over gloo (reduce-scatter and all-gather), so a CPU run joins the
+    ranks over gloo and takes Accelerate's multi-device path, whose FSDP branch builds the plugin
+    from what ``accelerate launch`` exported."""
+    import os
+
+    if torch.cuda.is_available() or "LOCAL_RANK" not in os.environ:
+        return
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() != "true":
+        return
+    from accelerate import PartialState
+    from accelerate.utils import DistributedType
+
+    state = PartialState(backend="gloo")  # joins the ranks (distributed_type NO: no accelerator found)
+    state.distributed_type = DistributedType.MULTI_GPU  # read once, by AcceleratorState's FSDP branch

@@ -92,14 +92,17 @@ def add_parser(sub: Any) -> None:
     s = p.add_argument_group("your own training script", "Tune the script you train with instead of Pipette's "
                              "runner: its trials run it with each candidate's DeepSpeed config and knobs.")
     s.add_argument("--script-kind", choices=sorted(KINDS), help="the stack the script uses: fills its knobs "
-                   "(hf-trainer: --deepspeed, --per_device_train_batch_size, ...; deepspeed: --deepspeed_config; "
+                   "(hf-trainer: --deepspeed, or --fsdp/--fsdp_config with --stack fsdp, "
+                   "--per_device_train_batch_size, ...; deepspeed: --deepspeed_config; accelerate-fsdp: Accelerate's "
+                   "FSDP2 plugin (stack fsdp); torchtitan: --job.config_file (stack fsdp); "
                    "default: none, each knob by --script-knob)")
     s.add_argument("--script-knob", action="append", default=[], metavar="KNOB=FLAG",
                    help=f"the script's flag for a knob ({', '.join(KNOBS)}); KNOB= clears one; repeatable (default: "
                    "--script-kind's)")
     s.add_argument("--script-autotp", action="store_true", help="the script runs DeepSpeed AutoTP (tp > 1)")
     s.add_argument("--script-pipeline", action="store_true", help="the script builds a PipelineModule (pp > 1)")
-    s.add_argument("--script-config", help="your DeepSpeed config (JSON): Pipette's keys overlay it "
+    s.add_argument("--script-config", help="your DeepSpeed config (JSON), or with --script-kind torchtitan your "
+                   "torchtitan job config (TOML): Pipette's keys overlay it "
                    "(default: Pipette's keys alone)")
     s.add_argument("--workdir", help="where the script runs (default: the current directory)")
     s.add_argument("--script", nargs=argparse.REMAINDER, metavar="COMMAND",
@@ -138,6 +141,9 @@ def cmd_tune(args: argparse.Namespace) -> int:
     stacks = _stack(args, script)
     stack = stacks[0]
     if script is not None:
+        from pipette.script import bind_stack
+
+        script = bind_stack(script, stack.key)  # an hf-trainer script under fsdp shards with FSDP
         from workers.host.script_trial import check_script
 
         check_script(script)
@@ -273,7 +279,9 @@ def _script(args: argparse.Namespace) -> ScriptSpec | None:
             raise SpecError(f"is {item!r}", field="--script-knob", fix="give KNOB=FLAG, e.g. steps=--max_steps")
         knobs[name.strip()] = flag.strip()
     base = None
-    if args.script_config:
+    if args.script_config and args.script_kind == "torchtitan":
+        base = _torchtitan_toml(args.script_config)
+    elif args.script_config:
         from pipette.textfile import read_text
 
         try:
@@ -284,6 +292,19 @@ def _script(args: argparse.Namespace) -> ScriptSpec | None:
     workdir = str(Path(args.workdir or ".").resolve())
     return ScriptSpec(argv=tuple(args.script), knobs=knobs, autotp=args.script_autotp, pipeline=args.script_pipeline,
                       base_config=base, workdir=workdir, kind=args.script_kind)
+
+
+def _torchtitan_toml(path: str) -> dict[str, Any]:
+    """The user's torchtitan job config (TOML), which Pipette's sections overlay."""
+    import tomllib
+
+    from pipette.textfile import read_text
+
+    try:
+        return tomllib.loads(read_text(path, field="--script-config", what="a torchtitan job config"))
+    except tomllib.TOMLDecodeError as e:
+        raise SpecError(f"{path} is not TOML ({e})", field="--script-config",
+                        fix="give torchtitan's job config file (TOML)") from None
 
 
 def _stack(args: argparse.Namespace, script: ScriptSpec | None) -> Any:
@@ -555,5 +576,9 @@ def _print_result(result: Any, out: str, files: dict[str, str]) -> None:
         if "launch.sh" in files:
             print(f"launch: (cd {out} && ./launch.sh)")
         else:
-            print(f"launch your script: {out}/launch-torchrun.sh, {out}/launch-deepspeed.sh or "
-                  f"{out}/launch-accelerate.sh (HF Trainer: --deepspeed {out}/ds_config.json)")
+            launches = sorted(Path(f).name for f in files.values() if Path(f).name.startswith("launch-"))
+            said = {"ds_config.json": "HF Trainer: --deepspeed", "fsdp_config.json": "HF Trainer: --fsdp --fsdp_config",
+                    "torchtitan.toml": "torchtitan: --job.config_file",
+                    "accelerate_config.yaml": "accelerate launch --config_file"}
+            hint = next((f"{said[n]} {out}/{n}" for n in said if any(Path(f).name == n for f in files.values())), "")
+            print(f"launch your script: {' or '.join(f'{out}/{n}' for n in launches)}" + (f" ({hint})" if hint else ""))

@@ -14,10 +14,10 @@ from sqlalchemy.orm import Session
 from pipette.clusterfile import cluster_from_dict
 from pipette.config import ParallelConfig
 from pipette.emit import deepspeed_config, hostfile, launch_command, rank_map, write_launch_files
-from pipette.emit_script import write_script_launch_files
+from pipette.emit_script import fsdp_script_files, write_script_launch_files
 from pipette.model import ModelSpec
 from pipette.plan import check_recipe
-from pipette.script import ScriptSpec, script_ds_config
+from pipette.script import ScriptSpec, bind_stack, script_ds_config
 from pipette.stacks import get_stacks, stacks_key, stacks_to_tune
 from pipette.training import TrainingSpec
 from service.deps import Caller, State
@@ -47,7 +47,8 @@ router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
 JobState = Literal["queued", "profiling", "planning", "running", "succeeded", "failed", "cancelled"]
 FileName = Literal["ds_config.json", "hostfile", "launch.sh", "rank_map.json", "candidate.json",
-                   "accelerate_config.yaml", "launch-deepspeed.sh", "launch-torchrun.sh", "launch-accelerate.sh"]
+                   "accelerate_config.yaml", "launch-deepspeed.sh", "launch-torchrun.sh", "launch-accelerate.sh",
+                   "fsdp_config.json", "torchtitan.toml"]
 FILES: tuple[str, ...] = ("ds_config.json", "hostfile", "launch.sh", "rank_map.json", "candidate.json")
 #: A job of the user's own script: its launchers' files instead of launch.sh (pipette.emit_script)
 SCRIPT_FILES: tuple[str, ...] = ("ds_config.json", "accelerate_config.yaml", "hostfile", "rank_map.json",
@@ -65,6 +66,8 @@ def submit_job(body: JobIn, state: State, caller: Caller, response: Response) ->
     tune_options(body.budget.model_dump())  # what the schema cannot check (a reserve below max_trials)
     script, files = script_parts(body.script) if body.script is not None else (None, None)
     stacks = stacks_to_tune(body.stack, script=script is not None, script_kind=script.kind if script else None)
+    if script is not None:  # one stack (a script is one stack's code)
+        script = bind_stack(script, stacks[0].key)  # an hf-trainer script under fsdp shards with FSDP
     with state.db.write() as session:
         cluster = cluster_repo.get_cluster(session, caller.tenant, body.cluster)
         if script is not None:
@@ -164,15 +167,28 @@ def read_best(job_id: JobId, state: State, caller: Caller) -> BestOut:
     script: ScriptSpec | None = best["script"]
     ds = deepspeed_config(best["training"], best["config"], model=best["model"])
     command = launch_command(best["config"], best["cluster"], out_dir=".")
-    if script is not None:
+    names = _file_names(best, script)
+    if script is not None and script.fsdp:  # its FSDP settings are in its own files (pipette.script_fsdp)
+        command = " or ".join(f"./{n}" for n in names if n.startswith("launch-"))
+    elif script is not None:
         ds = script_ds_config(ds, script)
         command = "./launch-torchrun.sh (or ./launch-deepspeed.sh, ./launch-accelerate.sh)"
     return BestOut(
         job_id=job_id, trial=trial_out(best["trial"]), config=best["config"].to_dict(), ds_config=ds,
         launch_command=command,
         hostfile=hostfile(best["config"], best["cluster"]), rank_map=rank_map(best["config"], best["cluster"]),
-        files={name: f"{url}/best/files/{name}" for name in (SCRIPT_FILES if script is not None else FILES)},
+        files={name: f"{url}/best/files/{name}" for name in names},
     )
+
+
+def _file_names(best: dict[str, Any], script: ScriptSpec | None) -> tuple[str, ...]:
+    """The launch files of the best configuration: Pipette's runner's, a DeepSpeed script's, or an
+    FSDP script's (which depend on its kind and the candidate)."""
+    if script is None:
+        return FILES
+    if not script.fsdp:
+        return SCRIPT_FILES
+    return tuple(fsdp_script_files(best["model"], best["training"], best["config"], best["cluster"], script))
 
 
 @router.get("/{job_id}/best/files/{name}", response_class=PlainTextResponse, responses={
@@ -186,7 +202,7 @@ def download_best_file(job_id: JobId, name: FileName, state: State, caller: Call
         job = repo.get_job(session, caller.tenant, job_id)
         best = _best_parts(session, job)
     script: ScriptSpec | None = best["script"]
-    if name not in (SCRIPT_FILES if script is not None else FILES):
+    if name not in _file_names(best, script):
         kind = "a job of its own script" if script is not None else "a job of Pipette's runner"
         raise NotFoundError(f"{name} is not a file of {kind}", field="name",
                             fix="use a name from the files of GET /v1/jobs/{id}/best")

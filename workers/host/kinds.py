@@ -17,7 +17,7 @@ from pipette.contract import FSDP_ENTRY, TRAIN_ENTRY
 from pipette.measurement import Measurement, last_error_line
 from workers.host.monitor import Finished, Watched, exit_text
 from workers.host.outcome import Outcome, measurement
-from workers.host.script_trial import ScriptEvents, script_launch, script_measurement
+from workers.host.script_trial import script_events, script_launch, script_measurement
 from workers.host.transport import Launch, Transport
 from workers.host.workdir import pack
 from workers.phases import script_timeout_text, timeout_text
@@ -96,7 +96,7 @@ class ScriptTrial:
         if trial.script is None:
             raise ValueError("not a script trial")
         self.trial, self.world, self.ship = trial, trial.config.world, ship
-        self.events = ScriptEvents(self.world, trial.training.global_batch, zero_stage=trial.config.zero_stage)
+        self.events = script_events(trial)
         self.all_done_at: float | None = None
         self.exit_notes: dict[int, str] = {}
 

@@ -23,7 +23,8 @@ from typing import Any
 from pipette.contract import RANK_ENV, build_environment
 from pipette.errors import SpecError
 from pipette.measurement import Measurement, last_error_line
-from pipette.script import ScriptSpec, script_ds_config
+from pipette.script import ScriptSpec, script_ds_config, sharded
+from pipette.script_fsdp import fsdp_trial_parts
 from workers.host.outcome import Outcome
 from workers.host.script_env import script_path
 from workers.spec import TrialSpec
@@ -36,11 +37,17 @@ def script_launch(trial: TrialSpec) -> tuple[dict[str, str], list[str], dict[str
     script = trial.script
     if script is None:
         raise ValueError("not a script trial")
-    files = {DS_CONFIG: json.dumps(script_ds_config(trial.ds_config(), script), indent=2)}
     steps = trial.warmup_steps + trial.max_steps
-    argv = script.command(trial.training, trial.config, f"$PIPETTE_RANK_DIR/{DS_CONFIG}", steps=steps)
+    extra_env: dict[str, str] = {}
+    if script.fsdp:  # the fsdp stack's candidate, in the script's stack's words (pipette.script_fsdp)
+        files, named, extra_env = fsdp_trial_parts(trial.training, trial.config, trial.model, script)
+        argv = script.command(trial.training, trial.config, "", steps=steps,
+                              fsdp_config_path=f"$PIPETTE_RANK_DIR/{named}" if named else None)
+    else:
+        files = {DS_CONFIG: json.dumps(script_ds_config(trial.ds_config(), script), indent=2)}
+        argv = script.command(trial.training, trial.config, f"$PIPETTE_RANK_DIR/{DS_CONFIG}", steps=steps)
     # DeepSpeed's JIT-built CPU op: the cache Pipette's own ranks use (built once per machine)
-    env = dict(RANK_ENV) | {"TORCH_EXTENSIONS_DIR": build_environment()["TORCH_EXTENSIONS_DIR"]} | {
+    env = dict(RANK_ENV) | extra_env | {"TORCH_EXTENSIONS_DIR": build_environment()["TORCH_EXTENSIONS_DIR"]} | {
         "PIPETTE_TRIAL": json.dumps({"warmup_steps": trial.warmup_steps, "timed_steps": trial.max_steps,
                                      "global_batch": trial.training.global_batch,
                                      "seq_len": trial.training.seq_len}),
@@ -57,6 +64,9 @@ class ScriptEvents:
     by_rank: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
     #: the candidate's ZeRO stage, checked against the engines the script builds (None: unchecked)
     zero_stage: int | None = None
+    #: an FSDP script's candidate: FSDP2's ``reshard_after_forward`` it must build (True: ZeRO-3-like
+    #: FULL_SHARD, False: SHARD_GRAD_OP), checked against its ``fully_shard`` calls (None: unchecked)
+    reshard_after_forward: bool | None = None
     #: the last step index of rank 0 passed on to the caller (a step can come from both sources)
     relayed: int = -1
 
@@ -71,7 +81,32 @@ class ScriptEvents:
     def ignored_config(self) -> str | None:
         """One line when a rank trains another global batch than the candidate's, or (once it
         stepped) with another ZeRO stage or no DeepSpeed engine at all."""
-        return self._ignored_batch() or self._ignored_stage()
+        return self._ignored_batch() or self._ignored_stage() or self._ignored_fsdp()
+
+    def _ignored_fsdp(self) -> str | None:
+        """An FSDP script that stepped without ``fully_shard`` (Accelerate on CPU drops its FSDP
+        plugin unless the script sets the state up, as examples/scripts/common.py's fsdp_on_cpu
+        does), or built the other sharding: what most of its ``fully_shard`` calls asked (the
+        decoder layers'; Accelerate keeps its last norm and head unsharded after forward whatever
+        the plugin says)."""
+        want = self.reshard_after_forward
+        if want is None:
+            return None
+        mode = {True: "FULL_SHARD (reshard after forward)", False: "SHARD_GRAD_OP (no reshard after forward)"}
+        for rank, events in sorted(self.by_rank.items()):
+            if not any(e.get("event") in ("step", "ds_step") for e in events):
+                continue  # FSDP wraps the model before the first step: judged once the rank stepped
+            calls = [e.get("reshard_after_forward") for e in events if e.get("event") == "fsdp_shard"]
+            if not calls:
+                return (f"the script trains without FSDP: rank {rank} stepped but never called fully_shard, so the "
+                        f"candidate's {mode[want]} was not run (Accelerate on CPU drops its FSDP plugin: set its "
+                        "state up as examples/scripts/common.py's fsdp_on_cpu does, or run on GPUs)")
+            built = [bool(c) for c in calls if isinstance(c, (bool, int))]
+            if built and sum(b == want for b in built) * 2 <= len(built):
+                return (f"the script ignores the candidate's FSDP sharding: rank {rank} built "
+                        f"{mode[not want]} on {sum(b != want for b in built)} of {len(built)} fully_shard calls, the "
+                        f"candidate's is {mode[want]} (take reshard_after_forward from the config Pipette gives)")
+        return None
 
     def _ignored_stage(self) -> str | None:
         if self.zero_stage is None:
@@ -120,6 +155,17 @@ class ScriptEvents:
     def any_step(self) -> bool:
         """Some rank reported a step (its lines may arrive before rank 0's)."""
         return any(self.of(r, k) for r in self.by_rank for k in ("step", "ds_step"))
+
+
+def script_events(trial: TrialSpec) -> ScriptEvents:
+    """The events of ``trial``'s ranks, checked against what its candidate asks: a DeepSpeed
+    script's ZeRO stage, an FSDP script's sharding (a replicated FSDP candidate, zero_stage 0, is
+    DDP: nothing to check)."""
+    script, config = trial.script, trial.config
+    if script is not None and script.fsdp:
+        return ScriptEvents(config.world, trial.training.global_batch,
+                            reshard_after_forward=config.zero_stage == 3 if sharded(config) else None)
+    return ScriptEvents(config.world, trial.training.global_batch, zero_stage=config.zero_stage)
 
 
 def steps_across_ranks(per_rank: list[list[float]]) -> tuple[float, ...]:
@@ -206,6 +252,14 @@ def check_script(script: ScriptSpec) -> None:
                         fix="give the folder the script runs in")
     program = script.program
     path = workdir / program
+    if script.is_python and program == "-m":  # python -m package.module: found at run time, on its path
+        if shutil.which(script.argv[0], path=script_path(os.environ.get("PATH", ""))) is None:
+            raise SpecError(f"{script.argv[0]!r} is not on PATH", field="script.argv",
+                            fix="name a Python that is installed, e.g. python")
+        if len(script.argv) < 3:
+            raise SpecError("is python -m without a module", field="script.argv",
+                            fix="give the module, e.g. python -m torchtitan.train")
+        return
     if script.is_python:
         if shutil.which(script.argv[0], path=script_path(os.environ.get("PATH", ""))) is None:
             raise SpecError(f"{script.argv[0]!r} is not on PATH", field="script.argv",

@@ -137,6 +137,35 @@ def _patch_engine(module: Any) -> None:
     engine_class.__init__ = init
 
 
+def _patch_fully_shard(module: Any) -> None:
+    """Say how each FSDP2 ``fully_shard`` call of the script shards (one event a call: the host
+    compares most calls, the decoder layers', with the candidate):
+    an FSDP script that drops the candidate's settings (Accelerate on CPU drops its FSDP plugin)
+    measured another configuration than the candidate's, unseen. ``functools.wraps`` keeps the
+    ``state`` accessor ``@contract`` hangs on the function (torch calls ``fully_shard.state``)."""
+    import functools
+
+    original = module.fully_shard
+
+    @functools.wraps(original)
+    def fully_shard(target: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(target, *args, **kwargs)
+        try:
+            reshard = kwargs.get("reshard_after_forward")
+            offload = type(kwargs.get("offload_policy")).__name__ == "CPUOffloadPolicy"
+            mesh = kwargs.get("mesh")
+            shape = list(mesh.shape) if mesh is not None else None
+            unit = type(target).__name__ if not isinstance(target, list) else "list"
+        except Exception:  # a fully_shard of another torch version: say nothing rather than fail
+            return result
+        _emit({"event": "fsdp_shard", "rank": int(os.environ.get("RANK", "0")),
+               "reshard_after_forward": reshard if isinstance(reshard, (bool, int)) else None,
+               "offload": offload, "mesh": shape, "unit": unit})
+        return result
+
+    module.fully_shard = fully_shard
+
+
 def _bind_store(module: Any) -> None:
     """Rank 0's rendezvous store (``init_process_group``'s ``env://``) listens on ``MASTER_ADDR``
     only, not on every interface, as Pipette's own ranks' does (``workers.rank.store`` says why)."""
@@ -202,7 +231,8 @@ def _install() -> None:
     steps = _Steps(trial)
     sys.meta_path.insert(0, _Finder({"deepspeed.utils.timer": lambda module: _patch(module, steps),
                                      "torch.distributed.rendezvous": _bind_store,
-                                     "deepspeed.runtime.engine": _patch_engine}))
+                                     "deepspeed.runtime.engine": _patch_engine,
+                                     "torch.distributed.fsdp._fully_shard._fully_shard": _patch_fully_shard}))
 
 
 _install()

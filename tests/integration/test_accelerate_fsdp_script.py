@@ -1,0 +1,90 @@
+"""``pipette tune --script-kind accelerate-fsdp`` end to end (issue 31): the Accelerate FSDP example
+(examples/scripts/accelerate_fsdp.py, a plain Accelerate loop) tuned on 2 CPU devices by real
+trials of the ``fsdp`` stack, then its emitted ``launch-accelerate.sh`` run as printed (a bare
+PATH, ``accelerate launch --config_file accelerate_config.yaml``): it trains (the loss falls over
+its 50 steps) at the speed its trial measured, within 10%."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL = ROOT / "examples" / "scripts" / "tiny-llama" / "config.json"
+
+
+def _env() -> dict[str, str]:
+    import ray
+
+    return {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address, "PYTHONUNBUFFERED": "1"}
+
+
+def _port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _launch(path: Path) -> tuple[list[float], list[float]]:
+    """Run a launch file as printed, from a bare shell; (losses, step times) of its steps."""
+    env = {"PATH": "/usr/bin:/bin", "HOME": os.environ.get("HOME", "/root"), "MASTER_PORT": str(_port()),
+           "PIPETTE_PYTHON": sys.executable, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(["bash", str(path)], capture_output=True, text=True, env=env, timeout=300)
+    text = done.stdout + done.stderr
+    assert done.returncode == 0, text[-3000:]
+    steps = re.findall(r"^step \d+ loss ([0-9.]+) time ([0-9.]+)$", text, flags=re.M)
+    return [float(loss) for loss, _ in steps], [float(t) for _, t in steps]
+
+
+def test_the_accelerate_fsdp_example_is_tuned_and_its_launch_runs_at_the_trials_speed(tmp_path: Path) -> None:
+    cluster = tmp_path / "cpu-2.yaml"
+    cluster.write_text("name: local-cpu-2\ndevice: {preset: cpu, memory: 5 GiB}\nnodes: 1\ndevices_per_node: 2\n"
+                       "intra_node: {bandwidth: 2 GB/s, latency: 50 us}\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "pipette.cli", "tune", "--cluster", str(cluster), "--model", str(MODEL),
+         "--global-batch", "8", "--seq-len", "64", "--dtype", "fp32", "--steps", "10", "--max-trials", "2",
+         "--retime", "0", "--home", str(tmp_path / "home"), "--out", str(tmp_path / "best"), "--json",
+         "--workdir", str(ROOT / "examples" / "scripts"), "--script-kind", "accelerate-fsdp",
+         "--script", "python", "accelerate_fsdp.py", "--seq_len", "64", "--learning_rate", "3e-3"],
+        capture_output=True, text=True, env=_env(), timeout=400, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "stack fsdp" in done.stderr and "runnable by your script" in done.stderr
+    result = json.loads(done.stdout)
+    for trial in result["trials"]:  # no trial ran without FSDP or with the other sharding
+        assert trial["measurement"]["status"] in ("ok", "pruned"), trial["measurement"]["error"]
+    best = result["best"]
+    m, cfg = best["measurement"], best["config"]
+    assert m["status"] == "ok" and m["extra"]["timing_source"] == "reporter", m
+    assert cfg["zero_stage"] in (2, 3) and cfg["tp"] == 1 and cfg["pp"] == 1
+    out = tmp_path / "best"
+    assert sorted(p.name for p in out.iterdir()) == ["accelerate_config.yaml", "candidate.json",
+                                                     "launch-accelerate.sh", "rank_map.json"]
+    yaml_text = (out / "accelerate_config.yaml").read_text()
+    assert "distributed_type: FSDP" in yaml_text and "fsdp_version: 2" in yaml_text
+    assert f"fsdp_reshard_after_forward: {'true' if cfg['zero_stage'] == 3 else 'false'}" in yaml_text
+
+    trial_step = float(m["step_time"])
+    # the launch's steps at the trial's positions (after its warm-up): a run speeds up over its
+    # first steps (the trial's 10 fell from 0.41 to 0.28 s here), and the launch runs 50
+    first, timed = int(m["extra"]["warmup_steps"]), len(m["step_times"])
+    ratios = []
+    for _ in range(2):  # another session's load only slows a run: a ratio out of bounds is timed once more
+        losses, times = _launch(out / "launch-accelerate.sh")
+        assert len(losses) == 50, f"{len(losses)} steps"
+        k = 10
+        assert statistics.fmean(losses[-k:]) < statistics.fmean(losses[:k]) - 0.05, losses
+        ratios.append(statistics.fmean(times[first:first + timed]) / trial_step)
+        print(f"launch / trial step time: {ratios[-1]:.3f} (trial {trial_step:.4f} s, {cfg})")
+        if abs(ratios[-1] - 1) <= 0.10:
+            break
+    assert min(abs(r - 1) for r in ratios) <= 0.10, ratios
