@@ -420,32 +420,28 @@ class Tuner:
         difference of two means Student-t, not normal (Gelman et al., *Bayesian Data Analysis*,
         3rd ed., sec. 3.2: the marginal posterior of a normal mean with unknown variance), with
         heavier tails while the repeats are few."""
-        means = measured_means(self.study)
-        pick = self.best
-        if pick is None:
-            return {}
-        learned = self.sampler.learned(self.study)
-        noise, dof = learned.trial_noise_sd, NOISE_PRIOR_DOF + learned.noise_dof
-        mp, n_p = means[pick.label]
-        out = {}
-        for label, (m, n) in means.items():
-            if label != pick.label:
-                se = noise * math.sqrt(1.0 / n_p + 1.0 / n)
-                out[label] = float(student_t.cdf((m + math.log(1.0 + self.options.tolerance) - mp) / se, dof))
-        return out
+        gaps, dof = self._gaps_to_pick()
+        margin = math.log(1.0 + self.options.tolerance)
+        return {label: float(student_t.cdf((gap + margin) / se, dof)) for label, (gap, se) in gaps.items()}
 
     def _faster_chance(self) -> dict[str, float]:
         """Per other tried candidate: the probability that it is faster than the pick at all
         (its true mean log step time below the pick's), under the noise of ``_pairwise``."""
-        means = measured_means(self.study)
+        gaps, dof = self._gaps_to_pick()
+        return {label: float(student_t.cdf(-gap / se, dof)) for label, (gap, se) in gaps.items()}
+
+    def _gaps_to_pick(self) -> tuple[dict[str, tuple[float, float]], float]:
+        """Per other tried candidate: its mean log step time minus the pick's, and the standard
+        error of that difference under the measured trial-to-trial noise; and the noise's
+        degrees of freedom (empty without a pick)."""
         pick = self.best
         if pick is None:
-            return {}
+            return {}, float(NOISE_PRIOR_DOF)
+        means = measured_means(self.study)
         learned = self.sampler.learned(self.study)
-        noise, dof = learned.trial_noise_sd, NOISE_PRIOR_DOF + learned.noise_dof
         mp, n_p = means[pick.label]
-        return {label: float(student_t.cdf((mp - m) / (noise * math.sqrt(1.0 / n_p + 1.0 / n)), dof))
-                for label, (m, n) in means.items() if label != pick.label}
+        return {label: (m - mp, learned.trial_noise_sd * math.sqrt(1.0 / n_p + 1.0 / n))
+                for label, (m, n) in means.items() if label != pick.label}, NOISE_PRIOR_DOF + learned.noise_dof
 
     def confidence(self) -> float | None:
         """Probability that the pick is within the tolerance of the best candidate tried."""

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -33,6 +34,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -61,18 +63,39 @@ def main() -> int:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
+    with scratch_database("pipette_load") as (name, url):
+        report = _serve_and_load(args, name, url)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        _print(report)
+    return 0
+
+
+@contextlib.contextmanager
+def scratch_database(prefix: str) -> Iterator[tuple[str, str]]:
+    """A new PostgreSQL database, migrated, dropped after (its name and URL)."""
     from sqlalchemy import create_engine, text
 
-    name = f"pipette_load_{uuid.uuid4().hex[:8]}"
+    from service.migrations import upgrade
+
+    name = f"{prefix}_{uuid.uuid4().hex[:8]}"
     admin = create_engine(PG_ADMIN, isolation_level="AUTOCOMMIT")
     with admin.connect() as conn:
         conn.execute(text(f'CREATE DATABASE "{name}"'))
     url = PG_ADMIN.rsplit("/", 1)[0] + "/" + name
+    try:
+        upgrade(url)
+        yield name, url
+    finally:
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
+def _serve_and_load(args: argparse.Namespace, name: str, url: str) -> dict[str, Any]:
     service: subprocess.Popen[bytes] | None = None
     try:
-        from service.migrations import upgrade
-
-        upgrade(url)
         headers = _token(url)
         port = _free_port()
         # every submission is queued (nothing runs trials): the per-tenant limit on queued work
@@ -89,21 +112,14 @@ def main() -> int:
         try:  # uvloop makes the clients cheaper when it is there (uvicorn[standard] brings it)
             import uvloop
 
-            report = uvloop.run(_run(base, headers, url, args, service.pid))
+            report: dict[str, Any] = uvloop.run(_run(base, headers, url, args, service.pid))
         except ImportError:
             report = asyncio.run(_run(base, headers, url, args, service.pid))
     finally:
         if service is not None:
             service.terminate()
             service.wait(60)
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
-    if args.json:
-        print(json.dumps(report, indent=2))
-    else:
-        _print(report)
-    return 0
+    return report
 
 
 async def _run(base: str, headers: dict[str, str], url: str, args: argparse.Namespace, pid: int) -> dict[str, Any]:

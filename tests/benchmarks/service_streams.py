@@ -23,7 +23,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -32,13 +31,13 @@ sys.path.insert(0, str(ROOT))
 
 from tests.benchmarks.service_load import (  # noqa: E402
     JOB,
-    PG_ADMIN,
     Connection,
     _cpu_s,
     _free_port,
     _stats,
     _token,
     _wait_healthy,
+    scratch_database,
 )
 
 
@@ -50,18 +49,18 @@ def main() -> int:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
-    from sqlalchemy import create_engine, text
+    with scratch_database("pipette_streams") as (name, url):
+        report = _serve_and_stream(args, name, url)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        _print(report)
+    return 0
 
-    name = f"pipette_streams_{uuid.uuid4().hex[:8]}"
-    admin = create_engine(PG_ADMIN, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
-    url = PG_ADMIN.rsplit("/", 1)[0] + "/" + name
+
+def _serve_and_stream(args: argparse.Namespace, name: str, url: str) -> dict[str, Any]:
     service: subprocess.Popen[bytes] | None = None
     try:
-        from service.migrations import upgrade
-
-        upgrade(url)
         a, b = _token(url), _tenant_token(url, "reader")  # tenant "load" streams, "reader" reads
         port = _free_port()
         env = {**os.environ, "PIPETTE_DATABASE_URL": url, "PIPETTE_SCHEDULER": "0", "PYTHONPATH": str(ROOT)}
@@ -75,14 +74,7 @@ def main() -> int:
         if service is not None:
             service.terminate()
             service.wait(60)
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
-    if args.json:
-        print(json.dumps(report, indent=2))
-    else:
-        _print(report)
-    return 0
+    return report
 
 
 def _tenant_token(url: str, tenant: str) -> dict[str, str]:
