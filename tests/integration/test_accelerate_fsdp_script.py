@@ -13,6 +13,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = ROOT / "examples" / "scripts" / "tiny-llama" / "config.json"
+#: other sessions' busy cores under which a round's speed counts (of the 2 on the CI machine)
+QUIET_CORES = 0.25
 
 
 def _env() -> dict[str, str]:
@@ -35,15 +38,34 @@ def _port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _launch(path: Path) -> tuple[list[float], list[float]]:
-    """Run a launch file as printed, from a bare shell; (losses, step times) of its steps."""
+def _session_of(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[3])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _launch(path: Path) -> tuple[list[float], list[float], float]:
+    """Run a launch file as printed, from a bare shell, in a session of its own; (losses, step
+    times) of its steps, and the cores other sessions' processes kept busy meanwhile."""
+    from pipette.cli.interference import cpu_seconds_by_pid
+
     env = {"PATH": "/usr/bin:/bin", "HOME": os.environ.get("HOME", "/root"), "MASTER_PORT": str(_port()),
            "PIPETTE_PYTHON": sys.executable, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run(["bash", str(path)], capture_output=True, text=True, env=env, timeout=300)
-    text = done.stdout + done.stderr
-    assert done.returncode == 0, text[-3000:]
+    before, start = cpu_seconds_by_pid(), time.monotonic()
+    proc = subprocess.Popen(["bash", str(path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, start_new_session=True)
+    launched: set[int] = set()
+    while proc.poll() is None:  # the launch's processes, by their session, while they live
+        launched |= {pid for pid in cpu_seconds_by_pid() if _session_of(pid) == proc.pid}
+        time.sleep(0.5)
+    text = proc.communicate(timeout=300)[0]
+    after, elapsed = cpu_seconds_by_pid(), time.monotonic() - start
+    others = sum(max(0.0, t - before.get(pid, 0.0)) for pid, t in after.items()
+                 if pid not in launched and pid != os.getpid()) / elapsed
+    assert proc.returncode == 0, text[-3000:]
     steps = re.findall(r"^step \d+ loss ([0-9.]+) time ([0-9.]+)$", text, flags=re.M)
-    return [float(loss) for loss, _ in steps], [float(t) for _, t in steps]
+    return [float(loss) for loss, _ in steps], [float(t) for _, t in steps], others
 
 
 def test_the_accelerate_fsdp_example_is_tuned_and_its_launch_runs_at_the_trials_speed(tmp_path: Path) -> None:
@@ -77,14 +99,24 @@ def test_the_accelerate_fsdp_example_is_tuned_and_its_launch_runs_at_the_trials_
     # the launch's steps at the trial's positions (after its warm-up): a run speeds up over its
     # first steps (the trial's 10 fell from 0.41 to 0.28 s here), and the launch runs 50
     first, timed = int(m["extra"]["warmup_steps"]), len(m["step_times"])
-    ratios = []
-    for _ in range(2):  # another session's load only slows a run: a ratio out of bounds is timed once more
-        losses, times = _launch(out / "launch-accelerate.sh")
+    # Another session's load slows the launch more than the trial: a launcher's ranks share one
+    # session's part of the CPU (Linux's autogroup), a trial's are a session each (docs/scripts.md:
+    # 1.59 and 1.79 with a test suite running beside it). The speed is compared on rounds where
+    # other sessions kept under QUIET_CORES busy; the loss must fall in every round.
+    ratios: list[float] = []
+    busy: list[float] = []
+    for _ in range(3):
+        losses, times, others = _launch(out / "launch-accelerate.sh")
         assert len(losses) == 50, f"{len(losses)} steps"
         k = 10
         assert statistics.fmean(losses[-k:]) < statistics.fmean(losses[:k]) - 0.05, losses
-        ratios.append(statistics.fmean(times[first:first + timed]) / trial_step)
-        print(f"launch / trial step time: {ratios[-1]:.3f} (trial {trial_step:.4f} s, {cfg})")
-        if abs(ratios[-1] - 1) <= 0.10:
+        ratio = statistics.fmean(times[first:first + timed]) / trial_step
+        print(f"launch / trial step time: {ratio:.3f} (trial {trial_step:.4f} s, {cfg}); "
+              f"other sessions kept {others:.2f} cores busy")
+        (ratios if others < QUIET_CORES else busy).append(ratio)
+        if ratios and abs(ratios[-1] - 1) <= 0.10:
             break
-    assert min(abs(r - 1) for r in ratios) <= 0.10, ratios
+    if not ratios:
+        pytest.skip(f"other sessions kept the machine busy in every round (ratios {busy}): the launch's "
+                    "speed is compared on a quiet machine only")
+    assert min(abs(r - 1) for r in ratios) <= 0.10, (ratios, busy)
