@@ -110,12 +110,24 @@ class MemoryOptions:
     #: FSDP2's sharding (``fully_shard`` per decoder layer, then the stage: ``_fsdp2_state``)
     #: instead of DeepSpeed's ZeRO; ``zero_stage`` 3/2/0 is FULL_SHARD / no reshard / NO_SHARD
     fsdp2: bool = False
+    #: The linear layers' weights held in FP8, 1 byte each (NeMo's ``fp8_params``, Transformer
+    #: Engine's Float8Tensor parameters; MLPerf's Llama-2-70B LoRA reference sets it with ``FP8``:
+    #: mlcommons/training_results_v4.0, NVIDIA llama2_70b_lora, megatron_gpt_peft_tuning_config.yaml).
+    #: Embedding, head and norms stay in the training dtype.
+    fp8_weights: bool = False
+    #: Whether a frozen linear layer's input is kept for the backward. Only the weight gradient
+    #: needs it, so Transformer Engine keeps it only when ``weight.requires_grad``
+    #: (transformer_engine/pytorch/ops/basic/basic_linear.py, ``weight_requires_grad``): under
+    #: LoRA (llama) the MLP norm's output and the down projection's input are not stored unless
+    #: an adapter reads them. True (kept) for Pipette's runner: its fits prior
+    #: (``pipette.fits.PIPETTE_GPU``) was fitted on the estimate with them.
+    frozen_inputs_saved: bool = True
 
 
 DEFAULT_OPTIONS = MemoryOptions()
 #: Megatron-LM's and nanotron's loss (vocab-parallel cross entropy) and no DeepSpeed
 #: BF16_Optimizer: how the calibration sets of those frameworks are planned.
-MEGATRON_OPTIONS = MemoryOptions(loss_fp32_copies=2, deepspeed_bf16_fp32_grads=False)
+MEGATRON_OPTIONS = MemoryOptions(loss_fp32_copies=2, deepspeed_bf16_fp32_grads=False, frozen_inputs_saved=False)
 #: PyTorch FSDP2 as torchtitan and Pipette's PyTorch-native runner compose it: the model's fp32
 #: parameters sharded, fp32 gradient reduction, and the loss over the logits cast to fp32
 #: (torchtitan's ``cross_entropy_loss``, ``workers.rank.fsdp_model.lm_loss``: 3 fp32 copies, as
@@ -207,6 +219,8 @@ def stage_breakdowns(
 
     # ---- activations of one layer for one micro-batch (Korthikanti sec. 4.1, eq. 1-2) ----
     act_split, act_kv, act_seq, act_scores = _layer_activations(model, s, b, d)
+    if training.lora is not None and not options.frozen_inputs_saved:
+        act_split, act_seq = _without_frozen_inputs(model, training, s, b, d, act_split, act_seq)
     act_sharded = act_split / t + act_kv / t_kv
     act_seq_t = act_seq / t if options.sequence_parallel else act_seq
     if config.recompute == "full":
@@ -227,6 +241,8 @@ def stage_breakdowns(
     logits = b * s * V / t * (d + options.loss_fp32_copies * FP32_BYTES)
 
     trainable_full = training.method == "full"
+    # FP8 weights: each linear weight 1 byte instead of d (``MemoryOptions.fp8_weights``)
+    fp8_saved = ((linear - kv_linear) / t + kv_linear / t_kv) * (d - 1) if options.fp8_weights else 0.0
     master_shard = o_shard if options.shard_master_weights else 1
     opt_per_psi = state_bytes / o_shard + master_bytes / master_shard
     gpu = device_kind == "gpu"
@@ -235,7 +251,7 @@ def stage_breakdowns(
         psi = layers_i * layer_psi + (embed_psi if i == 0 else 0) + (head_psi if i == p - 1 else 0)
         trainable = psi if trainable_full else layers_i * lora_psi
         frozen = 0 if trainable_full else psi
-        weights = (frozen + trainable) * d / w_shard
+        weights = ((frozen + trainable) * d - layers_i * fp8_saved) / w_shard
         gradients = trainable * grad_bytes / g_shard
         optimizer = trainable * opt_per_psi
         # Micro-batches in flight: 1F1B stage i holds min(p - i, m) (Narayanan et al. 2021,
@@ -357,6 +373,28 @@ def _layer_activations(
         seq = 4 * d * sbh
         scores = d * model.heads * s * s * b
     return float(split), float(kv), float(seq), float(scores)
+
+
+def _without_frozen_inputs(
+    model: ModelSpec, training: TrainingSpec, s: int, b: int, d: int, split: float, seq: float
+) -> tuple[float, float]:
+    """``_layer_activations``' split and sequence parts without the inputs only frozen linear
+    layers read (``MemoryOptions.frozen_inputs_saved`` False; Llama only): the attention norm's
+    output (q, k, v's input) unless q, k or v has an adapter, the MLP norm's output (gate and
+    up's input) unless gate or up has one, the SiLU-gate product (down's input) unless down has
+    one. The context (o's input) stays: the fused attention keeps its output for its backward
+    (Dao 2023, sec. 3.1), as it keeps q, k and v; SiLU and the product keep gate and up."""
+    if model.arch != "llama" or training.lora is None:
+        return split, seq
+    targets = set(training.lora.targets)
+    sbh = s * b * model.hidden
+    if not targets & {"q_proj", "k_proj", "v_proj"}:
+        seq -= d * sbh
+    if not targets & {"gate_proj", "up_proj"}:
+        seq -= d * sbh
+    if "down_proj" not in targets:
+        split -= d * s * b * model.ffn_hidden
+    return split, seq
 
 
 def trainable_params(model: ModelSpec, training: TrainingSpec) -> int:

@@ -166,6 +166,11 @@ class PerfConstants:
     #: Achieved FP8 GEMM throughput relative to the bf16 curve at the same kernel duration
     #: (fitted: tests/benchmarks/stack_fit.py).
     fp8_efficiency: float = 1.0
+    #: The FP8 casts fused away (no cast passes): Transformer Engine casts a linear layer's input
+    #: inside the kernel before it (LayerNormLinear, LayerNormMLP: the norm and the activation write
+    #: FP8), and with FP8 weights (NeMo's ``fp8_params``) the weights need no cast. Megatron-LM /
+    #: NeMo under ``--fp8`` run on Transformer Engine; torchao Float8 (torchtitan) casts apart.
+    fp8_casts_fused: bool = False
 
 
 #: The constants above: Megatron-LM (vTrain) and nanotron (Ultra-Scale) runs, fused kernels.
@@ -258,6 +263,8 @@ class PerfModel:
             return 0.0
         eff = float(self.curve(flops_per_gemm * self.peak / self.linear_peak)) * self.k.fp8_efficiency
         gemm = flops_per_gemm / (self.linear_peak * eff)
+        if self.k.fp8_casts_fused:
+            return gemm
         cast_elements = tokens * fan_in + fan_in * fan_out / self.config.tp
         return gemm + FP8_CAST_BYTES * cast_elements / self.device.memory_bandwidth
 

@@ -83,6 +83,10 @@ class Stack:
     #: ZeRO-2/3 (FSDP's sharding) under a pipeline: FSDP2 with ``torch.distributed.pipelining``
     #: runs it, DeepSpeed's pipeline engine refuses it (``pipette.space``'s ``zero_pipeline``)
     sharded_pipeline: bool = False
+    #: the constants and memory options under the ``fp8`` option, where the stack's FP8 is more
+    #: than FP8 GEMMs (None: the stack's own with ``fp8_gemms``)
+    fp8_constants: PerfConstants | None = None
+    fp8_memory_options: MemoryOptions | None = None
 
     @property
     def key(self) -> str:
@@ -183,6 +187,12 @@ MEGATRON = Stack(
     constants=MEGATRON_CONSTANTS, memory_options=MEGATRON_OPTIONS, gpu_fits_prior=NANOTRON_GPU,
     tensor_parallel=True, pipeline_parallel=True, zero_stages=(0, 1), schedules=("1f1b", "interleaved"),
     recompute=("none", "selective", "full"), launch_files=CANDIDATE_FILES, available_options=("fp8",),
+    #: Megatron-LM / NeMo FP8 is Transformer Engine's: its fused attention (cuDNN / flash, not the
+    #: unfused one the bf16 constants were fitted with on vTrain), the casts fused into the norm and
+    #: activation kernels, and (NeMo ``fp8_params``) FP8 weights: MLPerf's Llama-2-70B LoRA
+    #: reference (NVTE_FUSED_ATTN=1, FP8=True sets fp8 and fp8_params; docs/stacks.md)
+    fp8_constants=replace(MEGATRON_CONSTANTS, fp8_gemms=True, flash_attention=True, fp8_casts_fused=True),
+    fp8_memory_options=replace(MEGATRON_OPTIONS, fp8_weights=True),
 )
 #: PyTorch FSDP's own terms (``pipette.perf.PerfConstants``): fused attention (SDPA /
 #: flash-attn 2) at its own efficiency, gathers and reduce-scatters prefetched under compute,
@@ -245,8 +255,11 @@ def get_stack(stack: str | Stack | None, *, field: str = "stack") -> Stack:
             raise SpecError(f"{name} has no option {option!r}", field=field,
                             fix=f"use {name} alone or one of its options ({offered})")
     chosen = tuple(sorted(set(options)))
-    constants = replace(found.constants, fp8_gemms=True) if "fp8" in chosen else found.constants
-    return replace(found, options=chosen, constants=constants)
+    constants, memory = found.constants, found.memory_options
+    if "fp8" in chosen:
+        constants = found.fp8_constants or replace(found.constants, fp8_gemms=True)
+        memory = found.fp8_memory_options or found.memory_options
+    return replace(found, options=chosen, constants=constants, memory_options=memory)
 
 
 #: Between the stacks of a plan that ranks several side by side: ``pipette,fsdp``.
