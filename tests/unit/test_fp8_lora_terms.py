@@ -1,0 +1,78 @@
+"""megatron+fp8 as Transformer Engine runs it (issue 28, MLPerf's Llama-2-70B LoRA): FP8 weights,
+a frozen linear layer's input not kept for the backward, fused casts, fused attention."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from pipette.clusterfile import homogeneous_cluster
+from pipette.config import ParallelConfig
+from pipette.memory import MEGATRON_OPTIONS, stage_breakdowns
+from pipette.model import ModelSpec
+from pipette.perf import MEGATRON_CONSTANTS, estimate_perf
+from pipette.stacks import get_stack
+from pipette.training import LoraSpec, TrainingSpec
+
+MODEL = replace(ModelSpec.preset("llama2-70b"), max_seq=8192)
+LORA = TrainingSpec(global_batch=8, seq_len=8192, method="lora", lora=LoraSpec(16, 32.0))
+FULL = TrainingSpec(global_batch=8, seq_len=8192)
+GB = 1e9
+NODE = homogeneous_cluster("H100-80GB", 1, 8, 450 * GB, 50 * GB)
+MLPERF_H100 = ParallelConfig(tp=4, pp=1, dp=2, mbs=1, global_batch=8, zero_stage=1, recompute="none")
+
+
+def _stage(training: TrainingSpec, **options: bool) -> dict[str, int]:
+    return stage_breakdowns(MODEL, training, MLPERF_H100, options=replace(MEGATRON_OPTIONS, **options))[0]
+
+
+def test_fp8_weights_hold_each_linear_weight_in_one_byte() -> None:
+    bf16 = _stage(LORA, fp8_weights=False)["weights"]
+    fp8 = _stage(LORA, fp8_weights=True)["weights"]
+    h, kv, f, t = MODEL.hidden, MODEL.kv_dim, MODEL.ffn_hidden, MLPERF_H100.tp
+    linear_per_rank = MODEL.layers * (2 * h * h + 2 * h * kv + 3 * h * f) / t  # q, o; k, v; gate, up, down
+    assert abs((bf16 - fp8) - linear_per_rank * (2 - 1)) < MODEL.layers  # 1 B saved per weight (int rounding)
+
+
+def test_a_frozen_linear_input_is_not_kept_under_lora() -> None:
+    kept = _stage(LORA, frozen_inputs_saved=True)["activations"]
+    dropped = _stage(LORA, frozen_inputs_saved=False)["activations"]
+    s, h, f, t, d = 8192, MODEL.hidden, MODEL.ffn_hidden, MLPERF_H100.tp, 2
+    # q, k, v, o have adapters: only the MLP norm's output (h, sequence-parallel) and down's input (f)
+    per_layer = d * s * (h + f) / t
+    assert abs((kept - dropped) - MODEL.layers * per_layer) < MODEL.layers
+    # full training needs every input for the weight gradients: nothing changes
+    assert _stage(FULL, frozen_inputs_saved=True)["activations"] == _stage(FULL, frozen_inputs_saved=False)["activations"]
+
+
+def test_an_adapter_on_the_mlp_keeps_its_input() -> None:
+    mlp = replace(LORA, lora=LoraSpec(16, 32.0, targets=("q_proj", "down_proj")))
+    kept = stage_breakdowns(MODEL, mlp, MLPERF_H100, options=replace(MEGATRON_OPTIONS, frozen_inputs_saved=True))[0]
+    dropped = stage_breakdowns(MODEL, mlp, MLPERF_H100, options=MEGATRON_OPTIONS)[0]
+    s, h, t, d = 8192, MODEL.hidden, MLPERF_H100.tp, 2
+    assert abs((kept["activations"] - dropped["activations"]) - MODEL.layers * d * s * h / t) < MODEL.layers
+
+
+def test_megatron_fp8_is_transformer_engine() -> None:
+    stack = get_stack("megatron+fp8")
+    assert stack.memory_options.fp8_weights and not stack.memory_options.frozen_inputs_saved
+    assert stack.constants.fp8_gemms and stack.constants.fp8_casts_fused and stack.constants.flash_attention
+    # the bf16 stack keeps the constants it was fitted with
+    assert get_stack("megatron").constants == MEGATRON_CONSTANTS
+    # fp8 without the fsdp stack's overrides stays torchao's: casts counted
+    assert not get_stack("fsdp+fp8").constants.fp8_casts_fused
+
+
+def test_fused_casts_cost_nothing_and_unfused_ones_do() -> None:
+    k = replace(MEGATRON_CONSTANTS, fp8_gemms=True, flash_attention=True)
+    cast = estimate_perf(MODEL, LORA, MLPERF_H100, NODE, constants=k)
+    fused = estimate_perf(MODEL, LORA, MLPERF_H100, NODE, constants=replace(k, fp8_casts_fused=True))
+    assert fused.breakdown["compute"] < cast.breakdown["compute"]
+    assert fused.breakdown["tp_comm"] == cast.breakdown["tp_comm"]
+
+
+def test_mlperf_h100_layout_fits_an_h100() -> None:
+    est = get_stack("megatron+fp8").estimate_memory(MODEL, LORA, MLPERF_H100, NODE.min_usable_memory)
+    assert est.peak_bytes < 80 * 2**30
+    # and the bf16 estimate without Transformer Engine's terms does not
+    assert get_stack("megatron").estimate_memory(MODEL, LORA, MLPERF_H100, NODE.min_usable_memory).peak_bytes \
+        > est.peak_bytes
