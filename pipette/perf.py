@@ -171,6 +171,13 @@ class PerfConstants:
     #: FP8), and with FP8 weights (NeMo's ``fp8_params``) the weights need no cast. Megatron-LM /
     #: NeMo under ``--fp8`` run on Transformer Engine; torchao Float8 (torchtitan) casts apart.
     fp8_casts_fused: bool = False
+    #: Share of a micro-batch's linear-layer GEMM time under which the tensor-parallel collectives
+    #: run (0: all exposed, as vTrain's and Ultra-Scale's runs had them). Transformer Engine's
+    #: userbuffer overlap (Megatron-LM ``--tp-comm-overlap``, NeMo ``ub_tp_comm_overlap``; MLPerf's
+    #: Llama-2-70B LoRA reference sets TP_COMM_OVERLAP with MC_TP_OVERLAP_AG/RS) splits each
+    #: sequence-parallel all-gather and reduce-scatter into chunks pipelined with the GEMM that
+    #: consumes or produces them: only what the GEMMs do not cover is exposed.
+    tp_overlap: float = 0.0
 
 
 #: The constants above: Megatron-LM (vTrain) and nanotron (Ultra-Scale) runs, fused kernels.
@@ -203,6 +210,8 @@ class _Compute:
 
     forward: FloatArray  # (p,)
     backward: FloatArray  # (p,), recomputation included
+    #: the linear layers' GEMM time of both passes (recomputation included): what TP overlap hides under
+    linear: FloatArray  # (p,)
 
 
 class PerfModel:
@@ -319,13 +328,14 @@ class PerfModel:
             layer_b += attn_f
         forward = self.layers * layer_f
         backward = self.layers * layer_b
+        linear = self.layers * (lin_f + lin_b + (lin_f if cfg.recompute == "full" else 0.0))
         # LM head on the last stage: the logits GEMM 2 T h V / tp (2x backward) and the
         # memory-bound fp32 loss over the T V / tp logits.
         head = self._gemm_time(2.0 * t * model.hidden * model.vocab / tp, 1)
         loss = t * model.vocab / tp * self.k.loss_bytes_per_logit / self.device.memory_bandwidth
         forward[-1] += head + loss / 2.0
         backward[-1] += (head if lora is not None else 2.0 * head) + loss / 2.0
-        return _Compute(forward=forward, backward=backward)
+        return _Compute(forward=forward, backward=backward, linear=linear)
 
     def _optimizer_time(self) -> FloatArray:
         """Memory-bound update of the local shard (Rajbhandari et al. 2020, ZeRO >= 1)."""
@@ -372,6 +382,8 @@ class PerfModel:
         n_layer_ar[0] += 2.0
         n_layer_ar[-1] += 2.0
         t_tp = per_ar * n_layer_ar[:, None]  # (p, dp)
+        if k.tp_overlap > 0:
+            t_tp = np.maximum(t_tp - k.tp_overlap * self.compute.linear[:, None], 0.0)
 
         # Pipeline p2p: one activation forward and one gradient backward per boundary
         # and micro-batch; v chunks per device cross v times, the last wrapping to stage 0.

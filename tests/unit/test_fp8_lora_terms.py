@@ -77,3 +77,15 @@ def test_mlperf_h100_layout_fits_an_h100() -> None:
     # and the bf16 estimate without Transformer Engine's terms does not
     assert get_stack("megatron").estimate_memory(MODEL, LORA, MLPERF_H100, NODE.min_usable_memory).peak_bytes \
         > est.peak_bytes
+
+
+def test_tp_overlap_hides_tensor_parallel_collectives_under_the_gemms() -> None:
+    k = replace(MEGATRON_CONSTANTS, fp8_gemms=True, flash_attention=True, fp8_casts_fused=True)
+    exposed = estimate_perf(MODEL, LORA, MLPERF_H100, NODE, constants=k)
+    half = estimate_perf(MODEL, LORA, MLPERF_H100, NODE, constants=replace(k, tp_overlap=0.001))
+    hidden = estimate_perf(MODEL, LORA, MLPERF_H100, NODE, constants=replace(k, tp_overlap=1.0))
+    assert exposed.breakdown["tp_comm"] > half.breakdown["tp_comm"] > hidden.breakdown["tp_comm"] == 0.0
+    assert hidden.breakdown["compute"] == exposed.breakdown["compute"]
+    # no tensor parallelism, nothing to hide
+    one = replace(MLPERF_H100, tp=1, dp=8)
+    assert estimate_perf(MODEL, LORA, one, NODE, constants=replace(k, tp_overlap=1.0)).breakdown["tp_comm"] == 0.0
