@@ -122,6 +122,12 @@ class MemoryOptions:
     #: an adapter reads them. True (kept) for Pipette's runner: its fits prior
     #: (``pipette.fits.PIPETTE_GPU``) was fitted on the estimate with them.
     frozen_inputs_saved: bool = True
+    #: Selective recomputation as torchtitan's per-op checkpointing (``selective_ac_option = "op"``):
+    #: each layer keeps its input and the outputs of the ops in ``_save_list`` (every other mm,
+    #: the SDPA kernel's output) and recomputes the rest in the backward (torchtitan,
+    #: models/llama3/infra/parallelize.py, ``_apply_ac_to_transformer_block``: "Saves output of all
+    #: compute ops, except every second mm"). False: Korthikanti's selective (scores only).
+    op_sac: bool = False
 
 
 DEFAULT_OPTIONS = MemoryOptions()
@@ -132,7 +138,7 @@ MEGATRON_OPTIONS = MemoryOptions(loss_fp32_copies=2, deepspeed_bf16_fp32_grads=F
 #: parameters sharded, fp32 gradient reduction, and the loss over the logits cast to fp32
 #: (torchtitan's ``cross_entropy_loss``, ``workers.rank.fsdp_model.lm_loss``: 3 fp32 copies, as
 #: Pipette's DeepSpeed runner).
-FSDP_OPTIONS = MemoryOptions(grad_accum_fp32=True, deepspeed_bf16_fp32_grads=False, fsdp2=True)
+FSDP_OPTIONS = MemoryOptions(grad_accum_fp32=True, deepspeed_bf16_fp32_grads=False, fsdp2=True, op_sac=True)
 
 
 def estimate_memory(
@@ -229,6 +235,10 @@ def stage_breakdowns(
         per_layer = d * s * b * h / (t if options.sequence_parallel else 1)
         # ... and during the backward one layer's activations are rebuilt at a time.
         rebuilt = act_sharded + act_seq_t + (0 if options.flash_attention else act_scores / t)
+    elif config.recompute == "selective" and options.op_sac and model.arch == "llama":
+        per_layer = _op_sac_saved(model, s, b, d, t, t_kv, options.sequence_parallel)
+        # ... and during the backward one layer's activations are rebuilt at a time
+        rebuilt = act_sharded + act_seq_t
     else:
         # Selective recomputation drops the a*s^2 score terms (Korthikanti sec. 4.2.1,
         # eq. 7: sbh*34/t); flash attention never stores them.
@@ -373,6 +383,19 @@ def _layer_activations(
         seq = 4 * d * sbh
         scores = d * model.heads * s * s * b
     return float(split), float(kv), float(seq), float(scores)
+
+
+def _op_sac_saved(model: ModelSpec, s: int, b: int, d: int, t: int, t_kv: int, sequence_parallel: bool) -> float:
+    """Bytes one Llama layer keeps for one micro-batch under torchtitan's per-op checkpointing
+    (``MemoryOptions.op_sac``). The mm count runs wq, wk, wv, wo, w1, w3, w2 (torchtitan's
+    Attention and FeedForward: ``w2(silu(w1(x)) * w3(x))``); the odd ones are saved: wq (h), wv
+    (the kv width), w1 (f), w2 (h, the layer's last output before the residual add); with the
+    SDPA output (h) and the layer's input (h, the checkpoint's own). Column-parallel outputs and
+    the attention are split by t; w2's output and the input by t under sequence parallelism."""
+    sb, h = s * b, model.hidden
+    seq_t = t if sequence_parallel else 1
+    split = sb * (h + h + model.ffn_hidden) / t  # wq, SDPA output, w1
+    return float(d * (split + sb * model.kv_dim / t_kv + 2 * sb * h / seq_t))
 
 
 def _without_frozen_inputs(

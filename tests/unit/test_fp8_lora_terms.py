@@ -89,3 +89,19 @@ def test_tp_overlap_hides_tensor_parallel_collectives_under_the_gemms() -> None:
     # no tensor parallelism, nothing to hide
     one = replace(MLPERF_H100, tp=1, dp=8)
     assert estimate_perf(MODEL, LORA, one, NODE, constants=replace(k, tp_overlap=1.0)).breakdown["tp_comm"] == 0.0
+
+
+def test_op_sac_keeps_every_other_matmul_output_and_the_attention() -> None:
+    from pipette.memory import FSDP_OPTIONS
+
+    model = ModelSpec.preset("llama3-8b")
+    train = TrainingSpec(global_batch=16, seq_len=8192)
+    cfg = ParallelConfig(tp=1, pp=1, dp=8, mbs=2, global_batch=16, zero_stage=3, recompute="selective")
+    sac = stage_breakdowns(model, train, cfg, options=FSDP_OPTIONS)[0]["activations"]
+    korthikanti = stage_breakdowns(model, train, cfg, options=replace(FSDP_OPTIONS, op_sac=False))[0]["activations"]
+    sb, h, kv, f, d = 2 * 8192, model.hidden, model.kv_dim, model.ffn_hidden, 2
+    saved = d * sb * (4 * h + kv + f)  # input, wq, SDPA, w2; wv; w1
+    rebuilt = d * sb * (2 * h + 2 * kv + 4 * f + 4 * h)  # one layer's full activations while it recomputes
+    head = d * sb * 2 * h  # the final norm's input and output on the last stage
+    assert abs(sac - (model.layers * saved + rebuilt + head)) < model.layers
+    assert sac < korthikanti / 2
