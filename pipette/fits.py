@@ -83,11 +83,11 @@ PIPETTE_GPU = FitsPrior("pipette-gpu", mu=-0.019, sd=0.105,
 NANOTRON_GPU = FitsPrior("nanotron-gpu", mu=0.216, sd=0.212, source="ultrascale_h100_1b_3b_8b.csv, 1620 runs")
 #: PyTorch FSDP2 (torchtitan's H100 runs: peak reserved, max over ranks, against the estimate
 #: with the ``fsdp`` stack's options; 14 runs with memory, none out of memory), refitted
-#: (``fits_boundary.py --fit``, 2026-11-27) with torchtitan's per-op recomputation in the estimate
-#: (``MemoryOptions.op_sac``; was mu -0.273, sd 0.600). Still wide: FSDP2 under pipelining (the
-#: 405B rows) is not modelled (docs/stacks.md).
-FSDP_GPU = FitsPrior("fsdp-gpu", mu=-0.046, sd=0.401,
-                     source="torchtitan_h100_fsdp2.csv, 14 runs with memory (per-op recomputation, 2026-11-27)")
+#: (``fits_boundary.py --fit``, 2026-11-27) with torchtitan's per-op recomputation
+#: (``MemoryOptions.op_sac``) and FSDP2's unsharded layers and gradients under pipelining in the
+#: estimate (was mu -0.273, sd 0.600).
+FSDP_GPU = FitsPrior("fsdp-gpu", mu=-0.142, sd=0.241,
+                     source="torchtitan_h100_fsdp2.csv, 14 runs (op SAC, FSDP2 under pipelining, 2026-11-27)")
 #: CPU devices: no calibration runs (the runner's RSS is recorded by every CPU trial); the
 #: learned memory model's default prior (``pipette.feasibility``), centred.
 CPU = FitsPrior("cpu", mu=0.0, sd=0.226, source="no calibration runs: the learned model's default prior")

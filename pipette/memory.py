@@ -340,9 +340,17 @@ def _fsdp2_state(
     sharded = psi * FP32_BYTES / shards
     gradients = trainable * FP32_BYTES / shards
     optimizer = trainable * state_bytes / shards
-    held_layers = 2 if c.zero_stage == 3 else layers
-    kept = root_psi * d + (0 if c.zero_stage == 3 else layers * layer_psi * d)
-    in_flight = min(held_layers, layers) * layer_psi * d if c.zero_stage == 3 else 0.0
+    # torchtitan's ``apply_fsdp`` turns reshard_after_forward off under pipelining ("to avoid
+    # per-microbatch all-gathers"): a FULL_SHARD stage then keeps its layers unsharded, and the
+    # pipeline schedule syncs gradients at the last micro-batch only
+    # (torch.distributed.pipelining's ``backward_maybe_with_nosync``:
+    # ``set_requires_gradient_sync(False)``), so the unsharded gradients (param dtype) accumulate
+    reshard = c.zero_stage == 3 and c.pp == 1
+    held_layers = 2 if reshard else layers
+    kept = root_psi * d + (0 if reshard else layers * layer_psi * d)
+    in_flight = min(held_layers, layers) * layer_psi * d if reshard else 0.0
+    if c.pp > 1 and c.zero_stage >= 2:
+        gradients += layers * layer_trainable * d
     # one decoder layer's: the root's (embedding, head) are reduced at the end of the backward,
     # after the activations that make the peak are freed
     reduce = (layer_trainable if layers else 0.0) * (d + FP32_BYTES)

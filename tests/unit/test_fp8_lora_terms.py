@@ -105,3 +105,22 @@ def test_op_sac_keeps_every_other_matmul_output_and_the_attention() -> None:
     head = d * sb * 2 * h  # the final norm's input and output on the last stage
     assert abs(sac - (model.layers * saved + rebuilt + head)) < model.layers
     assert sac < korthikanti / 2
+
+
+def test_fsdp2_under_pipelining_keeps_its_layers_and_gradients_unsharded() -> None:
+    from pipette.memory import FSDP_OPTIONS
+
+    model = ModelSpec.preset("llama3-8b")
+    train = TrainingSpec(global_batch=16, seq_len=4096)
+    flat = ParallelConfig(tp=1, pp=1, dp=8, mbs=1, global_batch=16, zero_stage=3, recompute="full")
+    piped = ParallelConfig(tp=1, pp=2, dp=4, mbs=1, global_batch=16, zero_stage=3, recompute="full")
+    one = stage_breakdowns(model, train, flat, options=FSDP_OPTIONS)[0]
+    two = stage_breakdowns(model, train, piped, options=FSDP_OPTIONS)[1]  # the last stage: no embedding
+    stage_layers = model.layers // 2
+    layer = model.layer_params() * 2  # bf16 unsharded
+    # the sharded fp32 gradients plus every layer's unsharded bf16 gradient (synced at the last micro-batch)
+    sharded_fp32 = (stage_layers * model.layer_params() + model.head_params()) * 4 / piped.dp
+    assert abs(two["gradients"] - (sharded_fp32 + stage_layers * layer)) < 1e6
+    # every layer of the stage stays gathered (no reshard after forward): far above two layers in flight
+    assert two["weights"] >= sharded_fp32 + stage_layers * layer
+    assert one["buffers"] < 6 * layer  # without pipelining: two layers in flight, one layer's reduce
