@@ -340,11 +340,12 @@ def _fsdp2_state(
     sharded = psi * FP32_BYTES / shards
     gradients = trainable * FP32_BYTES / shards
     optimizer = trainable * state_bytes / shards
-    # torchtitan's ``apply_fsdp`` turns reshard_after_forward off under pipelining ("to avoid
-    # per-microbatch all-gathers"): a FULL_SHARD stage then keeps its layers unsharded, and the
-    # pipeline schedule syncs gradients at the last micro-batch only
-    # (torch.distributed.pipelining's ``backward_maybe_with_nosync``:
-    # ``set_requires_gradient_sync(False)``), so the unsharded gradients (param dtype) accumulate
+    # Under pipelining a stage's layers stay unsharded: torchtitan's ``apply_fsdp`` turns
+    # reshard_after_forward off ("to avoid per-microbatch all-gathers"), and for every micro-batch
+    # but the last torch.distributed.pipelining's ``PipelineStage`` (Pipette's runner too:
+    # workers/rank/fsdp_pipeline.py) sets ``set_reshard_after_backward(False)`` and
+    # ``set_requires_gradient_sync(False)`` on an FSDPModule, so the unsharded gradients (param
+    # dtype) accumulate and are reduce-scattered at the last micro-batch only
     reshard = c.zero_stage == 3 and c.pp == 1
     held_layers = 2 if reshard else layers
     kept = root_psi * d + (0 if reshard else layers * layer_psi * d)
