@@ -190,18 +190,12 @@ class LearnedModel:
         self.trial_noise_sd, self.noise_dof = trial_noise(timed)
         self._noise = np.array([math.hypot(_step_noise_sd(o.measurement), self.trial_noise_sd) for o in timed])
         self._y = np.array([math.log(_observed_time(o) or 1.0) - math.log(o.perf.step_time) for o in timed])
-        # Robustness: a run far slower than its peers' (same tp and pp, two at least) median
-        # residual gets a noise as large as its distance, so one odd run (a glitch: load, a
-        # straggler) does not drag its neighbours' predictions with it. Peers, not every run:
-        # a whole regime slower than predicted is what the regime term must learn. Only slow
-        # ones: glitches do not make a run faster, so a fast surprise is a discovery.
-        for i, o in enumerate(timed):
-            peers = [self._y[j] for j, p in enumerate(timed)
-                     if j != i and (p.config.tp, p.config.pp) == (o.config.tp, o.config.pp)]
-            if len(peers) >= 2:
-                dist = float(self._y[i] - np.median(peers))
-                if dist > OUTLIER_LOG:
-                    self._noise[i] = max(self._noise[i], dist)
+        # Robustness: a run far slower than its peers (``outlier_distances``) gets a noise as
+        # large as its distance, so one odd run (a glitch: load, a straggler) does not drag its
+        # neighbours' predictions with it. Only slow ones: glitches do not make a run faster,
+        # so a fast surprise is a discovery.
+        for i, dist in enumerate(outlier_distances([o.config for o in timed], self._y)):
+            self._noise[i] = max(self._noise[i], dist)
         self.residual_sd, self.length_scale, self.regime_sd = PRIOR_RESIDUAL_SD, LENGTH_SCALE, PRIOR_REGIME_SD
         #: (weight, (s, ell, a), the GP's factor) per hyperparameter setting averaged over
         self._mixture: list[tuple[float, tuple[float, float, float], gp.Factor]] = []
@@ -343,6 +337,38 @@ def collapse(
     first = weights @ means
     var = np.maximum(weights @ (sds**2 + means**2) - first**2, 1e-8)
     return [Prediction(p.step_time, float(m), float(math.sqrt(v))) for p, m, v in zip(perfs, first, var, strict=True)]
+
+
+def outlier_distances(configs: Sequence[ParallelConfig], residuals: FloatArray) -> list[float]:
+    """Per timed run: how far (log) its residual lies above its peers', when that is more than
+    ``OUTLIER_LOG`` (an outlier run, trusted less: its noise becomes that distance), else 0.
+
+    Peers are the runs of its regime cell (same tp and pp, two at least); without those, the
+    runs of its row and of its column (same tp at another pp, same pp at another tp, one at
+    least of each), when it is slower than both by more than ``OUTLIER_LOG``: the regime term is
+    additive over tp and pp (``LearnedModel._kernel``), so a run slower than its tp-mates and
+    its pp-mates alike is one no regime factor explains, and taken at face value it moves every
+    candidate of its tp by its whole residual. Replay, Ultra-Scale 8B on 1 node: the first
+    trial, tp1-pp2-dp4, ran 2.7x its prediction (its pp-mates at tp 2-4 and its tp-mate at pp 8
+    near theirs); the additive fit put the tp-1 factor at +0.9 (the best, tp1-pp4-dp2, predicted
+    44 s against its 17 s at sd 0.13) and the search converged with the best untried, 5.1% slower,
+    on every seed (docs/models.md, 2026-11-27). A whole tp or pp slower than predicted is what
+    the regime term must learn: its mates are slow too, and nothing is discounted."""
+    out = [0.0] * len(configs)
+    for i, c in enumerate(configs):
+        others = [j for j in range(len(configs)) if j != i]
+        cell = [residuals[j] for j in others if (configs[j].tp, configs[j].pp) == (c.tp, c.pp)]
+        if len(cell) >= 2:
+            dist = float(residuals[i] - np.median(cell))
+        else:
+            row = [residuals[j] for j in others if configs[j].tp == c.tp and configs[j].pp != c.pp]
+            column = [residuals[j] for j in others if configs[j].pp == c.pp and configs[j].tp != c.tp]
+            if not row or not column:
+                continue
+            dist = float(min(residuals[i] - np.median(row), residuals[i] - np.median(column)))
+        if dist > OUTLIER_LOG:
+            out[i] = dist
+    return out
 
 
 def regimes(config: ParallelConfig) -> tuple[int, ...]:

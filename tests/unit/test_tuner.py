@@ -21,7 +21,7 @@ from pipette.config import ParallelConfig
 from pipette.errors import InfeasibleError, SpecError
 from pipette.feasibility import RUNS_PRIOR
 from pipette.fits import PIPETTE_GPU
-from pipette.learned import HYPER_MASS, NOISE_FLOOR_SD, LearnedModel, Observation
+from pipette.learned import HYPER_MASS, NOISE_FLOOR_SD, LearnedModel, Observation, outlier_distances
 from pipette.measurement import Measurement
 from pipette.model import ModelSpec
 from pipette.plan import Plan, Planned, make_plan
@@ -833,3 +833,39 @@ def test_a_contender_that_may_be_faster_than_the_pick_is_retimed(plan: Plan) -> 
     assert tuner._pairwise()[other] > 0.99  # sure to be within the tolerance
     assert 0.1 < tuner._faster_chance()[other] < 0.5
     assert tuner.contenders() == [pick, other]
+
+
+def _layout(plan: Plan, tp: int, pp: int, used: set[str]) -> Planned:
+    p = next(p for p in plan.ranked if (p.config.tp, p.config.pp) == (tp, pp) and p.config.label not in used)
+    used.add(p.config.label)
+    return p
+
+
+def test_one_run_slower_than_its_tp_and_pp_mates_does_not_move_its_whole_tp(plan: Plan) -> None:
+    """As the Ultra-Scale 8B run on 1 node had it: tp1-pp2 ran 2.7x its prediction, its pp-mates
+    (tp 2 and 4 at pp 2) and its tp-mate (tp 1 at pp 8) as predicted. Taken at face value the
+    additive regime term put the whole of tp 1 at +0.9 and an untried tp1-pp4 at 2.5x; no
+    regime factor explains a run slower than its row and its column, so it is trusted less."""
+    used: set[str] = set()
+    trials = [(1, 2, 2.7), (2, 2, 1.0), (4, 2, 1.05), (2, 4, 1.0), (4, 1, 0.95), (1, 8, 1.05), (2, 1, 1.0)]
+    obs = []
+    for tp, pp, factor in trials:
+        p = _layout(plan, tp, pp, used)
+        t = factor * p.perf.step_time
+        m = Measurement("ok", (t, 1.01 * t, 0.99 * t, t), plan.training.tokens_per_step)
+        obs.append(TrialRecord(0, p.config, m, p.perf, p.memory, p.perf.step_time).observation())
+    learned = LearnedModel(obs)
+    untried = _layout(plan, 1, 4, used)
+    assert learned.predict(untried.config, untried.perf).step_time < 1.5 * untried.perf.step_time
+    assert outlier_distances([o.config for o in obs], np.log([f for _, _, f in trials]))[0] > 0.9
+
+
+def test_a_whole_tp_slower_than_predicted_is_no_outlier(plan: Plan) -> None:
+    """Its tp-mate slow too: the tp is slow (the regime term's to learn), nothing is discounted;
+    a run slow against its row but not its column, or with no mate on one side, neither."""
+    used: set[str] = set()
+    layouts = [_layout(plan, tp, pp, used).config for tp, pp in [(1, 2), (2, 2), (1, 8), (2, 4)]]
+    assert outlier_distances(layouts, np.log([2.7, 1.0, 2.5, 1.0])) == [0.0] * 4
+    assert outlier_distances(layouts[:2], np.log([2.7, 1.0])) == [0.0] * 2  # no tp-mate: cannot tell
+    cell = [_layout(plan, 1, 2, used).config, _layout(plan, 1, 2, used).config]
+    assert outlier_distances([*layouts[:1], *cell], np.log([2.7, 1.0, 1.1]))[0] > 0.9  # its cell's mates
