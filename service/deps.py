@@ -18,6 +18,7 @@ from service.metrics import Metrics
 from service.rates import TenantRate
 from service.settings import Settings
 from service.streams import StreamSlots
+from service.views import Answers
 
 if TYPE_CHECKING:
     from service.scheduler import Scheduler
@@ -32,6 +33,8 @@ class AppState:
     tokens: TokenCache = field(default_factory=TokenCache)
     streams: StreamSlots = field(default_factory=lambda: StreamSlots(20, 200))
     plans: TenantRate = field(default_factory=lambda: TenantRate(60, "PIPETTE_PLANS_PER_MINUTE", "plans"))
+    #: the polled reads' answers, by the rows they are made of
+    answers: Answers = field(default_factory=Answers)
     #: set when the process was told to stop (SIGTERM): event streams end, the scheduler stops
     stopping: threading.Event = field(default_factory=threading.Event)
 

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, TypeAdapter
 from starlette.responses import Response
 
 from pipette.stacks import DEFAULT_STACK
+from service.answers import AnswerCache
 from service.models import Cluster, Job, Lease, Profile, Trial, utcnow
+from service.repositories.jobs import AnyRow, job_of_row
 from service.repositories.leases import UNSERVED_AFTER_S
+from service.repositories.trials import trial_of_row
 from service.schemas import (
     BestSummary,
     ClusterOut,
@@ -31,6 +36,46 @@ def as_json(model: BaseModel, status_code: int = 200) -> Response:
     against the route's ``response_model`` (the reads are the hot path; the schema stays the
     route's ``response_model``, and the tests check the shapes)."""
     return Response(model.model_dump_json(), status_code=status_code, media_type="application/json")
+
+
+def json_bytes(body: bytes) -> Response:
+    """An answer serialized already (``Answers``)."""
+    return Response(body, media_type="application/json")
+
+
+@dataclass
+class Answers:
+    """This process's answers of the polled reads, by row (``service.answers``): a job's
+    ``JobOut`` with its JSON, and a trial's line of a trials list."""
+
+    jobs: AnswerCache[tuple[JobOut, bytes]] = field(default_factory=AnswerCache)
+    trials: AnswerCache[bytes] = field(default_factory=AnswerCache)
+
+    def job(self, row: AnyRow) -> tuple[JobOut, bytes]:
+        """The answer of a ``service.repositories.jobs.JOB_ROW`` row (without a notice). The
+        ``JobOut`` is shared: copy it to change it."""
+        def build() -> tuple[JobOut, bytes]:
+            out = job_out(job_of_row(row))
+            return out, out.model_dump_json().encode()
+
+        return self.jobs.get(tuple(row), build)
+
+    def job_list(self, rows: Sequence[AnyRow], next_cursor: str | None) -> bytes:
+        """``JobList`` of the rows, as pydantic serializes it (compact, in field order)."""
+        items = b",".join(self.job(row)[1] for row in rows)
+        return b'{"items":[' + items + b'],"next_cursor":' + _CURSOR.dump_json(next_cursor) + b"}"
+
+    def trial_list(self, rows: Sequence[AnyRow]) -> bytes:
+        """``TrialList`` of ``service.repositories.trials.TRIAL_ROW`` rows."""
+        items = b",".join(self.trials.get(tuple(row), _trial_line(row)) for row in rows)
+        return b'{"items":[' + items + b"]}"
+
+
+def _trial_line(row: AnyRow) -> Callable[[], bytes]:
+    return lambda: trial_out(trial_of_row(row)).model_dump_json().encode()
+
+
+_CURSOR: TypeAdapter[str | None] = TypeAdapter(str | None)
 
 
 def job_url(job_id: str) -> str:
@@ -107,10 +152,10 @@ def lease_out(lease: Lease | None) -> LeaseOut:
     )
 
 
-def unserved_notice(job: Job, cluster: Cluster | None, lease: Lease | None) -> str | None:
+def unserved_notice(job_state: str, cluster: Cluster | None, lease: Lease | None) -> str | None:
     """Why a queued job does not start, when the reason is that no scheduler serves its
     cluster's devices: none holds their lease and none has polled it for a while."""
-    if job.state != "queued" or cluster is None:
+    if job_state != "queued" or cluster is None:
         return None
     now = utcnow()
     if lease is not None and lease.holder and lease.expires_at and lease.expires_at > now:

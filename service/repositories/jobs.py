@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeAlias
 
-from sqlalchemy import and_, func, or_, select, update
+from sqlalchemy import Row, Select, Text, and_, cast, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from service.errors import ConflictError, NotFoundError
@@ -38,28 +39,61 @@ def get_job(session: Session, tenant: str, job_id: str) -> Job:
     return job
 
 
-def list_jobs(
+#: A row (and a select) of columns whose types differ per column
+AnyRow: TypeAlias = Row[*tuple[Any, ...]]
+AnySelect: TypeAlias = Select[*tuple[Any, ...]]
+
+#: The columns a job's answer (``service.views.job_out``) is made of; the JSON ones are read as
+#: their text, so a row can key the answer cache (``service.answers``) before anything is decoded.
+JOB_PLAIN = (Job.id, Job.tenant, Job.name, Job.cluster_id, Job.state, Job.created_at, Job.updated_at,
+             Job.started_at, Job.finished_at, Job.cancel_requested, Job.attempts, Job.tuning_s, Job.stop_reason)
+JOB_JSON = (Job.model, Job.training, Job.options, Job.progress, Job.best, Job.error)
+JOB_ROW = (*JOB_PLAIN, *(cast(c, Text).label(c.key) for c in JOB_JSON))
+
+
+def job_row(session: Session, tenant: str, job_id: str) -> AnyRow:
+    """A job's answer columns (``JOB_ROW``), as ``get_job`` finds it."""
+    row = session.execute(select(*JOB_ROW).where(Job.id == job_id.lower())).first()
+    if row is None or row.tenant != tenant:
+        # Another tenant's job answers exactly like a missing one.
+        raise NotFoundError(f"no job {job_id!r}", field="job_id", fix="use an id from GET /v1/jobs")
+    return row
+
+
+def job_of_row(row: AnyRow) -> Job:
+    """A transient job of a ``JOB_ROW`` row (its JSON decoded), for ``service.views.job_out``."""
+    data = row._mapping
+    return Job(**{c.key: data[c.key] for c in JOB_PLAIN},
+               **{c.key: None if data[c.key] is None else json.loads(data[c.key]) for c in JOB_JSON})
+
+
+def list_job_rows(
     session: Session, tenant: str, *, states: Sequence[str] = (), cluster_id: str | None = None,
     limit: int = 50, cursor: str | None = None,
-) -> tuple[Sequence[Job], str | None]:
-    """Newest first. ``cursor`` is the id of the last job of the previous page (``next_cursor``):
-    the page goes on after it, stable while new jobs arrive."""
-    query = select(Job).where(Job.tenant == tenant)
+) -> tuple[Sequence[AnyRow], str | None]:
+    """``list_jobs`` as ``JOB_ROW`` rows (the polled list: answers come from their rows)."""
+    query = _page(session, select(*JOB_ROW), tenant, states, cluster_id, cursor)
+    rows = session.execute(query.limit(limit + 1)).all()
+    page = rows[:limit]
+    after = page[-1].id if len(rows) > limit else None
+    return page, after
+
+
+def _page(session: Session, query: AnySelect, tenant: str, states: Sequence[str], cluster_id: str | None,
+          cursor: str | None) -> AnySelect:
+    query = query.where(Job.tenant == tenant)
     if states:
         query = query.where(Job.state.in_(list(states)))
     if cluster_id:
         query = query.where(Job.cluster_id == cluster_id)
     if cursor:
-        last = session.get(Job, cursor.lower())
+        last = session.execute(select(Job.id, Job.tenant, Job.created_at).where(Job.id == cursor.lower())).first()
         if last is None or last.tenant != tenant:
             raise NotFoundError(f"no job {cursor!r} to continue after", field="cursor",
                                 fix="pass next_cursor from the previous page, or no cursor")
         query = query.where(or_(Job.created_at < last.created_at,
                                 and_(Job.created_at == last.created_at, Job.id < last.id)))
-    rows = session.execute(query.order_by(Job.created_at.desc(), Job.id.desc()).limit(limit + 1)).scalars().all()
-    page = rows[:limit]
-    after = page[-1].id if len(rows) > limit else None
-    return page, after
+    return query.order_by(Job.created_at.desc(), Job.id.desc())
 
 
 def request_cancel(session: Session, tenant: str, job_id: str) -> Job:

@@ -41,7 +41,7 @@ from service.schemas import (
 )
 from service.scripts import check_allowed, script_parts, stored
 from service.specs import check_backends, model_spec, training_spec, tune_options
-from service.views import as_json, job_out, job_url, trial_detail, trial_out, unserved_notice
+from service.views import as_json, job_out, job_url, json_bytes, trial_detail, trial_out, unserved_notice
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
@@ -109,19 +109,20 @@ def list_jobs(
 ) -> Response:
     with state.db.read() as session:
         cluster_id = cluster_repo.get_cluster(session, caller.tenant, cluster).id if cluster else None
-        page, after = repo.list_jobs(session, caller.tenant, states=job_state or (), cluster_id=cluster_id,
-                                     limit=limit, cursor=cursor)
-        return as_json(JobList(items=[job_out(j) for j in page], next_cursor=after))
+        page, after = repo.list_job_rows(session, caller.tenant, states=job_state or (), cluster_id=cluster_id,
+                                         limit=limit, cursor=cursor)
+    return json_bytes(state.answers.job_list(page, after))
 
 
 @router.get("/{job_id}", response_model=JobOut, responses=errors(*AUTHED, 404))
 def read_job(job_id: JobId, state: State, caller: Caller) -> Response:
     with state.db.read() as session:
-        job = repo.get_job(session, caller.tenant, job_id)
-        out = job_out(job)
-        if job.state == "queued":  # the hot path (running and finished jobs) pays no extra query
-            out.notice = unserved_notice(job, *cluster_repo.cluster_and_lease(session, job.cluster_id))
-        return as_json(out)
+        row = repo.job_row(session, caller.tenant, job_id)
+        out, body = state.answers.job(row)
+        if row.state != "queued":  # the hot path (running and finished jobs) pays no extra query
+            return json_bytes(body)
+        notice = unserved_notice(row.state, *cluster_repo.cluster_and_lease(session, row.cluster_id))
+    return json_bytes(body) if notice is None else as_json(out.model_copy(update={"notice": notice}))
 
 
 @router.post("/{job_id}/cancel", status_code=202, response_model=JobOut, responses=errors(*AUTHED, 404, 409))
@@ -135,8 +136,8 @@ def cancel_job(job_id: JobId, state: State, caller: Caller) -> JobOut:
 @router.get("/{job_id}/trials", response_model=TrialList, responses=errors(*AUTHED, 404))
 def list_trials(job_id: JobId, state: State, caller: Caller) -> Response:
     with state.db.read() as session:
-        return as_json(TrialList(items=[trial_out(t) for t in trial_repo.list_tenant_trials(session, caller.tenant,
-                                                                                             job_id)]))
+        rows = trial_repo.list_tenant_trial_rows(session, caller.tenant, job_id)
+    return json_bytes(state.answers.trial_list(rows))
 
 
 @router.get("/{job_id}/trials/{number}", response_model=TrialDetail, responses=errors(*AUTHED, 404))
