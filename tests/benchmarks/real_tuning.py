@@ -8,6 +8,11 @@ tokens, fp32, rank 8, alpha 16) on 4 CPU devices, local Ray, real DeepSpeed tria
     .venv/bin/python tests/benchmarks/real_tuning.py                  # restricted space (72 candidates)
     .venv/bin/python tests/benchmarks/real_tuning.py --wide           # the recipe's full space (228)
     .venv/bin/python tests/benchmarks/real_tuning.py --limit 6 --top 2 --repeats 1   # a smoke run
+    .venv/bin/python tests/benchmarks/real_tuning.py --stack pipette,fsdp  # both families (99 candidates)
+
+``--stack pipette,fsdp`` plans both stacks as ``pipette tune --stack pipette,fsdp`` does, each
+candidate trained by its stack's runner; the restriction is per stack (``RESTRICTED_ZERO``,
+``RESTRICTED_FSDP``) and the report gives each family's best and the tuner's picks of it.
 
 1. Plan (``pipette.plan.make_plan``) on the cluster: measured by ``workers.host.probe.probe_cluster``
    (``--cluster FILE`` uses a cluster file instead, e.g. ``examples/clusters/cpu-4.yaml``).
