@@ -248,7 +248,7 @@ def make_plan(
         placed = config.with_placement(placements[key])
         perf_model = PerfModel(model, training, placed, cluster,
                                constants=constants or (chosen if config.stack is None else
-                                                       _named(chosen_all, config.stack)).constants)
+                                                       _named(chosen_all, config.stack)).constants_for(kind))
         perf = perf_model.estimate()
         planned.append((Planned(placed, mem, perf, perf.step_time, chance_to_fit=chance), perf_model))
     planned = [(_with_expectation(p, _fallback([q for q, _ in planned])), m) for p, m in planned]

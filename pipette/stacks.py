@@ -87,6 +87,9 @@ class Stack:
     #: than FP8 GEMMs (None: the stack's own with ``fp8_gemms``)
     fp8_constants: PerfConstants | None = None
     fp8_memory_options: MemoryOptions | None = None
+    #: the constants on CPU workers where the stack's own CPU trials gave them (None: ``constants``
+    #: on every device; ``constants_for``)
+    cpu_constants: PerfConstants | None = None
 
     @property
     def key(self) -> str:
@@ -106,6 +109,11 @@ class Stack:
 
     def fits_prior(self, device_kind: str) -> FitsPrior:
         return CPU if device_kind == "cpu" else self.gpu_fits_prior
+
+    def constants_for(self, device_kind: str) -> PerfConstants:
+        """The constants that price the stack on ``device_kind`` (``cpu``: ``cpu_constants`` where
+        measured, else ``constants``)."""
+        return self.cpu_constants if device_kind == "cpu" and self.cpu_constants is not None else self.constants
 
     def refusals(self, config: ParallelConfig, model: ModelSpec | None = None,
                  training: TrainingSpec | None = None, device_kind: str = "gpu") -> list[str]:
@@ -137,8 +145,8 @@ class Stack:
 
     def estimate_perf(self, model: ModelSpec, training: TrainingSpec, config: ParallelConfig,
                       cluster: ClusterProfile) -> PerfEstimate:
-        """``pipette.perf.estimate_perf`` with this stack's constants."""
-        return estimate_perf(model, training, config, cluster, constants=self.constants)
+        """``pipette.perf.estimate_perf`` with this stack's constants for the cluster's devices."""
+        return estimate_perf(model, training, config, cluster, constants=self.constants_for(cluster.device_spec.kind))
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -223,6 +231,23 @@ FSDP_CONSTANTS = replace(
     #: (LayerNormLinear), which the counted cast passes (perf.FP8_CAST_BYTES) charge in full.
     fp8_efficiency=1.365,
 )
+#: The fsdp stack on CPU workers (gloo, fp32): ``FSDP_CONSTANTS`` with the terms a CPU run spends
+#: its time in fitted on the fsdp runner's own CPU trials, never borrowed from the pipette stack.
+#: Fitted (least squares on log(predicted / measured), soft-L1) by
+#: tests/benchmarks/fsdp_cpu_calibration.py on 6 fsdp trials of tiny-llama LoRA (global batch 16 x 128)
+#: on 4 CPU ranks of the 2-core VM, 2026-11-27 (results/cpu-2026-11-27/fsdp_cpu_calibration.json):
+#: with the GPU terms the trials measured 6.1x (median) the prediction, with these 0.99x (0.50-1.15).
+FSDP_CPU_CONSTANTS = replace(
+    FSDP_CONSTANTS,
+    #: fixed time per layer per forward-equivalent pass: FSDP's per-unit hooks and the small ops,
+    #: Python-bound on a CPU core (the GPU fit: 1.42e-3)
+    layer_overhead_s=1.25e-2,
+    #: memory passes over T x h per layer forward: the eager fp32 elementwise ops at a CPU's memory
+    #: bandwidth, which the GEMM curve does not see (the GPU fit: 27.2)
+    elementwise_passes=589.0,
+    #: fixed cost of one blocking collective (gloo on loopback, ranks sharing 2 cores; GPU: 0)
+    collective_overhead_s=2.55e-2,
+)
 #: PyTorch FSDP/FSDP2 (torchtitan, Accelerate FSDP, llm-foundry): ZeRO-3-like FULL_SHARD with
 #: fp32 sharded master and fp32 gradient reduction; torchtitan adds TP and PP schedules. Priced
 #: with ``FSDP_CONSTANTS``, the memory with FSDP2's terms (``FSDP_OPTIONS``; docs/fsdp.md).
@@ -230,7 +255,7 @@ FSDP = Stack(
     name="fsdp", frameworks="PyTorch FSDP/FSDP2: torchtitan, Accelerate FSDP, llm-foundry",
     description="FULL_SHARD/SHARD_GRAD_OP/NO_SHARD, HSDP, CPU offload; its own constants (prefetch overlap, flash "
                 "attention), FSDP2's memory (sharded fp32 states, per-layer gathers)",
-    constants=FSDP_CONSTANTS,
+    constants=FSDP_CONSTANTS, cpu_constants=FSDP_CPU_CONSTANTS,
     memory_options=FSDP_OPTIONS, gpu_fits_prior=FSDP_GPU,
     tensor_parallel=True, pipeline_parallel=True, zero_stages=(0, 2, 3), schedules=("1f1b", "interleaved"),
     recompute=("none", "selective", "full"), launch_files=CANDIDATE_FILES, available_options=("compile", "fp8"),
@@ -342,6 +367,7 @@ __all__ = [
     "DEFAULT_STACK",
     "FSDP",
     "FSDP_CONSTANTS",
+    "FSDP_CPU_CONSTANTS",
     "HF_DEEPSPEED",
     "MEGATRON",
     "MODELLED_OPTIONS",

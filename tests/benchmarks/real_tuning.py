@@ -8,6 +8,11 @@ tokens, fp32, rank 8, alpha 16) on 4 CPU devices, local Ray, real DeepSpeed tria
     .venv/bin/python tests/benchmarks/real_tuning.py                  # restricted space (72 candidates)
     .venv/bin/python tests/benchmarks/real_tuning.py --wide           # the recipe's full space (228)
     .venv/bin/python tests/benchmarks/real_tuning.py --limit 6 --top 2 --repeats 1   # a smoke run
+    .venv/bin/python tests/benchmarks/real_tuning.py --stack pipette,fsdp  # both families (99 candidates)
+
+``--stack pipette,fsdp`` plans both stacks as ``pipette tune --stack pipette,fsdp`` does, each
+candidate trained by its stack's runner; the restriction is per stack (``RESTRICTED_ZERO``,
+``RESTRICTED_FSDP``) and the report gives each family's best and the tuner's picks of it.
 
 1. Plan (``pipette.plan.make_plan``) on the cluster: measured by ``workers.host.probe.probe_cluster``
    (``--cluster FILE`` uses a cluster file instead, e.g. ``examples/clusters/cpu-4.yaml``).
@@ -74,11 +79,22 @@ WITHIN = 0.05
 TRIAL_SHARE = 0.25
 RESTRICTED = {"micro_batches": (1, 2, 4), "zero_stages": (0, 1), "recompute": ("none", "full"),
               "schedules": ("1f1b",)}
+#: The restriction's sharding modes per stack (``--stack``): DeepSpeed's ZeRO 0/1; FSDP's NO_SHARD (0),
+#: SHARD_GRAD_OP (2: no reshard after the forward, ZeRO-2-like) and FULL_SHARD (3: reshard, ZeRO-3-like).
+#: HSDP and CPU offload are left out of the restricted space.
+RESTRICTED_ZERO = {"pipette": (0, 1), "fsdp": (0, 2, 3)}
+#: And within fsdp, tensor parallelism 1 and no recomputation: an fsdp trial takes 25-75 s on the
+#: 2-core VM (against ~11 s for DeepSpeed's; results/cpu-2026-11-27/fsdp_cpu_calibration.json), so
+#: the full restriction's 108 fsdp candidates would take ~1 h; tp 1 x pp 1/2/4 x mbs 1/2/4 x
+#: modes 0/2/3 (27) keep the exhaustive pass of both families near 30 min.
+RESTRICTED_FSDP = {"tp": (1,), "recompute": ("none",)}
 
 
 def recipe(args: argparse.Namespace) -> TrainingSpec:
     """``pipette tune``'s embedded default recipe, restricted unless ``--wide``."""
     limits: dict[str, Any] = {} if args.wide else dict(RESTRICTED)
+    if not args.wide:  # the union of the stacks' modes; ``restricted`` keeps each stack's own
+        limits["zero_stages"] = tuple(sorted({z for s in stack_names(args) for z in RESTRICTED_ZERO.get(s, (0, 1))}))
     for name, raw, kind in (("micro_batches", args.micro_batches, int), ("zero_stages", args.zero, int),
                             ("recompute", args.recompute, str), ("schedules", args.schedules, str)):
         if raw:
@@ -89,6 +105,37 @@ def recipe(args: argparse.Namespace) -> TrainingSpec:
                                 fix="give a comma-separated list, e.g. 1,2,4") from None
     return TrainingSpec(global_batch=16, seq_len=128, dtype="fp32", method="lora", lora=LoraSpec(rank=8, alpha=16.0),
                         **limits)
+
+
+def stack_names(args: argparse.Namespace) -> list[str]:
+    """The stacks ``--stack`` names (``pipette,fsdp``), by name."""
+    from pipette.stacks import get_stacks
+
+    return [s.name for s in get_stacks(args.stack, field="--stack")]
+
+
+def restricted(args: argparse.Namespace, config: ParallelConfig) -> bool:
+    """Whether ``config`` is in the restricted space of its stack (always, with ``--wide``): its
+    stack's sharding modes (``RESTRICTED_ZERO``, unless ``--zero``), no HSDP, no CPU offload, and
+    for fsdp ``RESTRICTED_FSDP`` (unless ``--fsdp-full``)."""
+    if args.wide:
+        return True
+    if config.dp_shard is not None or config.offload:
+        return False
+    stack = config.stack or stack_names(args)[0]
+    if stack == "fsdp" and not args.fsdp_full and (config.tp not in RESTRICTED_FSDP["tp"]
+                                                   or config.recompute not in RESTRICTED_FSDP["recompute"]):
+        return False
+    return bool(args.zero) or config.zero_stage in RESTRICTED_ZERO.get(stack, (0, 1))
+
+
+def family(label: str, stacks: Sequence[str]) -> str:
+    """The stack of a candidate's label in a plan of ``stacks`` (the label's suffix when several)."""
+    if len(stacks) > 1:
+        for s in stacks:
+            if label.endswith("-" + s):
+                return s
+    return stacks[0]
 
 
 @dataclass
@@ -160,23 +207,29 @@ def run(args: argparse.Namespace, model: ModelSpec | None = None, training: Trai
 
     started = time.monotonic()
     model = model or ModelSpec.preset(args.model)
+    own_recipe = training is None  # a caller's recipe is taken as given (no per-stack restriction)
     training = training or recipe(args)
     ensure_ray()
     cluster = cluster or get_cluster(args, model)
-    plan = make_plan(model, training, cluster, seed=args.seed)
+    stacks = stack_names(args)
+    plan = make_plan(model, training, cluster, seed=args.seed, stack=args.stack)
     if make_runner is not None:
         runner = make_runner(model, training, cluster)
-    else:
+    else:  # a candidate of a plan of several stacks runs on its own stack's runner (config.stack)
         runner = RayTrialRunner(model, training, cluster, device_kind=cluster.device_spec.kind,
-                                timeout_s=args.trial_timeout, max_steps=args.steps, seed=args.seed)
-    runnable = [p for p in plan.ranked if not runner.refusals(p.config)]
+                                timeout_s=args.trial_timeout, max_steps=args.steps, seed=args.seed,
+                                stack=stacks[0])
+    runnable = [p for p in plan.ranked if not runner.refusals(p.config)
+                and (not own_recipe or restricted(args, p.config))]
     if args.limit is not None:
         runnable = runnable[: args.limit]
     if not runnable:
         raise SpecError("no candidate the backends can run", field="recipe", fix="widen the recipe (--wide)")
     chosen = {p.config.label for p in runnable}
     budget = max(1, math.floor(TRIAL_SHARE * len(runnable)))
+    by_stack = {s: sum(1 for p in runnable if family(p.config.label, stacks) == s) for s in stacks}
     log(f"{plan.enumerated} enumerated, {len(plan.ranked)} fit, {len(runnable)} runnable candidates"
+        + (" (" + ", ".join(f"{s} {n}" for s, n in by_stack.items()) + ")" if len(stacks) > 1 else "")
         + (f" (--limit {args.limit})" if args.limit is not None else "") + f"; tuner budget {budget} trials")
 
     # 2. exhaustive ground truth
@@ -192,7 +245,7 @@ def run(args: argparse.Namespace, model: ModelSpec | None = None, training: Trai
     log(f"tuner (budget {budget} trials):")
 
     def refuse(c: ParallelConfig) -> list[str]:
-        return runner.refusals(c) + ([] if c.label in chosen else ["outside --limit"])
+        return runner.refusals(c) + ([] if c.label in chosen else ["outside the benchmark's space"])
 
     def on_event(e: TuneEvent) -> None:
         if e.kind == "trial_ended" and e.record is not None:
@@ -246,9 +299,16 @@ def run(args: argparse.Namespace, model: ModelSpec | None = None, training: Trai
                                                       [r["pick"] for r in runs if r["pick"] is not None])
     for r in runs:
         r["pick_within_share"] = within_share.get(r["pick"]) if r["pick"] is not None else None
+    families = {}
+    for s in stacks:
+        mine = [t for t in ranked if family(t.label, stacks) == s]
+        top = mine[0] if mine and math.isfinite(mine[0].time) else None
+        families[s] = {"candidates": len(mine), "best": top.label if top else None,
+                       "best_step_time": _finite(top.time) if top else None,
+                       "picks": [r["pick"] for r in runs if r["pick"] is not None and family(r["pick"], stacks) == s]}
     return {
-        "model": model.name, "training": training.to_dict(), "cluster": {"name": cluster.name,
-                                                                         "devices": cluster.world},
+        "model": model.name, "stacks": stacks, "families": families, "training": training.to_dict(),
+        "cluster": {"name": cluster.name, "devices": cluster.world},
         "restricted": not args.wide, "limit": args.limit, "candidates": len(runnable), "feasible": ok_count,
         "budget": budget, "runs": runs,
         "exhaustive": {"best": best.label, "best_step_time": _finite(best.time), "seconds": exhaustive_s,
@@ -308,6 +368,12 @@ def report(out: dict[str, Any]) -> None:
               f"{'met' if r['target_met'] else 'MISSED'}"
               + (f" (within {WITHIN:.0%} in {r['pick_within_share']:.0%} of the truth's resamples)"
                  if r.get("pick_within_share") is not None else ""))
+    if len(out.get("stacks", [])) > 1:
+        for s, f in out["families"].items():
+            best = f"{f['best']} {f['best_step_time']:.3f} s" if f["best"] else "none ran"
+            print(f"  family {s}: {f['candidates']} candidates, best {best}; tuner picks of this family: "
+                  f"{len(f['picks'])} of {len(out['runs'])} runs" + (f" ({', '.join(sorted(set(f['picks'])))})"
+                                                                   if f["picks"] else ""))
     if out.get("best_share"):
         print("  the ground truth's own certainty (bootstrap of every candidate's trial medians): the best is "
               + ", ".join(f"{k} in {v:.0%}" for k, v in list(out["best_share"].items())[:4]) + " of resamples")
@@ -318,9 +384,13 @@ def report(out: dict[str, Any]) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--model", default="tiny-llama")
+    ap.add_argument("--stack", default="pipette",
+                    help="the stack(s) to plan and tune, as `pipette tune --stack` (pipette,fsdp: both families)")
     ap.add_argument("--devices", type=int, default=4, help="CPU devices to probe (default 4)")
     ap.add_argument("--cluster", help="a cluster file instead of probing (e.g. examples/clusters/cpu-4.yaml)")
     ap.add_argument("--wide", action="store_true", help="the recipe's full space (~230 candidates)")
+    ap.add_argument("--fsdp-full", action="store_true",
+                    help="fsdp's restricted space without RESTRICTED_FSDP (every layout, recompute none/full)")
     ap.add_argument("--micro-batches", help="comma-separated, overrides the restriction")
     ap.add_argument("--zero", help="comma-separated ZeRO stages, overrides the restriction")
     ap.add_argument("--recompute", help="comma-separated modes, overrides the restriction")
@@ -344,6 +414,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise SpecError(f"is {args.repeats}", field="--repeats", fix="give 0 or more")
         if args.limit is not None and args.limit < 1:
             raise SpecError(f"is {args.limit}", field="--limit", fix="give 1 or more")
+        stack_names(args)  # an unknown stack: one clear line
         out_path = Path(args.out) if args.out else None
         if out_path is not None and not out_path.parent.is_dir():
             raise SpecError(f"folder {str(out_path.parent)!r} does not exist", field="--out",
@@ -368,4 +439,4 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-__all__ = ["RESTRICTED", "main", "recipe", "report", "run"]
+__all__ = ["RESTRICTED", "RESTRICTED_ZERO", "family", "main", "recipe", "report", "restricted", "run"]

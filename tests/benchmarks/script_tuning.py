@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", help="write the figures as JSON here")
     args = ap.parse_args(argv)
     # what real_tuning.run reads of its own flags
-    args.model, args.wide, args.limit = "tiny-llama", False, None
+    args.model, args.wide, args.limit, args.stack = "tiny-llama", False, None, "pipette"
     model = ModelSpec.from_hf_config(SCRIPTS / "tiny-llama" / "config.json")
     train = training()
     try:
