@@ -63,10 +63,15 @@ def test_tune_with_the_fsdp_stack_runs_fsdp_trials(tmp_path: Path) -> None:
 
 def test_tune_over_both_families_runs_trials_of_each_and_picks_one(tmp_path: Path) -> None:
     """``--stack pipette,fsdp`` on the embedded default's 4 CPU devices (the cluster file) and recipe:
-    one plan of DeepSpeed and FSDP candidates, each trial on its own runner, one pick."""
+    one plan of DeepSpeed and FSDP candidates, each trial on its own runner, one pick. The space is
+    cut to ZeRO-3, micro-batch 4, no recomputation (3 DeepSpeed candidates, 6 FSDP ones) and the stop
+    rule held off, so six trials must reach the FSDP family: on CPU the fsdp stack is priced by its
+    own CPU terms, which rank its candidates after DeepSpeed's."""
     cluster = Path(__file__).resolve().parents[2] / "examples" / "clusters" / "cpu-4.yaml"
     argv = [sys.executable, "-m", "pipette.cli", "tune", "--cluster", str(cluster), "--dtype", "fp32",
-            "--stack", "pipette,fsdp", "--max-trials", "6", "--steps", "3", "--home", str(tmp_path / "home"),
+            "--stack", "pipette,fsdp", "--zero", "3", "--micro-batches", "4", "--recompute", "none",
+            "--schedules", "1f1b", "--stop-probability", "0.0001", "--max-trials", "6", "--steps", "3",
+            "--home", str(tmp_path / "home"),
             "--out", str(tmp_path / "best"), "--json"]
     done = subprocess.run(argv, capture_output=True, text=True, env=_env(), timeout=1500)
     assert done.returncode == 0, done.stderr[-3000:]
