@@ -71,7 +71,8 @@ def list_job_rows(
     session: Session, tenant: str, *, states: Sequence[str] = (), cluster_id: str | None = None,
     limit: int = 50, cursor: str | None = None,
 ) -> tuple[Sequence[AnyRow], str | None]:
-    """``list_jobs`` as ``JOB_ROW`` rows (the polled list: answers come from their rows)."""
+    """A tenant's jobs, newest first, a page of ``JOB_ROW`` rows and the next page's cursor (the
+    polled list: answers come from their rows, ``service.answers``)."""
     query = _page(session, select(*JOB_ROW), tenant, states, cluster_id, cursor)
     rows = session.execute(query.limit(limit + 1)).all()
     page = rows[:limit]
