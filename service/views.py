@@ -12,7 +12,7 @@ from starlette.responses import Response
 from pipette.stacks import DEFAULT_STACK
 from service.answers import AnswerCache
 from service.models import Cluster, Job, Lease, Profile, Trial, utcnow
-from service.repositories.jobs import AnyRow, job_of_row
+from service.repositories.jobs import JOB_WIDTH, AnyRow, job_of_row
 from service.repositories.leases import UNSERVED_AFTER_S
 from service.repositories.trials import trial_of_row
 from service.schemas import (
@@ -58,7 +58,7 @@ class Answers:
             out = job_out(job_of_row(row))
             return out, out.model_dump_json().encode()
 
-        return self.jobs.get(tuple(row), build)
+        return self.jobs.get(tuple(row)[:JOB_WIDTH], build)  # the job's columns only, not those after them
 
     def job_list(self, rows: Sequence[AnyRow], next_cursor: str | None) -> bytes:
         """``JobList`` of the rows, as pydantic serializes it (compact, in field order)."""

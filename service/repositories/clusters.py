@@ -11,7 +11,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from service.errors import ConflictError, NotFoundError
-from service.models import Cluster, Lease, Profile, utcnow
+from service.models import Cluster, Profile, utcnow
 from service.repositories.leases import ensure_lease
 from service.repositories.quotas import check_room, serialize_tenant
 
@@ -115,12 +115,3 @@ def get_profile(session: Session, cluster_id: str, profile_id: str) -> Profile:
         raise NotFoundError(f"no profile {profile_id!r} of this cluster", field="profile_id",
                             fix="use an id from POST /v1/clusters/{id}/profile")
     return profile
-
-
-def cluster_and_lease(session: Session, cluster_id: str) -> tuple[Cluster | None, Lease | None]:
-    """A cluster and the lease of its devices, in one query (a queued job's read shows whether
-    anything serves them: ``service.views.unserved_notice``)."""
-    row = session.execute(
-        select(Cluster, Lease).outerjoin(Lease, Lease.resource == Cluster.resource).where(Cluster.id == cluster_id)
-    ).first()
-    return (row[0], row[1]) if row is not None else (None, None)

@@ -11,7 +11,7 @@ from sqlalchemy import Row, Select, Text, and_, cast, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from service.errors import ConflictError, NotFoundError
-from service.models import FINAL_STATES, Cluster, Job, utcnow
+from service.models import FINAL_STATES, Cluster, Job, Lease, utcnow
 from service.repositories.events import add_event
 
 
@@ -49,15 +49,39 @@ JOB_PLAIN = (Job.id, Job.tenant, Job.name, Job.cluster_id, Job.state, Job.create
              Job.started_at, Job.finished_at, Job.cancel_requested, Job.attempts, Job.tuning_s, Job.stop_reason)
 JOB_JSON = (Job.model, Job.training, Job.options, Job.progress, Job.best, Job.error)
 JOB_ROW = (*JOB_PLAIN, *(cast(c, Text).label(c.key) for c in JOB_JSON))
+JOB_WIDTH = len(JOB_ROW)
+
+
+#: What a queued job's notice (``service.views.unserved_notice``) reads of its cluster and of the
+#: lease of the cluster's devices: read with the job's row, so ``GET /v1/jobs/{id}`` is one query
+SERVED_BY = (Cluster.kind.label("cluster_kind"), Cluster.address.label("cluster_address"),
+             Cluster.resource.label("cluster_resource"), Lease.holder.label("lease_holder"),
+             Lease.expires_at.label("lease_expires_at"), Lease.served_at.label("lease_served_at"))
 
 
 def job_row(session: Session, tenant: str, job_id: str) -> AnyRow:
-    """A job's answer columns (``JOB_ROW``), as ``get_job`` finds it."""
-    row = session.execute(select(*JOB_ROW).where(Job.id == job_id.lower())).first()
+    """A job's answer columns (``JOB_ROW``, its first ``len(JOB_ROW)``), as ``get_job`` finds it,
+    then its cluster's and lease's (``SERVED_BY``; None where there is none), in one query."""
+    row = session.execute(
+        select(*JOB_ROW, *SERVED_BY).outerjoin(Cluster, Cluster.id == Job.cluster_id)
+        .outerjoin(Lease, Lease.resource == Cluster.resource).where(Job.id == job_id.lower())
+    ).first()
     if row is None or row.tenant != tenant:
         # Another tenant's job answers exactly like a missing one.
         raise NotFoundError(f"no job {job_id!r}", field="job_id", fix="use an id from GET /v1/jobs")
     return row
+
+
+def served_by(row: AnyRow) -> tuple[Cluster | None, Lease | None]:
+    """The cluster and lease of a ``job_row`` row, as transient objects (not in any session)."""
+    data = row._mapping
+    if data["cluster_kind"] is None:
+        return None, None
+    cluster = Cluster(kind=data["cluster_kind"], address=data["cluster_address"], resource=data["cluster_resource"])
+    if data["lease_holder"] is None and data["lease_expires_at"] is None and data["lease_served_at"] is None:
+        return cluster, None
+    return cluster, Lease(resource=data["cluster_resource"], holder=data["lease_holder"],
+                          expires_at=data["lease_expires_at"], served_at=data["lease_served_at"])
 
 
 def job_of_row(row: AnyRow) -> Job:

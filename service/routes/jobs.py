@@ -118,10 +118,8 @@ def list_jobs(
 def read_job(job_id: JobId, state: State, caller: Caller) -> Response:
     with state.db.read() as session:
         row = repo.job_row(session, caller.tenant, job_id)
-        out, body = state.answers.job(row)
-        if row.state != "queued":  # the hot path (running and finished jobs) pays no extra query
-            return json_bytes(body)
-        notice = unserved_notice(row.state, *cluster_repo.cluster_and_lease(session, row.cluster_id))
+    out, body = state.answers.job(row)
+    notice = unserved_notice(row.state, *repo.served_by(row)) if row.state == "queued" else None
     return json_bytes(body) if notice is None else as_json(out.model_copy(update={"notice": notice}))
 
 

@@ -91,3 +91,52 @@ def test_cached_reads_never_answer_another_tenant(api: Api, job_body: Callable[.
     assert api.client.get(f"/v1/jobs/{job_a}/trials", headers=b).status_code == 404
     assert api.client.get(f"/v1/jobs/{job_b}/trials", headers=b).json()["items"] == []
     assert api.client.get(f"/v1/jobs/{job_b}", headers=b).json()["id"] == job_b
+
+
+def test_a_job_read_is_one_statement_queued_or_running(api: Api, job_body: Callable[..., dict[str, Any]]) -> None:
+    """``GET /v1/jobs/{id}`` reads the job, its cluster and the lease (a queued job's notice) in
+    one statement; the lease's columns are not part of the cached answer's key, so a scheduler's
+    poll (``served_at``) changes the notice without rebuilding the answer."""
+    from datetime import timedelta
+
+    from sqlalchemy import event
+
+    from service.models import Cluster, Job, Lease
+
+    tenant = "answers-one-query"
+    headers = api.token(tenant)
+    api.local_cluster(headers)
+    job_id = api.client.post("/v1/jobs", json=job_body(), headers=headers).json()["id"]
+    statements: list[str] = []
+
+    def count(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        if statement.lstrip().upper().startswith("SELECT"):  # not SQLite's BEGIN
+            statements.append(statement)
+
+    def read() -> dict[str, Any]:
+        statements.clear()
+        answer = api.client.get(f"/v1/jobs/{job_id}", headers=headers)
+        assert answer.status_code == 200 and len(statements) == 1, statements
+        body: dict[str, Any] = answer.json()
+        return body
+
+    assert api.client.get(f"/v1/jobs/{job_id}", headers=headers).status_code == 200  # the token is cached now
+    event.listen(api.db.engine, "before_cursor_execute", count)
+    try:
+        assert "no scheduler serves" in read()["notice"]
+        with api.db.write() as session:
+            job = session.get(Job, job_id)
+            assert job is not None and job.state == "queued"
+            resource = session.get(Cluster, job.cluster_id).resource  # type: ignore[union-attr]
+            lease = session.get(Lease, resource) or Lease(resource=resource)
+            lease.served_at = utcnow() - timedelta(seconds=1)  # a scheduler polled these devices
+            session.add(lease)
+        misses = _answers(api).jobs.misses
+        assert read()["notice"] is None
+        assert _answers(api).jobs.misses == misses  # the job's own row did not change: its answer is kept
+        with api.db.write() as session:
+            job_repo.set_state(session, session.get(Job, job_id), "running")  # type: ignore[arg-type]
+        running = read()
+        assert running["state"] == "running" and running["notice"] is None
+    finally:
+        event.remove(api.db.engine, "before_cursor_execute", count)
