@@ -60,6 +60,9 @@ def main() -> int:
     parser.add_argument("--workers", type=int, default=1, help="API processes (pipette-admin serve --workers)")
     parser.add_argument("--serve-args", default="", help="more arguments for pipette-admin serve, e.g. "
                         "'--http h11 --loop asyncio' (the pure-Python stack) to compare with the default")
+    parser.add_argument("--repo", type=Path, default=ROOT,
+                        help="serve the API of another checkout (same schema), e.g. a worktree of an older commit, "
+                             "to compare before and after in one sitting")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
@@ -100,13 +103,13 @@ def _serve_and_load(args: argparse.Namespace, name: str, url: str) -> dict[str, 
         port = _free_port()
         # every submission is queued (nothing runs trials): the per-tenant limit on queued work
         # must let them all in
-        env = {**os.environ, "PIPETTE_DATABASE_URL": url, "PIPETTE_SCHEDULER": "0", "PYTHONPATH": str(ROOT),
+        env = {**os.environ, "PIPETTE_DATABASE_URL": url, "PIPETTE_SCHEDULER": "0", "PYTHONPATH": str(args.repo),
                "PIPETTE_MAX_QUEUED_PER_TENANT": str(max(20, args.submissions))}
         log_path = Path(tempfile.gettempdir()) / f"{name}.log"
         log = open(log_path, "wb")
         service = subprocess.Popen([sys.executable, "-m", "service.admin", "serve", "--port", str(port),
                                     "--workers", str(args.workers), *args.serve_args.split()],
-                                   env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+                                   env=env, stdout=log, stderr=subprocess.STDOUT, cwd=args.repo)
         base = f"http://127.0.0.1:{port}"
         _wait_healthy(base)
         try:  # uvloop makes the clients cheaper when it is there (uvicorn[standard] brings it)
@@ -138,7 +141,14 @@ async def _run(base: str, headers: dict[str, str], url: str, args: argparse.Name
     return {"machine": f"{os.cpu_count()} cores", "database": "PostgreSQL (local)",
             "submissions": submit, "reads": reads,
             "settings": {"clients": args.clients, "seconds": args.seconds, "think_s": args.think,
-                         "api_processes": args.workers, "serve_args": args.serve_args}, "load_average": os.getloadavg()}
+                         "api_processes": args.workers, "serve_args": args.serve_args,
+                         "served": _commit(args.repo)}, "load_average": os.getloadavg()}
+
+
+def _commit(repo: Path) -> str:
+    """The served checkout and its commit (``--repo``)."""
+    head = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return f"{repo} at {head.stdout.strip() or 'an unknown commit'}"
 
 
 async def _submissions(client: httpx.AsyncClient, n: int) -> dict[str, Any]:
@@ -323,8 +333,11 @@ def _print(report: dict[str, Any]) -> None:
             print(f"  {kind:<7} {r['requests']:>7} requests  {r['per_s']:>7.1f}/s  p50 {r['p50_ms']:>7.1f} ms  "
                   f"p99 {r['p99_ms']:>7.1f} ms  max {r['max_ms']:>7.1f} ms  errors {r['errors']}")
     cpu = report["reads"]["cpu_s"]
+    served = report["reads"]["all"]["requests"]
     print(f"  CPU during the reads: clients {cpu['clients']:.1f} s, service {cpu['service']:.1f} s "
-          f"(of {2 * s['seconds']:.0f} core-seconds)")
+          f"(of {2 * s['seconds']:.0f} core-seconds): {1000 * cpu['service'] / max(1, served):.2f} ms of the "
+          f"service's CPU per read")
+    print(f"  served: {s.get('served', '?')}")
     if report["reads"]["error_examples"]:
         print("  errors, e.g.:", "; ".join(report["reads"]["error_examples"]))
 
