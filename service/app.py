@@ -17,6 +17,7 @@ from fastapi import Depends, FastAPI
 from service import dashboard
 from service.apidocs import install_docs
 from service.auth import TokenCache
+from service.changes import ChangeFeed
 from service.db import Database
 from service.deps import AppState, reject_unknown_query
 from service.errors import install_error_handlers
@@ -40,7 +41,8 @@ def create_app(settings: Settings | None = None, *, database: Database | None = 
     db = database or Database(settings.database_url)
     state = AppState(settings=settings, db=db, metrics=Metrics(db), tokens=TokenCache(settings.token_cache_s),
                      streams=StreamSlots(settings.max_streams_per_tenant, settings.max_streams),
-                     plans=TenantRate(settings.plans_per_minute, "PIPETTE_PLANS_PER_MINUTE", "plans"))
+                     plans=TenantRate(settings.plans_per_minute, "PIPETTE_PLANS_PER_MINUTE", "plans"),
+                     feed=ChangeFeed(db.url if settings.read_cache else None))
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -49,6 +51,8 @@ def create_app(settings: Settings | None = None, *, database: Database | None = 
         # requests do not stall behind them (CPython's gc.freeze).
         gc.collect()
         gc.freeze()
+        db.after_commit.append(state.feed.flush)  # this process's writes: its cached reads go at once
+        state.feed.start()
         if settings.scheduler:
             from service.scheduler import Scheduler
 
@@ -57,6 +61,8 @@ def create_app(settings: Settings | None = None, *, database: Database | None = 
         try:
             yield
         finally:
+            state.feed.stop()
+            db.after_commit.remove(state.feed.flush)
             if state.scheduler is not None:
                 state.scheduler.stop()
                 state.scheduler = None

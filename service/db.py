@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -28,6 +28,8 @@ class Database:
         # PostgreSQL reads run in autocommit: under READ COMMITTED each statement has its own
         # snapshot anyway, and it saves the BEGIN and ROLLBACK round trips of every request.
         self._reader = self.engine if self.is_sqlite else self.engine.execution_options(isolation_level="AUTOCOMMIT")
+        #: called after each ``write`` commits (``service.changes``: this process's cached reads are dropped)
+        self.after_commit: list[Callable[[], None]] = []
 
     @contextmanager
     def read(self) -> Iterator[Session]:
@@ -44,6 +46,8 @@ class Database:
             with Session(bind=conn, expire_on_commit=False) as session:
                 with session.begin():
                     yield session
+        for hook in self.after_commit:
+            hook()
 
     @property
     def dialect(self) -> str:

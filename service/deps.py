@@ -12,6 +12,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.concurrency import run_in_threadpool
 
 from service.auth import Principal, TokenCache, bearer_secret, verify
+from service.changes import ChangeFeed, ReadCache
 from service.db import Database
 from service.errors import RequestError
 from service.metrics import Metrics
@@ -35,8 +36,14 @@ class AppState:
     plans: TenantRate = field(default_factory=lambda: TenantRate(60, "PIPETTE_PLANS_PER_MINUTE", "plans"))
     #: the polled reads' answers, by the rows they are made of
     answers: Answers = field(default_factory=Answers)
+    #: the polled reads' answers by request, kept until PostgreSQL notifies a change of their rows
+    feed: ChangeFeed = field(default_factory=ChangeFeed)
+    reads: ReadCache = field(init=False)
     #: set when the process was told to stop (SIGTERM): event streams end, the scheduler stops
     stopping: threading.Event = field(default_factory=threading.Event)
+
+    def __post_init__(self) -> None:
+        self.reads = ReadCache(self.feed)
 
     def begin_shutdown(self) -> None:
         """The process is stopping: take no more work (the running trial is interrupted) and

@@ -58,6 +58,8 @@ class Settings:
     max_clusters_per_tenant: int = 50
     #: an event stream that sent no event for this long ends (EventSource reconnects by itself)
     stream_idle_s: float = 300.0
+    #: answer the polled reads from memory until PostgreSQL notifies a change (``service.changes``)
+    read_cache: bool = True
 
     @property
     def resource_key(self) -> str:
@@ -88,6 +90,7 @@ class Settings:
             plans_per_minute=int(_number(env, "PIPETTE_PLANS_PER_MINUTE", 60, minimum=1)),
             max_clusters_per_tenant=int(_number(env, "PIPETTE_MAX_CLUSTERS_PER_TENANT", 50, minimum=1)),
             stream_idle_s=_number(env, "PIPETTE_STREAM_IDLE_S", 300.0, minimum=1.0),
+            read_cache=_flag(env, "PIPETTE_READ_CACHE", True),
         )
 
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import pathlib
 import tempfile
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Path, Query, Response
+from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, PlainTextResponse
 from sqlalchemy.orm import Session
 
@@ -20,12 +22,13 @@ from pipette.plan import check_recipe
 from pipette.script import ScriptSpec, bind_stack, script_ds_config
 from pipette.stacks import get_stacks, stacks_key, stacks_to_tune
 from pipette.training import TrainingSpec
-from service.deps import Caller, State
+from service.deps import AppState, Caller, State
 from service.errors import NotFoundError
 from service.models import Cluster, Job, Profile
 from service.repositories import clusters as cluster_repo
 from service.repositories import jobs as repo
 from service.repositories import trials as trial_repo
+from service.repositories.jobs import AnyRow
 from service.repositories.quotas import check_room, serialize_tenant
 from service.routes import AUTHED, errors, json_errors
 from service.schemas import (
@@ -97,7 +100,7 @@ def _device_kind(session: Session, cluster: Cluster) -> str | None:
 
 
 @router.get("", response_model=JobList, responses=errors(*AUTHED, 404))
-def list_jobs(
+async def list_jobs(
     state: State,
     caller: Caller,
     job_state: Annotated[list[JobState] | None, Query(alias="state", description="repeat to allow several")] = None,
@@ -107,20 +110,48 @@ def list_jobs(
     cursor: Annotated[str | None, Query(max_length=36, pattern=ID_PATTERN,
                                         description="next_cursor of the previous page")] = None,
 ) -> Response:
+    # Polled: answered from memory while no job or cluster of the tenant changed (service.changes)
+    key = ("jobs", caller.tenant, tuple(job_state or ()), cluster, limit, cursor)
+    body: bytes | None = state.reads.get(key)
+    if body is None:
+        body = await run_in_threadpool(_list_jobs, state, caller.tenant, key, job_state or (), cluster, limit, cursor)
+    return json_bytes(body)
+
+
+def _list_jobs(state: AppState, tenant: str, key: tuple[Any, ...], states: Sequence[str], cluster: str | None,
+               limit: int, cursor: str | None) -> bytes:
+    stamp = state.feed.stamp((f"tenant:{tenant}", f"clusters:{tenant}"))
     with state.db.read() as session:
-        cluster_id = cluster_repo.get_cluster(session, caller.tenant, cluster).id if cluster else None
-        page, after = repo.list_job_rows(session, caller.tenant, states=job_state or (), cluster_id=cluster_id,
-                                         limit=limit, cursor=cursor)
-    return json_bytes(state.answers.job_list(page, after))
+        cluster_id = cluster_repo.get_cluster(session, tenant, cluster).id if cluster else None
+        page, after = repo.list_job_rows(session, tenant, states=states, cluster_id=cluster_id, limit=limit,
+                                         cursor=cursor)
+    body = state.answers.job_list(page, after)
+    state.reads.put(key, stamp, body)
+    return body
 
 
 @router.get("/{job_id}", response_model=JobOut, responses=errors(*AUTHED, 404))
-def read_job(job_id: JobId, state: State, caller: Caller) -> Response:
-    with state.db.read() as session:
-        row = repo.job_row(session, caller.tenant, job_id)
-    out, body = state.answers.job(row)
+async def read_job(job_id: JobId, state: State, caller: Caller) -> Response:
+    key = ("job", caller.tenant, job_id.lower())
+    found: tuple[JobOut, bytes, AnyRow] | None = state.reads.get(key)
+    if found is None:
+        found = await run_in_threadpool(_read_job, state, caller.tenant, job_id, key)
+    out, body, row = found
+    # a queued job's notice depends on the clock too: worked out per read, from the cached lease
     notice = unserved_notice(row.state, *repo.served_by(row)) if row.state == "queued" else None
     return json_bytes(body) if notice is None else as_json(out.model_copy(update={"notice": notice}))
+
+
+def _read_job(state: AppState, tenant: str, job_id: str, key: tuple[str, ...]) -> tuple[JobOut, bytes, AnyRow]:
+    # the lease's key is stamped before the query too, whatever the job's state turns out to be
+    stamp = state.feed.stamp((f"job:{job_id.lower()}", "leases"))
+    with state.db.read() as session:
+        row = repo.job_row(session, tenant, job_id)
+    out, body = state.answers.job(row)
+    if stamp is not None and row.state != "queued":  # only a queued job's notice reads the lease
+        stamp = stamp.only(1)
+    state.reads.put(key, stamp, (out, body, row))
+    return out, body, row
 
 
 @router.post("/{job_id}/cancel", status_code=202, response_model=JobOut, responses=errors(*AUTHED, 404, 409))
@@ -132,10 +163,21 @@ def cancel_job(job_id: JobId, state: State, caller: Caller) -> JobOut:
 
 
 @router.get("/{job_id}/trials", response_model=TrialList, responses=errors(*AUTHED, 404))
-def list_trials(job_id: JobId, state: State, caller: Caller) -> Response:
+async def list_trials(job_id: JobId, state: State, caller: Caller) -> Response:
+    key = ("trials", caller.tenant, job_id.lower())
+    body: bytes | None = state.reads.get(key)
+    if body is None:
+        body = await run_in_threadpool(_list_trials, state, caller.tenant, job_id, key)
+    return json_bytes(body)
+
+
+def _list_trials(state: AppState, tenant: str, job_id: str, key: tuple[str, ...]) -> bytes:
+    stamp = state.feed.stamp((f"trials:{job_id.lower()}", f"job:{job_id.lower()}"))
     with state.db.read() as session:
-        rows = trial_repo.list_tenant_trial_rows(session, caller.tenant, job_id)
-    return json_bytes(state.answers.trial_list(rows))
+        rows = trial_repo.list_tenant_trial_rows(session, tenant, job_id)
+    body = state.answers.trial_list(rows)
+    state.reads.put(key, stamp, body)
+    return body
 
 
 @router.get("/{job_id}/trials/{number}", response_model=TrialDetail, responses=errors(*AUTHED, 404))

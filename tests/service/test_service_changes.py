@@ -1,0 +1,114 @@
+"""Polled reads answered from memory until PostgreSQL notifies a change (``service.changes``):
+a write by another process (its own engine, a Core ``UPDATE``) shows in the next reads within
+the notification's delivery; without the ``0005`` triggers, or while the feed is not
+listening, every read goes to the database."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import create_engine, event, update
+from sqlalchemy.orm import Session
+
+from service.migrations import upgrade
+from service.models import Job
+from service.repositories.trials import start_trial
+from tests.service.conftest import Api, make_api, throwaway_pg_database
+
+
+def _counting(api: Api) -> tuple[list[str], Callable[[], None]]:
+    statements: list[str] = []
+
+    def count(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        if "FROM tokens" not in statement:
+            statements.append(statement)
+
+    event.listen(api.db.engine, "before_cursor_execute", count)
+    return statements, lambda: event.remove(api.db.engine, "before_cursor_execute", count)
+
+
+def _wait_live(api: Api) -> None:
+    feed = api.client.app.state.pipette.feed  # type: ignore[attr-defined]
+    deadline = time.monotonic() + 10
+    while not feed.live:
+        assert time.monotonic() < deadline, "the change feed did not start listening"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("api", ["postgresql"], indirect=True)
+def test_another_processs_write_shows_in_the_next_reads(api: Api, job_body: Callable[..., dict[str, Any]]) -> None:
+    headers = api.token("changes-a")
+    api.local_cluster(headers)
+    job_id = api.client.post("/v1/jobs", json=job_body(), headers=headers).json()["id"]
+    _wait_live(api)
+    paths = ("/v1/jobs", f"/v1/jobs/{job_id}", f"/v1/jobs/{job_id}/trials")
+    first = [api.client.get(p, headers=headers).json() for p in paths]
+    statements, stop = _counting(api)
+    try:
+        assert [api.client.get(p, headers=headers).json() for p in paths] == first
+        assert statements == [], statements  # nothing changed: answered from memory
+        other = create_engine(api.db.url)  # another process's writes: no hook of this one sees them
+        try:
+            with Session(other) as session, session.begin():
+                session.execute(update(Job).where(Job.id == job_id).values(progress={"trials_done": 5}, attempts=2))
+                start_trial(session, job_id, 0, label="tp1-pp1-dp2", config={"tp": 1}, predicted_step_time=1.0)
+        finally:
+            other.dispose()
+        deadline = time.monotonic() + 2.0
+        while True:
+            seen = [api.client.get(p, headers=headers).json() for p in paths]
+            if seen[1]["progress"].get("trials_done") == 5 and seen[2]["items"]:
+                break
+            assert time.monotonic() < deadline, f"the write did not show within 2 s: {seen[1]['progress']}"
+            time.sleep(0.01)
+        assert seen[0]["items"][0]["attempts"] == 2 and seen[2]["items"][0]["label"] == "tp1-pp1-dp2"
+    finally:
+        stop()
+
+
+def test_without_the_triggers_or_the_feed_every_read_queries(tmp_path: Path,
+                                                            job_body: Callable[..., dict[str, Any]],
+                                                            caplog: pytest.LogCaptureFixture) -> None:
+    with throwaway_pg_database("pipette_nofeed") as url:
+        upgrade(url, "0004")  # a database not migrated to 0005: no notifications come
+        for api in make_api(url, "postgresql", tmp_path):
+            headers = api.token("changes-b")
+            api.local_cluster(headers)
+            job_id = api.client.post("/v1/jobs", json=job_body(), headers=headers).json()["id"]
+            time.sleep(0.5)  # the feed has looked for the triggers
+            feed = api.client.app.state.pipette.feed  # type: ignore[attr-defined]
+            assert not feed.live
+            assert any("change triggers" in r.getMessage() and "pipette-admin migrate" in r.getMessage()
+                       for r in caplog.records)
+            statements, stop = _counting(api)
+            try:
+                for _ in range(2):
+                    statements.clear()
+                    assert api.client.get(f"/v1/jobs/{job_id}", headers=headers).status_code == 200
+                    assert len(statements) == 1, statements
+            finally:
+                stop()
+            feed.stop()
+
+
+@pytest.mark.parametrize("api", ["postgresql"], indirect=True)
+def test_a_feed_that_stops_listening_sends_every_read_to_the_database(
+        api: Api, job_body: Callable[..., dict[str, Any]]) -> None:
+    headers = api.token("changes-c")
+    api.local_cluster(headers)
+    job_id = api.client.post("/v1/jobs", json=job_body(), headers=headers).json()["id"]
+    _wait_live(api)
+    api.client.get(f"/v1/jobs/{job_id}", headers=headers)
+    statements, stop = _counting(api)
+    try:
+        api.client.get(f"/v1/jobs/{job_id}", headers=headers)
+        assert statements == []
+        api.client.app.state.pipette.feed.stop()  # type: ignore[attr-defined]  # as when its connection drops
+        api.client.get(f"/v1/jobs/{job_id}", headers=headers)
+        assert len(statements) == 1, statements
+    finally:
+        stop()
