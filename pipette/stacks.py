@@ -25,7 +25,14 @@ from pipette.errors import SpecError
 from pipette.estimates import MemoryEstimate, PerfEstimate
 from pipette.fits import CPU, FSDP_GPU, NANOTRON_GPU, PIPETTE_GPU, FitsPrior
 from pipette.fsdp_rules import fsdp_problems
-from pipette.memory import DEFAULT_OPTIONS, FSDP_OPTIONS, MEGATRON_OPTIONS, MemoryOptions, estimate_memory
+from pipette.memory import (
+    DEFAULT_OPTIONS,
+    FSDP_COMPILE_FRAGMENTATION,
+    FSDP_OPTIONS,
+    MEGATRON_OPTIONS,
+    MemoryOptions,
+    estimate_memory,
+)
 from pipette.model import ModelSpec
 from pipette.perf import HF_DEEPSPEED_CONSTANTS, MEGATRON_CONSTANTS, PerfConstants, estimate_perf
 from pipette.training import TrainingSpec
@@ -90,6 +97,11 @@ class Stack:
     #: the constants on CPU workers where the stack's own CPU trials gave them (None: ``constants``
     #: on every device; ``constants_for``)
     cpu_constants: PerfConstants | None = None
+    #: under the ``compile`` option the loss is compiled with the model (torchtitan:
+    #: ``MemoryOptions.compiled_loss``), so its logits need no fp32 copies
+    compile_compiles_loss: bool = False
+    #: ``MemoryOptions.fragmentation`` under the ``compile`` option where fitted (None: the stack's)
+    compile_fragmentation: float | None = None
 
     @property
     def key(self) -> str:
@@ -260,6 +272,7 @@ FSDP = Stack(
     tensor_parallel=True, pipeline_parallel=True, zero_stages=(0, 2, 3), schedules=("1f1b", "interleaved"),
     recompute=("none", "selective", "full"), launch_files=CANDIDATE_FILES, available_options=("compile", "fp8"),
     runner_runs=True, hsdp=True, offload=True, native_rules=True, sharded_pipeline=True,
+    compile_compiles_loss=True, compile_fragmentation=FSDP_COMPILE_FRAGMENTATION,
 )
 
 STACKS: dict[str, Stack] = {s.name: s for s in (PIPETTE, HF_DEEPSPEED, MEGATRON, FSDP)}
@@ -286,6 +299,9 @@ def get_stack(stack: str | Stack | None, *, field: str = "stack") -> Stack:
     if "fp8" in chosen:
         constants = found.fp8_constants or replace(found.constants, fp8_gemms=True)
         memory = found.fp8_memory_options or found.memory_options
+    if "compile" in chosen:
+        memory = replace(memory, compiled_loss=memory.compiled_loss or found.compile_compiles_loss,
+                         fragmentation=found.compile_fragmentation or memory.fragmentation)
     return replace(found, options=chosen, constants=constants, memory_options=memory)
 
 

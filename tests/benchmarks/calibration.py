@@ -19,7 +19,7 @@ import csv
 import math
 import os
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from pipette.cluster import ClusterProfile
@@ -27,6 +27,7 @@ from pipette.clusterfile import homogeneous_cluster
 from pipette.config import ParallelConfig
 from pipette.device import GB, DeviceSpec, GiB
 from pipette.errors import PipetteError
+from pipette.memory import MemoryOptions
 from pipette.model import ModelSpec
 from pipette.training import TrainingSpec
 
@@ -70,6 +71,9 @@ class Row:
     #: the stack that ran it (``pipette.stacks`` name with options), and what peak_memory is
     stack: str = ""
     memory_kind: str = ""
+    #: whether the run's loss was compiled, where the set says so apart from its stack's options
+    #: (torchtitan before 2025 compiled the blocks only: ``loss_compiled``); None: as the stack says
+    loss_compiled: bool | None = None
 
 
 _CLUSTERS: dict[tuple[str, int], ClusterProfile] = {}
@@ -232,6 +236,32 @@ def _stack_key(base: str, r: dict[str, str]) -> str:
     return "+".join([base, *options])
 
 
+def loss_compiled(base: str, r: dict[str, str]) -> bool | None:
+    """False for a compiled torchtitan run of the December 2024 tables (sections "Table N" of
+    benchmarks/llama3_h100_202412_torchtitan.md): torchtitan's train.py then compiled the
+    transformer blocks only ("TODO: compiling loss function causes CUDA errors, turning off for
+    now"); its 2025 runs compile the loss too (torchtitan/components/loss.py,
+    ``build_cross_entropy_loss``). None elsewhere: as the row's stack says."""
+    if base == "fsdp" and r["source"] == "torchtitan" and r["compile"] == "1" and r["section"].startswith("Table"):
+        return False
+    return None
+
+
+def as_run(row: Row, options: MemoryOptions) -> MemoryOptions:
+    """``options`` with the loss as the run compiled it (``Row.loss_compiled``): a stack that
+    compiles the loss does not where the run did not."""
+    if row.loss_compiled is None:
+        return options
+    return replace(options, compiled_loss=options.compiled_loss and row.loss_compiled)
+
+
+def row_memory_options(row: Row) -> MemoryOptions:
+    """The memory options a row is estimated with: its stack's (with the row's options), as run."""
+    from pipette.stacks import get_stack
+
+    return as_run(row, get_stack(row.stack).memory_options)
+
+
 def _stack_row(name: str, base: str, r: dict[str, str]) -> Row:
     """One expressible row as Pipette specs (bf16 training; fp8 is the stack's option)."""
     seq, gb = int(r["seq"]), int(r["global_batch"])
@@ -254,7 +284,7 @@ def _stack_row(name: str, base: str, r: dict[str, str]) -> Row:
                config=config, cluster=cluster, ok=True, step_time=float(r["meas_step_s"]),
                tokens_per_s_per_gpu=float(r["tps_per_gpu"]) if r["tps_per_gpu"] else None,
                mfu=float(r["mfu_reported"]) if r["mfu_reported"] else None, peak_memory=mem,
-               stack=_stack_key(base, r), memory_kind=r["mem_kind"])
+               stack=_stack_key(base, r), memory_kind=r["mem_kind"], loss_compiled=loss_compiled(base, r))
 
 
 def load_stack_set(directory: Path, name: str) -> StackSet:
