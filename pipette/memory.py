@@ -137,12 +137,13 @@ class MemoryOptions:
     #: models/llama3/infra/parallelize.py, ``_apply_ac_to_transformer_block``: "Saves output of all
     #: compute ops, except every second mm"). False: Korthikanti's selective (scores only).
     op_sac: bool = False
-    #: The loss compiled with the model (torchtitan's ``build_cross_entropy_loss`` wraps
-    #: ``cross_entropy_loss`` in ``torch.compile`` when compile is on: torchtitan/components/loss.py;
-    #: before 2025 its train.py left it eager, "TODO: compiling loss function causes CUDA errors").
-    #: Inductor fuses the fp32 upcast, log-softmax and NLL into one kernel each way: no fp32 copy of
-    #: the logits is materialized; the graph keeps the logits (d bytes) and writes their gradient (d).
-    compiled_loss: bool = False
+    #: A fused cross-entropy: the fp32 upcast, log-softmax and NLL in one kernel each way, so no fp32
+    #: copy of the logits is materialized; it keeps the logits (d bytes) and writes their gradient
+    #: (d). torchtitan under compile (``build_cross_entropy_loss`` wraps ``cross_entropy_loss`` in
+    #: ``torch.compile``: torchtitan/components/loss.py; before 2025 its train.py left it eager,
+    #: "TODO: compiling loss function causes CUDA errors"); llm-foundry's MPT by default
+    #: (``loss_fn`` ``fused_crossentropy``: flash-attn's ``CrossEntropyLoss``, llmfoundry/models/mpt).
+    fused_loss: bool = False
     #: Tensor parallelism as PyTorch DTensor runs it (torchtitan's ``ColwiseParallel`` with
     #: ``input_layouts=Shard(1)`` on wq/wk/wv, w1/w3 and the output projection): the norm's output is
     #: all-gathered over the sequence and ``F.linear`` saves that gathered input for its weight
@@ -290,7 +291,7 @@ def stage_breakdowns(
     head_act = 2 * d * s * b * h / (t if options.sequence_parallel else 1) + gathered / 2
     copies = options.tp_loss_fp32_copies if t > 1 and options.tp_loss_fp32_copies is not None \
         else options.loss_fp32_copies
-    logits = b * s * V / t * (2 * d if options.compiled_loss else d + copies * FP32_BYTES)
+    logits = b * s * V / t * (2 * d if options.fused_loss else d + copies * FP32_BYTES)
 
     trainable_full = training.method == "full"
     # FP8 weights: each linear weight 1 byte instead of d (``MemoryOptions.fp8_weights``)

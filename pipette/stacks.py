@@ -97,8 +97,8 @@ class Stack:
     #: the constants on CPU workers where the stack's own CPU trials gave them (None: ``constants``
     #: on every device; ``constants_for``)
     cpu_constants: PerfConstants | None = None
-    #: under the ``compile`` option the loss is compiled with the model (torchtitan:
-    #: ``MemoryOptions.compiled_loss``), so its logits need no fp32 copies
+    #: under the ``compile`` option the loss is compiled with the model (torchtitan: a fused loss,
+    #: ``MemoryOptions.fused_loss``), so its logits need no fp32 copies
     compile_compiles_loss: bool = False
     #: ``MemoryOptions.fragmentation`` under the ``compile`` option where fitted (None: the stack's)
     compile_fragmentation: float | None = None
@@ -300,7 +300,7 @@ def get_stack(stack: str | Stack | None, *, field: str = "stack") -> Stack:
         constants = found.fp8_constants or replace(found.constants, fp8_gemms=True)
         memory = found.fp8_memory_options or found.memory_options
     if "compile" in chosen:
-        memory = replace(memory, compiled_loss=memory.compiled_loss or found.compile_compiles_loss,
+        memory = replace(memory, fused_loss=memory.fused_loss or found.compile_compiles_loss,
                          fragmentation=found.compile_fragmentation or memory.fragmentation)
     return replace(found, options=chosen, constants=constants, memory_options=memory)
 

@@ -71,9 +71,9 @@ class Row:
     #: the stack that ran it (``pipette.stacks`` name with options), and what peak_memory is
     stack: str = ""
     memory_kind: str = ""
-    #: whether the run's loss was compiled, where the set says so apart from its stack's options
-    #: (torchtitan before 2025 compiled the blocks only: ``loss_compiled``); None: as the stack says
-    loss_compiled: bool | None = None
+    #: whether the run's loss was a fused kernel (``MemoryOptions.fused_loss``) where the framework
+    #: decides it apart from the stack's options (``fused_loss``); None: as the stack says
+    fused_loss: bool | None = None
 
 
 _CLUSTERS: dict[tuple[str, int], ClusterProfile] = {}
@@ -236,23 +236,24 @@ def _stack_key(base: str, r: dict[str, str]) -> str:
     return "+".join([base, *options])
 
 
-def loss_compiled(base: str, r: dict[str, str]) -> bool | None:
-    """False for a compiled torchtitan run of the December 2024 tables (sections "Table N" of
-    benchmarks/llama3_h100_202412_torchtitan.md): torchtitan's train.py then compiled the
-    transformer blocks only ("TODO: compiling loss function causes CUDA errors, turning off for
-    now"); its 2025 runs compile the loss too (torchtitan/components/loss.py,
-    ``build_cross_entropy_loss``). None elsewhere: as the row's stack says."""
-    if base == "fsdp" and r["source"] == "torchtitan" and r["compile"] == "1" and r["section"].startswith("Table"):
+def fused_loss(r: dict[str, str]) -> bool | None:
+    """Whether a run's cross-entropy was fused (``MemoryOptions.fused_loss``) where its framework, not
+    the stack's options, decides: True for llm-foundry (MPT's default ``loss_fn`` is
+    ``fused_crossentropy``, flash-attn's kernel: llmfoundry/models/mpt/modeling_mpt.py); False for a
+    compiled torchtitan run of the December 2024 tables (sections "Table N" of
+    benchmarks/llama3_h100_202412_torchtitan.md), whose train.py compiled the blocks only ("TODO:
+    compiling loss function causes CUDA errors, turning off for now"; its 2025 runs compile the loss
+    too: torchtitan/components/loss.py, ``build_cross_entropy_loss``). None: as the stack says."""
+    if r["source"] == "llmfoundry":
+        return True
+    if r["source"] == "torchtitan" and r["compile"] == "1" and r["section"].startswith("Table"):
         return False
     return None
 
 
 def as_run(row: Row, options: MemoryOptions) -> MemoryOptions:
-    """``options`` with the loss as the run compiled it (``Row.loss_compiled``): a stack that
-    compiles the loss does not where the run did not."""
-    if row.loss_compiled is None:
-        return options
-    return replace(options, compiled_loss=options.compiled_loss and row.loss_compiled)
+    """``options`` (the row's own stack's) with the loss as the run had it (``Row.fused_loss``)."""
+    return options if row.fused_loss is None else replace(options, fused_loss=row.fused_loss)
 
 
 def row_memory_options(row: Row) -> MemoryOptions:
@@ -284,7 +285,7 @@ def _stack_row(name: str, base: str, r: dict[str, str]) -> Row:
                config=config, cluster=cluster, ok=True, step_time=float(r["meas_step_s"]),
                tokens_per_s_per_gpu=float(r["tps_per_gpu"]) if r["tps_per_gpu"] else None,
                mfu=float(r["mfu_reported"]) if r["mfu_reported"] else None, peak_memory=mem,
-               stack=_stack_key(base, r), memory_kind=r["mem_kind"], loss_compiled=loss_compiled(base, r))
+               stack=_stack_key(base, r), memory_kind=r["mem_kind"], fused_loss=fused_loss(r))
 
 
 def load_stack_set(directory: Path, name: str) -> StackSet:

@@ -101,7 +101,9 @@ def metrics(rows: Sequence[Row], stack: Stack) -> dict[str, float]:
     mem_err, by_memory, by_stack, by_rule = [], 0, 0, 0
     for r in rows:
         capacity = r.cluster.min_usable_memory
-        est = estimate_memory(r.model, r.training, r.config, capacity, options=as_run(r, stack.memory_options))
+        own = stack.name == (r.stack or stack.name).split("+")[0]
+        options = as_run(r, stack.memory_options) if own else stack.memory_options
+        est = estimate_memory(r.model, r.training, r.config, capacity, options=options)
         if r.peak_memory:
             mem_err.append(abs(est.peak_bytes / r.peak_memory - 1.0))
         invalid = [c for c in check(r.model, r.training, r.config, r.config.world) if c != "world_mismatch"]
