@@ -56,6 +56,32 @@ MODELLED_OPTIONS = ("fp8",)
 
 
 @dataclass(frozen=True)
+class CompileTerms:
+    """What a stack's ``compile`` option changes in its constants and memory options (torchtitan's
+    torch.compile of each transformer block and of the loss; docs/stacks.md)."""
+
+    #: share of ``PerfConstants.elementwise_passes`` and ``layer_overhead_s`` left: Inductor fuses a
+    #: layer's norms, rotary, gating and residual adds into a few kernels
+    elementwise_share: float
+    #: the loss compiled too (``MemoryOptions.fused_loss``)
+    fused_loss: bool
+    #: ``MemoryOptions.fragmentation`` of compiled runs
+    fragmentation: float
+    #: under ``fp8`` too: the casts fused into the kernels before the GEMMs (torchao's Float8 relies on
+    #: compile for it: torchtitan docs/float8.md) and this FP8 GEMM efficiency (None: the stack's)
+    fp8_efficiency: float | None = None
+
+    def apply(self, constants: PerfConstants, memory: MemoryOptions) -> tuple[PerfConstants, MemoryOptions]:
+        constants = replace(constants, elementwise_passes=constants.elementwise_passes * self.elementwise_share,
+                            layer_overhead_s=constants.layer_overhead_s * self.elementwise_share)
+        if constants.fp8_gemms:
+            constants = replace(constants, fp8_casts_fused=True,
+                                fp8_efficiency=self.fp8_efficiency or constants.fp8_efficiency)
+        memory = replace(memory, fused_loss=memory.fused_loss or self.fused_loss, fragmentation=self.fragmentation)
+        return constants, memory
+
+
+@dataclass(frozen=True)
 class Stack:
     """One stack (see the module docstring); ``options`` are the ones chosen (``+compile``)."""
 
@@ -97,11 +123,8 @@ class Stack:
     #: the constants on CPU workers where the stack's own CPU trials gave them (None: ``constants``
     #: on every device; ``constants_for``)
     cpu_constants: PerfConstants | None = None
-    #: under the ``compile`` option the loss is compiled with the model (torchtitan: a fused loss,
-    #: ``MemoryOptions.fused_loss``), so its logits need no fp32 copies
-    compile_compiles_loss: bool = False
-    #: ``MemoryOptions.fragmentation`` under the ``compile`` option where fitted (None: the stack's)
-    compile_fragmentation: float | None = None
+    #: what the ``compile`` option changes (None: compile not priced, predicted as the stack without it)
+    compiled: CompileTerms | None = None
 
     @property
     def key(self) -> str:
@@ -111,7 +134,8 @@ class Stack:
     @property
     def unmodelled_options(self) -> tuple[str, ...]:
         """The chosen options the models predict as the stack without them."""
-        return tuple(o for o in self.options if o not in MODELLED_OPTIONS)
+        priced = MODELLED_OPTIONS + (("compile",) if self.compiled is not None else ())
+        return tuple(o for o in self.options if o not in priced)
 
     @property
     def options_note(self) -> str | None:
@@ -238,6 +262,8 @@ FSDP_CONSTANTS = replace(
     dp_cut_fraction=1.0,
     #: selective recomputation is torchtitan's per-op checkpointing: half of the matmuls (counted)
     op_sac_linear_share=0.5,
+    #: DTensor sequence parallelism under TP: norms, residuals and FP8 input casts on the 1/t shard
+    sequence_parallel=True,
     #: ``fsdp+fp8``: FP8 GEMM throughput relative to the bf16 curve, fitted on llm-foundry's 7 fp8
     #: runs (Transformer Engine). Above 1 because TE fuses the casts into the norm and the GEMM
     #: (LayerNormLinear), which the counted cast passes (perf.FP8_CAST_BYTES) charge in full.
@@ -260,6 +286,15 @@ FSDP_CPU_CONSTANTS = replace(
     #: fixed cost of one blocking collective (gloo on loopback, ranks sharing 2 cores; GPU: 0)
     collective_overhead_s=2.55e-2,
 )
+#: ``fsdp+compile``: the share of the elementwise passes and per-layer overhead left under
+#: torch.compile (torchtitan compiles each transformer block: ``apply_compile``). Fitted by
+#: tests/benchmarks/torchtitan_fit.py on torchtitan's two compiled bf16 1D FSDP runs (8B on 8 and 128
+#: H100s; the eager pair fixes the device); held out: its other 22 compiled runs (docs/stacks.md).
+FSDP_COMPILE_ELEMENTWISE_SHARE = 0.0
+#: ``fsdp+compile+fp8``: torchao Float8 (tensorwise) GEMM efficiency relative to the bf16 curve, the
+#: casts fused by compile. Fitted by tests/benchmarks/torchtitan_fit.py on torchtitan's two compiled
+#: Float8 1D FSDP runs (8B on 8 and 128 H100s); held out: its other 16 (TP, PP, H200, 32k sequence).
+FSDP_COMPILE_FP8_EFFICIENCY = 0.834
 #: PyTorch FSDP/FSDP2 (torchtitan, Accelerate FSDP, llm-foundry): ZeRO-3-like FULL_SHARD with
 #: fp32 sharded master and fp32 gradient reduction; torchtitan adds TP and PP schedules. Priced
 #: with ``FSDP_CONSTANTS``, the memory with FSDP2's terms (``FSDP_OPTIONS``; docs/fsdp.md).
@@ -272,7 +307,8 @@ FSDP = Stack(
     tensor_parallel=True, pipeline_parallel=True, zero_stages=(0, 2, 3), schedules=("1f1b", "interleaved"),
     recompute=("none", "selective", "full"), launch_files=CANDIDATE_FILES, available_options=("compile", "fp8"),
     runner_runs=True, hsdp=True, offload=True, native_rules=True, sharded_pipeline=True,
-    compile_compiles_loss=True, compile_fragmentation=FSDP_COMPILE_FRAGMENTATION,
+    compiled=CompileTerms(elementwise_share=FSDP_COMPILE_ELEMENTWISE_SHARE, fused_loss=True,
+                          fragmentation=FSDP_COMPILE_FRAGMENTATION, fp8_efficiency=FSDP_COMPILE_FP8_EFFICIENCY),
 )
 
 STACKS: dict[str, Stack] = {s.name: s for s in (PIPETTE, HF_DEEPSPEED, MEGATRON, FSDP)}
@@ -299,9 +335,8 @@ def get_stack(stack: str | Stack | None, *, field: str = "stack") -> Stack:
     if "fp8" in chosen:
         constants = found.fp8_constants or replace(found.constants, fp8_gemms=True)
         memory = found.fp8_memory_options or found.memory_options
-    if "compile" in chosen:
-        memory = replace(memory, fused_loss=memory.fused_loss or found.compile_compiles_loss,
-                         fragmentation=found.compile_fragmentation or memory.fragmentation)
+    if "compile" in chosen and found.compiled is not None:
+        constants, memory = found.compiled.apply(constants, memory)
     return replace(found, options=chosen, constants=constants, memory_options=memory)
 
 
@@ -381,7 +416,10 @@ def check_runner_runs(stack: Stack, *, field: str = "stack") -> None:
 
 __all__ = [
     "DEFAULT_STACK",
+    "CompileTerms",
     "FSDP",
+    "FSDP_COMPILE_ELEMENTWISE_SHARE",
+    "FSDP_COMPILE_FP8_EFFICIENCY",
     "FSDP_CONSTANTS",
     "FSDP_CPU_CONSTANTS",
     "HF_DEEPSPEED",
