@@ -416,7 +416,6 @@ def check_runner_runs(stack: Stack, *, field: str = "stack") -> None:
 
 __all__ = [
     "DEFAULT_STACK",
-    "CompileTerms",
     "FSDP",
     "FSDP_COMPILE_ELEMENTWISE_SHARE",
     "FSDP_COMPILE_FP8_EFFICIENCY",
@@ -430,6 +429,7 @@ __all__ = [
     "STACKS",
     "STACK_RULES",
     "STACK_SEPARATOR",
+    "CompileTerms",
     "Stack",
     "check_runner_runs",
     "get_stack",

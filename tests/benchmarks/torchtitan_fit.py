@@ -142,7 +142,7 @@ def main() -> int:
     frag_c = _fit(lambda x: memory_mape([by_id[i] for i in COMPILE_FRAGMENTATION_ROWS], x), 0.8, 1.4)
     print(f"4. fragmentation on reserved bytes: fsdp {frag:.3f} (fitted on {', '.join(FRAGMENTATION_ROWS)}), "
           f"fsdp+compile {frag_c:.3f} (fitted on {', '.join(COMPILE_FRAGMENTATION_ROWS)}); shipped "
-          f"{get_stack('fsdp').memory_options.fragmentation} / {get_stack('fsdp+compile').memory_options.fragmentation}")
+          f"{FSDP.memory_options.fragmentation} / {shipped.fragmentation}")
     for label, part in _parts(rows, FRAGMENTATION_ROWS + COMPILE_FRAGMENTATION_ROWS).items():
         if any(r.peak_memory for r in part):
             print(f"   memory MAPE {label} ({sum(bool(r.peak_memory) for r in part)} rows): {memory_mape(part):.1%}")
