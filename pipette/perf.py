@@ -388,6 +388,11 @@ class PerfModel:
         if tp > 1:
             per_ar = per_ar + k.collective_overhead_s
         n_ar = 4.0 + (2.0 if cfg.recompute == "full" else 0.0)
+        if cfg.recompute == "selective" and k.op_sac_linear_share > 0 and k.sequence_parallel:
+            # per-op checkpointing saves the reduce-scatters' outputs but recomputes the two
+            # sequence-parallel all-gathers (torchtitan's ``_save_list`` holds
+            # ``_c10d_functional.reduce_scatter_tensor``, not the all-gather): half an all-reduce each
+            n_ar += 1.0
         n_layer_ar = self.layers * n_ar
         n_layer_ar[0] += 2.0
         n_layer_ar[-1] += 2.0

@@ -47,12 +47,14 @@ CANDIDATE_FILES = ("candidate.json", "hostfile", "rank_map.json")
 OPTIONS: dict[str, str] = {
     "compile": "torch.compile of the model (fused elementwise kernels)",
     "fp8": "FP8 GEMMs (Transformer Engine or torchao Float8) on a device with FP8 tensor cores",
+    "async-tp": "asynchronous tensor parallelism (torchtitan's async TP: the sequence-parallel all-gathers and "
+                "reduce-scatters micro-pipelined with the matmuls over symmetric memory)",
 }
 #: Said wherever an option the models do not price is shown.
 OPTION_NOT_MODELLED = "not modelled yet: predicted as the stack without it"
 #: Options the performance model prices (``PerfConstants.fp8_gemms``); the others are shown and
 #: kept with the trials only.
-MODELLED_OPTIONS = ("fp8",)
+MODELLED_OPTIONS = ("fp8", "async-tp")
 
 
 @dataclass(frozen=True)
@@ -125,6 +127,8 @@ class Stack:
     cpu_constants: PerfConstants | None = None
     #: what the ``compile`` option changes (None: compile not priced, predicted as the stack without it)
     compiled: CompileTerms | None = None
+    #: ``PerfConstants.tp_overlap`` under the ``async-tp`` option
+    async_tp_overlap: float = 0.0
 
     @property
     def key(self) -> str:
@@ -295,6 +299,12 @@ FSDP_COMPILE_ELEMENTWISE_SHARE = 0.0
 #: casts fused by compile. Fitted by tests/benchmarks/torchtitan_fit.py on torchtitan's two compiled
 #: Float8 1D FSDP runs (8B on 8 and 128 H100s); held out: its other 16 (TP, PP, H200, 32k sequence).
 FSDP_COMPILE_FP8_EFFICIENCY = 0.834
+#: ``fsdp+async-tp``: the share of a micro-batch's linear-layer GEMM time that hides the TP
+#: collectives (``PerfConstants.tp_overlap``) under torchtitan's async TP (``enable_async_tensor_parallel``:
+#: torch._inductor's micro-pipelined collective matmuls, ``_micro_pipeline_tp``). Fitted by
+#: tests/benchmarks/torchtitan_fit.py on its 70B bf16 async run (256 H100s, FSDP32 x TP8); held out:
+#: its other 9 async runs (8B on 64 GPUs, 70B Float8, 405B under PP).
+FSDP_ASYNC_TP_OVERLAP = 0.110
 #: PyTorch FSDP/FSDP2 (torchtitan, Accelerate FSDP, llm-foundry): ZeRO-3-like FULL_SHARD with
 #: fp32 sharded master and fp32 gradient reduction; torchtitan adds TP and PP schedules. Priced
 #: with ``FSDP_CONSTANTS``, the memory with FSDP2's terms (``FSDP_OPTIONS``; docs/fsdp.md).
@@ -305,7 +315,8 @@ FSDP = Stack(
     constants=FSDP_CONSTANTS, cpu_constants=FSDP_CPU_CONSTANTS,
     memory_options=FSDP_OPTIONS, gpu_fits_prior=FSDP_GPU,
     tensor_parallel=True, pipeline_parallel=True, zero_stages=(0, 2, 3), schedules=("1f1b", "interleaved"),
-    recompute=("none", "selective", "full"), launch_files=CANDIDATE_FILES, available_options=("compile", "fp8"),
+    recompute=("none", "selective", "full"), launch_files=CANDIDATE_FILES,
+    available_options=("compile", "fp8", "async-tp"), async_tp_overlap=FSDP_ASYNC_TP_OVERLAP,
     runner_runs=True, hsdp=True, offload=True, native_rules=True, sharded_pipeline=True,
     compiled=CompileTerms(elementwise_share=FSDP_COMPILE_ELEMENTWISE_SHARE, fused_loss=True,
                           fragmentation=FSDP_COMPILE_FRAGMENTATION, fp8_efficiency=FSDP_COMPILE_FP8_EFFICIENCY),
@@ -337,6 +348,8 @@ def get_stack(stack: str | Stack | None, *, field: str = "stack") -> Stack:
         memory = found.fp8_memory_options or found.memory_options
     if "compile" in chosen and found.compiled is not None:
         constants, memory = found.compiled.apply(constants, memory)
+    if "async-tp" in chosen:
+        constants = replace(constants, tp_overlap=found.async_tp_overlap)
     return replace(found, options=chosen, constants=constants, memory_options=memory)
 
 
@@ -417,6 +430,7 @@ def check_runner_runs(stack: Stack, *, field: str = "stack") -> None:
 __all__ = [
     "DEFAULT_STACK",
     "FSDP",
+    "FSDP_ASYNC_TP_OVERLAP",
     "FSDP_COMPILE_ELEMENTWISE_SHARE",
     "FSDP_COMPILE_FP8_EFFICIENCY",
     "FSDP_CONSTANTS",

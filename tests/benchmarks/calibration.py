@@ -256,7 +256,9 @@ def _stack_key(base: str, r: dict[str, str]) -> str:
         options.append("compile")
     if r["float8"] == "1" or r["precision"] == "fp8":
         options.append("fp8")
-    return "+".join([base, *options])
+    if r["async_tp"] == "1":
+        options.append("async-tp")
+    return "+".join([base, *sorted(options)])
 
 
 def fused_loss(r: dict[str, str]) -> bool | None:

@@ -152,7 +152,8 @@ def report(directory: Path) -> None:
                 print(line(s.name, key, label, metrics(rows, stack)))
         if s.skipped:
             print(f"|   {s.name}: skipped {s.skipped} | | | | | | | | |")
-    print("(fp8 is priced (FP8 GEMMs); compile is not modelled: those rows are predicted as the stack without it)")
+    print("(fp8 and async-tp are priced; compile is priced on fsdp only (CompileTerms), elsewhere predicted as the "
+          "stack without it)")
 
 
 def main() -> int:

@@ -10,7 +10,9 @@ Each figure is fitted on the fewest runs that isolate it, in this order, the oth
    (``stacks.FSDP_COMPILE_ELEMENTWISE_SHARE``), on the two compiled bf16 runs of the same shape;
 3. ``fsdp+compile+fp8``'s FP8 GEMM efficiency, the casts fused by compile
    (``stacks.FSDP_COMPILE_FP8_EFFICIENCY``), on the two compiled Float8 runs of that shape;
-4. the fsdp stack's fragmentation on reserved bytes (``memory.FSDP_FRAGMENTATION``), on the two
+4. ``fsdp+async-tp``'s overlap of the TP collectives (``stacks.FSDP_ASYNC_TP_OVERLAP``), on the
+   70B bf16 async-TP run;
+5. the fsdp stack's fragmentation on reserved bytes (``memory.FSDP_FRAGMENTATION``), on the two
    eager runs with memory, and under compile (``memory.FSDP_COMPILE_FRAGMENTATION``) on the two
    compiled 8B runs on 8 GPUs.
 
@@ -50,6 +52,7 @@ NAME = "torchtitan_h100_fsdp2.csv"
 POWER_ROWS = ("tt00", "tt07")
 COMPILE_ROWS = ("tt01", "tt08")
 FP8_ROWS = ("tt02", "tt09")
+ASYNC_TP_ROWS = ("tt19",)
 FRAGMENTATION_ROWS = ("tt00", "tt07")
 COMPILE_FRAGMENTATION_ROWS = ("tt01", "tt02")
 
@@ -64,21 +67,29 @@ def _with_share(rows: Sequence[Row], layout: dict[str, tuple[str, int, int]], sh
     return out
 
 
-def _step(r: Row, terms: CompileTerms | None = None) -> float:
-    """Predicted step time of ``r`` with its stack, its compile terms ``terms`` where given."""
+def _step(r: Row, terms: CompileTerms | None = None, tp_overlap: float | None = None) -> float:
+    """Predicted step time of ``r`` with its stack, its compile terms ``terms`` and async TP's
+    ``tp_overlap`` where given."""
     k = get_stack(r.stack).constants
     if terms is not None and "compile" in r.stack:
         base = get_stack(r.stack.replace("+compile", ""))
         k, _ = terms.apply(base.constants, base.memory_options)
+        k = replace(k, tp_overlap=get_stack(r.stack).constants.tp_overlap)
+    if tp_overlap is not None and "async-tp" in r.stack:
+        k = replace(k, tp_overlap=tp_overlap)
     return PerfModel(r.model, r.training, r.config, r.cluster, constants=k).step_time()
 
 
-def step_mape(rows: Sequence[Row], terms: CompileTerms | None = None) -> float:
-    return float(np.mean([abs(_step(r, terms) / r.step_time - 1.0) for r in rows if r.step_time]))
+def step_mape(rows: Sequence[Row], terms: CompileTerms | None = None, tp_overlap: float | None = None) -> float:
+    return float(np.mean([abs(_step(r, terms, tp_overlap) / r.step_time - 1.0) for r in rows if r.step_time]))
 
 
 def _fit(loss: Callable[[float], float], lo: float, hi: float) -> float:
-    return float(minimize_scalar(loss, bounds=(lo, hi), method="bounded", options={"xatol": 1e-4}).x)
+    """The minimizer of ``loss`` on [lo, hi]: a grid (the loss may be flat in places), then refined."""
+    grid = np.linspace(lo, hi, 101)
+    i = int(np.argmin([loss(float(x)) for x in grid]))
+    a, b = grid[max(i - 1, 0)], grid[min(i + 1, len(grid) - 1)]
+    return float(minimize_scalar(loss, bounds=(a, b), method="bounded", options={"xatol": 1e-4}).x)
 
 
 def memory_mape(rows: Sequence[Row], fragmentation: float | None = None) -> float:
@@ -133,14 +144,20 @@ def main() -> int:
     terms = replace(terms, fp8_efficiency=efficiency)
     print(f"3. fsdp+compile+fp8: FP8 GEMM efficiency {efficiency:.3f} of the bf16 curve, casts fused (fitted on "
           f"{', '.join(FP8_ROWS)}; shipped {shipped.fp8_efficiency})")
-    for label, part in _parts(capped, POWER_ROWS + COMPILE_ROWS + FP8_ROWS).items():
-        before = step_mape(_with_share(part, layout, 1.0), replace(terms, elementwise_share=1.0, fp8_efficiency=None))
-        print(f"   step MAPE {label} ({len(part)} rows): {step_mape(part, terms):.1%} "
-              f"(device at 989 TF/s, compile unpriced: {before:.1%})")
+    asynchronous = [r for r in capped if r.row_id in ASYNC_TP_ROWS]
+    overlap = _fit(lambda x: float(np.mean([abs(np.log(_step(r, terms, x) / r.step_time)) for r in asynchronous])),
+                   0.0, 1.0)
+    print(f"4. fsdp+async-tp: the TP collectives under {overlap:.3f} of the linear GEMM time (fitted on "
+          f"{', '.join(ASYNC_TP_ROWS)}; shipped {FSDP.async_tp_overlap})")
+    for label, part in _parts(capped, POWER_ROWS + COMPILE_ROWS + FP8_ROWS + ASYNC_TP_ROWS).items():
+        before = step_mape(_with_share(part, layout, 1.0), replace(terms, elementwise_share=1.0, fp8_efficiency=None),
+                           0.0)
+        print(f"   step MAPE {label} ({len(part)} rows): {step_mape(part, terms, overlap):.1%} "
+              f"(device at 989 TF/s, compile and async TP unpriced: {before:.1%})")
 
     frag = _fit(lambda x: memory_mape([by_id[i] for i in FRAGMENTATION_ROWS], x), 0.8, 1.4)
     frag_c = _fit(lambda x: memory_mape([by_id[i] for i in COMPILE_FRAGMENTATION_ROWS], x), 0.8, 1.4)
-    print(f"4. fragmentation on reserved bytes: fsdp {frag:.3f} (fitted on {', '.join(FRAGMENTATION_ROWS)}), "
+    print(f"5. fragmentation on reserved bytes: fsdp {frag:.3f} (fitted on {', '.join(FRAGMENTATION_ROWS)}), "
           f"fsdp+compile {frag_c:.3f} (fitted on {', '.join(COMPILE_FRAGMENTATION_ROWS)}); shipped "
           f"{FSDP.memory_options.fragmentation} / {shipped.fragmentation}")
     for label, part in _parts(rows, FRAGMENTATION_ROWS + COMPILE_FRAGMENTATION_ROWS).items():
