@@ -80,8 +80,14 @@ def _step(r: Row, terms: CompileTerms | None = None, tp_overlap: float | None = 
     return PerfModel(r.model, r.training, r.config, r.cluster, constants=k).step_time()
 
 
+def _measured(r: Row) -> float:
+    if r.step_time is None:
+        raise ValueError(f"{r.row_id} has no step time")
+    return r.step_time
+
+
 def step_mape(rows: Sequence[Row], terms: CompileTerms | None = None, tp_overlap: float | None = None) -> float:
-    return float(np.mean([abs(_step(r, terms, tp_overlap) / r.step_time - 1.0) for r in rows if r.step_time]))
+    return float(np.mean([abs(_step(r, terms, tp_overlap) / _measured(r) - 1.0) for r in rows]))
 
 
 def _fit(loss: Callable[[float], float], lo: float, hi: float) -> float:
@@ -124,7 +130,7 @@ def main() -> int:
     by_id = {r.row_id: r for r in rows}
 
     power = [by_id[i] for i in POWER_ROWS]
-    share = _fit(lambda x: float(np.mean([abs(np.log(_step(r) / r.step_time))
+    share = _fit(lambda x: float(np.mean([abs(np.log(_step(r) / _measured(r)))
                                           for r in _with_share(power, layout, x)])), 0.5, 1.2)
     print(f"1. power-capped H100 96GB: {share:.3f} of the 989 TF/s peak (fitted on {', '.join(POWER_ROWS)}; "
           f"shipped {h100_96gb().peak('bf16') / 989e12:.3f})")
@@ -134,18 +140,18 @@ def main() -> int:
     compiled = [r for r in capped if r.row_id in COMPILE_ROWS]
     unpriced = replace(shipped, elementwise_share=1.0)
     elementwise = _fit(lambda x: float(np.mean([abs(np.log(_step(r, replace(unpriced, elementwise_share=x))
-                                                             / r.step_time)) for r in compiled])), 0.0, 1.0)
+                                                             / _measured(r))) for r in compiled])), 0.0, 1.0)
     print(f"2. fsdp+compile: {elementwise:.3f} of the elementwise passes and per-layer overhead left (fitted on "
           f"{', '.join(COMPILE_ROWS)}; shipped {shipped.elementwise_share})")
     fp8 = [r for r in capped if r.row_id in FP8_ROWS]
     terms = replace(shipped, elementwise_share=elementwise)
-    efficiency = _fit(lambda x: float(np.mean([abs(np.log(_step(r, replace(terms, fp8_efficiency=x)) / r.step_time))
+    efficiency = _fit(lambda x: float(np.mean([abs(np.log(_step(r, replace(terms, fp8_efficiency=x)) / _measured(r)))
                                                for r in fp8])), 0.3, 2.0)
     terms = replace(terms, fp8_efficiency=efficiency)
     print(f"3. fsdp+compile+fp8: FP8 GEMM efficiency {efficiency:.3f} of the bf16 curve, casts fused (fitted on "
           f"{', '.join(FP8_ROWS)}; shipped {shipped.fp8_efficiency})")
     asynchronous = [r for r in capped if r.row_id in ASYNC_TP_ROWS]
-    overlap = _fit(lambda x: float(np.mean([abs(np.log(_step(r, terms, x) / r.step_time)) for r in asynchronous])),
+    overlap = _fit(lambda x: float(np.mean([abs(np.log(_step(r, terms, x) / _measured(r))) for r in asynchronous])),
                    0.0, 1.0)
     print(f"4. fsdp+async-tp: the TP collectives under {overlap:.3f} of the linear GEMM time (fitted on "
           f"{', '.join(ASYNC_TP_ROWS)}; shipped {FSDP.async_tp_overlap})")
