@@ -47,6 +47,8 @@ CANDIDATE_FILES = ("candidate.json", "hostfile", "rank_map.json")
 OPTIONS: dict[str, str] = {
     "compile": "torch.compile of the model (fused elementwise kernels)",
     "fp8": "FP8 GEMMs (Transformer Engine or torchao Float8) on a device with FP8 tensor cores",
+    "fp8-rowwise": "FP8 GEMMs with one scale per row (torchao Float8's rowwise recipe: torchtitan "
+                   "float8.recipe_name = \"rowwise\") instead of one per tensor",
     "async-tp": "asynchronous tensor parallelism (torchtitan's async TP: the sequence-parallel all-gathers and "
                 "reduce-scatters micro-pipelined with the matmuls over symmetric memory)",
 }
@@ -54,7 +56,7 @@ OPTIONS: dict[str, str] = {
 OPTION_NOT_MODELLED = "not modelled yet: predicted as the stack without it"
 #: Options the performance model prices (``PerfConstants.fp8_gemms``); the others are shown and
 #: kept with the trials only.
-MODELLED_OPTIONS = ("fp8", "async-tp")
+MODELLED_OPTIONS = ("fp8", "fp8-rowwise", "async-tp")
 
 
 @dataclass(frozen=True)
@@ -129,6 +131,9 @@ class Stack:
     compiled: CompileTerms | None = None
     #: ``PerfConstants.tp_overlap`` under the ``async-tp`` option
     async_tp_overlap: float = 0.0
+    #: ``PerfConstants.fp8_efficiency`` under the ``fp8-rowwise`` option (the ``fp8`` option's terms
+    #: otherwise)
+    fp8_rowwise_efficiency: float | None = None
 
     @property
     def key(self) -> str:
@@ -305,6 +310,11 @@ FSDP_COMPILE_FP8_EFFICIENCY = 0.834
 #: tests/benchmarks/torchtitan_fit.py on its 70B bf16 async run (256 H100s, FSDP32 x TP8); held out:
 #: its other 9 async runs (8B on 64 GPUs, 70B Float8, 405B under PP).
 FSDP_ASYNC_TP_OVERLAP = 0.110
+#: ``fsdp+fp8-rowwise``: torchao Float8's rowwise-scaled GEMM efficiency relative to the bf16 curve
+#: (per-row scales: a slower scaled-mm kernel than tensorwise). Fitted by
+#: tests/benchmarks/torchtitan_fit.py on torchtitan's 70B rowwise run without async TP (256 H100s);
+#: held out: its other 3 rowwise runs (70B async TP, 8B on 64 GPUs).
+FSDP_FP8_ROWWISE_EFFICIENCY = 0.494
 #: PyTorch FSDP/FSDP2 (torchtitan, Accelerate FSDP, llm-foundry): ZeRO-3-like FULL_SHARD with
 #: fp32 sharded master and fp32 gradient reduction; torchtitan adds TP and PP schedules. Priced
 #: with ``FSDP_CONSTANTS``, the memory with FSDP2's terms (``FSDP_OPTIONS``; docs/fsdp.md).
@@ -316,7 +326,8 @@ FSDP = Stack(
     memory_options=FSDP_OPTIONS, gpu_fits_prior=FSDP_GPU,
     tensor_parallel=True, pipeline_parallel=True, zero_stages=(0, 2, 3), schedules=("1f1b", "interleaved"),
     recompute=("none", "selective", "full"), launch_files=CANDIDATE_FILES,
-    available_options=("compile", "fp8", "async-tp"), async_tp_overlap=FSDP_ASYNC_TP_OVERLAP,
+    available_options=("compile", "fp8", "fp8-rowwise", "async-tp"), async_tp_overlap=FSDP_ASYNC_TP_OVERLAP,
+    fp8_rowwise_efficiency=FSDP_FP8_ROWWISE_EFFICIENCY,
     runner_runs=True, hsdp=True, offload=True, native_rules=True, sharded_pipeline=True,
     compiled=CompileTerms(elementwise_share=FSDP_COMPILE_ELEMENTWISE_SHARE, fused_loss=True,
                           fragmentation=FSDP_COMPILE_FRAGMENTATION, fp8_efficiency=FSDP_COMPILE_FP8_EFFICIENCY),
@@ -342,12 +353,18 @@ def get_stack(stack: str | Stack | None, *, field: str = "stack") -> Stack:
             raise SpecError(f"{name} has no option {option!r}", field=field,
                             fix=f"use {name} alone or one of its options ({offered})")
     chosen = tuple(sorted(set(options)))
+    rowwise = "fp8-rowwise" in chosen
+    if rowwise and "fp8" in chosen:
+        raise SpecError(f"{stack!r} names two FP8 recipes", field=field,
+                        fix=f"use {name}+fp8 (tensorwise scaling) or {name}+fp8-rowwise, not both")
     constants, memory = found.constants, found.memory_options
-    if "fp8" in chosen:
+    if "fp8" in chosen or rowwise:
         constants = found.fp8_constants or replace(found.constants, fp8_gemms=True)
         memory = found.fp8_memory_options or found.memory_options
     if "compile" in chosen and found.compiled is not None:
         constants, memory = found.compiled.apply(constants, memory)
+    if rowwise and found.fp8_rowwise_efficiency is not None:
+        constants = replace(constants, fp8_efficiency=found.fp8_rowwise_efficiency)
     if "async-tp" in chosen:
         constants = replace(constants, tp_overlap=found.async_tp_overlap)
     return replace(found, options=chosen, constants=constants, memory_options=memory)
@@ -435,6 +452,7 @@ __all__ = [
     "FSDP_COMPILE_FP8_EFFICIENCY",
     "FSDP_CONSTANTS",
     "FSDP_CPU_CONSTANTS",
+    "FSDP_FP8_ROWWISE_EFFICIENCY",
     "HF_DEEPSPEED",
     "MEGATRON",
     "MODELLED_OPTIONS",

@@ -255,7 +255,8 @@ def _stack_key(base: str, r: dict[str, str]) -> str:
     if r["compile"] == "1":
         options.append("compile")
     if r["float8"] == "1" or r["precision"] == "fp8":
-        options.append("fp8")
+        # torchtitan's 2025 async-TP runs name their Float8 recipe in the row's assumptions
+        options.append("fp8-rowwise" if "float8 rowwise" in r["assumptions"] else "fp8")
     if r["async_tp"] == "1":
         options.append("async-tp")
     return "+".join([base, *sorted(options)])

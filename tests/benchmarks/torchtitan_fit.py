@@ -12,7 +12,9 @@ Each figure is fitted on the fewest runs that isolate it, in this order, the oth
    (``stacks.FSDP_COMPILE_FP8_EFFICIENCY``), on the two compiled Float8 runs of that shape;
 4. ``fsdp+async-tp``'s overlap of the TP collectives (``stacks.FSDP_ASYNC_TP_OVERLAP``), on the
    70B bf16 async-TP run;
-5. the fsdp stack's fragmentation on reserved bytes (``memory.FSDP_FRAGMENTATION``), on the two
+5. ``fsdp+fp8-rowwise``'s FP8 GEMM efficiency (``stacks.FSDP_FP8_ROWWISE_EFFICIENCY``), on the 70B
+   rowwise run without async TP;
+6. the fsdp stack's fragmentation on reserved bytes (``memory.FSDP_FRAGMENTATION``), on the two
    eager runs with memory, and under compile (``memory.FSDP_COMPILE_FRAGMENTATION``) on the two
    compiled 8B runs on 8 GPUs.
 
@@ -53,6 +55,7 @@ POWER_ROWS = ("tt00", "tt07")
 COMPILE_ROWS = ("tt01", "tt08")
 FP8_ROWS = ("tt02", "tt09")
 ASYNC_TP_ROWS = ("tt19",)
+ROWWISE_ROWS = ("tt22",)
 FRAGMENTATION_ROWS = ("tt00", "tt07")
 COMPILE_FRAGMENTATION_ROWS = ("tt01", "tt02")
 
@@ -67,16 +70,22 @@ def _with_share(rows: Sequence[Row], layout: dict[str, tuple[str, int, int]], sh
     return out
 
 
-def _step(r: Row, terms: CompileTerms | None = None, tp_overlap: float | None = None) -> float:
-    """Predicted step time of ``r`` with its stack, its compile terms ``terms`` and async TP's
-    ``tp_overlap`` where given."""
-    k = get_stack(r.stack).constants
+def _step(r: Row, terms: CompileTerms | None = None, tp_overlap: float | None = None,
+          rowwise: float | None = None) -> float:
+    """Predicted step time of ``r`` with its stack, its compile terms ``terms``, async TP's
+    ``tp_overlap`` and the rowwise FP8 efficiency where given."""
+    shipped = get_stack(r.stack).constants
+    k = shipped
     if terms is not None and "compile" in r.stack:
         base = get_stack(r.stack.replace("+compile", ""))
         k, _ = terms.apply(base.constants, base.memory_options)
-        k = replace(k, tp_overlap=get_stack(r.stack).constants.tp_overlap)
+        k = replace(k, tp_overlap=shipped.tp_overlap)
+        if "fp8-rowwise" in r.stack:
+            k = replace(k, fp8_efficiency=shipped.fp8_efficiency)
     if tp_overlap is not None and "async-tp" in r.stack:
         k = replace(k, tp_overlap=tp_overlap)
+    if rowwise is not None and "fp8-rowwise" in r.stack:
+        k = replace(k, fp8_efficiency=rowwise)
     return PerfModel(r.model, r.training, r.config, r.cluster, constants=k).step_time()
 
 
@@ -86,8 +95,9 @@ def _measured(r: Row) -> float:
     return r.step_time
 
 
-def step_mape(rows: Sequence[Row], terms: CompileTerms | None = None, tp_overlap: float | None = None) -> float:
-    return float(np.mean([abs(_step(r, terms, tp_overlap) / _measured(r) - 1.0) for r in rows]))
+def step_mape(rows: Sequence[Row], terms: CompileTerms | None = None, tp_overlap: float | None = None,
+              rowwise: float | None = None) -> float:
+    return float(np.mean([abs(_step(r, terms, tp_overlap, rowwise) / _measured(r) - 1.0) for r in rows]))
 
 
 def _fit(loss: Callable[[float], float], lo: float, hi: float) -> float:
@@ -155,15 +165,21 @@ def main() -> int:
                    0.0, 1.0)
     print(f"4. fsdp+async-tp: the TP collectives under {overlap:.3f} of the linear GEMM time (fitted on "
           f"{', '.join(ASYNC_TP_ROWS)}; shipped {FSDP.async_tp_overlap})")
-    for label, part in _parts(capped, POWER_ROWS + COMPILE_ROWS + FP8_ROWS + ASYNC_TP_ROWS).items():
+    rows_rw = [r for r in capped if r.row_id in ROWWISE_ROWS]
+    rw = _fit(lambda x: float(np.mean([abs(np.log(_step(r, terms, overlap, x) / _measured(r))) for r in rows_rw])),
+              0.2, 2.0)
+    print(f"5. fsdp+fp8-rowwise: FP8 GEMM efficiency {rw:.3f} of the bf16 curve (fitted on {', '.join(ROWWISE_ROWS)}; "
+          f"shipped {FSDP.fp8_rowwise_efficiency})")
+    fitted = POWER_ROWS + COMPILE_ROWS + FP8_ROWS + ASYNC_TP_ROWS + ROWWISE_ROWS
+    for label, part in _parts(capped, fitted).items():
         before = step_mape(_with_share(part, layout, 1.0), replace(terms, elementwise_share=1.0, fp8_efficiency=None),
-                           0.0)
-        print(f"   step MAPE {label} ({len(part)} rows): {step_mape(part, terms, overlap):.1%} "
-              f"(device at 989 TF/s, compile and async TP unpriced: {before:.1%})")
+                           0.0, terms.fp8_efficiency)
+        print(f"   step MAPE {label} ({len(part)} rows): {step_mape(part, terms, overlap, rw):.1%} "
+              f"(device at 989 TF/s, compile, async TP and rowwise unpriced: {before:.1%})")
 
     frag = _fit(lambda x: memory_mape([by_id[i] for i in FRAGMENTATION_ROWS], x), 0.8, 1.4)
     frag_c = _fit(lambda x: memory_mape([by_id[i] for i in COMPILE_FRAGMENTATION_ROWS], x), 0.8, 1.4)
-    print(f"5. fragmentation on reserved bytes: fsdp {frag:.3f} (fitted on {', '.join(FRAGMENTATION_ROWS)}), "
+    print(f"6. fragmentation on reserved bytes: fsdp {frag:.3f} (fitted on {', '.join(FRAGMENTATION_ROWS)}), "
           f"fsdp+compile {frag_c:.3f} (fitted on {', '.join(COMPILE_FRAGMENTATION_ROWS)}); shipped "
           f"{FSDP.memory_options.fragmentation} / {shipped.fragmentation}")
     for label, part in _parts(rows, FRAGMENTATION_ROWS + COMPILE_FRAGMENTATION_ROWS).items():

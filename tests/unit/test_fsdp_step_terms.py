@@ -1,6 +1,6 @@
 """The fsdp stack's step-time terms of issue 28 (torchtitan): DTensor sequence parallelism over the
 elementwise work and the FP8 casts, per-op checkpointing's recomputed all-gathers, the compile option
-(``CompileTerms``) and the async-tp option (docs/stacks.md)."""
+(``CompileTerms``), the async-tp and fp8-rowwise options (docs/stacks.md)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import pytest
 
 from pipette.clusterfile import homogeneous_cluster
 from pipette.config import ParallelConfig
+from pipette.errors import SpecError
 from pipette.model import ModelSpec
 from pipette.perf import PerfModel
 from pipette.stacks import FSDP, FSDP_CONSTANTS, get_stack
@@ -70,3 +71,15 @@ def test_async_tp_hides_tensor_parallel_collectives_under_the_matmuls() -> None:
     assert _parts(TP8, overlapped.constants)["tp_comm"] < _parts(TP8, sync.constants)["tp_comm"]
     with pytest.raises(Exception, match="async-tp"):
         get_stack("megatron+async-tp")
+
+
+def test_fp8_rowwise_is_fp8_at_its_own_efficiency() -> None:
+    tensorwise, rowwise = get_stack("fsdp+compile+fp8"), get_stack("fsdp+compile+fp8-rowwise")
+    assert rowwise.constants.fp8_gemms and rowwise.constants.fp8_casts_fused
+    assert FSDP.fp8_rowwise_efficiency is not None
+    assert rowwise.constants.fp8_efficiency == FSDP.fp8_rowwise_efficiency < tensorwise.constants.fp8_efficiency
+    assert rowwise.memory_options == tensorwise.memory_options and rowwise.unmodelled_options == ()
+    one = replace(TP8, tp=1, dp=8)
+    assert _parts(one, rowwise.constants)["compute"] > _parts(one, tensorwise.constants)["compute"]
+    with pytest.raises(SpecError, match="two FP8 recipes"):
+        get_stack("fsdp+fp8+fp8-rowwise")
