@@ -152,8 +152,8 @@ def report(directory: Path) -> None:
                 print(line(s.name, key, label, metrics(rows, stack)))
         if s.skipped:
             print(f"|   {s.name}: skipped {s.skipped} | | | | | | | | |")
-    print("(fp8 and async-tp are priced; compile is priced on fsdp only (CompileTerms), elsewhere predicted as the "
-          "stack without it)")
+    print("(fp8, fp8-rowwise and async-tp are priced; compile is priced on fsdp only (CompileTerms), elsewhere "
+          "predicted as the stack without it)")
 
 
 def main() -> int:
