@@ -85,9 +85,12 @@ NANOTRON_GPU = FitsPrior("nanotron-gpu", mu=0.216, sd=0.212, source="ultrascale_
 #: with the ``fsdp`` stack's options; 14 runs with memory, none out of memory), refitted
 #: (``fits_boundary.py --fit``, 2026-11-27) with torchtitan's per-op recomputation
 #: (``MemoryOptions.op_sac``) and FSDP2's unsharded layers and gradients under pipelining in the
-#: estimate (was mu -0.273, sd 0.600).
-FSDP_GPU = FitsPrior("fsdp-gpu", mu=-0.142, sd=0.241,
-                     source="torchtitan_h100_fsdp2.csv, 14 runs (op SAC, FSDP2 under pipelining, 2026-11-27)")
+#: estimate (was mu -0.273, sd 0.600; then mu -0.142, sd 0.241), refitted again (2026-11-27, branch
+#: stack28b) with the compiled loss, fp32 no-sync gradients under PP, DTensor TP's gathered
+#: inputs and loss_parallel's copies and the fsdp stack's own fragmentation on reserved bytes (whose
+#: two factors were fitted on 4 of these 14 runs: the sd is partly in-sample).
+FSDP_GPU = FitsPrior("fsdp-gpu", mu=0.027, sd=0.046,
+                     source="torchtitan_h100_fsdp2.csv, 14 runs (stack28b terms, reserved, 2026-11-27)")
 #: CPU devices: no calibration runs (the runner's RSS is recorded by every CPU trial); the
 #: learned memory model's default prior (``pipette.feasibility``), centred.
 CPU = FitsPrior("cpu", mu=0.0, sd=0.226, source="no calibration runs: the learned model's default prior")

@@ -76,6 +76,15 @@ GPU_OVERHEAD_BYTES = int(0.143 * GiB)
 #: fragmentation and the short-lived tensors of the backward pass (gradients of the
 #: activations, fp32 upcasts). Fitted with GPU_OVERHEAD_BYTES on the same rows: 1.237.
 FRAGMENTATION = 1.237
+#: ``FRAGMENTATION`` for the fsdp stack, whose GPU set (torchtitan) measures the caching allocator's
+#: peak *reserved* bytes: fitted (tests/benchmarks/stack_fit.py, the least MAPE) on torchtitan's two
+#: eager bf16 8B rows (8 and 128 H100s, per-op SAC), with FSDP_OPTIONS' other terms counted.
+FSDP_FRAGMENTATION = 1.012
+#: The same under ``fsdp+compile`` (compiled blocks: the recomputed layer's elementwise
+#: intermediates fused, fewer short-lived tensors), fitted on torchtitan's two compiled 8B rows on 8
+#: H100s (bf16 and Float8); held out: its other 8 compiled rows (docs/stacks.md). Below 1: compile
+#: saves more transient memory than the eager count leaves out.
+FSDP_COMPILE_FRAGMENTATION = 0.943
 #: One CPU worker process (device_kind "cpu"): the Python interpreter, PyTorch and the gloo
 #: process group resident in RAM before the model is built. A documented planning figure,
 #: not fitted (no CPU measurements in the calibration sets).
@@ -128,6 +137,31 @@ class MemoryOptions:
     #: models/llama3/infra/parallelize.py, ``_apply_ac_to_transformer_block``: "Saves output of all
     #: compute ops, except every second mm"). False: Korthikanti's selective (scores only).
     op_sac: bool = False
+    #: A fused cross-entropy: the fp32 upcast, log-softmax and NLL in one kernel each way, so no fp32
+    #: copy of the logits is materialized; it keeps the logits (d bytes) and writes their gradient
+    #: (d). torchtitan under compile (``build_cross_entropy_loss`` wraps ``cross_entropy_loss`` in
+    #: ``torch.compile``: torchtitan/components/loss.py; before 2025 its train.py left it eager,
+    #: "TODO: compiling loss function causes CUDA errors"); llm-foundry's MPT by default
+    #: (``loss_fn`` ``fused_crossentropy``: flash-attn's ``CrossEntropyLoss``, llmfoundry/models/mpt).
+    fused_loss: bool = False
+    #: Tensor parallelism as PyTorch DTensor runs it (torchtitan's ``ColwiseParallel`` with
+    #: ``input_layouts=Shard(1)`` on wq/wk/wv, w1/w3 and the output projection): the norm's output is
+    #: all-gathered over the sequence and ``F.linear`` saves that gathered input for its weight
+    #: gradient, so each of the two norm outputs of a layer and the final norm's are held whole, not
+    #: 1/t. Megatron's sequence parallelism saves the 1/t shard and re-gathers it in the backward
+    #: (Korthikanti et al. 2022, sec. 4.2.2): False.
+    tp_saves_gathered_inputs: bool = False
+    #: fp32 copies of the logits at the loss's peak under tensor parallelism where the stack then
+    #: runs a vocab-parallel loss of its own (None: ``loss_fp32_copies``). torchtitan turns on
+    #: PyTorch's ``loss_parallel`` with TP (``enable_loss_parallel``, default true); its log-softmax
+    #: backward (torch/distributed/tensor/parallel/loss.py, ``_log_softmax_backward_handler``:
+    #: ``grad_output - exp(output) * sum(grad_output)``) holds the saved output, the incoming
+    #: gradient, ``exp(output)`` and the product at once: 4, where the fused eager kernel holds 3.
+    tp_loss_fp32_copies: int | None = None
+    #: Multiplier on the transient memory (activations, logits): the caching allocator's
+    #: fragmentation and short-lived tensors (``FRAGMENTATION``, fitted on nanotron's figures); a
+    #: stack whose sets measure reserved memory fits its own.
+    fragmentation: float = FRAGMENTATION
 
 
 DEFAULT_OPTIONS = MemoryOptions()
@@ -138,7 +172,9 @@ MEGATRON_OPTIONS = MemoryOptions(loss_fp32_copies=2, deepspeed_bf16_fp32_grads=F
 #: parameters sharded, fp32 gradient reduction, and the loss over the logits cast to fp32
 #: (torchtitan's ``cross_entropy_loss``, ``workers.rank.fsdp_model.lm_loss``: 3 fp32 copies, as
 #: Pipette's DeepSpeed runner).
-FSDP_OPTIONS = MemoryOptions(grad_accum_fp32=True, deepspeed_bf16_fp32_grads=False, fsdp2=True, op_sac=True)
+FSDP_OPTIONS = MemoryOptions(grad_accum_fp32=True, deepspeed_bf16_fp32_grads=False, fsdp2=True, op_sac=True,
+                             tp_saves_gathered_inputs=True, tp_loss_fp32_copies=4,
+                             fragmentation=FSDP_FRAGMENTATION)
 
 
 def estimate_memory(
@@ -229,26 +265,33 @@ def stage_breakdowns(
         act_split, act_seq = _without_frozen_inputs(model, training, s, b, d, act_split, act_seq)
     act_sharded = act_split / t + act_kv / t_kv
     act_seq_t = act_seq / t if options.sequence_parallel else act_seq
+    # the two norm outputs a layer gathers whole under DTensor's sequence parallelism, beyond their
+    # 1/t shard counted in act_seq_t (``MemoryOptions.tp_saves_gathered_inputs``)
+    gathered = 0.0
+    if options.tp_saves_gathered_inputs and options.sequence_parallel and t > 1:
+        gathered = 2 * d * s * b * h * (1 - 1 / t)
     if config.recompute == "full":
         # Only the layer input is kept (Korthikanti sec. 4.3: 2sbh per layer, /t with
         # sequence parallelism) ...
         per_layer = d * s * b * h / (t if options.sequence_parallel else 1)
         # ... and during the backward one layer's activations are rebuilt at a time.
-        rebuilt = act_sharded + act_seq_t + (0 if options.flash_attention else act_scores / t)
+        rebuilt = act_sharded + act_seq_t + gathered + (0 if options.flash_attention else act_scores / t)
     elif config.recompute == "selective" and options.op_sac and model.arch == "llama":
         per_layer = _op_sac_saved(model, s, b, d, t, t_kv, options.sequence_parallel)
         # ... and during the backward one layer's activations are rebuilt at a time
-        rebuilt = act_sharded + act_seq_t
+        rebuilt = act_sharded + act_seq_t + gathered
     else:
         # Selective recomputation drops the a*s^2 score terms (Korthikanti sec. 4.2.1,
         # eq. 7: sbh*34/t); flash attention never stores them.
         keep_scores = config.recompute == "none" and not options.flash_attention
-        per_layer = act_sharded + act_seq_t + (act_scores / t if keep_scores else 0)
+        per_layer = act_sharded + act_seq_t + gathered + (act_scores / t if keep_scores else 0)
         rebuilt = 0.0
 
     # ---- last stage: final norm, logits and loss (Korthikanti sec. 4.4) ----------------
-    head_act = 2 * d * s * b * h / (t if options.sequence_parallel else 1)
-    logits = b * s * V / t * (d + options.loss_fp32_copies * FP32_BYTES)
+    head_act = 2 * d * s * b * h / (t if options.sequence_parallel else 1) + gathered / 2
+    copies = options.tp_loss_fp32_copies if t > 1 and options.tp_loss_fp32_copies is not None \
+        else options.loss_fp32_copies
+    logits = b * s * V / t * (2 * d if options.fused_loss else d + copies * FP32_BYTES)
 
     trainable_full = training.method == "full"
     # FP8 weights: each linear weight 1 byte instead of d (``MemoryOptions.fp8_weights``)
@@ -287,7 +330,7 @@ def stage_breakdowns(
                 lora_psi if not trainable_full else layer_psi + lora_psi, offload=config.offload and gpu,
             )
         if gpu:
-            overhead = GPU_OVERHEAD_BYTES + (FRAGMENTATION - 1.0) * (activations + stage_logits)
+            overhead = GPU_OVERHEAD_BYTES + (options.fragmentation - 1.0) * (activations + stage_logits)
         else:
             overhead = CPU_PROCESS_OVERHEAD_BYTES
         # Same keys and order as MEMORY_PARTS (checked by the unit tests).
@@ -351,7 +394,7 @@ def _fsdp2_state(
     kept = root_psi * d + (0 if reshard else layers * layer_psi * d)
     in_flight = min(held_layers, layers) * layer_psi * d if reshard else 0.0
     if c.pp > 1 and c.zero_stage >= 2:
-        gradients += layers * layer_trainable * d
+        gradients += layers * layer_trainable * FP32_BYTES
     # one decoder layer's: the root's (embedding, head) are reduced at the end of the backward,
     # after the activations that make the peak are freed
     reduce = (layer_trainable if layers else 0.0) * (d + FP32_BYTES)
@@ -499,6 +542,8 @@ def _notes(training: TrainingSpec, config: ParallelConfig, options: MemoryOption
 __all__ = [
     "DEFAULT_OPTIONS",
     "FRAGMENTATION",
+    "FSDP_COMPILE_FRAGMENTATION",
+    "FSDP_FRAGMENTATION",
     "FSDP_OPTIONS",
     "GPU_OVERHEAD_BYTES",
     "HOST_KEY",

@@ -178,6 +178,14 @@ class PerfConstants:
     #: sequence-parallel all-gather and reduce-scatter into chunks pipelined with the GEMM that
     #: consumes or produces them: only what the GEMMs do not cover is exposed.
     tp_overlap: float = 0.0
+    #: Sequence parallelism over the elementwise work: the norms, residual adds and the FP8 casts of
+    #: the linear layers' inputs run on the 1/t sequence shard of each tensor-parallel rank
+    #: (torchtitan's TP plan: ``SequenceParallel()`` on attention_norm and ffn_norm, the residual
+    #: stream ``Shard(1)`` between blocks, and ``Float8ColwiseParallel`` casting the input shard to
+    #: FP8 before the all-gather: torchtitan models/llama3/infra/parallelize.py, ``apply_tp``).
+    #: False: the passes are replicated on every TP rank (Megatron-LM without sequence parallelism,
+    #: as vTrain ran; Korthikanti et al. 2022, sec. 4.2.2) and each rank casts its whole input.
+    sequence_parallel: bool = False
 
 
 #: The constants above: Megatron-LM (vTrain) and nanotron (Ultra-Scale) runs, fused kernels.
@@ -274,7 +282,8 @@ class PerfModel:
         gemm = flops_per_gemm / (self.linear_peak * eff)
         if self.k.fp8_casts_fused:
             return gemm
-        cast_elements = tokens * fan_in + fan_in * fan_out / self.config.tp
+        tp = self.config.tp
+        cast_elements = tokens * fan_in / (tp if self.k.sequence_parallel else 1) + fan_in * fan_out / tp
         return gemm + FP8_CAST_BYTES * cast_elements / self.device.memory_bandwidth
 
     def _compute_times(self) -> _Compute:
@@ -308,7 +317,8 @@ class PerfModel:
         # memory bandwidth (roofline: bytes / bandwidth; Williams et al. 2009). A fused
         # attention kernel never writes the scores.
         b, bw = tr.dtype_bytes, self.device.memory_bandwidth
-        passes = self.k.elementwise_passes * model.hidden + self.k.ffn_passes * model.ffn_hidden / tp
+        sp = tp if self.k.sequence_parallel else 1
+        passes = self.k.elementwise_passes * model.hidden / sp + self.k.ffn_passes * model.ffn_hidden / tp
         elementwise = passes * t * b / bw
         score_passes = 0.0 if self.k.flash_attention else self.k.score_passes
         scores = score_passes * t * s * model.heads / tp * b / bw
@@ -378,6 +388,11 @@ class PerfModel:
         if tp > 1:
             per_ar = per_ar + k.collective_overhead_s
         n_ar = 4.0 + (2.0 if cfg.recompute == "full" else 0.0)
+        if cfg.recompute == "selective" and k.op_sac_linear_share > 0 and k.sequence_parallel:
+            # per-op checkpointing saves the reduce-scatters' outputs but recomputes the two
+            # sequence-parallel all-gathers (torchtitan's ``_save_list`` holds
+            # ``_c10d_functional.reduce_scatter_tensor``, not the all-gather): half an all-reduce each
+            n_ar += 1.0
         n_layer_ar = self.layers * n_ar
         n_layer_ar[0] += 2.0
         n_layer_ar[-1] += 2.0

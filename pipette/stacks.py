@@ -25,7 +25,14 @@ from pipette.errors import SpecError
 from pipette.estimates import MemoryEstimate, PerfEstimate
 from pipette.fits import CPU, FSDP_GPU, NANOTRON_GPU, PIPETTE_GPU, FitsPrior
 from pipette.fsdp_rules import fsdp_problems
-from pipette.memory import DEFAULT_OPTIONS, FSDP_OPTIONS, MEGATRON_OPTIONS, MemoryOptions, estimate_memory
+from pipette.memory import (
+    DEFAULT_OPTIONS,
+    FSDP_COMPILE_FRAGMENTATION,
+    FSDP_OPTIONS,
+    MEGATRON_OPTIONS,
+    MemoryOptions,
+    estimate_memory,
+)
 from pipette.model import ModelSpec
 from pipette.perf import HF_DEEPSPEED_CONSTANTS, MEGATRON_CONSTANTS, PerfConstants, estimate_perf
 from pipette.training import TrainingSpec
@@ -40,12 +47,42 @@ CANDIDATE_FILES = ("candidate.json", "hostfile", "rank_map.json")
 OPTIONS: dict[str, str] = {
     "compile": "torch.compile of the model (fused elementwise kernels)",
     "fp8": "FP8 GEMMs (Transformer Engine or torchao Float8) on a device with FP8 tensor cores",
+    "fp8-rowwise": "FP8 GEMMs with one scale per row (torchao Float8's rowwise recipe: torchtitan "
+                   "float8.recipe_name = \"rowwise\") instead of one per tensor",
+    "async-tp": "asynchronous tensor parallelism (torchtitan's async TP: the sequence-parallel all-gathers and "
+                "reduce-scatters micro-pipelined with the matmuls over symmetric memory)",
 }
 #: Said wherever an option the models do not price is shown.
 OPTION_NOT_MODELLED = "not modelled yet: predicted as the stack without it"
 #: Options the performance model prices (``PerfConstants.fp8_gemms``); the others are shown and
 #: kept with the trials only.
-MODELLED_OPTIONS = ("fp8",)
+MODELLED_OPTIONS = ("fp8", "fp8-rowwise", "async-tp")
+
+
+@dataclass(frozen=True)
+class CompileTerms:
+    """What a stack's ``compile`` option changes in its constants and memory options (torchtitan's
+    torch.compile of each transformer block and of the loss; docs/stacks.md)."""
+
+    #: share of ``PerfConstants.elementwise_passes`` and ``layer_overhead_s`` left: Inductor fuses a
+    #: layer's norms, rotary, gating and residual adds into a few kernels
+    elementwise_share: float
+    #: the loss compiled too (``MemoryOptions.fused_loss``)
+    fused_loss: bool
+    #: ``MemoryOptions.fragmentation`` of compiled runs
+    fragmentation: float
+    #: under ``fp8`` too: the casts fused into the kernels before the GEMMs (torchao's Float8 relies on
+    #: compile for it: torchtitan docs/float8.md) and this FP8 GEMM efficiency (None: the stack's)
+    fp8_efficiency: float | None = None
+
+    def apply(self, constants: PerfConstants, memory: MemoryOptions) -> tuple[PerfConstants, MemoryOptions]:
+        constants = replace(constants, elementwise_passes=constants.elementwise_passes * self.elementwise_share,
+                            layer_overhead_s=constants.layer_overhead_s * self.elementwise_share)
+        if constants.fp8_gemms:
+            constants = replace(constants, fp8_casts_fused=True,
+                                fp8_efficiency=self.fp8_efficiency or constants.fp8_efficiency)
+        memory = replace(memory, fused_loss=memory.fused_loss or self.fused_loss, fragmentation=self.fragmentation)
+        return constants, memory
 
 
 @dataclass(frozen=True)
@@ -90,6 +127,13 @@ class Stack:
     #: the constants on CPU workers where the stack's own CPU trials gave them (None: ``constants``
     #: on every device; ``constants_for``)
     cpu_constants: PerfConstants | None = None
+    #: what the ``compile`` option changes (None: compile not priced, predicted as the stack without it)
+    compiled: CompileTerms | None = None
+    #: ``PerfConstants.tp_overlap`` under the ``async-tp`` option
+    async_tp_overlap: float = 0.0
+    #: ``PerfConstants.fp8_efficiency`` under the ``fp8-rowwise`` option (the ``fp8`` option's terms
+    #: otherwise)
+    fp8_rowwise_efficiency: float | None = None
 
     @property
     def key(self) -> str:
@@ -99,7 +143,8 @@ class Stack:
     @property
     def unmodelled_options(self) -> tuple[str, ...]:
         """The chosen options the models predict as the stack without them."""
-        return tuple(o for o in self.options if o not in MODELLED_OPTIONS)
+        priced = MODELLED_OPTIONS + (("compile",) if self.compiled is not None else ())
+        return tuple(o for o in self.options if o not in priced)
 
     @property
     def options_note(self) -> str | None:
@@ -226,6 +271,8 @@ FSDP_CONSTANTS = replace(
     dp_cut_fraction=1.0,
     #: selective recomputation is torchtitan's per-op checkpointing: half of the matmuls (counted)
     op_sac_linear_share=0.5,
+    #: DTensor sequence parallelism under TP: norms, residuals and FP8 input casts on the 1/t shard
+    sequence_parallel=True,
     #: ``fsdp+fp8``: FP8 GEMM throughput relative to the bf16 curve, fitted on llm-foundry's 7 fp8
     #: runs (Transformer Engine). Above 1 because TE fuses the casts into the norm and the GEMM
     #: (LayerNormLinear), which the counted cast passes (perf.FP8_CAST_BYTES) charge in full.
@@ -248,6 +295,26 @@ FSDP_CPU_CONSTANTS = replace(
     #: fixed cost of one blocking collective (gloo on loopback, ranks sharing 2 cores; GPU: 0)
     collective_overhead_s=2.55e-2,
 )
+#: ``fsdp+compile``: the share of the elementwise passes and per-layer overhead left under
+#: torch.compile (torchtitan compiles each transformer block: ``apply_compile``). Fitted by
+#: tests/benchmarks/torchtitan_fit.py on torchtitan's two compiled bf16 1D FSDP runs (8B on 8 and 128
+#: H100s; the eager pair fixes the device); held out: its other 22 compiled runs (docs/stacks.md).
+FSDP_COMPILE_ELEMENTWISE_SHARE = 0.0
+#: ``fsdp+compile+fp8``: torchao Float8 (tensorwise) GEMM efficiency relative to the bf16 curve, the
+#: casts fused by compile. Fitted by tests/benchmarks/torchtitan_fit.py on torchtitan's two compiled
+#: Float8 1D FSDP runs (8B on 8 and 128 H100s); held out: its other 16 (TP, PP, H200, 32k sequence).
+FSDP_COMPILE_FP8_EFFICIENCY = 0.834
+#: ``fsdp+async-tp``: the share of a micro-batch's linear-layer GEMM time that hides the TP
+#: collectives (``PerfConstants.tp_overlap``) under torchtitan's async TP (``enable_async_tensor_parallel``:
+#: torch._inductor's micro-pipelined collective matmuls, ``_micro_pipeline_tp``). Fitted by
+#: tests/benchmarks/torchtitan_fit.py on its 70B bf16 async run (256 H100s, FSDP32 x TP8); held out:
+#: its other 9 async runs (8B on 64 GPUs, 70B Float8, 405B under PP).
+FSDP_ASYNC_TP_OVERLAP = 0.110
+#: ``fsdp+fp8-rowwise``: torchao Float8's rowwise-scaled GEMM efficiency relative to the bf16 curve
+#: (per-row scales: a slower scaled-mm kernel than tensorwise). Fitted by
+#: tests/benchmarks/torchtitan_fit.py on torchtitan's 70B rowwise run without async TP (256 H100s);
+#: held out: its other 3 rowwise runs (70B async TP, 8B on 64 GPUs).
+FSDP_FP8_ROWWISE_EFFICIENCY = 0.494
 #: PyTorch FSDP/FSDP2 (torchtitan, Accelerate FSDP, llm-foundry): ZeRO-3-like FULL_SHARD with
 #: fp32 sharded master and fp32 gradient reduction; torchtitan adds TP and PP schedules. Priced
 #: with ``FSDP_CONSTANTS``, the memory with FSDP2's terms (``FSDP_OPTIONS``; docs/fsdp.md).
@@ -258,8 +325,12 @@ FSDP = Stack(
     constants=FSDP_CONSTANTS, cpu_constants=FSDP_CPU_CONSTANTS,
     memory_options=FSDP_OPTIONS, gpu_fits_prior=FSDP_GPU,
     tensor_parallel=True, pipeline_parallel=True, zero_stages=(0, 2, 3), schedules=("1f1b", "interleaved"),
-    recompute=("none", "selective", "full"), launch_files=CANDIDATE_FILES, available_options=("compile", "fp8"),
+    recompute=("none", "selective", "full"), launch_files=CANDIDATE_FILES,
+    available_options=("compile", "fp8", "fp8-rowwise", "async-tp"), async_tp_overlap=FSDP_ASYNC_TP_OVERLAP,
+    fp8_rowwise_efficiency=FSDP_FP8_ROWWISE_EFFICIENCY,
     runner_runs=True, hsdp=True, offload=True, native_rules=True, sharded_pipeline=True,
+    compiled=CompileTerms(elementwise_share=FSDP_COMPILE_ELEMENTWISE_SHARE, fused_loss=True,
+                          fragmentation=FSDP_COMPILE_FRAGMENTATION, fp8_efficiency=FSDP_COMPILE_FP8_EFFICIENCY),
 )
 
 STACKS: dict[str, Stack] = {s.name: s for s in (PIPETTE, HF_DEEPSPEED, MEGATRON, FSDP)}
@@ -282,10 +353,20 @@ def get_stack(stack: str | Stack | None, *, field: str = "stack") -> Stack:
             raise SpecError(f"{name} has no option {option!r}", field=field,
                             fix=f"use {name} alone or one of its options ({offered})")
     chosen = tuple(sorted(set(options)))
+    rowwise = "fp8-rowwise" in chosen
+    if rowwise and "fp8" in chosen:
+        raise SpecError(f"{stack!r} names two FP8 recipes", field=field,
+                        fix=f"use {name}+fp8 (tensorwise scaling) or {name}+fp8-rowwise, not both")
     constants, memory = found.constants, found.memory_options
-    if "fp8" in chosen:
+    if "fp8" in chosen or rowwise:
         constants = found.fp8_constants or replace(found.constants, fp8_gemms=True)
         memory = found.fp8_memory_options or found.memory_options
+    if "compile" in chosen and found.compiled is not None:
+        constants, memory = found.compiled.apply(constants, memory)
+    if rowwise and found.fp8_rowwise_efficiency is not None:
+        constants = replace(constants, fp8_efficiency=found.fp8_rowwise_efficiency)
+    if "async-tp" in chosen:
+        constants = replace(constants, tp_overlap=found.async_tp_overlap)
     return replace(found, options=chosen, constants=constants, memory_options=memory)
 
 
@@ -366,8 +447,12 @@ def check_runner_runs(stack: Stack, *, field: str = "stack") -> None:
 __all__ = [
     "DEFAULT_STACK",
     "FSDP",
+    "FSDP_ASYNC_TP_OVERLAP",
+    "FSDP_COMPILE_ELEMENTWISE_SHARE",
+    "FSDP_COMPILE_FP8_EFFICIENCY",
     "FSDP_CONSTANTS",
     "FSDP_CPU_CONSTANTS",
+    "FSDP_FP8_ROWWISE_EFFICIENCY",
     "HF_DEEPSPEED",
     "MEGATRON",
     "MODELLED_OPTIONS",
@@ -376,6 +461,7 @@ __all__ = [
     "STACKS",
     "STACK_RULES",
     "STACK_SEPARATOR",
+    "CompileTerms",
     "Stack",
     "check_runner_runs",
     "get_stack",

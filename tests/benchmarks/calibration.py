@@ -19,7 +19,7 @@ import csv
 import math
 import os
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from pipette.cluster import ClusterProfile
@@ -27,6 +27,7 @@ from pipette.clusterfile import homogeneous_cluster
 from pipette.config import ParallelConfig
 from pipette.device import GB, DeviceSpec, GiB
 from pipette.errors import PipetteError
+from pipette.memory import MemoryOptions
 from pipette.model import ModelSpec
 from pipette.training import TrainingSpec
 
@@ -70,6 +71,11 @@ class Row:
     #: the stack that ran it (``pipette.stacks`` name with options), and what peak_memory is
     stack: str = ""
     memory_kind: str = ""
+    #: whether the run's loss was a fused kernel (``MemoryOptions.fused_loss``) where the framework
+    #: decides it apart from the stack's options (``fused_loss``); None: as the stack says
+    fused_loss: bool | None = None
+    #: the set's own id of the row (``row_id`` of the stack sets)
+    row_id: str = ""
 
 
 _CLUSTERS: dict[tuple[str, int], ClusterProfile] = {}
@@ -194,9 +200,21 @@ STACK_SETS = {
 # NVLink per GPU and direction (data sheets): H100 NVLink4 450 GB/s, B200 NVLink5 900 GB/s; between
 # nodes 400 Gbit/s per GPU = 50 GB/s (what the llm-foundry rows assume; torchtitan's cluster alike).
 B200_NVLINK = 900e9
-#: torchtitan's H100s: 96 GB HBM2e at 2.4 TB/s, 500 W (the rows' assumptions); peak kept at 989 TF.
-H100_96GB = DeviceSpec("H100-96GB-HBM2e", 96 * GB, {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12, "fp8": 1979e12},
-                       2.4e12)
+#: torchtitan's H100s run capped at 500 W (96 GB HBM2e at 2.4 TB/s: the rows' assumptions and the
+#: README), where the SXM part's 989 TF/s bf16 peak is rated at 700 W. The set gives no clocks, so
+#: the share of the tensor-core peak reached under the cap is fitted (tests/benchmarks/torchtitan_fit.py)
+#: on its two eager bf16 runs (8B, 1D FSDP on 8 and 128 GPUs: no compile, no FP8), and held out on
+#: every other torchtitan run. A device figure of this set, not a stack constant.
+TORCHTITAN_POWER_CAP_SHARE = 0.793
+
+
+def h100_96gb(share: float = TORCHTITAN_POWER_CAP_SHARE) -> DeviceSpec:
+    """torchtitan's power-capped H100 96GB, its tensor-core peaks scaled by ``share``."""
+    peaks = {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12, "fp8": 1979e12}
+    return DeviceSpec("H100-96GB-HBM2e", 96 * GB, {k: v * share for k, v in peaks.items()}, 2.4e12)
+
+
+H100_96GB = h100_96gb()
 
 
 @dataclass
@@ -207,6 +225,15 @@ class StackSet:
     stack: str
     rows: list[Row]
     skipped: Counter[str] = field(default_factory=Counter)
+
+
+def stack_cluster(gpu: str, nodes: int, per_node: int, device: DeviceSpec | None = None) -> ClusterProfile:
+    """The cluster of a stack set's row (``device``: another spec for its GPUs, for fitting)."""
+    if device is not None:
+        intra = B200_NVLINK if gpu.startswith("B200") else H100_NVLINK
+        return homogeneous_cluster(device, nodes, per_node, intra, H100_NODE_NIC_PER_GPU, intra_latency=3e-6,
+                                   inter_latency=10e-6, name=f"{gpu}-{nodes}x{per_node}")
+    return _stack_cluster(gpu, nodes, per_node)
 
 
 def _stack_cluster(gpu: str, nodes: int, per_node: int) -> ClusterProfile:
@@ -228,8 +255,38 @@ def _stack_key(base: str, r: dict[str, str]) -> str:
     if r["compile"] == "1":
         options.append("compile")
     if r["float8"] == "1" or r["precision"] == "fp8":
-        options.append("fp8")
-    return "+".join([base, *options])
+        # torchtitan's 2025 async-TP runs name their Float8 recipe in the row's assumptions
+        options.append("fp8-rowwise" if "float8 rowwise" in r["assumptions"] else "fp8")
+    if r["async_tp"] == "1":
+        options.append("async-tp")
+    return "+".join([base, *sorted(options)])
+
+
+def fused_loss(r: dict[str, str]) -> bool | None:
+    """Whether a run's cross-entropy was fused (``MemoryOptions.fused_loss``) where its framework, not
+    the stack's options, decides: True for llm-foundry (MPT's default ``loss_fn`` is
+    ``fused_crossentropy``, flash-attn's kernel: llmfoundry/models/mpt/modeling_mpt.py); False for a
+    compiled torchtitan run of the December 2024 tables (sections "Table N" of
+    benchmarks/llama3_h100_202412_torchtitan.md), whose train.py compiled the blocks only ("TODO:
+    compiling loss function causes CUDA errors, turning off for now"; its 2025 runs compile the loss
+    too: torchtitan/components/loss.py, ``build_cross_entropy_loss``). None: as the stack says."""
+    if r["source"] == "llmfoundry":
+        return True
+    if r["source"] == "torchtitan" and r["compile"] == "1" and r["section"].startswith("Table"):
+        return False
+    return None
+
+
+def as_run(row: Row, options: MemoryOptions) -> MemoryOptions:
+    """``options`` (the row's own stack's) with the loss as the run had it (``Row.fused_loss``)."""
+    return options if row.fused_loss is None else replace(options, fused_loss=row.fused_loss)
+
+
+def row_memory_options(row: Row) -> MemoryOptions:
+    """The memory options a row is estimated with: its stack's (with the row's options), as run."""
+    from pipette.stacks import get_stack
+
+    return as_run(row, get_stack(row.stack).memory_options)
 
 
 def _stack_row(name: str, base: str, r: dict[str, str]) -> Row:
@@ -254,7 +311,8 @@ def _stack_row(name: str, base: str, r: dict[str, str]) -> Row:
                config=config, cluster=cluster, ok=True, step_time=float(r["meas_step_s"]),
                tokens_per_s_per_gpu=float(r["tps_per_gpu"]) if r["tps_per_gpu"] else None,
                mfu=float(r["mfu_reported"]) if r["mfu_reported"] else None, peak_memory=mem,
-               stack=_stack_key(base, r), memory_kind=r["mem_kind"])
+               stack=_stack_key(base, r), memory_kind=r["mem_kind"], fused_loss=fused_loss(r),
+               row_id=r["row_id"])
 
 
 def load_stack_set(directory: Path, name: str) -> StackSet:

@@ -132,13 +132,14 @@ def nanotron_points(directory: Path) -> tuple[list[Point], list[Point]]:
 def stack_points(directory: Path, name: str) -> list[Point]:
     """The runs of one stack set (``calibration.load_stack_set``) that measured memory, or all of
     them as runs that ran (error None is an OOM: never here) with ``error`` 0 where it did not:
-    every row of these sets ran. Predicted with the set's own stack's memory options."""
-    from tests.benchmarks.calibration import load_stack_set
+    every row of these sets ran. Predicted with the memory options of the row's stack and options
+    (``calibration.row_memory_options``: ``fsdp+compile`` compiles the loss where the run did)."""
+    from tests.benchmarks.calibration import load_stack_set, row_memory_options
 
     out = []
     for r in load_stack_set(directory, name).rows:
         capacity = r.cluster.device_spec.memory_bytes
-        est = get_stack(r.stack.split("+")[0]).estimate_memory(r.model, r.training, r.config, capacity)
+        est = estimate_memory(r.model, r.training, r.config, capacity, options=row_memory_options(r))
         error = math.log(float(r.peak_memory) / est.peak_bytes) if r.peak_memory else math.nan
         out.append(Point(f"{r.model.name} {r.config.label} {r.stack}", math.log(capacity / est.peak_bytes), error))
     return out

@@ -39,6 +39,7 @@ from pipette.stacks import Stack, get_stack  # noqa: E402
 from tests.benchmarks.calibration import (  # noqa: E402
     STACK_SETS,
     Row,
+    as_run,
     calibration_dir,
     load_h100_single_gpu,
     load_stack_set,
@@ -100,7 +101,9 @@ def metrics(rows: Sequence[Row], stack: Stack) -> dict[str, float]:
     mem_err, by_memory, by_stack, by_rule = [], 0, 0, 0
     for r in rows:
         capacity = r.cluster.min_usable_memory
-        est = estimate_memory(r.model, r.training, r.config, capacity, options=stack.memory_options)
+        own = stack.name == (r.stack or stack.name).split("+")[0]
+        options = as_run(r, stack.memory_options) if own else stack.memory_options
+        est = estimate_memory(r.model, r.training, r.config, capacity, options=options)
         if r.peak_memory:
             mem_err.append(abs(est.peak_bytes / r.peak_memory - 1.0))
         invalid = [c for c in check(r.model, r.training, r.config, r.config.world) if c != "world_mismatch"]
@@ -149,7 +152,8 @@ def report(directory: Path) -> None:
                 print(line(s.name, key, label, metrics(rows, stack)))
         if s.skipped:
             print(f"|   {s.name}: skipped {s.skipped} | | | | | | | | |")
-    print("(fp8 is priced (FP8 GEMMs); compile is not modelled: those rows are predicted as the stack without it)")
+    print("(fp8, fp8-rowwise and async-tp are priced; compile is priced on fsdp only (CompileTerms), elsewhere "
+          "predicted as the stack without it)")
 
 
 def main() -> int:

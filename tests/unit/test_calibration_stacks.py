@@ -16,7 +16,8 @@ pytestmark = pytest.mark.skipif(DIRECTORY is None or not all((DIRECTORY / n).exi
 @pytest.mark.parametrize(("name", "kept", "skipped", "stacks"), [
     ("llmfoundry_h100_fsdp.csv", 77, {}, {"fsdp": 70, "fsdp+fp8": 7}),
     ("torchtitan_h100_fsdp2.csv", 26, {"context parallel (cp>1)": 6},
-     {"fsdp": 2, "fsdp+compile": 6, "fsdp+compile+fp8": 18}),
+     {"fsdp": 2, "fsdp+compile": 4, "fsdp+async-tp+compile": 2, "fsdp+compile+fp8": 8,
+      "fsdp+async-tp+compile+fp8": 6, "fsdp+compile+fp8-rowwise": 2, "fsdp+async-tp+compile+fp8-rowwise": 2}),
     ("simumax_b200_megatron.csv", 25, {"MoE (DeepSeek, expert parallel)": 12, "context parallel (cp>1)": 7},
      {"megatron": 25}),
 ])

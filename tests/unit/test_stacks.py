@@ -167,7 +167,8 @@ def test_launch_files_per_stack_name_it(tmp_path: Path) -> None:
     assert set(mg) == {"hostfile", "rank_map.json", "candidate.json"}  # no DeepSpeed config for Megatron
     stack = json.loads(mg["candidate.json"].read_text())["stack"]
     assert stack["name"] == "megatron+fp8" and stack["options_note"] is None  # fp8 is priced
-    assert "compile: not modelled" in (get_stack("fsdp+compile+fp8").options_note or "")
+    assert "compile: not modelled" in (get_stack("hf-deepspeed+compile").options_note or "")
+    assert get_stack("fsdp+compile+fp8").options_note is None  # fsdp prices compile (CompileTerms)
 
 
 # ---- the command line -------------------------------------------------------------------
