@@ -78,6 +78,15 @@ UPPER = np.array([1.0, 2000.0, 1.0, 1.0, 1.0, 1.0])
 FIT_BASE = replace(FSDP.constants, p2p_overhead_s=0.0)
 
 
+def fitted(label: str) -> bool:
+    """Whether a recorded trial enters the fit: recomputation under a pipeline does not. Those
+    trials (2026-11-27) ran 1.7-2.4x what any setting of the other terms gives them while the
+    same layouts without recomputation and recomputation without a pipeline fit: an effect of
+    checkpointing under ``torch.distributed.pipelining`` no term prices (docs/fsdp.md, open).
+    Fitted on, they pull the bubble's share to 1 for every pipeline. Printed, not fitted."""
+    return "-pp1-" in label or "-rc:none-" in label
+
+
 def recipe() -> TrainingSpec:
     return TrainingSpec(global_batch=16, seq_len=128, dtype="fp32", method="lora", lora=LoraSpec(rank=8, alpha=16.0),
                         micro_batches=(1, 2, 4), zero_stages=(0, 2, 3), recompute=("none", "full"),
@@ -124,7 +133,8 @@ def fit(path: Path) -> dict[str, Any]:
     data = json.loads(path.read_text())
     model, training, cluster = ModelSpec.preset("tiny-llama"), recipe(), load_cluster(str(REPO / data["cluster"]))
     by_label = planned_by_label(model, training, cluster)
-    rows = [r for r in data["rows"] if r["status"] == "ok" and r["step_time"]]
+    recorded = [r for r in data["rows"] if r["status"] == "ok" and r["step_time"]]
+    rows = [r for r in recorded if fitted(r["label"])]
     items = [by_label[r["label"]] for r in rows]
     meas = np.array([r["step_time"] for r in rows])
     base = FIT_BASE
@@ -136,17 +146,23 @@ def fit(path: Path) -> dict[str, Any]:
     res = least_squares(residuals, x0 / SCALE, bounds=(LOWER / SCALE, UPPER / SCALE), diff_step=1e-3,
                         loss="soft_l1", f_scale=0.1, max_nfev=300)
     x = res.x * SCALE
-    before, after = predict(items, model, training, cluster, FSDP.constants), predict(items, model, training,
+    every = [by_label[r["label"]] for r in recorded]
+    before, after = predict(every, model, training, cluster, FSDP.constants), predict(every, model, training,
                                                                                       cluster, make(x, base))
-    print(f"fsdp CPU terms fitted on {len(rows)} trials ({path}):")
+    print(f"fsdp CPU terms fitted on {len(rows)} of {len(recorded)} trials ({path}):")
     for name, v in zip(FIT_NAMES, x, strict=True):
         print(f"  {name} = {v:.4g}")
     print(f"  {'candidate':<36} {'measured':>9} {'GPU terms':>9} {'CPU terms':>9}")
-    for r, b, a in zip(rows, before, after, strict=True):
-        print(f"  {r['label']:<36} {r['step_time']:>9.3f} {b:>9.3f} {a:>9.3f}")
-    ratio_b, ratio_a = meas / before, meas / after
-    print(f"  measured / predicted: GPU terms median {statistics.median(ratio_b):.1f}x, "
+    for r, b, a in zip(recorded, before, after, strict=True):
+        note = "" if fitted(r["label"]) else "  (not fitted)"
+        print(f"  {r['label']:<36} {r['step_time']:>9.3f} {b:>9.3f} {a:>9.3f}{note}")
+    mask = np.array([fitted(r["label"]) for r in recorded])
+    ratio_b, ratio_a = meas / before[mask], meas / after[mask]
+    print(f"  measured / predicted (fitted): GPU terms median {statistics.median(ratio_b):.1f}x, "
           f"CPU terms median {statistics.median(ratio_a):.2f}x (min {ratio_a.min():.2f}, max {ratio_a.max():.2f})")
+    if not mask.all():
+        rest = np.array([r["step_time"] for r in recorded])[~mask] / after[~mask]
+        print(f"  not fitted: measured / predicted {', '.join(f'{v:.2f}' for v in rest)}")
     return dict(zip(FIT_NAMES, (float(v) for v in x), strict=True))
 
 
