@@ -32,7 +32,7 @@ if not any(Path(p or ".").resolve() == REPO for p in sys.path):
 from pipette.clusterfile import load_cluster  # noqa: E402
 from pipette.config import ParallelConfig  # noqa: E402
 from pipette.model import ModelSpec  # noqa: E402
-from pipette.perf import PerfModel  # noqa: E402
+from pipette.perf import PerfConstants, PerfModel  # noqa: E402
 from pipette.stacks import get_stack  # noqa: E402
 from pipette.training import TrainingSpec  # noqa: E402
 
@@ -44,15 +44,21 @@ def place(predicted: np.ndarray, i: int) -> tuple[int, int]:
     return int(np.sum(predicted < predicted[i])) + 1, int(np.sum(predicted == predicted[i])) - 1
 
 
-def check(run: Path, fitted: Sequence[str]) -> dict[str, Any]:
+def check(run: Path, fitted: Sequence[str], fsdp_constants: PerfConstants | None = None) -> dict[str, Any]:
+    """The figures above; ``fsdp_constants`` price the fsdp rows instead of the stack's own (a fit's)."""
     data = json.loads(run.read_text())
     model, training = ModelSpec.preset(data["model"]), TrainingSpec.from_dict(data["training"])
     cluster = load_cluster(str(CLUSTER))
     kind = cluster.device_spec.kind
+
+    def constants(stack: str | None) -> PerfConstants:
+        own = get_stack(stack).constants_for(kind)
+        return fsdp_constants if fsdp_constants is not None and stack == "fsdp" else own
+
     rows = data["exhaustive"]["ranking"]
     configs = [ParallelConfig.from_dict(r["config"]) for r in rows]
-    predicted = np.array([PerfModel(model, training, c, cluster, constants=get_stack(c.stack).constants_for(kind))
-                          .step_time() for c in configs])
+    predicted = np.array([PerfModel(model, training, c, cluster, constants=constants(c.stack)).step_time()
+                          for c in configs])
     measured = np.array([r["step_time"] for r in rows])
     fsdp = np.array([c.stack == "fsdp" for c in configs])
     held = fsdp & np.array([r["label"].removesuffix("-fsdp") not in set(fitted) for r in rows])
@@ -80,7 +86,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="a calibration JSON whose labels are left out of the held-out rows (repeatable)")
     args = ap.parse_args(argv)
     labels = [r["label"] for f in args.fitted for r in json.loads(Path(f).read_text())["rows"]]
-    out = check(Path(args.run), labels)
+    report(check(Path(args.run), labels))
+    return 0
+
+
+def report(out: dict[str, Any]) -> None:
     print(f"pipette from {out['module']}")
     for name in ("fsdp", "held_out"):
         s = out[name]
@@ -91,7 +101,6 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"rank {r_f[0]} of {out['fsdp']['rows']} fsdp (ties {r_f[1]}), rank {r_a[0]} of {out['all_rows']} "
           f"over both families (ties {r_a[1]})")
     print(f"  fsdp predicted top 5: {', '.join(out['fsdp_predicted_top'])}")
-    return 0
 
 
 if __name__ == "__main__":
