@@ -550,21 +550,20 @@ def _pipeline(stage: FloatArray, m: int, v: int, bubble_share: float = 1.0) -> F
 
 
 def _unit_collectives(zero_stage: int, pp: int) -> tuple[float, float]:
-    """Blocking collectives per FSDP2 unit over its data-parallel group: (per micro-batch, once
-    per step). Without a pipeline every micro-batch's forward and backward run them: NO_SHARD
-    (``replicate``) all-reduces the gradients (1); SHARD_GRAD_OP gathers in the forward and
-    reduce-scatters in the backward (2); FULL_SHARD gathers again for the backward (3)
-    (``fully_shard``'s docs; workers.rank.fsdp_rank's loop syncs at every micro-batch). Under
-    ``torch.distributed.pipelining`` the stage runs every backward but the last with
-    ``set_requires_gradient_sync(False)`` and ``set_reshard_after_backward(False)`` (its
-    ``PipelineStage.backward_maybe_with_nosync``): the gradients are reduced once, at the last
+    """Collectives per FSDP2 unit over its data-parallel group: (per micro-batch, once per step);
+    ZeRO-1, which FSDP has not, as NO_SHARD. Without a pipeline every micro-batch's forward and
+    backward run them: NO_SHARD (``replicate``) all-reduces the gradients (1); SHARD_GRAD_OP
+    gathers in the forward and reduce-scatters in the backward (2); FULL_SHARD gathers again for
+    the backward (3) (``fully_shard``'s docs; workers.rank.fsdp_rank's loop syncs at every
+    micro-batch). Under ``torch.distributed.pipelining`` the stage runs every backward but the
+    last with ``set_requires_gradient_sync(False)`` and ``set_reshard_after_backward(False)``
+    (``PipelineStage.backward_maybe_with_nosync``): the gradients are reduced once, at the last
     micro-batch; SHARD_GRAD_OP gathers once; FULL_SHARD reshards after each forward and gathers
     again in each backward (one a micro-batch), plus the first forward's."""
+    sharded = zero_stage >= 2
     if pp == 1:
-        return {0: 1.0, 2: 2.0, 3: 3.0}.get(zero_stage, 1.0), 0.0
-    if zero_stage == 3:
-        return 1.0, 2.0
-    return 0.0, 1.0 if zero_stage == 0 else 2.0
+        return 1.0 + sharded + (zero_stage == 3), 0.0
+    return float(zero_stage == 3), 1.0 + sharded
 
 
 def _shard_exposed(gather: FloatArray, n_gathers: float, reduce_scatter: FloatArray, forward: FloatArray,
