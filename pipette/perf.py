@@ -11,10 +11,12 @@ Per micro-batch and pipeline stage ``s`` (Narayanan et al. 2021, sec. 2.2 and 3)
 and the 1F1B pipeline of ``m`` micro-batches over ``p`` stages, with ``v`` virtual
 stages per device (interleaved), takes
 
-    T_pipe = m * max_s t_s + (sum_s t_s - max_s t_s) / v
+    T_pipe = m * max_s t_s + beta * (sum_s t_s - max_s t_s) / v
 
 which is ``(m + p - 1) (t_f + t_b)`` for even stages and a bubble of ``(p-1)/(v m)``
-of the ideal time (Narayanan et al. 2021, sec. 2.2, eq. for the bubble fraction).
+of the ideal time (Narayanan et al. 2021, sec. 2.2, eq. for the bubble fraction). ``beta``
+(``PerfConstants.bubble_share``) is the share of the bubble that costs wall time: 1 on devices
+of their own; less where the ranks share cores and an idle stage leaves its core to the others.
 The step adds the exposed data-parallel gradient reduction, the tied-embedding
 synchronisation and the optimizer update:
 
@@ -186,6 +188,22 @@ class PerfConstants:
     #: False: the passes are replicated on every TP rank (Megatron-LM without sequence parallelism,
     #: as vTrain ran; Korthikanti et al. 2022, sec. 4.2.2) and each rank casts its whole input.
     sequence_parallel: bool = False
+    #: Fixed cost of one pipeline p2p transfer (None: ``collective_overhead_s``, as a blocking
+    #: collective). ``torch.distributed.pipelining`` posts its sends and receives as non-blocking
+    #: p2p ops (``batch_isend_irecv``); a receive's wait is the schedule's data dependency, which
+    #: the 1F1B formula already prices.
+    p2p_overhead_s: float | None = None
+    #: Share of the 1F1B bubble (``(p-1)/(m+p-1)`` of the pipeline's time; Narayanan et al. 2021,
+    #: sec. 2.2) that costs wall time. 1: each stage on a device of its own. Below 1 where ranks
+    #: share cores (CPU workers): a stage waiting in the bubble blocks in its receive and leaves
+    #: its core to the stages that compute.
+    bubble_share: float = 1.0
+    #: Fixed cost on the critical path of one FSDP2 per-unit collective (``_unit_collectives``: a
+    #: gather or gradient reduction of one unit, each decoder layer and the stage's root, over the
+    #: stage's data-parallel group; none when it is one rank). Apart from ``collective_overhead_s``:
+    #: FSDP2 issues them asynchronously and prefetches the next unit's gather under the current
+    #: unit's compute, where a tensor-parallel all-reduce blocks. 0: priced by bytes only.
+    unit_collective_s: float = 0.0
 
 
 #: The constants above: Megatron-LM (vTrain) and nanotron (Ultra-Scale) runs, fused kernels.
@@ -408,7 +426,7 @@ class PerfModel:
             nxt = np.roll(pipes, -1, axis=2)
             bw_n, lat_n = comm.pair_links(self.cluster, pipes, nxt)
             hop = comm.p2p_time(self.act_bytes, bw_n * frac, lat_n).max(axis=1).T  # (p, dp)
-            hop = hop + k.collective_overhead_s
+            hop = hop + (k.collective_overhead_s if k.p2p_overhead_s is None else k.p2p_overhead_s)
             if v == 1:
                 hop[-1] = 0.0  # no wrap-around for plain 1F1B
             # Stage s sends forward over hop s and receives the backward gradient over it.
@@ -452,20 +470,26 @@ class PerfModel:
                 t_z3_p, t_dp_mb = _shard_exposed(gather, n_g, rs, self.compute.forward, back, k.shard_overlap)
                 t_z3 = t_z3_p[:, None] * np.ones(dp)
         t_dp_exposed = np.maximum(t_dp - k.dp_overlap * back, 0.0)
+        if k.unit_collective_s > 0 and dp > 1:
+            per_mb, per_step = _unit_collectives(cfg.zero_stage, p)
+            units = self.layers + 1.0  # each decoder layer and the stage's root unit
+            t_dp_mb = t_dp_mb + per_mb * units * k.unit_collective_s
+            t_dp_exposed = t_dp_exposed + per_step * units * k.unit_collective_s
 
         # Critical path: per pipeline replica, then the slowest replica.
         comp = self.compute.forward + self.compute.backward  # (p,)
         comms = {"tp_comm": t_tp, "pp_comm": t_pp, "zero3_gather": t_z3,
                  "dp_comm": np.repeat(t_dp_mb[:, None], dp, axis=1)}
         stage = comp[:, None] + sum(comms.values())  # (p, dp)
-        pipe = _pipeline(stage, m, v)
+        beta = k.bubble_share
+        pipe = _pipeline(stage, m, v, beta)
         d = int(np.argmax(pipe))
         # Attribution: compute and its bubble are the pipeline without communication
         # (placement-independent); what communication adds to the critical path is split
         # over its kinds by their weight in the same formula.
-        ideal = float(_pipeline(comp[:, None], m, v)[0])
+        ideal = float(_pipeline(comp[:, None], m, v, beta)[0])
         exposed = float(pipe[d]) - ideal
-        weights = {key: float(_pipeline(c[:, d : d + 1], m, v)[0]) for key, c in comms.items()}
+        weights = {key: float(_pipeline(c[:, d : d + 1], m, v, beta)[0]) for key, c in comms.items()}
         total = sum(weights.values())
         share = {key: (exposed * w / total if total > 0 else 0.0) for key, w in weights.items()}
 
@@ -532,11 +556,29 @@ def _check(model: ModelSpec, training: TrainingSpec, config: ParallelConfig, clu
         )
 
 
-def _pipeline(stage: FloatArray, m: int, v: int) -> FloatArray:
+def _pipeline(stage: FloatArray, m: int, v: int, bubble_share: float = 1.0) -> FloatArray:
     """1F1B time of each pipeline (column) from per-stage micro-batch times (rows):
-    ``m * max_s t_s + (sum_s t_s - max_s t_s) / v`` (Narayanan et al. 2021, sec. 2.2)."""
+    ``m * max_s t_s + beta * (sum_s t_s - max_s t_s) / v`` (Narayanan et al. 2021, sec. 2.2;
+    ``beta``: ``PerfConstants.bubble_share``)."""
     top = stage.max(axis=0)
-    return np.asarray(m * top + (stage.sum(axis=0) - top) / v, dtype=np.float64)
+    return np.asarray(m * top + bubble_share * (stage.sum(axis=0) - top) / v, dtype=np.float64)
+
+
+def _unit_collectives(zero_stage: int, pp: int) -> tuple[float, float]:
+    """Collectives per FSDP2 unit over its data-parallel group: (per micro-batch, once per step);
+    ZeRO-1, which FSDP has not, as NO_SHARD. Without a pipeline every micro-batch's forward and
+    backward run them: NO_SHARD (``replicate``) all-reduces the gradients (1); SHARD_GRAD_OP
+    gathers in the forward and reduce-scatters in the backward (2); FULL_SHARD gathers again for
+    the backward (3) (``fully_shard``'s docs; workers.rank.fsdp_rank's loop syncs at every
+    micro-batch). Under ``torch.distributed.pipelining`` the stage runs every backward but the
+    last with ``set_requires_gradient_sync(False)`` and ``set_reshard_after_backward(False)``
+    (``PipelineStage.backward_maybe_with_nosync``): the gradients are reduced once, at the last
+    micro-batch; SHARD_GRAD_OP gathers once; FULL_SHARD reshards after each forward and gathers
+    again in each backward (one a micro-batch), plus the first forward's."""
+    sharded = zero_stage >= 2
+    if pp == 1:
+        return 1.0 + sharded + (zero_stage == 3), 0.0
+    return float(zero_stage == 3), 1.0 + sharded
 
 
 def _shard_exposed(gather: FloatArray, n_gathers: float, reduce_scatter: FloatArray, forward: FloatArray,

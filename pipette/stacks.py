@@ -281,19 +281,32 @@ FSDP_CONSTANTS = replace(
 #: The fsdp stack on CPU workers (gloo, fp32): ``FSDP_CONSTANTS`` with the terms a CPU run spends
 #: its time in fitted on the fsdp runner's own CPU trials, never borrowed from the pipette stack.
 #: Fitted (least squares on log(predicted / measured), soft-L1) by
-#: tests/benchmarks/fsdp_cpu_calibration.py on 6 fsdp trials of tiny-llama LoRA (global batch 16 x 128)
-#: on 4 CPU ranks of the 2-core VM, 2026-11-27 (results/cpu-2026-11-27/fsdp_cpu_calibration.json):
-#: with the GPU terms the trials measured 6.1x (median) the prediction, with these 0.99x (0.50-1.15).
+#: tests/benchmarks/fsdp_cpu_calibration.py on 8 fsdp trials of tiny-llama LoRA (global batch 16 x 128)
+#: on 4 CPU ranks of the 2-core VM, 2026-11-27 22:11 UTC (results/cpu-2026-11-27/fsdp_cpu_calibration_pp.json;
+#: 3 more, recomputation under a pipeline, recorded and not fitted): with the GPU terms the trials
+#: measured 7.9x (median) the prediction, with these 0.96x (0.88-1.35). Checked on the 23 fsdp
+#: candidates of real_tuning.py's exhaustive run not fitted (tests/benchmarks/fsdp_cpu_heldout.py).
 FSDP_CPU_CONSTANTS = replace(
     FSDP_CONSTANTS,
     #: fixed time per layer per forward-equivalent pass: FSDP's per-unit hooks and the small ops,
     #: Python-bound on a CPU core (the GPU fit: 1.42e-3)
-    layer_overhead_s=1.25e-2,
+    layer_overhead_s=1.01e-2,
     #: memory passes over T x h per layer forward: the eager fp32 elementwise ops at a CPU's memory
     #: bandwidth, which the GEMM curve does not see (the GPU fit: 27.2)
-    elementwise_passes=589.0,
-    #: fixed cost of one blocking collective (gloo on loopback, ranks sharing 2 cores; GPU: 0)
-    collective_overhead_s=2.55e-2,
+    elementwise_passes=922.0,
+    #: fixed cost of one blocking collective: the tensor-parallel all-reduces (gloo on loopback,
+    #: ranks sharing 2 cores; GPU: 0)
+    collective_overhead_s=3.55e-2,
+    #: fixed cost of one of FSDP2's per-unit gathers or gradient reductions over a stage's
+    #: data-parallel group (issued asynchronously, the next unit's gather prefetched; GPU: 0)
+    unit_collective_s=7.03e-3,
+    #: a pipeline hop's fixed cost: fitted at its bound, 0 (the schedule's non-blocking p2p; a
+    #: receive's wait is the data dependency the 1F1B formula prices)
+    p2p_overhead_s=0.0,
+    #: the bubble's share of wall time: fitted at its bound, 0. The cpu-4 cluster's 4 ranks share
+    #: 2 cores, so a stage waiting in the bubble leaves its core to the stages computing: a pipeline
+    #: costs its stages' work (m x the slowest stage), as data parallelism does
+    bubble_share=0.0,
 )
 #: ``fsdp+compile``: the share of the elementwise passes and per-layer overhead left under
 #: torch.compile (torchtitan compiles each transformer block: ``apply_compile``). Fitted by

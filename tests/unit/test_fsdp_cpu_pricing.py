@@ -7,12 +7,13 @@ import argparse
 import json
 import statistics
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from pipette.clusterfile import homogeneous_cluster, load_cluster
 from pipette.model import ModelSpec
-from pipette.perf import HF_DEEPSPEED_CONSTANTS, PerfModel
+from pipette.perf import HF_DEEPSPEED_CONSTANTS, PerfConstants, PerfModel
 from pipette.plan import make_plan
 from pipette.stacks import FSDP, FSDP_CONSTANTS, FSDP_CPU_CONSTANTS, PIPETTE, get_stack
 from tests.benchmarks import fsdp_cpu_calibration as calib
@@ -20,7 +21,7 @@ from tests.benchmarks import real_tuning
 
 ROOT = Path(__file__).resolve().parents[2]
 CPU4 = load_cluster(str(ROOT / "examples" / "clusters" / "cpu-4.yaml"))
-RECORDED = ROOT / "tests" / "benchmarks" / "results" / "cpu-2026-11-27" / "fsdp_cpu_calibration.json"
+RECORDED = ROOT / "tests" / "benchmarks" / "results" / "cpu-2026-11-27" / "fsdp_cpu_calibration_pp.json"
 TINY = ModelSpec.preset("tiny-llama")
 
 
@@ -59,16 +60,23 @@ def test_gpu_clusters_keep_the_gpu_fit() -> None:
 
 def test_the_cpu_terms_predict_the_recorded_fsdp_trials() -> None:
     """The recorded calibration set (real fsdp trials on 4 CPU ranks): the fitted terms put every
-    trial within a factor 2.1 and the median near 1; the GPU terms were 6x under."""
+    fitted trial within 0.85-1.4x and the median near 1; the GPU terms were 8x under. The trials
+    not fitted (recomputation under a pipeline) run above the prediction (open, docs/fsdp.md)."""
     data = json.loads(RECORDED.read_text())
     by_label = calib.planned_by_label(TINY, calib.recipe(), CPU4)
     rows = [r for r in data["rows"] if r["status"] == "ok"]
     assert len(rows) == len(calib.CALIBRATION)
-    ratios = [r["step_time"] / PerfModel(TINY, calib.recipe(), by_label[r["label"]].config, CPU4,
-                                         constants=FSDP_CPU_CONSTANTS).step_time() for r in rows]
-    gpu = [r["step_time"] / PerfModel(TINY, calib.recipe(), by_label[r["label"]].config, CPU4,
-                                      constants=FSDP_CONSTANTS).step_time() for r in rows]
-    assert all(0.45 < x < 2.1 for x in ratios) and 0.85 < statistics.median(ratios) < 1.15
+
+    def ratio(r: dict[str, Any], k: PerfConstants) -> float:
+        cfg = by_label[r["label"]].config
+        return float(r["step_time"]) / PerfModel(TINY, calib.recipe(), cfg, CPU4, constants=k).step_time()
+
+    fit = [ratio(r, FSDP_CPU_CONSTANTS) for r in rows if calib.fitted(r["label"])]
+    rest = [ratio(r, FSDP_CPU_CONSTANTS) for r in rows if not calib.fitted(r["label"])]
+    gpu = [ratio(r, FSDP_CONSTANTS) for r in rows if calib.fitted(r["label"])]
+    assert len(fit) == 8 and len(rest) == 3
+    assert all(0.85 < x < 1.4 for x in fit) and 0.9 < statistics.median(fit) < 1.1
+    assert all(x > 1.5 for x in rest)
     assert statistics.median(gpu) > 4.0
 
 
