@@ -290,16 +290,16 @@ FSDP_CPU_CONSTANTS = replace(
     FSDP_CONSTANTS,
     #: fixed time per layer per forward-equivalent pass: FSDP's per-unit hooks and the small ops,
     #: Python-bound on a CPU core (the GPU fit: 1.42e-3)
-    layer_overhead_s=1.01e-2,
+    layer_overhead_s=9.67e-3,
     #: memory passes over T x h per layer forward: the eager fp32 elementwise ops at a CPU's memory
     #: bandwidth, which the GEMM curve does not see (the GPU fit: 27.2)
-    elementwise_passes=922.0,
+    elementwise_passes=963.0,
     #: fixed cost of one blocking collective: the tensor-parallel all-reduces (gloo on loopback,
     #: ranks sharing 2 cores; GPU: 0)
-    collective_overhead_s=3.55e-2,
+    collective_overhead_s=4.22e-2,
     #: fixed cost of one of FSDP2's per-unit gathers or gradient reductions over a stage's
     #: data-parallel group (issued asynchronously, the next unit's gather prefetched; GPU: 0)
-    unit_collective_s=7.03e-3,
+    unit_collective_s=7.08e-3,
     #: a pipeline hop's fixed cost: fitted at its bound, 0 (the schedule's non-blocking p2p; a
     #: receive's wait is the data dependency the 1F1B formula prices)
     p2p_overhead_s=0.0,
