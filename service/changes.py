@@ -38,6 +38,15 @@ TRIGGERS = ("pipette_notify_jobs", "pipette_notify_trials", "pipette_notify_leas
 #: the first reconnection wait, doubled up to ``MAX_RETRY_S`` while the database stays away
 RETRY_S = 1.0
 MAX_RETRY_S = 30.0
+#: the feed notifies itself this often and goes dark when that does not come back in time: a
+#: connection that LISTENs but hears nothing (a transaction-pooling PgBouncer hands LISTEN and
+#: the writes' NOTIFY different server connections) must not leave answers cached forever
+PING_S = 5.0
+PING_TIMEOUT_S = 10.0
+
+
+class FeedLost(Exception):
+    """The feed's own notification did not come back: it cannot trust what it hears."""
 
 
 @dataclass(frozen=True)
@@ -58,9 +67,14 @@ class ChangeFeed:
     notifications: ``job:<id>``, ``tenant:<name>`` (any job of the tenant), ``trials:<job id>``,
     ``leases`` (any lease: a queued job's notice) and ``clusters:<tenant>``."""
 
-    def __init__(self, url: str | None = None, *, max_keys: int = 100_000) -> None:
+    def __init__(self, url: str | None = None, *, max_keys: int = 100_000, ping_s: float = PING_S,
+                 ping_timeout_s: float = PING_TIMEOUT_S) -> None:
         self.url = url
         self.max_keys = max_keys
+        self.ping_s = ping_s
+        self.ping_timeout_s = ping_timeout_s
+        #: where the pings go (a test points it elsewhere to see the feed go dark)
+        self.ping_channel = CHANNEL
         self.live = False
         self._epoch = 0
         self._generations: dict[str, int] = {}
@@ -155,12 +169,10 @@ class ChangeFeed:
                         self._stop.wait(MAX_RETRY_S)
                         continue
                     conn.execute(f"LISTEN {CHANNEL}")
-                    self._go_live()
+                    self._ping(conn)  # live once the first ping comes back: the channel works both ways
                     wait, logged = RETRY_S, False
-                    while not self._stop.is_set():
-                        for note in conn.notifies(timeout=1.0):
-                            self.changed(note.payload)
-            except psycopg.Error as error:
+                    self._hear(conn, psycopg)
+            except (psycopg.Error, FeedLost) as error:
                 if not logged:  # the outage itself is logged by service.outage, once
                     log.info("the change feed lost its connection (%s): polled reads go to the database until "
                              "it is back", str(error).strip().splitlines()[0] if str(error).strip() else error)
@@ -169,6 +181,33 @@ class ChangeFeed:
                 self._go_dark()
             self._stop.wait(wait)
             wait = min(2 * wait, MAX_RETRY_S)
+
+
+    def _ping(self, conn: Any) -> str:
+        self._pings = getattr(self, "_pings", 0) + 1
+        payload = f"ping {id(self)}-{self._pings}"
+        conn.execute("SELECT pg_notify(%s, %s)", (self.ping_channel, payload))
+        return payload
+
+    def _hear(self, conn: Any, psycopg: Any) -> None:
+        """Apply notifications until told to stop; ping every ``ping_s`` and raise ``FeedLost``
+        when a ping is not heard within ``ping_timeout_s``."""
+        import time
+
+        pending, sent_at, heard_at = f"ping {id(self)}-{self._pings}", time.monotonic(), None
+        while not self._stop.is_set():
+            for note in conn.notifies(timeout=min(1.0, self.ping_s)):
+                if note.payload == pending:
+                    if not self.live:
+                        self._go_live()
+                    pending, heard_at = "", time.monotonic()
+                elif not note.payload.startswith("ping "):  # other processes' pings: nothing changed
+                    self.changed(note.payload)
+            now = time.monotonic()
+            if pending and now - sent_at > self.ping_timeout_s:
+                raise FeedLost(f"its own notification did not come back within {self.ping_timeout_s:.0f} s")
+            if not pending and heard_at is not None and now - heard_at >= self.ping_s:
+                pending, sent_at = self._ping(conn), now
 
 
 def _missing_triggers(conn: Any) -> list[str]:

@@ -112,3 +112,32 @@ def test_a_feed_that_stops_listening_sends_every_read_to_the_database(
         assert len(statements) == 1, statements
     finally:
         stop()
+
+
+def test_a_feed_that_stops_hearing_its_own_pings_goes_dark_and_comes_back() -> None:
+    """A connection that LISTENs but hears nothing (a transaction-pooling PgBouncer gives the
+    LISTEN and the writes' NOTIFY different server connections) must not keep answers forever:
+    the feed notifies itself every ``ping_s`` and goes dark when a ping does not come back."""
+    from service.changes import ChangeFeed
+
+    with throwaway_pg_database("pipette_ping") as url:
+        upgrade(url)
+        feed = ChangeFeed(url, ping_s=0.2, ping_timeout_s=0.6)
+        feed.start()
+        try:
+            _until(lambda: feed.live, "the feed did not start listening")
+            time.sleep(1.0)  # several pings come back: still live
+            assert feed.live
+            feed.ping_channel = "pipette_nowhere"  # its pings are no longer heard
+            _until(lambda: not feed.live, "the feed stayed live without hearing its pings")
+            feed.ping_channel = "pipette_changes"
+            _until(lambda: feed.live, "the feed did not come back", seconds=10)
+        finally:
+            feed.stop()
+
+
+def _until(check: Callable[[], bool], message: str, seconds: float = 5.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not check():
+        assert time.monotonic() < deadline, message
+        time.sleep(0.05)
