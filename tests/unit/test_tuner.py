@@ -638,7 +638,12 @@ def test_noisy_repeats_reopen_the_search_and_lower_the_confidence(plan: Plan) ->
 
 def test_a_regime_the_model_gets_wrong_is_learned_from_few_trials(plan: Plan) -> None:
     """The analytic model wrong by a factor per regime (tp 2 here 3x slow): trials at tp 2 move
-    every tp-2 candidate, however far its other features are; tp-1 candidates stay."""
+    every tp-2 candidate, however far its other features are; tp-1 candidates far less. Since the
+    regime term's pairwise interactions (``learned.REGIME_INTERACTION``, half of its variance) the
+    tp-1 candidates drift to 1.34x at the median (the shared offset and the (pp, ZeRO) pairs they
+    share with the tp-2 runs take a part of the 3x; 0.93x with main effects alone) and the tp-2
+    ones reach 2.3x (2.75x): four runs, each in another pp, cannot tell a tp-wide factor from
+    four cells' (docs/models.md, 2026-11-27)."""
     def observe(p: Planned, factor: float) -> Observation:
         m = Measurement("ok", (p.perf.step_time * factor,) * 3, 1)
         return TrialRecord(0, p.config, m, p.perf, p.memory, p.perf.step_time).observation()
@@ -662,7 +667,8 @@ def test_a_regime_the_model_gets_wrong_is_learned_from_few_trials(plan: Plan) ->
              zip(learned.predict_many([p.config for p in others2], [p.perf for p in others2]), others2, strict=True)]
     base = [pr.step_time / p.perf.step_time for pr, p in
             zip(learned.predict_many([p.config for p in others1], [p.perf for p in others1]), others1, strict=True)]
-    assert float(np.percentile(ratio, 10)) > 2.0 and float(np.median(base)) < 1.3, (np.median(ratio), np.median(base))
+    assert float(np.percentile(ratio, 10)) > 2.0 and float(np.median(base)) < 1.4, (np.median(ratio), np.median(base))
+    assert float(np.median(ratio)) > 1.6 * float(np.median(base))
 
 
 def test_no_convergence_before_four_candidates_ran_ok(plan: Plan) -> None:
