@@ -119,12 +119,8 @@ REGIME_SD_PRIOR: dict[float, float] = {0.0: 0.25, 0.5: 1.0, 1.0: 8.0}
 REGIME_SD_GRID = tuple(REGIME_SD_PRIOR)
 #: The regime term's pairwise interactions (a (tp, pp), (tp, ZeRO), ... cell of its own), weighed
 #: against its main effects (one factor per tp, per pp, ...); the term's prior variance stays
-#: ``a^2``, shared between the two. The analytic model's errors are not all additive in log:
-#: Ultra-Scale 8B on 16 nodes is 1.0-1.2x at tp 4 with pp 1 and at pp 2-4 with tp 1-2, 2-8x at
-#: tp 4 with pp 2-4, 7-60x with ZeRO-0 at pp 2-16; the main effects alone cannot put that in a
-#: cell, and a cell's runs move the whole tp (or look like odd runs). Replay, Ultra-Scale: regret of
-#: the pick at its own stop 0.35% -> 0.17%, trials to 2% p90 8 -> 6, OOM trials per run 0.97 ->
-#: 0.98; the pairs with the whole a^2 on top: 0.09% but 1.11 OOM per run (docs/models.md, 2026-11-27).
+#: ``a^2``, shared between the two: the analytic model's errors are not all additive in log (a tp
+#: can be slow at one pp only). The replays behind the weight: docs/models.md (2026-11-27).
 REGIME_INTERACTION = 1.0
 #: The hyperparameters are averaged over their posterior on the grid, not fixed at its mode:
 #: the settings that carry this much of it (module docstring). Replay, regret of the pick at
@@ -443,7 +439,6 @@ def regimes(config: ParallelConfig) -> tuple[int, ...]:
 
 
 _RECOMPUTE_CODE = {"none": 0, "selective": 1, "full": 2}
-
 
 
 def _observed_time(o: Observation) -> float | None:

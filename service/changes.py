@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -76,6 +77,7 @@ class ChangeFeed:
         #: where the pings go (a test points it elsewhere to see the feed go dark)
         self.ping_channel = CHANNEL
         self.live = False
+        self._pings = 0
         self._epoch = 0
         self._generations: dict[str, int] = {}
         self._lock = threading.Lock()
@@ -169,9 +171,9 @@ class ChangeFeed:
                         self._stop.wait(MAX_RETRY_S)
                         continue
                     conn.execute(f"LISTEN {CHANNEL}")
-                    self._ping(conn)  # live once the first ping comes back: the channel works both ways
+                    first = self._ping(conn)  # live once it comes back: the channel works both ways
                     wait, logged = RETRY_S, False
-                    self._hear(conn, psycopg)
+                    self._hear(conn, first)
             except (psycopg.Error, FeedLost) as error:
                 if not logged:  # the outage itself is logged by service.outage, once
                     log.info("the change feed lost its connection (%s): polled reads go to the database until "
@@ -184,17 +186,15 @@ class ChangeFeed:
 
 
     def _ping(self, conn: Any) -> str:
-        self._pings = getattr(self, "_pings", 0) + 1
+        self._pings += 1
         payload = f"ping {id(self)}-{self._pings}"
         conn.execute("SELECT pg_notify(%s, %s)", (self.ping_channel, payload))
         return payload
 
-    def _hear(self, conn: Any, psycopg: Any) -> None:
+    def _hear(self, conn: Any, pending: str) -> None:
         """Apply notifications until told to stop; ping every ``ping_s`` and raise ``FeedLost``
-        when a ping is not heard within ``ping_timeout_s``."""
-        import time
-
-        pending, sent_at, heard_at = f"ping {id(self)}-{self._pings}", time.monotonic(), None
+        when a ping (``pending``: the one sent last) is not heard within ``ping_timeout_s``."""
+        sent_at, heard_at = time.monotonic(), None
         while not self._stop.is_set():
             for note in conn.notifies(timeout=min(1.0, self.ping_s)):
                 if note.payload == pending:

@@ -78,8 +78,7 @@ def served_by(row: AnyRow) -> tuple[Cluster | None, Lease | None]:
     if data["cluster_kind"] is None:
         return None, None
     cluster = Cluster(kind=data["cluster_kind"], address=data["cluster_address"], resource=data["cluster_resource"])
-    if data["lease_holder"] is None and data["lease_expires_at"] is None and data["lease_served_at"] is None:
-        return cluster, None
+    # no lease row reads as one never held nor served, which is what the notice makes of it
     return cluster, Lease(resource=data["cluster_resource"], holder=data["lease_holder"],
                           expires_at=data["lease_expires_at"], served_at=data["lease_served_at"])
 

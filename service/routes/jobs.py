@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pathlib
 import tempfile
-from collections.abc import Sequence
-from typing import Annotated, Any, Literal
+from collections.abc import Callable, Sequence
+from typing import Annotated, Any, Literal, TypeVar
 
 from fastapi import APIRouter, Path, Query, Response
 from fastapi.concurrency import run_in_threadpool
@@ -47,6 +47,7 @@ from service.specs import check_backends, model_spec, training_spec, tune_option
 from service.views import as_json, job_out, job_url, json_bytes, trial_detail, trial_out, unserved_notice
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+T = TypeVar("T")
 
 JobState = Literal["queued", "profiling", "planning", "running", "succeeded", "failed", "cancelled"]
 FileName = Literal["ds_config.json", "hostfile", "launch.sh", "rank_map.json", "candidate.json",
@@ -112,10 +113,15 @@ async def list_jobs(
 ) -> Response:
     # Polled: answered from memory while no job or cluster of the tenant changed (service.changes)
     key = ("jobs", caller.tenant, tuple(job_state or ()), cluster, limit, cursor)
-    body: bytes | None = state.reads.get(key)
-    if body is None:
-        body = await run_in_threadpool(_list_jobs, state, caller.tenant, key, job_state or (), cluster, limit, cursor)
-    return json_bytes(body)
+    return json_bytes(await _polled(state, key, _list_jobs, state, caller.tenant, key, job_state or (), cluster,
+                                    limit, cursor))
+
+
+async def _polled(state: AppState, key: tuple[Any, ...], load: Callable[..., T], *args: Any) -> T:
+    """A polled read's answer from memory (``service.changes``), else ``load(*args)`` in a worker
+    thread (it queries, and keeps what it built under ``key``)."""
+    found: T | None = state.reads.get(key)
+    return found if found is not None else await run_in_threadpool(load, *args)
 
 
 def _list_jobs(state: AppState, tenant: str, key: tuple[Any, ...], states: Sequence[str], cluster: str | None,
@@ -133,10 +139,7 @@ def _list_jobs(state: AppState, tenant: str, key: tuple[Any, ...], states: Seque
 @router.get("/{job_id}", response_model=JobOut, responses=errors(*AUTHED, 404))
 async def read_job(job_id: JobId, state: State, caller: Caller) -> Response:
     key = ("job", caller.tenant, job_id.lower())
-    found: tuple[JobOut, bytes, AnyRow] | None = state.reads.get(key)
-    if found is None:
-        found = await run_in_threadpool(_read_job, state, caller.tenant, job_id, key)
-    out, body, row = found
+    out, body, row = await _polled(state, key, _read_job, state, caller.tenant, job_id, key)
     # a queued job's notice depends on the clock too: worked out per read, from the cached lease
     notice = unserved_notice(row.state, *repo.served_by(row)) if row.state == "queued" else None
     return json_bytes(body) if notice is None else as_json(out.model_copy(update={"notice": notice}))
@@ -165,10 +168,7 @@ def cancel_job(job_id: JobId, state: State, caller: Caller) -> JobOut:
 @router.get("/{job_id}/trials", response_model=TrialList, responses=errors(*AUTHED, 404))
 async def list_trials(job_id: JobId, state: State, caller: Caller) -> Response:
     key = ("trials", caller.tenant, job_id.lower())
-    body: bytes | None = state.reads.get(key)
-    if body is None:
-        body = await run_in_threadpool(_list_trials, state, caller.tenant, job_id, key)
-    return json_bytes(body)
+    return json_bytes(await _polled(state, key, _list_trials, state, caller.tenant, job_id, key))
 
 
 def _list_trials(state: AppState, tenant: str, job_id: str, key: tuple[str, ...]) -> bytes:
