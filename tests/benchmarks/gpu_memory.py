@@ -59,6 +59,7 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=240.0)
     ap.add_argument("--cap", choices=("h100", "device"), default="h100",
                     help="cap the GPU at the H100's 81559 MiB (default) or use the whole device")
+    ap.add_argument("--rows", default="", help="run only these rows of the grid (0-based, comma-separated)")
     args = ap.parse_args()
     import torch
 
@@ -66,6 +67,8 @@ def main() -> int:
         print("no CUDA device: this benchmark runs on a GPU machine", file=sys.stderr)
         return 0
     name, method, seq, global_batch, rows = GRIDS[args.grid]
+    if args.rows:
+        rows = [rows[int(i)] for i in args.rows.split(",")]
     capacity = H100_BYTES if args.cap == "h100" else torch.cuda.get_device_properties(0).total_memory
     cap_bytes = H100_BYTES if args.cap == "h100" else None
     model = ModelSpec.preset(name)

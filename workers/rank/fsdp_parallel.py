@@ -25,7 +25,6 @@ over the data-parallel mesh, so a parameter ends a 2-D DTensor (dp x tp) where b
 from __future__ import annotations
 
 from collections import defaultdict
-from functools import partial
 from typing import Any, cast
 
 import torch
@@ -99,7 +98,10 @@ def _shard_lora(lora: nn.Module, kind: str, tp_mesh: DeviceMesh) -> None:
 
 def _op_sac_policy() -> Any:
     """torchtitan's per-op selective checkpointing policy (``_apply_op_sac``): save what is costly
-    to recompute (matmuls, every other one; attention; reductions), recompute the rest."""
+    to recompute (matmuls, every other one; attention; reductions), recompute the rest. One
+    policy per checkpointed call, as torchtitan makes it: a count kept across calls drifts
+    (the recompute stops early, after the last tensor backward needs, so it counts fewer
+    matmuls than the forward did) and the recompute then takes another op's saved output."""
     from torch.utils.checkpoint import CheckpointPolicy
 
     ops = torch.ops
@@ -120,19 +122,24 @@ def _op_sac_policy() -> Any:
     return policy
 
 
+def _op_sac_context() -> Any:
+    """The forward and recompute contexts of one checkpointed call, with a fresh policy."""
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts(_op_sac_policy())  # type: ignore[no-untyped-call]
+
+
 def apply_ac(stage: LlamaStage, recompute: str) -> None:
     """Wrap each decoder layer for activation checkpointing (none, full, or per-op selective)."""
     if recompute == "none":
         return
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-    from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
     for key, layer in list(stage.layers.items()):
         if recompute == "full":
             stage.layers[key] = checkpoint_wrapper(layer, preserve_rng_state=False)
         else:
-            context = partial(create_selective_checkpoint_contexts, _op_sac_policy())
-            stage.layers[key] = checkpoint_wrapper(layer, context_fn=context, preserve_rng_state=False)
+            stage.layers[key] = checkpoint_wrapper(layer, context_fn=_op_sac_context, preserve_rng_state=False)
 
 
 def apply_fsdp(stage: LlamaStage, dp_mesh: DeviceMesh, plan: FsdpPlan, device: torch.device) -> None:
