@@ -44,6 +44,7 @@ from pipette.device import DeviceSpec
 from pipette.efficiency import H100_MEASURED_BF16, EfficiencyCurve, default_curve, family
 from pipette.errors import SpecError
 from pipette.estimates import TIME_PARTS, PerfEstimate
+from pipette.memory import MemoryOptions, estimate_memory
 from pipette.model import ModelSpec
 from pipette.training import TrainingSpec
 
@@ -204,6 +205,40 @@ class PerfConstants:
     #: FSDP2 issues them asynchronously and prefetches the next unit's gather under the current
     #: unit's compute, where a tensor-parallel all-reduce blocks. 0: priced by bytes only.
     unit_collective_s: float = 0.0
+    #: Memory pressure near capacity (None: off, as every stack but ``megatron``): see
+    #: ``MemoryPressure``.
+    memory_pressure: MemoryPressure | None = None
+
+
+@dataclass(frozen=True)
+class MemoryPressure:
+    """A stall per micro-batch as the estimated peak nears the device's capacity.
+
+    PyTorch's caching allocator, when a ``cudaMalloc`` fails, frees every cached block it does not
+    use and retries (``torch.cuda.memory_stats``: ``num_alloc_retries``, "number of failed cudaMalloc
+    calls that result in a cache flush and retry"; the CUDA semantics notes, "Memory management").
+    ``cudaFree`` synchronises the device, and the freed blocks are allocated again at the next
+    micro-batch, so a run whose working set does not fit its cache pays the flush, the device sync
+    and the re-allocation at every micro-batch, and a pipeline stalls with its slowest stage. The
+    share of micro-batches that hit it rises as the peak nears capacity; priced linearly:
+
+        stall = stall_s * clip((peak / capacity - onset) / (1 - onset), 0, 1)
+
+    added to each stage's micro-batch time (``(m + p - 1) * stall`` on a 1F1B pipeline). ``peak`` is
+    ``pipette.memory.estimate_memory`` with ``options`` (the stack's memory options). Fitted on the
+    Ultra-Scale set (``tests/benchmarks/pressure_fit.py``, docs/stacks.md).
+    """
+
+    stall_s: float
+    onset: float
+    options: MemoryOptions
+
+    def stall(self, peak_bytes: float, capacity_bytes: float) -> float:
+        """Seconds per micro-batch at ``peak_bytes`` of ``capacity_bytes``."""
+        if self.stall_s <= 0 or capacity_bytes <= 0 or self.onset >= 1.0:
+            return 0.0
+        share = (peak_bytes / capacity_bytes - self.onset) / (1.0 - self.onset)
+        return self.stall_s * min(max(share, 0.0), 1.0)
 
 
 #: The constants above: Megatron-LM (vTrain) and nanotron (Ultra-Scale) runs, fused kernels.
@@ -268,6 +303,7 @@ class PerfModel:
         b = training.dtype_bytes
         self.act_bytes = float(self.tokens * model.hidden * b)  # one activation tensor
         self.compute = self._compute_times()
+        self.pressure_stall = self._pressure_stall()
         self.stage_params = _stage_params(model, training, config)  # (p,) per device
         self.grad_bytes = self.stage_params * b
         # What ZeRO-3 gathers: every parameter it partitions, a LoRA run's frozen base too.
@@ -275,6 +311,16 @@ class PerfModel:
         self.opt_time = self._optimizer_time()
         counted = flops.per_step(model, training, config.recompute)
         self.model_flops, self.hardware_flops = counted.model, counted.hardware
+
+    def _pressure_stall(self) -> float:
+        """Seconds per micro-batch and stage lost to the caching allocator near capacity
+        (``PerfConstants.memory_pressure``; 0 when off)."""
+        mp = self.k.memory_pressure
+        if mp is None or mp.stall_s <= 0:
+            return 0.0
+        capacity = self.cluster.min_usable_memory
+        est = estimate_memory(self.model, self.training, self.config, capacity, options=mp.options)
+        return mp.stall(float(est.peak_bytes), float(capacity))
 
     # ---- compute (Narayanan et al. 2021 sec. 5.1 FLOP counts) -------------------------
     def _gemm_time(self, flops_per_gemm: float, count: float) -> float:
@@ -476,8 +522,9 @@ class PerfModel:
             t_dp_mb = t_dp_mb + per_mb * units * k.unit_collective_s
             t_dp_exposed = t_dp_exposed + per_step * units * k.unit_collective_s
 
-        # Critical path: per pipeline replica, then the slowest replica.
-        comp = self.compute.forward + self.compute.backward  # (p,)
+        # Critical path: per pipeline replica, then the slowest replica. A memory-pressure stall
+        # (``MemoryPressure``) lengthens every stage's micro-batch, as compute on its stream does.
+        comp = self.compute.forward + self.compute.backward + self.pressure_stall  # (p,)
         comms = {"tp_comm": t_tp, "pp_comm": t_pp, "zero3_gather": t_z3,
                  "dp_comm": np.repeat(t_dp_mb[:, None], dp, axis=1)}
         stage = comp[:, None] + sum(comms.values())  # (p, dp)
@@ -639,5 +686,5 @@ def _stage_params(model: ModelSpec, training: TrainingSpec, config: ParallelConf
 
 __all__ = [
     "DEFAULT_CONSTANTS", "FUSED_LOSS_BYTES_PER_LOGIT", "HF_DEEPSPEED_CONSTANTS",
-    "MEGATRON_CONSTANTS", "PerfConstants", "PerfModel", "estimate_perf",
+    "MEGATRON_CONSTANTS", "MemoryPressure", "PerfConstants", "PerfModel", "estimate_perf",
 ]

@@ -34,7 +34,7 @@ from pipette.memory import (
     estimate_memory,
 )
 from pipette.model import ModelSpec
-from pipette.perf import HF_DEEPSPEED_CONSTANTS, MEGATRON_CONSTANTS, PerfConstants, estimate_perf
+from pipette.perf import HF_DEEPSPEED_CONSTANTS, MEGATRON_CONSTANTS, MemoryPressure, PerfConstants, estimate_perf
 from pipette.training import TrainingSpec
 
 #: The stack Pipette plans and tunes for when none is named: its own runner.
@@ -51,12 +51,15 @@ OPTIONS: dict[str, str] = {
                    "float8.recipe_name = \"rowwise\") instead of one per tensor",
     "async-tp": "asynchronous tensor parallelism (torchtitan's async TP: the sequence-parallel all-gathers and "
                 "reduce-scatters micro-pipelined with the matmuls over symmetric memory)",
+    "alloc-pressure": "price a stall per micro-batch as the estimated peak nears capacity (the caching allocator's "
+                      "flush and retry; pipette.perf.MemoryPressure, fitted on the Ultra-Scale set; off by default: "
+                      "docs/stacks.md)",
 }
 #: Said wherever an option the models do not price is shown.
 OPTION_NOT_MODELLED = "not modelled yet: predicted as the stack without it"
 #: Options the performance model prices (``PerfConstants.fp8_gemms``); the others are shown and
 #: kept with the trials only.
-MODELLED_OPTIONS = ("fp8", "fp8-rowwise", "async-tp")
+MODELLED_OPTIONS = ("fp8", "fp8-rowwise", "async-tp", "alloc-pressure")
 
 
 @dataclass(frozen=True)
@@ -134,6 +137,9 @@ class Stack:
     #: ``PerfConstants.fp8_efficiency`` under the ``fp8-rowwise`` option (the ``fp8`` option's terms
     #: otherwise)
     fp8_rowwise_efficiency: float | None = None
+    #: ``PerfConstants.memory_pressure`` under the ``alloc-pressure`` option, priced on the memory
+    #: estimate of the chosen options (None: the stack does not offer it)
+    memory_pressure: MemoryPressure | None = None
 
     @property
     def key(self) -> str:
@@ -231,15 +237,27 @@ HF_DEEPSPEED = replace(
     description="`--script-kind hf-trainer` scripts; the runner's constants (same model code and engine)",
     recompute=("none", "full"), runner_runs=False, available_options=("compile",),
 )
+#: The megatron stack's memory-pressure stall (``pipette.perf.MemoryPressure``: the caching
+#: allocator's flush and retry as the estimated peak nears capacity), fitted by
+#: tests/benchmarks/pressure_fit.py on the Ultra-Scale rows of 17 of its 21 (model, nodes) groups
+#: (nanotron, 8x H100 80GB nodes), checked on the other 4 (docs/stacks.md). Seconds per micro-batch
+#: at capacity, and the share of capacity where it starts. Only under the ``alloc-pressure``
+#: option: on by default it made the Ultra-Scale MAPE worse (46.2% -> 46.9%) and priced MLPerf's
+#: Llama-2-70B LoRA layout (66.4 GiB estimated of 80, which runs at full speed) 42% slow.
+MEGATRON_PRESSURE_STALL_S = 1.118
+MEGATRON_PRESSURE_ONSET = 0.579
+MEGATRON_PRESSURE = MemoryPressure(MEGATRON_PRESSURE_STALL_S, MEGATRON_PRESSURE_ONSET, MEGATRON_OPTIONS)
 #: Megatron-LM, NeMo, nanotron: fused kernels, vocab-parallel loss, the distributed optimizer
 #: (ZeRO-1), fp32 gradient buffers. Constants fitted on vTrain (Megatron-DeepSpeed) and the
-#: Ultra-Scale set (nanotron); the prior on the Ultra-Scale set.
+#: Ultra-Scale set (nanotron); the prior on the Ultra-Scale set. ``megatron+alloc-pressure`` adds
+#: the memory-pressure stall (``MEGATRON_PRESSURE``).
 MEGATRON = Stack(
     name="megatron", frameworks="Megatron-LM, NeMo, nanotron",
     description="fused kernels, vocab-parallel loss, distributed optimizer; constants fitted on vTrain + Ultra-Scale",
     constants=MEGATRON_CONSTANTS, memory_options=MEGATRON_OPTIONS, gpu_fits_prior=NANOTRON_GPU,
     tensor_parallel=True, pipeline_parallel=True, zero_stages=(0, 1), schedules=("1f1b", "interleaved"),
-    recompute=("none", "selective", "full"), launch_files=CANDIDATE_FILES, available_options=("fp8",),
+    recompute=("none", "selective", "full"), launch_files=CANDIDATE_FILES,
+    available_options=("fp8", "alloc-pressure"), memory_pressure=MEGATRON_PRESSURE,
     #: Megatron-LM / NeMo FP8 is Transformer Engine's: its fused attention (cuDNN / flash, not the
     #: unfused one the bf16 constants were fitted with on vTrain), the casts fused into the norm and
     #: activation kernels, its userbuffer TP overlap, and (NeMo ``fp8_params``) FP8 weights: MLPerf's
@@ -380,6 +398,8 @@ def get_stack(stack: str | Stack | None, *, field: str = "stack") -> Stack:
         constants = replace(constants, fp8_efficiency=found.fp8_rowwise_efficiency)
     if "async-tp" in chosen:
         constants = replace(constants, tp_overlap=found.async_tp_overlap)
+    if "alloc-pressure" in chosen and found.memory_pressure is not None:
+        constants = replace(constants, memory_pressure=replace(found.memory_pressure, options=memory))
     return replace(found, options=chosen, constants=constants, memory_options=memory)
 
 
@@ -468,6 +488,7 @@ __all__ = [
     "FSDP_FP8_ROWWISE_EFFICIENCY",
     "HF_DEEPSPEED",
     "MEGATRON",
+    "MEGATRON_PRESSURE",
     "MODELLED_OPTIONS",
     "OPTIONS",
     "PIPETTE",
