@@ -125,7 +125,8 @@ def main() -> int:
     }
     base = MEGATRON.constants
     report("megatron (shipped default: no pressure term)", parts, base)
-    report("megatron+alloc-pressure (pipette.stacks.MEGATRON_PRESSURE)", parts, get_stack("megatron+alloc-pressure").constants)
+    shipped = get_stack("megatron+alloc-pressure").constants
+    report("megatron+alloc-pressure (pipette.stacks.MEGATRON_PRESSURE)", parts, shipped)
 
     meas = measured(fit_rows)
 
