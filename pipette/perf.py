@@ -205,8 +205,8 @@ class PerfConstants:
     #: FSDP2 issues them asynchronously and prefetches the next unit's gather under the current
     #: unit's compute, where a tensor-parallel all-reduce blocks. 0: priced by bytes only.
     unit_collective_s: float = 0.0
-    #: Memory pressure near capacity (None: off, as every stack but ``megatron``): see
-    #: ``MemoryPressure``.
+    #: Memory pressure near capacity (None: off, as on every stack unless ``megatron+alloc-pressure``
+    #: is named): see ``MemoryPressure``.
     memory_pressure: MemoryPressure | None = None
 
 

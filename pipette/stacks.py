@@ -242,7 +242,7 @@ HF_DEEPSPEED = replace(
 #: tests/benchmarks/pressure_fit.py on the Ultra-Scale rows of 17 of its 21 (model, nodes) groups
 #: (nanotron, 8x H100 80GB nodes), checked on the other 4 (docs/stacks.md). Seconds per micro-batch
 #: at capacity, and the share of capacity where it starts. Only under the ``alloc-pressure``
-#: option: on by default it made the Ultra-Scale MAPE worse (46.2% -> 46.9%) and priced MLPerf's
+#: option: on by default it made the Ultra-Scale MAPE worse (46.2% -> 47.1%) and priced MLPerf's
 #: Llama-2-70B LoRA layout (66.4 GiB estimated of 80, which runs at full speed) 42% slow.
 MEGATRON_PRESSURE_STALL_S = 1.118
 MEGATRON_PRESSURE_ONSET = 0.579
