@@ -221,10 +221,30 @@ STACK_RULES: dict[str, str] = {
                           "embeddings, too few micro-batches for the pipeline)",
 }
 
+#: Pipette's runner on CPU workers (gloo, fp32): ``HF_DEEPSPEED_CONSTANTS`` with the terms a CPU
+#: run spends its time in fitted on the runner's own CPU trials (the GPU constants priced them
+#: 2.7-3.0x fast, ranking the two stacks' candidates on different scales). Fitted by
+#: tests/benchmarks/pipette_cpu_fit.py on 36 of the 72 pipette candidates of real_tuning.py's
+#: exhaustive run over both families (tiny-llama LoRA, cpu-4, 2026-11-27); the other 36 held out.
+PIPETTE_CPU_CONSTANTS = replace(
+    HF_DEEPSPEED_CONSTANTS,
+    #: fixed time per layer per forward-equivalent pass: DeepSpeed's hooks and the small ops,
+    #: Python-bound on a CPU core (the GPU fit: 8.64e-4)
+    layer_overhead_s=4.87e-3,
+    #: memory passes over T x h per layer forward: fitted at its bound, 0 (the one model of the
+    #: fit cannot tell them from the per-layer time; the GPU fit: 71.4)
+    elementwise_passes=0.0,
+    #: fixed cost of one blocking collective (gloo on loopback, ranks sharing 2 cores; GPU: 0)
+    collective_overhead_s=7.05e-3,
+    #: a pipeline hop's fixed cost: fitted at its bound, 0
+    p2p_overhead_s=0.0,
+)
+
 PIPETTE = Stack(
     name="pipette", frameworks="Pipette's runner (Hugging Face eager Llama under DeepSpeed)",
     description="what `pipette tune` runs and its launch files start; constants fitted on h100_single_gpu.csv",
-    constants=HF_DEEPSPEED_CONSTANTS, memory_options=DEFAULT_OPTIONS, gpu_fits_prior=PIPETTE_GPU,
+    constants=HF_DEEPSPEED_CONSTANTS, cpu_constants=PIPETTE_CPU_CONSTANTS, memory_options=DEFAULT_OPTIONS,
+    gpu_fits_prior=PIPETTE_GPU,
     tensor_parallel=True, pipeline_parallel=True, zero_stages=(0, 1, 2, 3), schedules=("1f1b",),
     recompute=("none", "selective", "full"), launch_files=DEEPSPEED_FILES, runner_runs=True,
 )
@@ -492,6 +512,7 @@ __all__ = [
     "MODELLED_OPTIONS",
     "OPTIONS",
     "PIPETTE",
+    "PIPETTE_CPU_CONSTANTS",
     "STACKS",
     "STACK_RULES",
     "STACK_SEPARATOR",

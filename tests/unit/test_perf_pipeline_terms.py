@@ -16,7 +16,7 @@ from pipette.clusterfile import load_cluster
 from pipette.config import ParallelConfig
 from pipette.model import ModelSpec
 from pipette.perf import DEFAULT_CONSTANTS, HF_DEEPSPEED_CONSTANTS, MEGATRON_CONSTANTS, PerfConstants, PerfModel
-from pipette.stacks import FSDP_CONSTANTS, FSDP_CPU_CONSTANTS, STACKS
+from pipette.stacks import FSDP_CONSTANTS, FSDP_CPU_CONSTANTS, PIPETTE_CPU_CONSTANTS, STACKS
 from tests.benchmarks import fsdp_cpu_calibration as calib
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -48,8 +48,10 @@ def test_only_the_fsdp_cpu_constants_carry_the_new_terms() -> None:
     for stack in STACKS.values():
         for k in (stack.constants, stack.fp8_constants):
             assert k is None or (k.p2p_overhead_s is None and k.bubble_share == 1.0 and k.unit_collective_s == 0.0)
-        assert stack.cpu_constants is None or stack.name == "fsdp"
+        assert stack.cpu_constants is None or stack.name in ("fsdp", "pipette", "hf-deepspeed")
     assert FSDP_CPU_CONSTANTS.unit_collective_s > 0 and FSDP_CPU_CONSTANTS.p2p_overhead_s is not None
+    # the pipette runner's CPU fit: its own p2p cost (0) and no FSDP per-unit collectives
+    assert PIPETTE_CPU_CONSTANTS.unit_collective_s == 0.0 and PIPETTE_CPU_CONSTANTS.p2p_overhead_s == 0.0
 
 
 def test_a_pipeline_hop_pays_its_own_fixed_cost() -> None:
