@@ -174,3 +174,17 @@ def test_bad_flags_name_the_flag(argv: list[str], flag: str, capsys: pytest.Capt
 
 def _key(group: replay.Group, label: str) -> tuple[Any, ...]:
     return next(k for k, c in group.configs.items() if c.label == label)
+
+
+def test_the_recorded_cpu_run_over_both_families_replays_every_candidate() -> None:
+    """``--source cpu-both``: the plan over both stacks holds every measured candidate of the
+    recorded exhaustive run, each priced with its stack's CPU constants, each replayed with its median."""
+    recorded = replay.build_recorded_group()
+    assert len(recorded.truths) == 99 and recorded.source == "cpu-both"
+    planned = {replay.key_of(p.config): p for p in recorded.plan.ranked}
+    assert set(recorded.truths) <= set(planned)
+    assert {p.config.stack for p in planned.values()} == {"pipette", "fsdp"}
+    best = min(recorded.truths, key=lambda k: recorded.truths[k].step_time or math.inf)
+    assert recorded.configs[best].label == "tp1-pp2-dp2-mbs4-z1-rc:none-1f1b-pipette"
+    m = replay.ReplayRunner(recorded, 0, replay.Trace("t")).replay(best)
+    assert m.status == "ok" and abs(m.step_time / recorded.truths[best].step_time - 1) < 0.3
