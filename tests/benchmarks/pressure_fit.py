@@ -35,11 +35,11 @@ if str(REPO) not in sys.path:
 
 import numpy as np  # noqa: E402
 from scipy.optimize import least_squares  # noqa: E402
-from scipy.stats import spearmanr  # noqa: E402
 
 from pipette.perf import MemoryPressure, PerfConstants, PerfModel  # noqa: E402
 from pipette.stacks import MEGATRON, get_stack  # noqa: E402
 from tests.benchmarks.calibration import Row, calibration_dir, load_stack_set, load_ultrascale, load_vtrain  # noqa: E402
+from tests.benchmarks.stack_accuracy import group_scores  # noqa: E402
 
 
 def held_out(row: Row) -> bool:
@@ -73,16 +73,7 @@ def measured(rows: Sequence[Row]) -> np.ndarray:
 def metrics(rows: Sequence[Row], pred: np.ndarray) -> str:
     meas = measured(rows)
     mape = float(np.mean(np.abs(pred / meas - 1.0)))
-    groups: dict[tuple[str, ...], list[int]] = {}
-    for i, r in enumerate(rows):
-        groups.setdefault(r.group[:2], []).append(i)
-    rhos, regrets = [], []
-    for g in groups.values():
-        p, m = pred[g], meas[g]
-        if len(g) >= 3 and np.ptp(m) > 0 and np.ptp(p) > 0:
-            rhos.append(float(spearmanr(p, m).statistic))
-        if len(g) >= 2:
-            regrets.append(float(m[np.argmin(p)] / m.min()))
+    rhos, regrets = group_scores(rows, pred, meas)
     rho = f"{min(rhos):.2f} / {float(np.median(rhos)):.2f} ({len(rhos)})" if rhos else "-"
     reg = f"{float(np.median(regrets)):.3f} / {max(regrets):.3f}" if regrets else "-"
     return f"rows {len(rows):>4}  MAPE {mape:6.1%}  Spearman min/med {rho:<18} regret med/max {reg}"

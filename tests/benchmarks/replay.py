@@ -261,7 +261,9 @@ def load_groups(directory: Path, sources: Sequence[str], only: str | None = None
     out = []
     for source in sources:
         if source == "cpu-both":
-            out.append(build_recorded_group(distort=distort))
+            recorded = build_recorded_group(distort=distort)
+            if only is None or recorded.name == only:
+                out.append(recorded)
             continue
         grouped: dict[tuple[str, ...], list[Row]] = {}
         for r in loaders[source](directory):
@@ -747,12 +749,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if out_path is not None and not out_path.parent.is_dir():
             raise SpecError(f"folder {str(out_path.parent)!r} does not exist", field="--out",
                             fix="give a path in an existing folder")
+        sources = args.source or DEFAULT_SOURCES
         directory = calibration_dir()
-        if directory is None:
+        if directory is None and set(sources) - {"cpu-both"}:  # the recorded run is in this repository
             print("replay: no calibration data (set PIPETTE_CALIBRATION_DIR); skipped")
             return 0
         start = time.perf_counter()
-        groups = load_groups(directory, args.source or DEFAULT_SOURCES, args.group, args.distort)
+        groups = load_groups(directory or REPO, sources, args.group, args.distort)
         ReplayRunner.trial_noise_sd = args.trial_noise
         try:
             runs = run_all(groups, args.seeds, args.budget, methods, not args.no_peak_memory, progress=not args.quiet)

@@ -78,21 +78,30 @@ def sets(directory: Path) -> list[CalibrationSet]:
     return out
 
 
-def metrics(rows: Sequence[Row], stack: Stack) -> dict[str, float]:
-    meas = np.array([r.step_time for r in rows], dtype=float)
-    pred = np.array([PerfModel(r.model, r.training, r.config, r.cluster, constants=stack.constants).step_time()
-                     for r in rows])
-    out = {"n": float(len(rows)), "mape": float(np.mean(np.abs(pred / meas - 1.0)))}
+def group_scores(rows: Sequence[Row], pred: np.ndarray, meas: np.ndarray) -> tuple[list[float], list[float]]:
+    """Per group (vTrain and Ultra-Scale: model and GPU count; the other sets: their group), the
+    Spearman rho of predicted against measured (groups of 3 or more that vary) and the measured
+    time of the predicted best over the measured best (groups of 2 or more)."""
     groups: dict[tuple[str, ...], list[int]] = {}
     for i, r in enumerate(rows):
         groups.setdefault(r.group[:2] if r.source in ("vtrain", "ultrascale") else r.group, []).append(i)
-    rhos, regrets = [], []
+    rhos, ratios = [], []
     for g in groups.values():
         p, m = pred[g], meas[g]
         if len(g) >= 3 and np.ptp(m) > 0 and np.ptp(p) > 0:
             rhos.append(float(spearmanr(p, m).statistic))
         if len(g) >= 2:
-            regrets.append(float(m[np.argmin(p)] / m.min() - 1.0))
+            ratios.append(float(m[np.argmin(p)] / m.min()))
+    return rhos, ratios
+
+
+def metrics(rows: Sequence[Row], stack: Stack) -> dict[str, float]:
+    meas = np.array([r.step_time for r in rows], dtype=float)
+    pred = np.array([PerfModel(r.model, r.training, r.config, r.cluster, constants=stack.constants).step_time()
+                     for r in rows])
+    out = {"n": float(len(rows)), "mape": float(np.mean(np.abs(pred / meas - 1.0)))}
+    rhos, ratios = group_scores(rows, pred, meas)
+    regrets = [x - 1.0 for x in ratios]
     out["spearman_min"] = float(np.nanmin(rhos)) if rhos else float("nan")
     out["spearman_median"] = float(np.nanmedian(rhos)) if rhos else float("nan")
     out["rho_groups"] = float(len(rhos))

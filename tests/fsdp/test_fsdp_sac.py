@@ -2,10 +2,11 @@
 checkpointed call decides what to save afresh, as torchtitan's policy does.
 
 A policy whose matmul count runs on across calls saves a different set of matmuls each call
-once a layer has an odd number of them (LoRA's adapters make Llama's 7 into 15), and a
-recompute that stops early counts fewer than its forward: the recompute then pops another
-op's saved output. On an H100 (torch 2.11, PEFT 0.21) that was a shape error in the
-one-rank FSDP2 + LoRA + selective checkpointing test (docs/results.md, 2026-11-28).
+once a layer has an odd number of them (LoRA's adapters on q, k, v, o make Llama's 7 into 15),
+and where a recompute's count no longer matches its forward's, the recompute pops another op's
+saved output. On an H100 (torch 2.11, PEFT 0.21) that was a shape error in the one-rank FSDP2 +
+LoRA + selective checkpointing test; with one policy per call it passed (docs/workers.md,
+2026-11-28). This test checks the first half on CPU: the same matmuls saved at every call.
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ from pipette.stacks import (
     PIPETTE_CPU_CONSTANTS,
     get_stack,
 )
+from pipette.training import TrainingSpec
 from tests.benchmarks import fsdp_cpu_calibration as calib
 from tests.benchmarks import real_tuning
 
@@ -130,7 +131,7 @@ def test_the_pipette_cpu_terms_price_the_recorded_exhaustive_run_on_one_scale_wi
 
     assert pfit.FITTED == ("layer_overhead_s", "elementwise_passes", "collective_overhead_s", "p2p_overhead_s")
     data = json.loads(BOTH.read_text())
-    training = real_tuning.recipe(_args()).__class__.from_dict(data["training"])
+    training = TrainingSpec.from_dict(data["training"])
     rows = data["exhaustive"]["ranking"]
     measured, cpu, gpu, held = [], [], [], []
     for r in rows:

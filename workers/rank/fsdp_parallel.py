@@ -99,9 +99,10 @@ def _shard_lora(lora: nn.Module, kind: str, tp_mesh: DeviceMesh) -> None:
 def _op_sac_policy() -> Any:
     """torchtitan's per-op selective checkpointing policy (``_apply_op_sac``): save what is costly
     to recompute (matmuls, every other one; attention; reductions), recompute the rest. One
-    policy per checkpointed call, as torchtitan makes it: a count kept across calls drifts
-    (the recompute stops early, after the last tensor backward needs, so it counts fewer
-    matmuls than the forward did) and the recompute then takes another op's saved output."""
+    policy per checkpointed call, as torchtitan makes it: with a count kept across calls, a
+    layer of an odd number of matmuls saves a different set at each call, and a recompute whose
+    count no longer matches its forward's takes another op's saved output (an H100 run's shape
+    error, 2026-11-28: tests/fsdp/test_fsdp_sac.py)."""
     from torch.utils.checkpoint import CheckpointPolicy
 
     ops = torch.ops
