@@ -83,22 +83,31 @@ def test_emitted_launch_runs_the_trials_job(tmp_path: Path) -> None:
     assert finished[0]["losses"] == pytest.approx(list(trial.losses), rel=1e-5)
     assert finished[1]["losses"] == pytest.approx(list(trial.losses), rel=1e-5)
     # ... at the trial's speed: the launch sets what the trial's ranks had (one intra-op thread
-    # per rank). Unpinned it ran 4-16x slower; repeats of one candidate spread up to 1.44x here,
-    # and once in CI the trial's three steps ran 2.25x slower than the launch's (ratio 0.44).
-    # Load on the machine only slows a run, so a ratio out of bounds re-times the trial once and
-    # keeps its faster median; a pinning fault is slow every time and still fails.
+    # per rank). Unpinned it ran 4-16x slower; repeats of one candidate spread up to 1.44x here.
+    # Either side can be the slow one under load: once in CI the trial ran 2.25x slower than the
+    # launch (ratio 0.44), once the launch 2.25x slower than two trials (2.25, 2.34). Load only
+    # slows a run, so a ratio out of bounds times both once more and keeps each one's faster
+    # median; a pinning fault is slow every time and still fails.
     launched = statistics.median(max(a, b) for a, b in zip(finished[0]["step_times"], finished[1]["step_times"],
                                                            strict=True))
     trial_step = statistics.median(trial.step_times)
     ratio = launched / trial_step
     if not 1 / 2 <= ratio <= 2:
+        print(f"launch / trial step time {ratio:.2f} out of bounds (load average {os.getloadavg()[0]:.1f}): "
+              "both timed once more")
+        launched = min(launched, statistics.median(_launch(files, env | {"MASTER_PORT": str(_free_port())})))
         again = run_trial(spec, timeout_s=240)
         assert again.status == "ok", again.error
         trial_step = min(trial_step, statistics.median(again.step_times))
-        print(f"launch / trial step time {ratio:.2f} out of bounds: the trial re-timed once")
         ratio = launched / trial_step
     print(f"launch / trial step time: {ratio:.2f}")
     assert 1 / 2 <= ratio <= 2, ratio
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def _session(sid: int) -> list[int]:
