@@ -356,7 +356,7 @@ def run_tuner(group: Group, seed: int, budget: int, peak_memory: bool = True) ->
 
     # the curve: the search alone, to the whole budget
     tuner = Tuner(group.plan, TuneOptions(max_trials=budget, seed=seed, retime=0), runnable=runnable)
-    reserve = TuneOptions(max_trials=budget).retime_reserve
+    reserve = TuneOptions(max_trials=budget).reserve_for(group.plan.cluster.device_spec.kind)
     while len(trace.keys) < budget:
         reason = tuner.stop_reason()
         if trace.would_stop is None:

@@ -875,3 +875,31 @@ def test_a_whole_tp_slower_than_predicted_is_no_outlier(plan: Plan) -> None:
     assert outlier_distances(layouts[:2], np.log([2.7, 1.0])) == [0.0] * 2  # no tp-mate: cannot tell
     cell = [_layout(plan, 1, 2, used).config, _layout(plan, 1, 2, used).config]
     assert outlier_distances([*layouts[:1], *cell], np.log([2.7, 1.0, 1.1]))[0] > 0.9  # its cell's mates
+
+
+def test_a_cpu_job_keeps_whole_rounds_for_re_timing() -> None:
+    """CPU trials spread ~8% run to run: from two rounds' worth of budget on, a CPU job keeps
+    whole re-timing rounds (up to 40% of it) where a GPU job keeps one round; a given reserve
+    is kept as given. A tuner on a CPU plan searches 15 of 24 trials, then re-times (on the old
+    reserve it searched 21 and re-timed one round)."""
+    assert [TuneOptions(max_trials=m).reserve_for("cpu") for m in (3, 8, 12, 16, 20, 24, 100)] == [0, 2, 3, 6, 6, 9, 9]
+    assert [TuneOptions(max_trials=m).reserve_for("gpu") for m in (3, 8, 12, 16, 20, 24, 100)] == [0, 2, 3, 3, 3, 3, 3]
+    assert TuneOptions(max_trials=24, reserve=4).reserve_for("cpu") == 4
+    assert TuneOptions(max_trials=24, retime=0).reserve_for("cpu") == 0
+    assert TuneOptions(max_trials=24, retime_rounds=1).reserve_for("cpu") == 3
+
+    cluster = homogeneous_cluster("cpu", nodes=1, devices_per_node=4, intra_bandwidth=2e9, inter_bandwidth=2e9)
+    cpu_plan = make_plan(ModelSpec.preset("tiny-llama"), TrainingSpec(global_batch=16, seq_len=128, dtype="fp32"),
+                         cluster)
+    assert len(cpu_plan.ranked) > 24
+    rng = np.random.default_rng(0)
+
+    def runner(config: ParallelConfig, on_step: object) -> Measurement:
+        base = 0.1 * (1 + zlib.crc32(config.label.encode()) % 50 / 100)
+        return Measurement("ok", tuple(base * math.exp(0.08 * rng.standard_normal()) for _ in range(4)), 4096)
+
+    result = Tuner(cpu_plan, TuneOptions(max_trials=24, stop_probability=0.0, prune=False)).run(runner)
+    purposes = [t.purpose for t in result.trials]
+    # the rounds stop once the pick is sure enough: 2-3 rounds of 3
+    assert purposes.count("search") == 15 and 6 <= purposes.count("retime") <= 9, (purposes, result.stop_reason)
+    assert "9 kept to re-time the best" in result.stop_reason, result.stop_reason
