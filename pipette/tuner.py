@@ -18,7 +18,8 @@ candidates tried so far that it is least sure to be within ``tolerance`` of are 
 interleaved (each round runs every contender once, in alternating order, so that drift on
 the machine hits them alike), until the pick is within ``tolerance`` of every contender with
 probability ``confidence`` or the rounds or the budget run out (``max_trials // 4`` trials,
-at least 2 and at most ``retime``, are kept from the search for this, or ``reserve``).
+at least 2 and at most ``retime``, are kept from the search for this, or ``reserve``; on a
+CPU cluster whole rounds in up to 40% of the budget: ``TuneOptions.reserve_for``).
 When the repeats show more trial-to-trial noise than the stop rule assumed, an untried
 candidate may have a chance again: the search goes on, and re-times again before it stops.
 The pick is the candidate with the best mean log step time over its ok trials, and the result
