@@ -318,33 +318,32 @@ FSDP_CONSTANTS = replace(
 )
 #: The fsdp stack on CPU workers (gloo, fp32): ``FSDP_CONSTANTS`` with the terms a CPU run spends
 #: its time in fitted on the fsdp runner's own CPU trials, never borrowed from the pipette stack.
-#: Fitted (least squares on log(predicted / measured), soft-L1) by
-#: tests/benchmarks/fsdp_cpu_calibration.py on 8 fsdp trials of tiny-llama LoRA (global batch 16 x 128)
-#: on 4 CPU ranks of the 2-core VM, 2026-11-27 22:11 UTC (results/cpu-2026-11-27/fsdp_cpu_calibration_pp.json;
-#: 3 more, recomputation under a pipeline, recorded and not fitted): with the GPU terms the trials
-#: measured 7.9x (median) the prediction, with these 0.96x (0.88-1.35). Checked on the 23 fsdp
-#: candidates of real_tuning.py's exhaustive run not fitted (tests/benchmarks/fsdp_cpu_heldout.py).
+#: Fitted (least squares on log(predicted / measured), soft-L1) by tests/benchmarks/fsdp_cpu_run_fit.py
+#: on the 27 fsdp rows of the exhaustive run both stacks' CPU terms come from
+#: (results/cpu-2026-11-27/real_tuning_both.json; the pipette rows fit PIPETTE_CPU_CONSTANTS), so
+#: both families sit on one scale; checked on the next day's run (results/cpu-2026-11-28), never
+#: fitted. The tensor-parallel collective, which that tp-1 space never shows, is kept from 8
+#: dedicated trials (tests/benchmarks/fsdp_cpu_calibration.py). Figures: docs/fsdp.md.
 FSDP_CPU_CONSTANTS = replace(
     FSDP_CONSTANTS,
     #: fixed time per layer per forward-equivalent pass: FSDP's per-unit hooks and the small ops,
     #: Python-bound on a CPU core (the GPU fit: 1.42e-3)
-    layer_overhead_s=9.67e-3,
-    #: memory passes over T x h per layer forward: the eager fp32 elementwise ops at a CPU's memory
-    #: bandwidth, which the GEMM curve does not see (the GPU fit: 27.2)
-    elementwise_passes=963.0,
+    layer_overhead_s=5.48e-3,
+    #: memory passes over T x h per layer forward: fitted at its bound, 0 (the per-layer time above
+    #: carries the small ops on this model; the GPU fit: 27.2)
+    elementwise_passes=0.0,
     #: fixed cost of one blocking collective: the tensor-parallel all-reduces (gloo on loopback,
     #: ranks sharing 2 cores; GPU: 0)
     collective_overhead_s=4.22e-2,
     #: fixed cost of one of FSDP2's per-unit gathers or gradient reductions over a stage's
     #: data-parallel group (issued asynchronously, the next unit's gather prefetched; GPU: 0)
-    unit_collective_s=7.08e-3,
+    unit_collective_s=1.43e-2,
     #: a pipeline hop's fixed cost: fitted at its bound, 0 (the schedule's non-blocking p2p; a
     #: receive's wait is the data dependency the 1F1B formula prices)
     p2p_overhead_s=0.0,
-    #: the bubble's share of wall time: fitted at its bound, 0. The cpu-4 cluster's 4 ranks share
-    #: 2 cores, so a stage waiting in the bubble leaves its core to the stages computing: a pipeline
-    #: costs its stages' work (m x the slowest stage), as data parallelism does
-    bubble_share=0.0,
+    #: the bubble's share of wall time: the cpu-4 cluster's 4 ranks share 2 cores, so a stage
+    #: waiting in the bubble partly leaves its core to the stages computing
+    bubble_share=0.827,
 )
 #: ``fsdp+compile``: the share of the elementwise passes and per-layer overhead left under
 #: torch.compile (torchtitan compiles each transformer block: ``apply_compile``). Fitted by

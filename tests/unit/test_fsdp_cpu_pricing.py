@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -74,10 +75,43 @@ def test_gpu_clusters_keep_the_gpu_fit() -> None:
     assert top.perf.step_time == pytest.approx(direct.step_time)
 
 
-def test_the_cpu_terms_predict_the_recorded_fsdp_trials() -> None:
-    """The recorded calibration set (real fsdp trials on 4 CPU ranks): the fitted terms put every
-    fitted trial within 0.85-1.4x and the median near 1; the GPU terms were 8x under. The trials
-    not fitted (recomputation under a pipeline) run above the prediction (open, docs/fsdp.md)."""
+#: the exhaustive runs over both families (every candidate measured): the terms are fitted on the
+#: first one's fsdp rows (tests/benchmarks/fsdp_cpu_run_fit.py), the second, a day later, is held out
+RUN_FITTED = ROOT / "tests" / "benchmarks" / "results" / "cpu-2026-11-27" / "real_tuning_both.json"
+RUN_HELD_OUT = ROOT / "tests" / "benchmarks" / "results" / "cpu-2026-11-28" / "real_tuning_both.json"
+#: the terms before they were fitted on the exhaustive run: fitted on the 8 dedicated trials alone
+DEDICATED_FIT = replace(FSDP_CPU_CONSTANTS, layer_overhead_s=9.67e-3, elementwise_passes=963.0,
+                        unit_collective_s=7.08e-3, bubble_share=0.0)
+
+
+def test_the_cpu_terms_price_both_families_on_one_scale_on_a_run_never_fitted() -> None:
+    """On the held-out exhaustive run the fsdp rows measured 0.38x what the dedicated-trial fit
+    predicts (the pipette rows 0.96x theirs: two scales, the fsdp best 42nd of 99); with the terms
+    fitted on the first run's fsdp rows, 0.74x, and the order over both families follows the
+    measurements (Spearman +0.82 -> +0.96)."""
+    from scipy.stats import spearmanr
+
+    from tests.benchmarks.fsdp_cpu_run_fit import Run
+
+    fitted, held = Run(RUN_FITTED), Run(RUN_HELD_OUT)
+    assert int(held.fsdp.sum()) == 27 and len(held.labels) == 99
+    now, before = held.report("tree", FSDP_CPU_CONSTANTS), held.report("dedicated fit", DEDICATED_FIT)
+    assert 0.85 < fitted.report("tree", FSDP_CPU_CONSTANTS)["ratio_median"] < 1.15
+    assert before["ratio_median"] < 0.45 and 0.6 < now["ratio_median"] < 1.3
+    assert now["spearman_fsdp"] > 0.85 and now["spearman_all"] > 0.9 > before["spearman_all"]
+    assert now["fsdp_best_rank"] < before["fsdp_best_rank"] and now["best_rank"] == 1
+    # the pipette rows of the held-out run, priced by their own stack, on the same scale
+    pipette = held.measured[~held.fsdp] / held.predicted(FSDP_CPU_CONSTANTS)[~held.fsdp]
+    assert 0.8 < statistics.median(pipette) < 1.2
+    assert spearmanr(held.measured[held.fsdp], held.fsdp_predicted(FSDP_CPU_CONSTANTS))[0] == \
+        pytest.approx(now["spearman_fsdp"])
+
+
+def test_the_dedicated_trials_keep_the_tensor_parallel_terms() -> None:
+    """The dedicated calibration trials (real fsdp trials on 4 CPU ranks, another hour: their tp-1
+    rows ran 1.1-2.5x the same candidates in the exhaustive runs) keep what the runs cannot show:
+    the blocking collective of tensor parallelism, kept from their fit; their tp 2-4 trials stay
+    within 0.85-1.5x, and the GPU terms were 4x+ under on them."""
     data = json.loads(RECORDED.read_text())
     by_label = calib.planned_by_label(TINY, calib.recipe(), CPU4)
     rows = [r for r in data["rows"] if r["status"] == "ok"]
@@ -87,12 +121,10 @@ def test_the_cpu_terms_predict_the_recorded_fsdp_trials() -> None:
         cfg = by_label[r["label"]].config
         return float(r["step_time"]) / PerfModel(TINY, calib.recipe(), cfg, CPU4, constants=k).step_time()
 
-    fit = [ratio(r, FSDP_CPU_CONSTANTS) for r in rows if calib.fitted(r["label"])]
-    rest = [ratio(r, FSDP_CPU_CONSTANTS) for r in rows if not calib.fitted(r["label"])]
+    assert FSDP_CPU_CONSTANTS.collective_overhead_s == DEDICATED_FIT.collective_overhead_s == 4.22e-2
+    tp = [ratio(r, FSDP_CPU_CONSTANTS) for r in rows if not r["label"].startswith("tp1-")]
+    assert len(tp) == 3 and all(0.85 < x < 1.5 for x in tp), tp
     gpu = [ratio(r, FSDP_CONSTANTS) for r in rows if calib.fitted(r["label"])]
-    assert len(fit) == 8 and len(rest) == 3
-    assert all(0.85 < x < 1.4 for x in fit) and 0.9 < statistics.median(fit) < 1.1
-    assert all(x > 1.5 for x in rest)
     assert statistics.median(gpu) > 4.0
 
 
@@ -146,4 +178,5 @@ def test_the_pipette_cpu_terms_price_the_recorded_exhaustive_run_on_one_scale_wi
     ratio_gpu = [m / p for m, p, h in zip(measured, gpu, held, strict=True) if h]
     assert len(ratio) == 36
     assert 0.85 < statistics.median(ratio) < 1.15 and statistics.median(ratio_gpu) > 2.0
-    assert spearmanr(measured, cpu)[0] > 0.8 > 0.5 > spearmanr(measured, gpu)[0]
+    # both families on their CPU terms: +0.96; the pipette rows on the GPU constants: +0.63
+    assert spearmanr(measured, cpu)[0] > 0.9 > 0.7 > spearmanr(measured, gpu)[0]
