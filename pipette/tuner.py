@@ -36,7 +36,7 @@ kind that crashes again makes it the candidate's own failure, not the machine's,
 not retried again (in the replay every crash is the candidate's: Ultra-Scale's pipeline-16
 runs). A trial that failed because the cluster lost a node (``Measurement.lost_nodes``)
 is rerun without using a retry, ``LOST_NODE_RETRIES`` times at most: the runner waits for the
-node before the rerun.
+node before the rerun, and the rerun is not pruned (its first steps follow the node's restart).
 """
 
 from __future__ import annotations
@@ -746,6 +746,7 @@ class Tuner:
         record: TrialRecord | None = None
         retries_left, lost_left = self.options.retries, LOST_NODE_RETRIES
         attempt = 0
+        lost_before = False
         try:
             while True:
                 attempt += 1
@@ -754,7 +755,11 @@ class Tuner:
                     "predicted_step_time": prediction.step_time, "analytic_step_time": planned.perf.step_time,
                 }))
 
-                def on_step(p: StepProgress, number: int = trial.number) -> bool:
+                # a rerun after a lost node is measured in full: its first steps follow the node's
+                # restart, and pruning them against the incumbent would judge the cluster
+                prunable = self.options.prune and not lost_before
+
+                def on_step(p: StepProgress, number: int = trial.number, prunable: bool = prunable) -> bool:
                     nonlocal cancelled, reported
                     emit(TuneEvent("trial_step", number, {"step": p.step, "time": p.time, "warmup": p.warmup,
                                                           "loss": p.loss}))
@@ -765,7 +770,7 @@ class Tuner:
                         return False
                     trial.report(self.plan.training.tokens_per_step / p.time, step=reported)
                     reported += 1
-                    return self.options.prune and trial.should_prune()
+                    return prunable and trial.should_prune()
 
                 started = _now()
                 m = runner(planned.config, on_step)
@@ -791,6 +796,7 @@ class Tuner:
                 emit(TuneEvent("trial_ended", trial.number, record.to_dict(), record))
                 if lost:
                     lost_left -= 1  # the cluster's failure, not the candidate's: rerun it
+                    lost_before = True
                 elif retry:
                     retries_left -= 1
                 else:

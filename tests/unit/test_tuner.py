@@ -494,6 +494,20 @@ def test_a_lost_node_reruns_the_trial_without_using_its_retry(plan: Plan) -> Non
     assert [t.attempt for t in first] == [1, 2, 3, 4]
 
 
+def test_a_rerun_after_a_lost_node_is_not_pruned(plan: Plan) -> None:
+    """A rerun follows a node's restart: pruning its first steps against the incumbent would judge
+    the cluster (the shaped-cluster CI job once pruned such a rerun). The same slow candidates
+    without a lost node are pruned after two steps."""
+    rest = {p.config.label for p in plan.ranked[1:]}
+    world = World(plan, slow=rest, lose_node={label: 1 for label in rest})
+    result = Tuner(plan, TuneOptions(max_trials=3, stop_probability=0.0, retime=0)).run(world)
+    later = [t for t in result.trials if t.number > 0]
+    assert [t.measurement.status for t in later] == ["failed", "ok"] * 2
+    assert all(len(t.measurement.step_times) == 5 for t in later if t.measurement.status == "ok")
+    unlost = Tuner(plan, TuneOptions(max_trials=3, stop_probability=0.0, retime=0)).run(World(plan, slow=rest))
+    assert [t.measurement.status for t in unlost.trials if t.number > 0] == ["pruned"] * 2
+
+
 def test_lost_nodes_are_rerun_a_bounded_number_of_times(plan: Plan) -> None:
     from pipette.tuner import LOST_NODE_RETRIES
 
