@@ -9,7 +9,9 @@
   from this map (``--rank_map``), so any placement runs as planned.
 * ``candidate.json``: the whole candidate (degrees, schedule, recomputation, placement)
   plus model and recipe, which the entry point reads to build the same job.
-* ``launch.sh``: the launch command, with the Python to run it and the trial's rank environment.
+* ``launch.sh``: the launch command, with the Python to run it and the trial's rank environment:
+  the DeepSpeed launcher for Pipette's DeepSpeed runner, ``torchrun`` for its PyTorch-native one
+  (the ``fsdp`` stack: ``workers.rank.fsdp``, no ``ds_config.json``).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import Any
 
 from pipette.cluster import ClusterProfile
 from pipette.config import ParallelConfig
-from pipette.contract import RANK_ENV, TRAIN_ENTRY, extensions_dir
+from pipette.contract import FSDP_ENTRY, RANK_ENV, TRAIN_ENTRY, extensions_dir
 from pipette.memory import trainable_params
 from pipette.model import ModelSpec
 from pipette.stacks import Stack, get_stack
@@ -109,6 +111,36 @@ def hostfile(config: ParallelConfig, cluster: ClusterProfile) -> str:
     return "\n".join(lines) + "\n"
 
 
+def host_name(cluster: ClusterProfile, node: int) -> str:
+    n = cluster.nodes[node]
+    return n.address or n.name
+
+
+def node_selection(blocks: list[tuple[int, list[int]]], cluster: ClusterProfile) -> list[str]:
+    """``NODE_RANK`` (0 on the first node; set it on the others), the devices this node exposes
+    in rank order, and its process count."""
+    if len(blocks) == 1:
+        node, devices = blocks[0]
+        out = ['NODE_RANK="${NODE_RANK:-0}"', f"NPROC={len(devices)}"]
+        if cluster.device_spec.kind == "gpu":
+            out.append(f'export CUDA_VISIBLE_DEVICES="${{CUDA_VISIBLE_DEVICES:-{",".join(map(str, devices))}}}"')
+        return out
+    cases = []
+    for i, (node, devices) in enumerate(blocks):
+        visible = f" CUDA_VISIBLE_DEVICES={','.join(map(str, devices))};" if cluster.device_spec.kind == "gpu" else ""
+        cases.append(f"    {i}) NPROC={len(devices)};{visible} ;;  # {host_name(cluster, node)}")
+    hosts = ", ".join(f"{i}={host_name(cluster, n)}" for i, (n, _) in enumerate(blocks))
+    return [
+        f"# Run this on every node with NODE_RANK set: {hosts}.",
+        'NODE_RANK="${NODE_RANK:?set NODE_RANK to the index of this node: ' + hosts + '}"',
+        'case "$NODE_RANK" in',
+        *cases,
+        f'    *) echo "NODE_RANK must be 0..{len(blocks) - 1}" >&2; exit 1 ;;',
+        "esac",
+        *(["export CUDA_VISIBLE_DEVICES"] if cluster.device_spec.kind == "gpu" else []),
+    ]
+
+
 #: How ``launch.sh`` finds its Python: ``$PIPETTE_PYTHON`` holds the interpreter.
 PYTHON_VAR = "PIPETTE_PYTHON"
 
@@ -184,33 +216,95 @@ def launch_command(config: ParallelConfig, cluster: ClusterProfile, out_dir: str
     return " ".join(parts)
 
 
+_HAS_FSDP_RUNNER = ('import importlib.util as u, sys;'
+    ' sys.exit(not (u.find_spec("torch") and u.find_spec("workers.rank.fsdp")))')
+
+
+def runner_nodes(config: ParallelConfig, cluster: ClusterProfile) -> list[tuple[int, list[int]]]:
+    """(node, its local device indices in rank order) for each node the candidate uses, nodes in
+    ascending order: the order ``workers.rank.train.pipette_rank`` reads a launcher's node rank in."""
+    here: dict[int, list[int]] = {}
+    for device in config.devices():
+        d = cluster.devices[device]
+        here.setdefault(d.node, []).append(d.local_index)
+    return sorted(here.items())
+
+
+def native_command(config: ParallelConfig, cluster: ClusterProfile) -> str:
+    """The ``torchrun`` (``torch.distributed.run``) line that starts Pipette's PyTorch-native runner
+    (the ``fsdp`` stack) on a node, run from the launch files' folder: on one node with its process
+    count written in; on several with ``$NPROC`` and ``$NODE_RANK`` (``native_lines`` sets them).
+    ``rank_map.json`` renumbers each process to its rank in the candidate's placement."""
+    blocks = runner_nodes(config, cluster)
+    one = len(blocks) == 1
+    master = "127.0.0.1" if one else host_name(cluster, blocks[0][0])
+    nproc, node = (str(len(blocks[0][1])), "0") if one else ('"$NPROC"', '"$NODE_RANK"')
+    return (f'"${{{PYTHON_VAR}:-python3}}" -m torch.distributed.run --nnodes {len(blocks)} --nproc_per_node {nproc} '
+            f'--node_rank {node} --master_addr {shlex.quote(master)} --master_port "${{MASTER_PORT:-29500}}" '
+            f"-m {FSDP_ENTRY} --candidate candidate.json --rank_map rank_map.json")
+
+
+def native_lines(config: ParallelConfig, cluster: ClusterProfile) -> list[str]:
+    """``launch.sh``'s lines for the native runner: which node this is and the devices it shows
+    the ranks (``node_selection``; on one node only the devices), then ``native_command``."""
+    blocks = runner_nodes(config, cluster)
+    selection = node_selection(blocks, cluster)
+    if len(blocks) == 1:
+        selection = [line for line in selection if "CUDA_VISIBLE_DEVICES" in line]
+    return [*selection, native_command(config, cluster)]
+
+
+def stack_launch_command(config: ParallelConfig, cluster: ClusterProfile, stack: str | Stack | None = None,
+                         out_dir: str = ".") -> str | None:
+    """The command that launches ``config`` on ``stack``: the DeepSpeed launcher line of Pipette's
+    DeepSpeed runner, the ``torchrun`` line of its native one (``fsdp``; on several nodes, what to
+    run on each), or None where Pipette writes no launcher (megatron, a stack's option the
+    runner does not run)."""
+    chosen = get_stack(stack)
+    if "launch.sh" not in chosen.launch_files:
+        return None
+    if chosen.name != "fsdp":
+        return launch_command(config, cluster, out_dir)
+    blocks = runner_nodes(config, cluster)
+    if len(blocks) == 1:
+        return native_command(config, cluster)
+    hosts = ", ".join(f"NODE_RANK={i} on {host_name(cluster, n)}" for i, (n, _) in enumerate(blocks))
+    return f"./launch.sh on every node, with {hosts}"
+
+
 def launch_script(config: ParallelConfig, cluster: ClusterProfile, python: str | None = None,
                   stack: Stack | None = None) -> str:
-    """``launch.sh``: finds a Python that has DeepSpeed and Pipette's workers
-    (``$PIPETTE_PYTHON``, else ``python`` (by default the interpreter writing the file), else
-    ``python3`` on PATH), or says in one line how to give one; sets what the trial's ranks had
-    (``RANK_ENV``; ``DS_ACCELERATOR=cpu`` on CPU devices); then runs ``launch_command``."""
+    """``launch.sh``: finds a Python that has the runner (``$PIPETTE_PYTHON``, else ``python``
+    (by default the interpreter writing the file), else ``python3`` on PATH), or says in one
+    line how to give one; sets what the trial's ranks had (``RANK_ENV``; ``DS_ACCELERATOR=cpu``
+    on CPU devices); then runs ``launch_command`` (the DeepSpeed runner) or ``native_lines``
+    (the ``fsdp`` stack: Pipette's PyTorch-native runner under ``torchrun``, as its trials ran)."""
+    chosen = get_stack(stack)
+    native = chosen.name == "fsdp"
     tries = [p for p in (python or sys.executable, "python3") if p]
     env = dict(RANK_ENV)
-    if cluster.device_spec.kind == "cpu":
+    if cluster.device_spec.kind == "cpu" and not native:
         env["DS_ACCELERATOR"] = "cpu"
     exports = " ".join(f'{k}="${{{k}:-{v}}}"' for k, v in env.items())
+    what = "torch and Pipette's workers" if native else "DeepSpeed and Pipette's workers"
+    found = python_finder(_HAS_FSDP_RUNNER if native else _HAS_STACK, tries,
+                          f"launch.sh: no Python here has {what} (tried ${{{PYTHON_VAR}:-{' '.join(tries)}}}); "
+                          f"set {PYTHON_VAR} to the python of the environment Pipette is installed in, "
+                          f"e.g. {PYTHON_VAR}=/path/to/.venv/bin/python ./launch.sh")
+    run = native_lines(config, cluster) if native else [*build_tool_lines(), launch_command(config, cluster, ".")]
     return "\n".join([
         "#!/usr/bin/env bash",
         f"# Pipette: {config.label} on {cluster.world} x {cluster.device_spec.name} ({cluster.name}), "
-        f"stack {get_stack(stack).key}.",
+        f"stack {chosen.key}.",
         "# Run as ./launch.sh from anywhere; MASTER_PORT=N ./launch.sh picks another rendezvous port.",
         "set -euo pipefail",
         'cd "$(dirname "$0")"',
-        f"# The Python with DeepSpeed and Pipette's workers: ${PYTHON_VAR}, else the one that wrote",
+        f"# The Python with {what}: ${PYTHON_VAR}, else the one that wrote",
         "# this file, else python3 on PATH.",
-        *python_finder(_HAS_STACK, tries, f"launch.sh: no Python here has DeepSpeed and Pipette\'s workers (tried "
-                       f"${{{PYTHON_VAR}:-{' '.join(tries)}}}); set {PYTHON_VAR} to the python of the environment "
-                       f"Pipette is installed in, e.g. {PYTHON_VAR}=/path/to/.venv/bin/python ./launch.sh"),
+        *found,
         "# What each trial rank ran with, so the launch runs at the trial's speed.",
         f"export {PYTHON_VAR} {exports}",
-        *build_tool_lines(),
-        launch_command(config, cluster, out_dir="."),
+        *run,
         "",
     ])
 

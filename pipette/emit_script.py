@@ -32,6 +32,8 @@ from pipette.cluster import ClusterProfile
 from pipette.config import ParallelConfig
 from pipette.contract import RANK_ENV
 from pipette.emit import PYTHON_VAR, build_tool_lines, deepspeed_config, python_finder, rank_map
+from pipette.emit import host_name as _host
+from pipette.emit import node_selection as _node_selection
 from pipette.model import ModelSpec
 from pipette.script import ScriptSpec, script_ds_config, sharded
 from pipette.script_fsdp import (
@@ -56,11 +58,6 @@ def node_blocks(config: ParallelConfig, cluster: ClusterProfile) -> list[tuple[i
             out.append((d.node, []))
         out[-1][1].append(d.local_index)
     return out
-
-
-def _host(cluster: ClusterProfile, node: int) -> str:
-    n = cluster.nodes[node]
-    return n.address or n.name
 
 
 def accelerate_config(config: ParallelConfig, cluster: ClusterProfile) -> str:
@@ -190,31 +187,6 @@ def launch_deepspeed(config: ParallelConfig, cluster: ClusterProfile, training: 
 
 def _master(blocks: list[tuple[int, list[int]]], cluster: ClusterProfile) -> str:
     return _host(cluster, blocks[0][0]) if len(blocks) > 1 else "127.0.0.1"
-
-
-def _node_selection(blocks: list[tuple[int, list[int]]], cluster: ClusterProfile) -> list[str]:
-    """``NODE_RANK`` (0 on the first node; set it on the others), the devices this node exposes
-    in rank order, and its process count."""
-    if len(blocks) == 1:
-        node, devices = blocks[0]
-        out = ['NODE_RANK="${NODE_RANK:-0}"', f"NPROC={len(devices)}"]
-        if cluster.device_spec.kind == "gpu":
-            out.append(f'export CUDA_VISIBLE_DEVICES="${{CUDA_VISIBLE_DEVICES:-{",".join(map(str, devices))}}}"')
-        return out
-    cases = []
-    for i, (node, devices) in enumerate(blocks):
-        visible = f" CUDA_VISIBLE_DEVICES={','.join(map(str, devices))};" if cluster.device_spec.kind == "gpu" else ""
-        cases.append(f"    {i}) NPROC={len(devices)};{visible} ;;  # {_host(cluster, node)}")
-    hosts = ", ".join(f"{i}={_host(cluster, n)}" for i, (n, _) in enumerate(blocks))
-    return [
-        f"# Run this on every node with NODE_RANK set: {hosts}.",
-        'NODE_RANK="${NODE_RANK:?set NODE_RANK to the index of this node: ' + hosts + '}"',
-        'case "$NODE_RANK" in',
-        *cases,
-        f'    *) echo "NODE_RANK must be 0..{len(blocks) - 1}" >&2; exit 1 ;;',
-        "esac",
-        *(["export CUDA_VISIBLE_DEVICES"] if cluster.device_spec.kind == "gpu" else []),
-    ]
 
 
 def write_script_launch_files(

@@ -43,6 +43,9 @@ DEFAULT_STACK = "pipette"
 DEEPSPEED_FILES = ("ds_config.json", "hostfile", "rank_map.json", "candidate.json", "launch.sh")
 #: The launch files of a stack Pipette writes no config for: the candidate and where ranks go.
 CANDIDATE_FILES = ("candidate.json", "hostfile", "rank_map.json")
+#: The launch files of Pipette's PyTorch-native runner (the ``fsdp`` stack): ``launch.sh`` runs it
+#: with ``torchrun``; no DeepSpeed config.
+NATIVE_FILES = (*CANDIDATE_FILES, "launch.sh")
 #: Options a stack may offer, with what they mean.
 OPTIONS: dict[str, str] = {
     "compile": "torch.compile of the model (fused elementwise kernels)",
@@ -375,7 +378,7 @@ FSDP = Stack(
     constants=FSDP_CONSTANTS, cpu_constants=FSDP_CPU_CONSTANTS,
     memory_options=FSDP_OPTIONS, gpu_fits_prior=FSDP_GPU,
     tensor_parallel=True, pipeline_parallel=True, zero_stages=(0, 2, 3), schedules=("1f1b", "interleaved"),
-    recompute=("none", "selective", "full"), launch_files=CANDIDATE_FILES,
+    recompute=("none", "selective", "full"), launch_files=NATIVE_FILES,
     available_options=("compile", "fp8", "fp8-rowwise", "async-tp"), async_tp_overlap=FSDP_ASYNC_TP_OVERLAP,
     fp8_rowwise_efficiency=FSDP_FP8_ROWWISE_EFFICIENCY,
     runner_runs=True, hsdp=True, offload=True, native_rules=True, sharded_pipeline=True,
@@ -419,7 +422,10 @@ def get_stack(stack: str | Stack | None, *, field: str = "stack") -> Stack:
         constants = replace(constants, tp_overlap=found.async_tp_overlap)
     if "alloc-pressure" in chosen and found.memory_pressure is not None:
         constants = replace(constants, memory_pressure=replace(found.memory_pressure, options=memory))
-    return replace(found, options=chosen, constants=constants, memory_options=memory)
+    # the runner runs no option (check_runner_runs): a launch.sh of it would not run what was priced
+    files = tuple(f for f in found.launch_files if f != "launch.sh") if chosen and found.runner_runs \
+        else found.launch_files
+    return replace(found, options=chosen, constants=constants, memory_options=memory, launch_files=files)
 
 
 #: Between the stacks of a plan that ranks several side by side: ``pipette,fsdp``.
@@ -509,6 +515,7 @@ __all__ = [
     "MEGATRON",
     "MEGATRON_PRESSURE",
     "MODELLED_OPTIONS",
+    "NATIVE_FILES",
     "OPTIONS",
     "PIPETTE",
     "PIPETTE_CPU_CONSTANTS",

@@ -324,7 +324,8 @@ class BestOut(BaseModel):
     job_id: str
     trial: TrialOut
     config: dict[str, Any]
-    ds_config: dict[str, Any]
+    #: None for a job that runs no DeepSpeed (Pipette's native runner, the fsdp stack)
+    ds_config: dict[str, Any] | None
     launch_command: str
     hostfile: str
     rank_map: list[dict[str, Any]]

@@ -48,7 +48,7 @@ def add_parser(sub: Any) -> None:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from pipette.clusterfile import load_cluster
-    from pipette.emit import launch_command, write_launch_files
+    from pipette.emit import stack_launch_command, write_launch_files
     from pipette.fits import memory_headroom
     from pipette.plan import DEFAULT_MARGIN, make_plan
     from pipette.stacks import get_stacks
@@ -83,9 +83,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         out = plan.to_dict(top=top)
         out["planning_seconds"] = elapsed
         out["files"] = files
-        # a stack Pipette writes no launcher for (megatron, fsdp) has no launch command
-        out["launch_command"] = launch_command(plan.best.config, cluster, args.out) \
-            if "launch.sh" in stack.launch_files else None
+        # a stack Pipette writes no launcher for (megatron, an option its runner does not run): None
+        out["launch_command"] = stack_launch_command(plan.best.config, cluster, stack, args.out)
         json.dump(out, sys.stdout, indent=2)
         sys.stdout.write("\n")
         return EXIT_OK

@@ -15,12 +15,12 @@ from sqlalchemy.orm import Session
 
 from pipette.clusterfile import cluster_from_dict
 from pipette.config import ParallelConfig
-from pipette.emit import deepspeed_config, hostfile, launch_command, rank_map, write_launch_files
+from pipette.emit import deepspeed_config, hostfile, rank_map, stack_launch_command, write_launch_files
 from pipette.emit_script import fsdp_script_files, write_script_launch_files
 from pipette.model import ModelSpec
 from pipette.plan import check_recipe
 from pipette.script import ScriptSpec, bind_stack, script_ds_config
-from pipette.stacks import get_stacks, stacks_key, stacks_to_tune
+from pipette.stacks import Stack, get_stacks, stacks_key, stacks_to_tune
 from pipette.training import TrainingSpec
 from service.deps import AppState, Caller, State
 from service.errors import NotFoundError
@@ -206,14 +206,19 @@ def read_best(job_id: JobId, state: State, caller: Caller) -> BestOut:
         best = _best_parts(session, job)
     url = job_url(job_id)
     script: ScriptSpec | None = best["script"]
-    ds = deepspeed_config(best["training"], best["config"], model=best["model"])
-    command = launch_command(best["config"], best["cluster"], out_dir=".")
-    names = _file_names(best, script)
+    stack = _best_stack(job, best)
+    names = _file_names(best, script, stack)
+    deepspeed = deepspeed_config(best["training"], best["config"], model=best["model"])
+    ds: dict[str, Any] | None = deepspeed
+    command = stack_launch_command(best["config"], best["cluster"], stack) or (
+        f"with {stack.frameworks}, from candidate.json (Pipette writes no launcher for {stack.key})")
     if script is not None and script.fsdp:  # its FSDP settings are in its own files (pipette.script_fsdp)
         command = " or ".join(f"./{n}" for n in names if n.startswith("launch-"))
     elif script is not None:
-        ds = script_ds_config(ds, script)
+        ds = script_ds_config(deepspeed, script)
         command = "./launch-torchrun.sh (or ./launch-deepspeed.sh, ./launch-accelerate.sh)"
+    if "ds_config.json" not in names:
+        ds = None  # a job that runs no DeepSpeed (the fsdp stack): no DeepSpeed config to show
     return BestOut(
         job_id=job_id, trial=trial_out(best["trial"]), config=best["config"].to_dict(), ds_config=ds,
         launch_command=command,
@@ -222,11 +227,18 @@ def read_best(job_id: JobId, state: State, caller: Caller) -> BestOut:
     )
 
 
-def _file_names(best: dict[str, Any], script: ScriptSpec | None) -> tuple[str, ...]:
-    """The launch files of the best configuration: Pipette's runner's, a DeepSpeed script's, or an
-    FSDP script's (which depend on its kind and the candidate)."""
+def _best_stack(job: Job, best: dict[str, Any]) -> Stack:
+    """The stack that ran the best candidate (its own, in a job over several stacks)."""
+    stacks = get_stacks(job.options.get("stack"))
+    return next((s for s in stacks if s.key == best["config"].stack), stacks[0])
+
+
+def _file_names(best: dict[str, Any], script: ScriptSpec | None, stack: Stack) -> tuple[str, ...]:
+    """The launch files of the best configuration: Pipette's runner's for its stack (DeepSpeed's,
+    or the native runner's without ``ds_config.json``), a DeepSpeed script's, or an FSDP script's
+    (which depend on its kind and the candidate)."""
     if script is None:
-        return FILES
+        return tuple(n for n in FILES if n in stack.launch_files)
     if not script.fsdp:
         return SCRIPT_FILES
     return tuple(fsdp_script_files(best["model"], best["training"], best["config"], best["cluster"], script))
@@ -243,14 +255,12 @@ def download_best_file(job_id: JobId, name: FileName, state: State, caller: Call
         job = repo.get_job(session, caller.tenant, job_id)
         best = _best_parts(session, job)
     script: ScriptSpec | None = best["script"]
-    if name not in _file_names(best, script):
+    stack = _best_stack(job, best)
+    if name not in _file_names(best, script, stack):
         kind = "a job of its own script" if script is not None else "a job of Pipette's runner"
         raise NotFoundError(f"{name} is not a file of {kind}", field="name",
                             fix="use a name from the files of GET /v1/jobs/{id}/best")
     extra = {"job_id": job_id, "trial": best["trial"].number}
-    # the stack that ran the best candidate (its own, in a job over several stacks)
-    stacks = get_stacks(job.options.get("stack"))
-    stack = next((s for s in stacks if s.key == best["config"].stack), stacks[0])
     with tempfile.TemporaryDirectory(prefix="pipette-best-") as tmp:
         if script is not None:
             written = write_script_launch_files(tmp, best["model"], best["training"], best["config"],

@@ -4,6 +4,7 @@ runner, one the runner does not run) with the field and the fix."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -81,3 +82,54 @@ def test_plan_and_job_take_several_stacks_side_by_side(api: Api) -> None:
     assert api.client.get(f"/v1/jobs/{accepted.json()['id']}", headers=h).json()["stack"] == "pipette,fsdp"
     twice = api.client.post("/v1/jobs", json=_job(stack="fsdp,fsdp"), headers=h)
     assert twice.status_code == 422 and twice.json()["error"]["field"] == "stack", twice.text
+
+
+def test_the_best_of_an_fsdp_trial_is_launched_with_torchrun_and_has_no_deepspeed_config(api: Api) -> None:
+    """A job over both families whose best trial ran on the fsdp stack: GET /best gives its torchrun
+    command (Pipette's native runner) and no DeepSpeed config, its files are that stack's, each one
+    downloads, and asking for ds_config.json is a 404 naming the field. The trial's record is stored
+    as the driver stores one (``end_trial``); the figures in it are a recorded trial's kind."""
+    from pathlib import Path
+
+    from pipette.clusterfile import load_cluster
+    from pipette.measurement import Measurement
+    from pipette.model import ModelSpec
+    from pipette.plan import make_plan
+    from pipette.training import TrainingSpec
+    from pipette.trials import TrialRecord
+    from service.models import Cluster, Job, utcnow
+    from service.repositories.clusters import request_profile
+    from service.repositories.trials import end_trial
+
+    h = api.token()
+    cluster = api.local_cluster(h, devices=4)
+    accepted = api.client.post("/v1/jobs", json=_job(stack="pipette,fsdp"), headers=h)
+    assert accepted.status_code == 202, accepted.text
+    job_id = accepted.json()["id"]
+    profile = load_cluster(str(Path(__file__).resolve().parents[2] / "examples" / "clusters" / "cpu-4.yaml"))
+    training = TrainingSpec.from_dict(_job()["training"])
+    plan = make_plan(ModelSpec.preset("tiny-llama"), training, profile, stack="pipette,fsdp")
+    planned = next(p for p in plan.ranked if p.config.stack == "fsdp")
+    record = TrialRecord(0, planned.config, Measurement("ok", (0.21, 0.20, 0.22), training.tokens_per_step),
+                         planned.perf, planned.memory, planned.perf.step_time, 0.1, stack="fsdp")
+    with api.db.write() as session:
+        row = request_profile(session, session.get(Cluster, cluster["id"]))
+        row.state, row.profile, row.finished_at = "succeeded", profile.to_dict(), utcnow()
+        session.flush()
+        job = session.get(Job, job_id)
+        job.profile_id = row.id
+        end_trial(session, job_id, record)
+        job.best = {"trial": 0, "label": record.label, "config": record.config.to_dict(),
+                    "measured_step_time": 0.21, "tokens_per_s": training.tokens_per_step / 0.21,
+                    "predicted_step_time": record.predicted_step_time}
+
+    best = api.client.get(f"/v1/jobs/{job_id}/best", headers=h).json()
+    assert best["config"]["stack"] == "fsdp" and best["ds_config"] is None, best
+    assert "-m torch.distributed.run" in best["launch_command"] and "-m workers.rank.fsdp" in best["launch_command"]
+    assert sorted(best["files"]) == ["candidate.json", "hostfile", "launch.sh", "rank_map.json"]
+    files = {name: api.client.get(link, headers=h) for name, link in best["files"].items()}
+    assert all(r.status_code == 200 for r in files.values()), {n: r.text for n, r in files.items()}
+    assert best["launch_command"] in files["launch.sh"].text and "deepspeed" not in files["launch.sh"].text
+    assert json.loads(files["candidate.json"].text)["stack"]["name"] == "fsdp"
+    missing = api.client.get(f"/v1/jobs/{job_id}/best/files/ds_config.json", headers=h)
+    assert missing.status_code == 404 and missing.json()["error"]["field"] == "name", missing.text

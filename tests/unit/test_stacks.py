@@ -171,6 +171,44 @@ def test_launch_files_per_stack_name_it(tmp_path: Path) -> None:
     assert get_stack("fsdp+compile+fp8").options_note is None  # fsdp prices compile (CompileTerms)
 
 
+def test_the_native_runner_gets_a_torchrun_launch(tmp_path: Path) -> None:
+    """An fsdp pick runs Pipette's PyTorch-native runner: ``launch.sh`` starts it with torchrun (no
+    DeepSpeed config); with an option the runner does not run (compile) no launcher is written;
+    across nodes each node is told its NODE_RANK in the order the rank map numbers them."""
+    from pipette.emit import stack_launch_command
+
+    cfg = replace(make_plan(MODEL, TRAINING, A100S, optimize_top=1, stack="fsdp").best.config, placement=None)
+    files = write_launch_files(tmp_path / "f", MODEL, TRAINING, cfg, A100S, stack="fsdp")
+    assert set(files) == {"hostfile", "rank_map.json", "candidate.json", "launch.sh"}
+    launch = files["launch.sh"].read_text()
+    assert "-m torch.distributed.run" in launch and "-m workers.rank.fsdp" in launch and "deepspeed" not in launch
+    nodes = sorted({A100S.devices[d].node for d in cfg.devices()})
+    assert len(nodes) == 2  # the plan's pick spans both nodes: the one-node command is the CPU launch test's
+    assert stack_launch_command(cfg, A100S, "fsdp") == "./launch.sh on every node, with NODE_RANK=0 on node0, " \
+        "NODE_RANK=1 on node1"
+    assert "--nnodes 2" in launch and 'case "$NODE_RANK" in' in launch and "--master_addr node0" in launch
+    assert "DS_ACCELERATOR" not in launch and "TORCH_EXTENSIONS_DIR" not in launch
+    compiled = write_launch_files(tmp_path / "c", MODEL, TRAINING, cfg, A100S, stack="fsdp+compile")
+    assert set(compiled) == {"hostfile", "rank_map.json", "candidate.json"}
+    assert stack_launch_command(cfg, A100S, "fsdp+compile") is None
+    assert stack_launch_command(cfg, A100S, "megatron") is None
+    assert "deepspeed.launcher.runner" in (stack_launch_command(cfg, A100S, "pipette") or "")
+
+
+def test_the_native_launch_names_each_node_in_the_rank_maps_order() -> None:
+    """Two nodes, the ranks placed on node 1 first: torchrun's node rank 0 is node 0 all the same
+    (``workers.rank.train.pipette_rank`` reads the nodes in ascending order), showing its devices
+    in rank order."""
+    from pipette.emit import native_lines, runner_nodes
+
+    cluster = homogeneous_cluster("A100-80GB", 2, 2, 300e9, 25e9)
+    cfg = ParallelConfig(tp=2, pp=1, dp=2, mbs=1, global_batch=8, placement=(3, 2, 1, 0), stack="fsdp")
+    assert runner_nodes(cfg, cluster) == [(0, [1, 0]), (1, [1, 0])]
+    lines = "\n".join(native_lines(cfg, cluster))
+    assert "0) NPROC=2; CUDA_VISIBLE_DEVICES=1,0; ;;" in lines and "1) NPROC=2; CUDA_VISIBLE_DEVICES=1,0; ;;" in lines
+    assert '--nnodes 2 --nproc_per_node "$NPROC" --node_rank "$NODE_RANK"' in lines
+
+
 # ---- the command line -------------------------------------------------------------------
 
 def pipette(*args: str) -> subprocess.CompletedProcess[str]:
@@ -191,7 +229,10 @@ def test_plan_stack_flag_is_shown_and_written(tmp_path: Path) -> None:
     r = pipette(*PLAN, "--stack", "fsdp", "--json", "--no-files")
     assert r.returncode == 0, r.stderr
     data = json.loads(r.stdout)
-    assert data["stack"]["name"] == "fsdp" and data["launch_command"] is None
+    # Pipette's native runner runs an fsdp pick (torchrun); with compile, which it does not run, nothing
+    assert data["stack"]["name"] == "fsdp" and data["launch_command"].startswith("./launch.sh on every node")
+    r = pipette(*PLAN, "--stack", "fsdp+compile", "--json", "--no-files")
+    assert r.returncode == 0 and json.loads(r.stdout)["launch_command"] is None, r.stderr
 
 
 @pytest.mark.parametrize(("stack", "words"), [

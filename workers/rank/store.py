@@ -35,10 +35,12 @@ def listen_on(host: str, port: int) -> socket.socket:
 
 
 def rendezvous_store(world: int, is_master: bool, timeout: timedelta) -> dist.TCPStore:
-    """The store at ``MASTER_ADDR:MASTER_PORT``; rank 0 serves it on that address only."""
+    """The store at ``MASTER_ADDR:MASTER_PORT``; rank 0 serves it on that address only. Under
+    torchrun (``TORCHELASTIC_USE_AGENT_STORE``) the first node's agent serves it there already,
+    and every rank is a client, as ``torch.distributed.rendezvous._create_c10d_store`` does."""
     host = os.environ.get("MASTER_ADDR", "127.0.0.1")
     port = int(os.environ.get("MASTER_PORT", "29500"))
-    if not is_master:
+    if not is_master or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         return dist.TCPStore(host, port, world, is_master=False, timeout=timeout)
     try:
         sock = listen_on(host, port)

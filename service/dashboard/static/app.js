@@ -355,18 +355,18 @@ async function jobPage(pg, id) {
   function renderBest() {
     const b = st.best;
     if (!b) { fill(bestPanel, bestPanel.firstChild, h('p', { class: 'muted', text: 'No successful trial yet.' })); return; }
-    const c = b.config, ds = JSON.stringify(b.ds_config, null, 2);
+    const c = b.config, ds = b.ds_config ? JSON.stringify(b.ds_config, null, 2) : null;
     fill(bestPanel, bestPanel.firstChild,
       h('p', {}, h('b', { class: 'mono', id: 'best-label', text: b.trial.label }),
         ` — trial ${b.trial.number}: ${fmt.seconds(b.trial.measured_step_time)}/step, ${fmt.rate(b.trial.tokens_per_s)} tokens/s`),
       h('div', { class: 'kv' }, ...[['tp × pp × dp', `${c.tp} × ${c.pp} × ${c.dp}`], ['micro-batch × grad accum', `${c.mbs} × ${c.grad_accum}`],
         ['ZeRO stage', c.zero_stage], ['recompute', c.recompute], ['schedule', c.virtual_stages > 1 ? `${c.schedule} (v=${c.virtual_stages})` : c.schedule],
         ['placement (rank → device)', JSON.stringify(c.placement)]].flatMap(([k, v]) => [h('span', { class: 'k', text: k }), h('span', { class: 'mono', text: String(v) })])),
-      h('h2', { text: 'ds_config.json' }), h('pre', { class: 'code', id: 'best-ds', text: ds }),
+      ...(ds ? [h('h2', { text: 'ds_config.json' }), h('pre', { class: 'code', id: 'best-ds', text: ds })] : []),
       h('h2', { text: 'Launch command' }), h('pre', { class: 'code', id: 'best-launch', text: b.launch_command }),
       h('h2', { text: 'hostfile' }), h('pre', { class: 'code', id: 'best-hostfile', text: b.hostfile }),
       h('div', { class: 'buttons' },
-        h('button', { type: 'button', id: 'copy-ds', text: 'Copy ds_config.json', onclick: () => copyText(ds, 'ds_config.json') }),
+        ...(ds ? [h('button', { type: 'button', id: 'copy-ds', text: 'Copy ds_config.json', onclick: () => copyText(ds, 'ds_config.json') })] : []),
         h('button', { type: 'button', id: 'copy-launch', text: 'Copy launch command', onclick: () => copyText(b.launch_command, 'the launch command') }),
         ...Object.entries(b.files).map(([name, url]) => h('button', { type: 'button', class: 'download', 'data-file': name, text: `Download ${name}`,
           onclick: () => download(url, name).catch((e) => toast(e.message)) }))));
