@@ -53,20 +53,7 @@ def test_emitted_launch_runs_the_trials_job(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "OMP_NUM_THREADS", "VIRTUAL_ENV", "PYTHONPATH")}
     env |= {"PATH": path, "MASTER_PORT": str(port)}
     assert subprocess.run(["bash", "-c", "command -v deepspeed"], env=env, capture_output=True).returncode != 0
-    launcher = subprocess.Popen(["bash", "-c", f"(cd {tmp_path} && ./launch.sh)"], cwd="/", env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        out, err = launcher.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        os.killpg(launcher.pid, signal.SIGKILL)
-        out, err = launcher.communicate()
-        pytest.fail("the launch ran past 240 s:\n" + out[-3000:] + err[-3000:])
-    finally:  # the launcher and its ranks share its session: leave nothing running
-        try:
-            os.killpg(launcher.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    assert launcher.returncode == 0, out[-3000:] + err[-3000:]
+    out, _ = _run(files, env)
     events = [json.loads(line[len(EVENT_PREFIX):]) for line in out.splitlines() if line.startswith(EVENT_PREFIX)]
 
     ranks = {int(e["launcher_rank"]): e for e in events if e["event"] == "rank"}
@@ -238,7 +225,7 @@ def _run(files: dict[str, Path], env: dict[str, str]) -> tuple[str, str]:
         os.killpg(launcher.pid, signal.SIGKILL)
         out, err = launcher.communicate()
         pytest.fail("the launch ran past 240 s:\n" + out[-3000:] + err[-3000:])
-    finally:
+    finally:  # the launcher and its ranks share its session: leave nothing running
         try:
             os.killpg(launcher.pid, signal.SIGKILL)
         except ProcessLookupError:
