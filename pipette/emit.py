@@ -120,11 +120,7 @@ def node_selection(blocks: list[tuple[int, list[int]]], cluster: ClusterProfile)
     """``NODE_RANK`` (0 on the first node; set it on the others), the devices this node exposes
     in rank order, and its process count."""
     if len(blocks) == 1:
-        node, devices = blocks[0]
-        out = ['NODE_RANK="${NODE_RANK:-0}"', f"NPROC={len(devices)}"]
-        if cluster.device_spec.kind == "gpu":
-            out.append(f'export CUDA_VISIBLE_DEVICES="${{CUDA_VISIBLE_DEVICES:-{",".join(map(str, devices))}}}"')
-        return out
+        return ['NODE_RANK="${NODE_RANK:-0}"', f"NPROC={len(blocks[0][1])}", *visible_devices(blocks[0][1], cluster)]
     cases = []
     for i, (node, devices) in enumerate(blocks):
         visible = f" CUDA_VISIBLE_DEVICES={','.join(map(str, devices))};" if cluster.device_spec.kind == "gpu" else ""
@@ -139,6 +135,14 @@ def node_selection(blocks: list[tuple[int, list[int]]], cluster: ClusterProfile)
         "esac",
         *(["export CUDA_VISIBLE_DEVICES"] if cluster.device_spec.kind == "gpu" else []),
     ]
+
+
+def visible_devices(devices: list[int], cluster: ClusterProfile) -> list[str]:
+    """On a GPU node, the line that shows a one-node launch's ranks ``devices`` in rank order
+    (unless ``CUDA_VISIBLE_DEVICES`` is set already); nothing on CPU devices."""
+    if cluster.device_spec.kind != "gpu":
+        return []
+    return [f'export CUDA_VISIBLE_DEVICES="${{CUDA_VISIBLE_DEVICES:-{",".join(map(str, devices))}}}"']
 
 
 #: How ``launch.sh`` finds its Python: ``$PIPETTE_PYTHON`` holds the interpreter.
@@ -248,22 +252,20 @@ def native_lines(config: ParallelConfig, cluster: ClusterProfile) -> list[str]:
     """``launch.sh``'s lines for the native runner: which node this is and the devices it shows
     the ranks (``node_selection``; on one node only the devices), then ``native_command``."""
     blocks = runner_nodes(config, cluster)
-    selection = node_selection(blocks, cluster)
-    if len(blocks) == 1:
-        selection = [line for line in selection if "CUDA_VISIBLE_DEVICES" in line]
+    selection = visible_devices(blocks[0][1], cluster) if len(blocks) == 1 else node_selection(blocks, cluster)
     return [*selection, native_command(config, cluster)]
 
 
 def stack_launch_command(config: ParallelConfig, cluster: ClusterProfile, stack: str | Stack | None = None,
                          out_dir: str = ".") -> str | None:
     """The command that launches ``config`` on ``stack``: the DeepSpeed launcher line of Pipette's
-    DeepSpeed runner, the ``torchrun`` line of its native one (``fsdp``; on several nodes, what to
-    run on each), or None where Pipette writes no launcher (megatron, a stack's option the
+    DeepSpeed runner, the ``torchrun`` line of its native one (a stack with ``native_rules``: fsdp;
+    on several nodes, what to run on each), or None where Pipette writes no launcher (megatron, a stack's option the
     runner does not run)."""
     chosen = get_stack(stack)
     if "launch.sh" not in chosen.launch_files:
         return None
-    if chosen.name != "fsdp":
+    if not chosen.native_rules:
         return launch_command(config, cluster, out_dir)
     blocks = runner_nodes(config, cluster)
     if len(blocks) == 1:
@@ -280,7 +282,7 @@ def launch_script(config: ParallelConfig, cluster: ClusterProfile, python: str |
     on CPU devices); then runs ``launch_command`` (the DeepSpeed runner) or ``native_lines``
     (the ``fsdp`` stack: Pipette's PyTorch-native runner under ``torchrun``, as its trials ran)."""
     chosen = get_stack(stack)
-    native = chosen.name == "fsdp"
+    native = chosen.native_rules  # the stack Pipette's PyTorch-native runner runs (fsdp)
     tries = [p for p in (python or sys.executable, "python3") if p]
     env = dict(RANK_ENV)
     if cluster.device_spec.kind == "cpu" and not native:

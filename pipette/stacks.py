@@ -332,8 +332,8 @@ FSDP_CPU_CONSTANTS = replace(
     #: fixed time per layer per forward-equivalent pass: FSDP's per-unit hooks and the small ops,
     #: Python-bound on a CPU core (the GPU fit: 1.42e-3)
     layer_overhead_s=5.48e-3,
-    #: memory passes over T x h per layer forward: fitted at its bound, 0 (the per-layer time above
-    #: carries the small ops on this model; the GPU fit: 27.2)
+    #: memory passes over T x h per layer forward: fitted at its bound, 0 (on these runs the
+    #: per-layer time alone fits them; the GPU fit: 27.2)
     elementwise_passes=0.0,
     #: fixed cost of one blocking collective: the tensor-parallel all-reduces (gloo on loopback,
     #: ranks sharing 2 cores; GPU: 0)
@@ -344,8 +344,9 @@ FSDP_CPU_CONSTANTS = replace(
     #: a pipeline hop's fixed cost: fitted at its bound, 0 (the schedule's non-blocking p2p; a
     #: receive's wait is the data dependency the 1F1B formula prices)
     p2p_overhead_s=0.0,
-    #: the bubble's share of wall time: the cpu-4 cluster's 4 ranks share 2 cores, so a stage
-    #: waiting in the bubble partly leaves its core to the stages computing
+    #: the share of the 1F1B bubble that costs wall time on these runs (the dedicated-trial fit put
+    #: it at its bound, 0: the cpu-4 cluster's 4 ranks share 2 cores, so a waiting stage may leave
+    #: its core to the others)
     bubble_share=0.827,
 )
 #: ``fsdp+compile``: the share of the elementwise passes and per-layer overhead left under

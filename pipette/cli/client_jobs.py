@@ -203,10 +203,13 @@ def cmd_best(args: argparse.Namespace) -> int:
     print(f"  placement (rank -> device): {c.get('placement')}")
     if written:
         print(f"\nwrote {', '.join(sorted(written))} to {args.out}{os.sep}")
-        launches = sorted(n for n in written if n.startswith("launch"))
-        print(f"launch: (cd {args.out} && ./launch.sh)" if "launch.sh" in written else
-              f"launch: {' or '.join(f'{args.out}{os.sep}{n}' for n in launches)}" if launches else
-              f"launch: {best['launch_command']}")
+        launches = sorted(n for n in written if n.startswith("launch-"))  # a script's launchers
+        if "launch.sh" in written:
+            print(f"launch: (cd {args.out} && ./launch.sh)")
+        elif launches:
+            print(f"launch: {' or '.join(f'{args.out}{os.sep}{n}' for n in launches)}")
+        else:
+            print(f"launch: {best['launch_command']}")
     else:
         print("\nlaunch command:\n  " + best["launch_command"])
         print("(write the files with -o DIR)")

@@ -208,17 +208,17 @@ def read_best(job_id: JobId, state: State, caller: Caller) -> BestOut:
     script: ScriptSpec | None = best["script"]
     stack = _best_stack(job, best)
     names = _file_names(best, script, stack)
-    deepspeed = deepspeed_config(best["training"], best["config"], model=best["model"])
-    ds: dict[str, Any] | None = deepspeed
+    ds: dict[str, Any] | None = None  # none for a job that runs no DeepSpeed (the fsdp stack, an FSDP script)
+    if "ds_config.json" in names:
+        ds = deepspeed_config(best["training"], best["config"], model=best["model"])
+        if script is not None:
+            ds = script_ds_config(ds, script)
     command = stack_launch_command(best["config"], best["cluster"], stack) or (
         f"with {stack.frameworks}, from candidate.json (Pipette writes no launcher for {stack.key})")
     if script is not None and script.fsdp:  # its FSDP settings are in its own files (pipette.script_fsdp)
         command = " or ".join(f"./{n}" for n in names if n.startswith("launch-"))
     elif script is not None:
-        ds = script_ds_config(deepspeed, script)
         command = "./launch-torchrun.sh (or ./launch-deepspeed.sh, ./launch-accelerate.sh)"
-    if "ds_config.json" not in names:
-        ds = None  # a job that runs no DeepSpeed (the fsdp stack): no DeepSpeed config to show
     return BestOut(
         job_id=job_id, trial=trial_out(best["trial"]), config=best["config"].to_dict(), ds_config=ds,
         launch_command=command,

@@ -190,7 +190,7 @@ def test_the_native_runners_launch_runs_the_fsdp_trials_job(tmp_path: Path) -> N
 
     out, err = _run(files, env)
     # rank 0 joins the store torchrun's agent serves on MASTER_PORT; before, it found the port taken
-    # and fell back to torch's own server, which failed to bind too and used the agent's after all
+    # and fell back to torch's own server, which failed to bind too (torch logged it and went on)
     assert "rendezvous store cannot listen" not in err, err[-2000:]
     events = [json.loads(line[len(EVENT_PREFIX):]) for line in out.splitlines() if line.startswith(EVENT_PREFIX)]
     ranks = {int(e["launcher_rank"]): e for e in events if e["event"] == "rank"}
