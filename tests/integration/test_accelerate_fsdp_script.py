@@ -2,7 +2,11 @@
 (examples/scripts/accelerate_fsdp.py, a plain Accelerate loop) tuned on 2 CPU devices by real
 trials of the ``fsdp`` stack, then its emitted ``launch-accelerate.sh`` run as printed (a bare
 PATH, ``accelerate launch --config_file accelerate_config.yaml``): it trains (the loss falls over
-its 50 steps) at the speed its trial measured, within 15% (the target is 10%: docs/scripts.md)."""
+its 50 steps) at the speed its trial measured, within 10%. This VM's speed drifts by more than
+that over minutes (the same trial measured 0.155 and 0.132 s a step 20 minutes apart, the launch
+1.04-1.05x each: docs/scripts.md), so a launch outside 10% is compared again with a fresh trial
+of the same candidate measured just before it: a gap between the trial path and the launch shows
+in every pair, a drift of the machine does not."""
 
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -24,10 +29,13 @@ ROOT = Path(__file__).resolve().parents[2]
 MODEL = ROOT / "examples" / "scripts" / "tiny-llama" / "config.json"
 #: other sessions' busy cores under which a round's speed counts (of the 2 on the CI machine)
 QUIET_CORES = 0.25
-#: the launch's step time against its trial's: the issue's target is 10%; quiet rounds measured
-#: 0.96-1.01 run alone but 0.88 inside the whole suite (the launch faster: docs/scripts.md), so the
-#: test holds 15% until that gap is understood
-WITHIN = 0.15
+#: the launch's step time against its trial's (the issue's target)
+WITHIN = 0.10
+#: launch rounds at most
+ROUNDS = 4
+#: a trial's timed steps: this VM's steps scatter by ~10% one to the next, so the mean of 10
+#: (the tuner's default 8) moves by ~5% and a launch-to-trial ratio by ~7%; 30 halve that
+STEPS = 30
 
 
 def _env() -> dict[str, str]:
@@ -72,20 +80,43 @@ def _launch(path: Path) -> tuple[list[float], list[float], float]:
     return [float(loss) for loss, _ in steps], [float(t) for _, t in steps], others
 
 
-def test_the_accelerate_fsdp_example_is_tuned_and_its_launch_runs_at_the_trials_speed(tmp_path: Path) -> None:
+def _tune(tmp_path: Path, name: str, *args: str) -> tuple[dict[str, Any], str]:
+    """``pipette tune`` of the Accelerate FSDP example on 2 CPU devices: (its JSON, its stderr)."""
     cluster = tmp_path / "cpu-2.yaml"
     cluster.write_text("name: local-cpu-2\ndevice: {preset: cpu, memory: 5 GiB}\nnodes: 1\ndevices_per_node: 2\n"
                        "intra_node: {bandwidth: 2 GB/s, latency: 50 us}\n")
     done = subprocess.run(
         [sys.executable, "-m", "pipette.cli", "tune", "--cluster", str(cluster), "--model", str(MODEL),
-         "--global-batch", "8", "--seq-len", "64", "--dtype", "fp32", "--steps", "10", "--max-trials", "2",
-         "--retime", "0", "--home", str(tmp_path / "home"), "--out", str(tmp_path / "best"), "--json",
+         "--global-batch", "8", "--seq-len", "64", "--dtype", "fp32", "--steps", str(STEPS), *args,
+         "--retime", "0", "--home", str(tmp_path / f"home-{name}"), "--out", str(tmp_path / name), "--json",
          "--workdir", str(ROOT / "examples" / "scripts"), "--script-kind", "accelerate-fsdp",
          "--script", "python", "accelerate_fsdp.py", "--seq_len", "64", "--learning_rate", "3e-3"],
         capture_output=True, text=True, env=_env(), timeout=400, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "stack fsdp" in done.stderr and "runnable by your script" in done.stderr
-    result = json.loads(done.stdout)
+    return json.loads(done.stdout), done.stderr
+
+
+def _others_in(result: dict[str, Any], label: str) -> float:
+    """The cores other processes kept busy during the trial ``label`` (``pipette.cli.interference``:
+    one figure per trial, in the trials' order)."""
+    cores = result.get("interference", {}).get("others_cores") or []
+    index = [t["label"] for t in result["trials"]].index(label)
+    return float(cores[index]) if index < len(cores) else 0.0
+
+
+def _retrial(tmp_path: Path, cfg: dict[str, Any], n: int) -> tuple[list[float], float]:
+    """A fresh trial of the candidate ``cfg`` (the one candidate the knobs leave): (its step time,
+    the cores other processes kept busy meanwhile)."""
+    result, _ = _tune(tmp_path, f"retrial-{n}", "--max-trials", "1", "--no-memory", "--zero", str(cfg["zero_stage"]),
+                      "--micro-batches", str(cfg["mbs"]), "--recompute", cfg["recompute"])
+    best = result["best"]
+    assert best["config"] == cfg and best["measurement"]["status"] == "ok", best
+    return [float(t) for t in best["measurement"]["step_times"]], _others_in(result, best["label"])
+
+
+def test_the_accelerate_fsdp_example_is_tuned_and_its_launch_runs_at_the_trials_speed(tmp_path: Path) -> None:
+    result, stderr = _tune(tmp_path, "best", "--max-trials", "2")
+    assert "stack fsdp" in stderr and "runnable by your script" in stderr
     for trial in result["trials"]:  # no trial ran without FSDP or with the other sharding
         assert trial["measurement"]["status"] in ("ok", "pruned"), trial["measurement"]["error"]
     best = result["best"]
@@ -99,28 +130,31 @@ def test_the_accelerate_fsdp_example_is_tuned_and_its_launch_runs_at_the_trials_
     assert "distributed_type: FSDP" in yaml_text and "fsdp_version: 2" in yaml_text
     assert f"fsdp_reshard_after_forward: {'true' if cfg['zero_stage'] == 3 else 'false'}" in yaml_text
 
-    trial_step = float(m["step_time"])
+    trial_times, trial_others = [float(t) for t in m["step_times"]], _others_in(result, best["label"])
     # the launch's steps at the trial's positions (after its warm-up): a run speeds up over its
     # first steps (the trial's 10 fell from 0.41 to 0.28 s here), and the launch runs 50
     first, timed = int(m["extra"]["warmup_steps"]), len(m["step_times"])
     # Another session's load slows the launch more than the trial: a launcher's ranks share one
     # session's part of the CPU (Linux's autogroup), a trial's are a session each (docs/scripts.md:
     # 1.59 and 1.79 with a test suite running beside it). The speed is compared on rounds where
-    # other sessions kept under QUIET_CORES busy; the loss must fall in every round.
+    # other processes kept under QUIET_CORES busy during the launch and its trial; the loss must
+    # fall in every round.
     ratios: list[float] = []
     busy: list[float] = []
-    for _ in range(3):
+    for n in range(ROUNDS):
         losses, times, others = _launch(out / "launch-accelerate.sh")
         assert len(losses) == 50, f"{len(losses)} steps"
         k = 10
         assert statistics.fmean(losses[-k:]) < statistics.fmean(losses[:k]) - 0.05, losses
-        ratio = statistics.fmean(times[first:first + timed]) / trial_step
-        print(f"launch / trial step time: {ratio:.3f} (trial {trial_step:.4f} s, {cfg}); "
-              f"other sessions kept {others:.2f} cores busy")
-        (ratios if others < QUIET_CORES else busy).append(ratio)
+        ratio = statistics.fmean(times[first:first + timed]) / statistics.fmean(trial_times)
+        print(f"launch / trial step time: {ratio:.3f} (trial {statistics.fmean(trial_times):.4f} s{' (a fresh trial)' if n else ''}, "
+              f"{cfg}); other processes kept {others:.2f} cores busy in the launch, {trial_others:.2f} in the trial")
+        (ratios if max(others, trial_others) < QUIET_CORES else busy).append(ratio)
         if ratios and abs(ratios[-1] - 1) <= WITHIN:
             break
+        if n + 1 < ROUNDS:  # the next launch against a trial of the same candidate measured just before it
+            trial_times, trial_others = _retrial(tmp_path, cfg, n)
     if not ratios:
-        pytest.skip(f"other sessions kept the machine busy in every round (ratios {busy}): the launch's "
+        pytest.skip(f"other processes kept the machine busy in every round (ratios {busy}): the launch's "
                     "speed is compared on a quiet machine only")
     assert min(abs(r - 1) for r in ratios) <= WITHIN, (ratios, busy)
