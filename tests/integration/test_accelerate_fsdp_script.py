@@ -147,7 +147,8 @@ def test_the_accelerate_fsdp_example_is_tuned_and_its_launch_runs_at_the_trials_
         k = 10
         assert statistics.fmean(losses[-k:]) < statistics.fmean(losses[:k]) - 0.05, losses
         ratio = statistics.fmean(times[first:first + timed]) / statistics.fmean(trial_times)
-        print(f"launch / trial step time: {ratio:.3f} (trial {statistics.fmean(trial_times):.4f} s{' (a fresh trial)' if n else ''}, "
+        fresh = " (a fresh trial)" if n else ""
+        print(f"launch / trial step time: {ratio:.3f} (trial {statistics.fmean(trial_times):.4f} s{fresh}, "
               f"{cfg}); other processes kept {others:.2f} cores busy in the launch, {trial_others:.2f} in the trial")
         (ratios if max(others, trial_others) < QUIET_CORES else busy).append(ratio)
         if ratios and abs(ratios[-1] - 1) <= WITHIN:
