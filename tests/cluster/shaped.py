@@ -138,8 +138,7 @@ class ShapedCluster:
     def down(self) -> None:
         """Stop every process in the cluster's namespaces and delete them. Idempotent."""
         names = [n for n in list_namespaces() if n.startswith(f"{self.prefix}-")]
-        for name in names:
-            kill_namespace(name)
+        kill_namespaces(names)
         for name in names:
             _run(["ip", "netns", "del", name], check=False)
         for h in range(self.hosts):  # veths left in the root namespace by a failed build
@@ -334,16 +333,24 @@ def namespace_of(pid: int) -> str:
 
 def kill_namespace(name: str, grace_s: float = 5.0) -> list[int]:
     """SIGTERM then SIGKILL every process inside namespace ``name`` (and only those)."""
-    pids = namespace_pids(name)
+    return kill_namespaces([name], grace_s)
+
+
+def kill_namespaces(names: list[str], grace_s: float = 5.0) -> list[int]:
+    """``kill_namespace`` of several at once: one grace period for all of them, not one each
+    (the cluster's teardown took 24 s one host after another)."""
+    def alive() -> list[int]:
+        return [pid for name in names for pid in namespace_pids(name)]
+
+    pids = alive()
     if grace_s > 0:
         _signal(pids, signal.SIGTERM)
         deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline and namespace_pids(name):
+        while time.monotonic() < deadline and alive():
             time.sleep(0.2)
-    left = namespace_pids(name)
-    _signal(left, signal.SIGKILL)
+    _signal(alive(), signal.SIGKILL)
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and namespace_pids(name):
+    while time.monotonic() < deadline and alive():
         time.sleep(0.1)
     return pids
 
