@@ -2,7 +2,8 @@
 (examples/scripts/accelerate_fsdp.py, a plain Accelerate loop) tuned on 2 CPU devices by real
 trials of the ``fsdp`` stack, then its emitted ``launch-accelerate.sh`` run as printed (a bare
 PATH, ``accelerate launch --config_file accelerate_config.yaml``): it trains (the loss falls over
-its 50 steps) at the speed its trial measured, within 15% (the target is 10%: docs/scripts.md).
+its 50 steps) at the speed its trial measured, within 15% a pair (the issue's 10% is met by the mean
+over 19 pairs, which one pair cannot resolve here: docs/scripts.md).
 This VM's speed drifts by more than 10% over minutes (the same trial measured 0.155 and
 0.132 s a step 20 minutes apart, the launch 1.04-1.05x each: docs/scripts.md), so a launch
 outside it is compared again with a fresh trial of the same candidate measured just before it: a
@@ -29,9 +30,9 @@ ROOT = Path(__file__).resolve().parents[2]
 MODEL = ROOT / "examples" / "scripts" / "tiny-llama" / "config.json"
 #: other sessions' busy cores under which a round's speed counts (of the 2 on the CI machine)
 QUIET_CORES = 0.25
-#: the launch's step time against its trial's: the issue's target is 10%, but one run of 4 pairs
-#: measured the launch 10-25% faster than a trial run just before it (docs/scripts.md), so the test
-#: holds 15% until that gap is understood
+#: the launch's step time against its trial's. The issue's 10% holds for the mean over pairs (19
+#: pairs: 0.997, 95% interval 0.944-1.052), but one pair on this VM spreads by +-22% (its speed
+#: moves from run to run: docs/scripts.md), so one pair is held to 15%, over up to 4 fresh pairs
 WITHIN = 0.15
 #: launch rounds at most
 ROUNDS = 4
