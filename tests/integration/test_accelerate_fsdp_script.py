@@ -60,9 +60,27 @@ def _session_of(pid: int) -> int | None:
         return None
 
 
+#: what a rank prints when gloo's threads abort it at the interpreter's teardown, after its last step
+#: (about 1 launch in 50 here, docs/scripts.md: "A rare abort at exit")
+TEARDOWN_ABORT = "terminate called without an active exception"
+
+
 def _launch(path: Path) -> tuple[list[float], list[float], float]:
     """Run a launch file as printed, from a bare shell, in a session of its own; (losses, step
-    times) of its steps, and the cores other sessions' processes kept busy meanwhile."""
+    times) of its steps, and the cores other sessions' processes kept busy meanwhile. A launch that
+    finished its 50 steps and then died of gloo's teardown abort is run once more (that one must
+    exit 0)."""
+    first = _launch_once(path)
+    if first[0] is None:
+        print(f"the launch finished its steps, then aborted at exit ({TEARDOWN_ABORT!r}): run once more")
+        again = _launch_once(path)
+        assert again[0] is not None, "the launch aborted at exit twice in a row"
+        return again[0], again[1], again[2]
+    return first[0], first[1], first[2]
+
+
+def _launch_once(path: Path) -> tuple[list[float] | None, list[float], float]:
+    """``_launch`` once: losses None where the launch printed its 50 steps and then aborted at exit."""
     from pipette.cli.interference import cpu_seconds_by_pid
 
     env = {"PATH": "/usr/bin:/bin", "HOME": os.environ.get("HOME", "/root"), "MASTER_PORT": str(_port()),
@@ -78,8 +96,10 @@ def _launch(path: Path) -> tuple[list[float], list[float], float]:
     after, elapsed = cpu_seconds_by_pid(), time.monotonic() - start
     others = sum(max(0.0, t - before.get(pid, 0.0)) for pid, t in after.items()
                  if pid not in launched and pid != os.getpid()) / elapsed
-    assert proc.returncode == 0, text[-3000:]
     steps = re.findall(r"^step \d+ loss ([0-9.]+) time ([0-9.]+)$", text, flags=re.M)
+    if proc.returncode != 0 and len(steps) == 50 and TEARDOWN_ABORT in text:
+        return None, [], others
+    assert proc.returncode == 0, text[-3000:]
     return [float(loss) for loss, _ in steps], [float(t) for _, t in steps], others
 
 
