@@ -337,8 +337,7 @@ def kill_namespace(name: str, grace_s: float = 5.0) -> list[int]:
 
 
 def kill_namespaces(names: list[str], grace_s: float = 5.0) -> list[int]:
-    """``kill_namespace`` of several at once: one grace period for all of them, not one each
-    (the cluster's teardown took 24 s one host after another)."""
+    """``kill_namespace`` of several at once: one grace period for all of them, not one each."""
     def alive() -> list[int]:
         return [pid for name in names for pid in namespace_pids(name)]
 

@@ -116,14 +116,10 @@ def _hung_tune(tmp: Path, timeout_s: int) -> list[str]:
 def _running(script: str) -> bool:
     """Whether a process of this machine runs ``python <script>`` (a script's rank; not the
     ``pipette tune`` that names it among its own arguments)."""
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            argv = cmdline.read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if len(argv) > 1 and argv[1].endswith(script.encode()):
-            return True
-    return False
+    import psutil
+
+    return any(len(argv := p.info["cmdline"] or []) > 1 and argv[1].endswith(script)
+               for p in psutil.process_iter(["cmdline"]))
 
 
 def test_a_hung_scripts_timeout_keeps_its_output_and_ctrl_c_stops_it_at_once(tmp_path: Path) -> None:
