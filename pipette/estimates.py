@@ -21,7 +21,11 @@ TIME_PARTS: tuple[str, ...] = (
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Peak bytes on the heaviest rank (the heaviest pipeline stage)."""
+    """Peak bytes on the heaviest rank (the heaviest pipeline stage), as two figures: the live
+    tensors (``live_bytes``, what ``torch.cuda.max_memory_allocated`` reports) and what the device
+    must hold (``peak_bytes`` = ``reserved_bytes``: the live tensors, the caching allocator's
+    fragmentation and short-lived blocks, library workspaces; on a CPU rank the interpreter's
+    resident memory). Capacity is compared with the reserved figure."""
 
     peak_bytes: int
     capacity_bytes: int
@@ -30,6 +34,16 @@ class MemoryEstimate:
     notes: tuple[str, ...] = field(default=())
     #: bytes of this rank held in host memory, not the device's (FSDP2's CPU offload); 0: none
     host_bytes: int = 0
+
+    @property
+    def reserved_bytes(self) -> int:
+        """What the device must hold at the peak (the same as ``peak_bytes``)."""
+        return self.peak_bytes
+
+    @property
+    def live_bytes(self) -> int:
+        """The tensors alone at the peak: ``peak_bytes`` without the ``overhead`` part."""
+        return self.peak_bytes - self.breakdown.get("overhead", 0)
 
     def fits(self, margin: float = 0.0) -> bool:
         """True when ``peak * (1 + margin)`` is within capacity."""
@@ -42,6 +56,8 @@ class MemoryEstimate:
     def to_dict(self) -> dict[str, Any]:
         return {
             "peak_bytes": self.peak_bytes,
+            "live_bytes": self.live_bytes,
+            "reserved_bytes": self.reserved_bytes,
             "capacity_bytes": self.capacity_bytes,
             "stage": self.stage,
             "breakdown": dict(self.breakdown),

@@ -80,7 +80,9 @@ PIPETTE_GPU = FitsPrior("pipette-gpu", mu=-0.019, sd=0.105,
                         source="h100_single_gpu.csv re-run with reserved bytes, H100 2026-11-23")
 #: nanotron (the Ultra-Scale H100 set: rank 0's logged peak against the estimate with
 #: ``MEGATRON_OPTIONS``, how the plan prices nanotron and Megatron runs; 1620 runs that ran).
-NANOTRON_GPU = FitsPrior("nanotron-gpu", mu=0.216, sd=0.212, source="ultrascale_h100_1b_3b_8b.csv, 1620 runs")
+#: Refitted (``fits_boundary.py --fit``, 2026-11-29) when the estimate took Megatron's fp32
+#: gradient buffer under bf16 (``MemoryOptions.bf16_fp32_grads``); was mu +0.216, sd 0.212.
+NANOTRON_GPU = FitsPrior("nanotron-gpu", mu=0.126, sd=0.216, source="ultrascale_h100_1b_3b_8b.csv, 1620 runs")
 #: PyTorch FSDP2 (torchtitan's H100 runs: peak reserved, max over ranks, against the estimate
 #: with the ``fsdp`` stack's options; 14 runs with memory, none out of memory), refitted
 #: (``fits_boundary.py --fit``, 2026-11-27) with torchtitan's per-op recomputation

@@ -116,6 +116,13 @@ class MemoryOptions:
     stage_layers: tuple[int, ...] | None = None
     loss_fp32_copies: int = LOSS_FP32_COPIES
     deepspeed_bf16_fp32_grads: bool = DEEPSPEED_BF16_FP32_GRADS
+    #: bf16 training keeps its gradient buffer in fp32 at every ZeRO stage, unsharded by the
+    #: distributed optimizer: Megatron-LM turns ``accumulate_allreduce_grads_in_fp32`` on under
+    #: ``--bf16`` unless ``--grad-reduce-in-bf16`` (megatron/training/arguments.py), and the grad
+    #: buffer takes that dtype (megatron/core/distributed/param_and_grad_buffer.py): 6 + 12/d bytes
+    #: per parameter with the distributed optimizer (Megatron-LM's docs, "Distributed Optimizer").
+    #: fp16 keeps fp16 gradients.
+    bf16_fp32_grads: bool = False
     #: FSDP2's sharding (``fully_shard`` per decoder layer, then the stage: ``_fsdp2_state``)
     #: instead of DeepSpeed's ZeRO; ``zero_stage`` 3/2/0 is FULL_SHARD / no reshard / NO_SHARD
     fsdp2: bool = False
@@ -167,7 +174,8 @@ class MemoryOptions:
 DEFAULT_OPTIONS = MemoryOptions()
 #: Megatron-LM's and nanotron's loss (vocab-parallel cross entropy) and no DeepSpeed
 #: BF16_Optimizer: how the calibration sets of those frameworks are planned.
-MEGATRON_OPTIONS = MemoryOptions(loss_fp32_copies=2, deepspeed_bf16_fp32_grads=False, frozen_inputs_saved=False)
+MEGATRON_OPTIONS = MemoryOptions(loss_fp32_copies=2, deepspeed_bf16_fp32_grads=False, frozen_inputs_saved=False,
+                                 bf16_fp32_grads=True)
 #: PyTorch FSDP2 as torchtitan and Pipette's PyTorch-native runner compose it: the model's fp32
 #: parameters sharded, fp32 gradient reduction, and the loss over the logits cast to fp32
 #: (torchtitan's ``cross_entropy_loss``, ``workers.rank.fsdp_model.lm_loss``: 3 fp32 copies, as
@@ -250,7 +258,8 @@ def stage_breakdowns(
     # ---- bytes per parameter (Rajbhandari et al. 2020, sec. 3: 2 + 2 + K with K = 12) ----
     mixed = training.dtype != "fp32"
     bf16_optimizer = options.deepspeed_bf16_fp32_grads and training.dtype == "bf16" and config.zero_stage == 0
-    grad_bytes = FP32_BYTES if (options.grad_accum_fp32 or bf16_optimizer or not mixed) else d
+    bf16_grads = options.bf16_fp32_grads and training.dtype == "bf16"
+    grad_bytes = FP32_BYTES if (options.grad_accum_fp32 or bf16_optimizer or bf16_grads or not mixed) else d
     # Adam: m and v in fp32; SGD: one momentum buffer. Mixed precision adds the fp32 master.
     state_bytes = (2 if training.optimizer in ("adam", "adamw") else 1) * FP32_BYTES
     master_bytes = FP32_BYTES if mixed else 0

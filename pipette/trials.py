@@ -44,7 +44,7 @@ def tensor_peak_bytes(memory: MemoryEstimate) -> int:
     """The estimate's tensors alone: what a trial's measured peak counts (the allocator's peak
     on a GPU). The process overhead (CUDA context and fragmentation, or the 512 MiB of a CPU
     rank's interpreter) is no tensor: compared with it, estimate and trial were 24x apart."""
-    return memory.peak_bytes - memory.breakdown.get("overhead", 0)
+    return memory.live_bytes
 
 
 @dataclass(frozen=True)

@@ -175,7 +175,10 @@ def _print_plan(plan: Any, top: int, elapsed: float) -> None:
         value = best.memory.breakdown.get(part, 0)
         if value > 0:
             print(f"    {part:<15} {value / GiB:>9.2f} GiB")
-    print(f"    {'total':<15} {best.memory.peak_bytes / GiB:>9.2f} GiB of {best.memory.capacity_bytes / GiB:.1f} GiB")
+    print(f"    {'live tensors':<15} {best.memory.live_bytes / GiB:>9.2f} GiB  (what max_memory_allocated reports)")
+    reserved, capacity = best.memory.reserved_bytes / GiB, best.memory.capacity_bytes / GiB
+    print(f"    {'reserved':<15} {reserved:>9.2f} GiB of {capacity:.1f} GiB"
+          "  (what the device must hold: compared with the capacity)")
     if plan.fits_prior is not None:
         print(f"  {fits_sentence(best, plan.fits_prior)}")
         if not best.sure_to_fit:

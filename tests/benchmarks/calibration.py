@@ -76,6 +76,21 @@ class Row:
     fused_loss: bool | None = None
     #: the set's own id of the row (``row_id`` of the stack sets)
     row_id: str = ""
+    #: the allocator's peak reserved bytes where the set measured them beside ``peak_memory``
+    #: (SimuMax's ``meas_mem2_gib``: allocated first, reserved second)
+    reserved_memory: float | None = None
+
+    @property
+    def measured_kind(self) -> str:
+        """Which of the estimate's two figures ``peak_memory`` is: "live" (the allocator's peak
+        allocated) or "reserved" (its peak reserved, or a figure of unknown kind: the reserved
+        estimate is what the fragmentation constants were fitted on)."""
+        return "live" if "allocated" in self.memory_kind else "reserved"
+
+    @property
+    def needed_memory(self) -> float | None:
+        """What the device had to hold, where measured: the peak reserved bytes."""
+        return self.reserved_memory if self.measured_kind == "live" else self.peak_memory
 
 
 _CLUSTERS: dict[tuple[str, int], ClusterProfile] = {}
@@ -307,12 +322,14 @@ def _stack_row(name: str, base: str, r: dict[str, str]) -> Row:
         raise ValueError("grad_accum disagrees with global_batch / (dp x mbs)")
     cluster = _stack_cluster(r["gpu"], int(r["nodes"]), int(r["gpus_per_node"]))
     mem = float(r["meas_mem_gib"]) * GiB if r["meas_mem_gib"] else None
+    reserved = float(r["meas_mem2_gib"]) * GiB if r.get("meas_mem2_gib") and "reserved" in r.get("mem2_kind", "") \
+        else None
     return Row(source=name, group=(r["model"], r["world"], r["seq"], r["precision"]), model=model, training=training,
                config=config, cluster=cluster, ok=True, step_time=float(r["meas_step_s"]),
                tokens_per_s_per_gpu=float(r["tps_per_gpu"]) if r["tps_per_gpu"] else None,
                mfu=float(r["mfu_reported"]) if r["mfu_reported"] else None, peak_memory=mem,
                stack=_stack_key(base, r), memory_kind=r["mem_kind"], fused_loss=fused_loss(r),
-               row_id=r["row_id"])
+               row_id=r["row_id"], reserved_memory=reserved)
 
 
 def load_stack_set(directory: Path, name: str) -> StackSet:

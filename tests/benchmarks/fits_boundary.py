@@ -130,7 +130,7 @@ def nanotron_points(directory: Path) -> tuple[list[Point], list[Point]]:
 
 
 def stack_points(directory: Path, name: str) -> list[Point]:
-    """The runs of one stack set (``calibration.load_stack_set``) that measured memory, or all of
+    """The runs of one stack set (``calibration.load_stack_set``) that measured reserved memory, or all of
     them as runs that ran (error None is an OOM: never here) with ``error`` 0 where it did not:
     every row of these sets ran. Predicted with the memory options of the row's stack and options
     (``calibration.row_memory_options``: ``fsdp+compile`` compiles the loss where the run did)."""
@@ -140,7 +140,8 @@ def stack_points(directory: Path, name: str) -> list[Point]:
     for r in load_stack_set(directory, name).rows:
         capacity = r.cluster.device_spec.memory_bytes
         est = estimate_memory(r.model, r.training, r.config, capacity, options=row_memory_options(r))
-        error = math.log(float(r.peak_memory) / est.peak_bytes) if r.peak_memory else math.nan
+        need = r.needed_memory  # peak reserved: SimuMax's second figure beside its allocated one
+        error = math.log(float(need) / est.peak_bytes) if need else math.nan
         out.append(Point(f"{r.model.name} {r.config.label} {r.stack}", math.log(capacity / est.peak_bytes), error))
     return out
 
@@ -283,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.fit:
         for name, pts in (("h100_single_gpu (fit set)", h100), ("llama3-8b table (check set)", b8),
                           ("ultrascale", nano_ran), ("torchtitan (fsdp, reserved)", _measured(titan)),
-                          ("simumax (megatron on B200, allocated)", _measured(simumax))):
+                          ("simumax (megatron on B200, reserved)", _measured(simumax))):
             mu, sd = fit(pts)
             print(f"fit {name}: mu {mu:+.3f} sd {sd:.3f} ({sum(p.ran for p in pts)} ran, "
                   f"{sum(not p.ran for p in pts)} OOM)")

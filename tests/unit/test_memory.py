@@ -41,13 +41,40 @@ def test_breakdown_sums_to_peak_on_every_kind() -> None:
             assert est.capacity_bytes == H100
 
 
+def test_the_estimate_gives_live_and_reserved_bytes_and_fits_on_the_reserved() -> None:
+    """Two figures: the live tensors (what max_memory_allocated reports) and what the device must
+    hold (the allocator's fragmentation and workspaces on top); capacity is compared with the latter."""
+    for kind in ("gpu", "cpu"):
+        est = estimate_memory(LLAMA3_8B, BF16_ADAM, cfg(tp=2, pp=2, dp=2, mbs=2, zero_stage=1), H100, device_kind=kind)
+        tensors = sum(v for k, v in est.breakdown.items() if k != "overhead")
+        assert est.live_bytes == tensors and est.reserved_bytes == est.peak_bytes > est.live_bytes
+        d = est.to_dict()
+        assert (d["live_bytes"], d["reserved_bytes"]) == (est.live_bytes, est.reserved_bytes)
+    gpu = estimate_memory(LLAMA3_8B, BF16_ADAM, cfg(mbs=4), H100)
+    capacity = (gpu.live_bytes + gpu.reserved_bytes) // 2  # the live tensors fit, the reserved bytes do not
+    between = estimate_memory(LLAMA3_8B, BF16_ADAM, cfg(mbs=4), capacity)
+    assert not between.fits() and between.shortfall() == between.reserved_bytes - capacity
+
+
 def test_full_finetune_is_16_bytes_per_param_and_does_not_fit_one_gpu() -> None:
-    est = estimate_memory(LLAMA2_7B, BF16_ADAM, cfg(), H100, options=MEGATRON_OPTIONS)
+    fp16 = replace(BF16_ADAM, dtype="fp16")
+    est = estimate_memory(LLAMA2_7B, fp16, cfg(), H100, options=MEGATRON_OPTIONS)
     state = est.breakdown["weights"] + est.breakdown["gradients"] + est.breakdown["optimizer"]
-    # Mixed-precision Adam: 2 (bf16 weights) + 2 (grads) + 12 (fp32 master, m, v).
+    # Mixed-precision Adam: 2 (fp16 weights) + 2 (grads) + 12 (fp32 master, m, v).
     assert abs(state - 16 * LLAMA2_7B.total_params()) <= 3
     assert not est.fits(SAFETY_MARGIN)
     assert est.shortfall(SAFETY_MARGIN) > 0
+
+
+def test_megatron_bf16_keeps_an_fp32_gradient_buffer_unsharded_by_the_distributed_optimizer() -> None:
+    """Megatron-LM under --bf16 accumulates and reduces gradients in fp32: 2 + 4 + 12/d bytes per
+    parameter with the distributed optimizer (ZeRO-1), what SimuMax's B200 runs measured."""
+    psi = LLAMA2_7B.total_params()
+    for zero, dp in ((0, 1), (1, 4)):
+        est = estimate_memory(LLAMA2_7B, BF16_ADAM, cfg(zero_stage=zero, dp=dp, global_batch=64), H100,
+                              options=MEGATRON_OPTIONS)
+        assert abs(est.breakdown["gradients"] - 4 * psi) <= 3
+        assert abs(est.breakdown["optimizer"] - 12 * psi / dp) <= 3 * dp
 
 
 def test_deepspeed_bf16_without_zero_holds_fp32_gradients() -> None:

@@ -397,7 +397,8 @@ export function memoryChart(record, placement) {
   const peaks = measurement.peak_memory || [];
   const rss = (measurement.extra && measurement.extra.peak_rss_bytes) || [];
   const capacity = mem.capacity_bytes || 0;
-  const tensors = (mem.peak_bytes || 0) - (breakdown.overhead || 0);
+  // the estimate's live figure (records before it was stored: its breakdown less the overhead)
+  const tensors = mem.live_bytes ?? ((mem.peak_bytes || 0) - (breakdown.overhead || 0));
   const rows = [{ label: `predicted tensors, stage ${mem.stage ?? 0}`, parts: breakdown, total: tensors }];
   peaks.forEach((b, rank) => rows.push({ label: `device ${placement ? placement[rank] : rank} (rank ${rank}) measured`, value: b, rank }));
   const top = Math.max(tensors, ...peaks, 1);
