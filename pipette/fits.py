@@ -78,11 +78,18 @@ class FitsPrior:
 #: Llama-3-8B LoRA table of h100-2026-11-27 (docs/models.md).
 PIPETTE_GPU = FitsPrior("pipette-gpu", mu=-0.019, sd=0.105,
                         source="h100_single_gpu.csv re-run with reserved bytes, H100 2026-11-23")
-#: nanotron (the Ultra-Scale H100 set: rank 0's logged peak against the estimate with
-#: ``MEGATRON_OPTIONS``, how the plan prices nanotron and Megatron runs; 1620 runs that ran).
-#: Refitted (``fits_boundary.py --fit``, 2026-11-29) when the estimate took Megatron's fp32
-#: gradient buffer under bf16 (``MemoryOptions.bf16_fp32_grads``); was mu +0.216, sd 0.212.
-NANOTRON_GPU = FitsPrior("nanotron-gpu", mu=0.126, sd=0.216, source="ultrascale_h100_1b_3b_8b.csv, 1620 runs")
+#: nanotron (the Ultra-Scale H100 set: rank 0's logged peak against the nanotron stack's estimate,
+#: ``NANOTRON_OPTIONS``; 1620 runs that ran). Refitted (``fits_boundary.py --fit``, 2026-12-01) when
+#: nanotron got a stack of its own (fp32 gradient buffers, its ZeRO-1, stages balanced by compute);
+#: with ``MEGATRON_OPTIONS`` it was mu +0.126, sd 0.216 (and +0.216 / 0.212 before the fp32 buffer).
+NANOTRON_GPU = FitsPrior("nanotron-gpu", mu=0.060, sd=0.180, source="ultrascale_h100_1b_3b_8b.csv, 1620 runs")
+#: Megatron-LM (SimuMax's B200 runs: peak reserved, max over ranks, against the megatron stack's
+#: estimate; 24 runs with memory, none out of memory; fitted by ``fits_boundary.py --fit``,
+#: 2026-12-01). One set of one framework's runs (Llama3 70B and 405B shapes, 8 B200s): until a
+#: second Megatron-LM set with memory is in, its sd is in-sample. Before, megatron borrowed
+#: nanotron's prior.
+MEGATRON_GPU = FitsPrior("megatron-gpu", mu=-0.002, sd=0.044,
+                         source="simumax_b200_megatron.csv, 24 runs (peak reserved, 2026-12-01)")
 #: PyTorch FSDP2 (torchtitan's H100 runs: peak reserved, max over ranks, against the estimate
 #: with the ``fsdp`` stack's options; 14 runs with memory, none out of memory), refitted
 #: (``fits_boundary.py --fit``, 2026-11-27) with torchtitan's per-op recomputation
@@ -97,7 +104,7 @@ FSDP_GPU = FitsPrior("fsdp-gpu", mu=0.027, sd=0.046,
 #: learned memory model's default prior (``pipette.feasibility``), centred.
 CPU = FitsPrior("cpu", mu=0.0, sd=0.226, source="no calibration runs: the learned model's default prior")
 
-PRIORS = {p.name: p for p in (PIPETTE_GPU, NANOTRON_GPU, FSDP_GPU, CPU)}
+PRIORS = {p.name: p for p in (PIPETTE_GPU, NANOTRON_GPU, MEGATRON_GPU, FSDP_GPU, CPU)}
 
 
 def default_prior(device_kind: str) -> FitsPrior:
@@ -129,6 +136,7 @@ def expected_step_time(step_time: float, p_fit: float, fallback_step_time: float
 
 
 __all__ = [
-    "CPU", "FAILED_TRIAL_COST", "FSDP_GPU", "KEEP_THRESHOLD", "NANOTRON_GPU", "PIPETTE_GPU", "PRIORS", "SURE_TO_FIT",
+    "CPU", "FAILED_TRIAL_COST", "FSDP_GPU", "KEEP_THRESHOLD", "MEGATRON_GPU", "NANOTRON_GPU", "PIPETTE_GPU", "PRIORS",
+    "SURE_TO_FIT",
     "FitsPrior", "default_prior", "expected_step_time", "memory_headroom",
 ]

@@ -85,12 +85,20 @@ FSDP_FRAGMENTATION = 1.012
 #: H100s (bf16 and Float8); held out: its other 8 compiled rows (docs/stacks.md). Below 1: compile
 #: saves more transient memory than the eager count leaves out.
 FSDP_COMPILE_FRAGMENTATION = 0.943
+#: ``FRAGMENTATION`` for the nanotron stack (``NANOTRON_OPTIONS``): fitted by
+#: tests/benchmarks/memory_accuracy.py --fit on the Ultra-Scale rows of the (model, nodes) groups it
+#: fits on (the split of tests/benchmarks/pressure_fit.py), checked on the others (docs/stacks.md).
+NANOTRON_FRAGMENTATION = 1.31
 #: One CPU worker process (device_kind "cpu"): the Python interpreter, PyTorch and the gloo
 #: process group resident in RAM before the model is built. A documented planning figure,
 #: not fitted (no CPU measurements in the calibration sets).
 CPU_PROCESS_OVERHEAD_BYTES = int(0.5 * GiB)
 
 DEVICE_KINDS: tuple[str, ...] = ("gpu", "cpu")
+
+
+#: The ways ``MemoryOptions.stage_balance`` splits the layers over the pipeline stages.
+STAGE_BALANCES = ("uniform", "compute")
 
 
 @dataclass(frozen=True)
@@ -169,6 +177,15 @@ class MemoryOptions:
     #: fragmentation and short-lived tensors (``FRAGMENTATION``, fitted on nanotron's figures); a
     #: stack whose sets measure reserved memory fits its own.
     fragmentation: float = FRAGMENTATION
+    #: How the layers are split over the pipeline stages where ``stage_layers`` does not say:
+    #: "uniform" (DeepSpeed's and Megatron-LM's even split, heaviest first) or "compute"
+    #: (nanotron's: ``compute_balanced_stage_layers``).
+    stage_balance: str = "uniform"
+
+    def __post_init__(self) -> None:
+        if self.stage_balance not in STAGE_BALANCES:
+            raise SpecError(f"unknown stage_balance {self.stage_balance!r}", field="options.stage_balance",
+                            fix=f"use one of {', '.join(STAGE_BALANCES)}")
 
 
 DEFAULT_OPTIONS = MemoryOptions()
@@ -176,6 +193,21 @@ DEFAULT_OPTIONS = MemoryOptions()
 #: BF16_Optimizer: how the calibration sets of those frameworks are planned.
 MEGATRON_OPTIONS = MemoryOptions(loss_fp32_copies=2, deepspeed_bf16_fp32_grads=False, frozen_inputs_saved=False,
                                  bf16_fp32_grads=True)
+#: nanotron (Hugging Face's 3D-parallel trainer) as it holds a model, read from its source:
+#: the fp32 gradient buffer of every parameter kept unsharded, even under ZeRO-1
+#: (``accumulate_grad_in_fp32``: ``FP32GradientAccumulator`` builds "grad buffers for all model's
+#: parameters, independently of ZeRO sharding", nanotron/optim/gradient_accumulator.py), the fp32
+#: master copy sharded with ZeRO-1 ("fp32 and half are sharded in case of Zero", same file),
+#: PyTorch DDP's buckets copying every gradient under ZeRO-0 (no ``gradient_as_bucket_view``),
+#: none under ZeRO-1 (its reduce-scatter works in the fp32 buffer), its vocab-parallel cross entropy
+#: (``_ShardedCrossEntropy`` saves the fp32 softmax: 2 copies), every linear input saved whatever
+#: its weight (``ctx.save_for_backward(tensor, weight)``, nanotron/parallel/tensor_parallel/
+#: functional.py), only the local shard of a column-parallel input under sequence parallelism
+#: (``tp_recompute_allgather``), and the stages balanced by compute cost. ``fragmentation`` is
+#: nanotron's own, fitted on the Ultra-Scale set (``NANOTRON_FRAGMENTATION``).
+NANOTRON_OPTIONS = MemoryOptions(loss_fp32_copies=2, deepspeed_bf16_fp32_grads=False, bf16_fp32_grads=True,
+                                 shard_master_weights=True, dp_bucket_elements=10**15, zero_bucket_elements=0,
+                                 stage_balance="compute", fragmentation=NANOTRON_FRAGMENTATION)
 #: PyTorch FSDP2 as torchtitan and Pipette's PyTorch-native runner compose it: the model's fp32
 #: parameters sharded, fp32 gradient reduction, and the loss over the logits cast to fp32
 #: (torchtitan's ``cross_entropy_loss``, ``workers.rank.fsdp_model.lm_loss``: 3 fp32 copies, as
@@ -231,7 +263,8 @@ def stage_breakdowns(
     s, b, h = training.seq_len, config.mbs, model.hidden
     t, p, n_d, d = config.tp, config.pp, config.dp, training.dtype_bytes
     V, m, v = model.vocab, config.grad_accum, config.virtual_stages
-    layers = options.stage_layers or tuple(config.layers_per_stage(model.layers))
+    layers = options.stage_layers or (compute_balanced_stage_layers(model, p) if options.stage_balance == "compute"
+                                      else tuple(config.layers_per_stage(model.layers)))
     if len(layers) != p or sum(layers) != model.layers:
         raise SpecError(
             f"stage_layers {list(layers)} do not split {model.layers} layers over pp={p}",
@@ -350,6 +383,28 @@ def stage_breakdowns(
             **({HOST_KEY: int(offloaded)} if host else {}),
         })
     return stages
+
+
+def compute_balanced_stage_layers(model: ModelSpec, pp: int) -> tuple[int, ...]:
+    """Layers per pipeline stage as nanotron balances them by compute cost (``get_block_compute_costs``
+    of its Llama, nanotron/models/llama.py; the split in nanotron/models/base.py): blocks in order
+    are the embedding (cost 0), each decoder layer (4 a d_head h + 3 f h), the final norm (0), the
+    LM head (V h), the cast and the loss (0); a stage takes blocks until the cumulative cost passes
+    (stage + 1) / pp of the total. The LM head counts as a block, so the last stage gets fewer
+    layers and the first, which holds the most micro-batches under 1F1B, more."""
+    h = model.hidden
+    layer = 4 * model.heads * model.head_dim * h + 3 * model.ffn_hidden * h
+    costs = [0] + [layer] * model.layers + [0, model.vocab * h, 0, 0]
+    total = sum(costs)
+    counts = [0] * pp
+    stage, cumulative = 0, 0
+    for k, cost in enumerate(costs):
+        cumulative += cost
+        if 1 <= k <= model.layers:
+            counts[stage] += 1
+        if cumulative > total * (stage + 1) / pp and stage < pp - 1:
+            stage += 1
+    return tuple(counts)
 
 
 #: The key under which ``stage_breakdowns(..., host=True)`` gives a stage's host bytes.

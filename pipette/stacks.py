@@ -8,7 +8,7 @@ files the emitter writes for it. A prediction is made for one stack, and trials 
 stack teach only it (``pipette.tuner.job_key`` includes the stack).
 
 Choose one by name everywhere (``--stack``, ``stack:`` in a job file and the API): ``pipette``
-(the default), ``hf-deepspeed``, ``megatron``, ``fsdp``; an option is appended with ``+``
+(the default), ``hf-deepspeed``, ``megatron``, ``nanotron``, ``fsdp``; an option is appended with ``+``
 (``fsdp+compile``, ``megatron+fp8``) where the stack has it. docs/stacks.md says which data
 each stack's numbers come from.
 """
@@ -23,13 +23,14 @@ from pipette.cluster import ClusterProfile
 from pipette.config import ParallelConfig
 from pipette.errors import SpecError
 from pipette.estimates import MemoryEstimate, PerfEstimate
-from pipette.fits import CPU, FSDP_GPU, NANOTRON_GPU, PIPETTE_GPU, FitsPrior
+from pipette.fits import CPU, FSDP_GPU, MEGATRON_GPU, NANOTRON_GPU, PIPETTE_GPU, FitsPrior
 from pipette.fsdp_rules import fsdp_problems
 from pipette.memory import (
     DEFAULT_OPTIONS,
     FSDP_COMPILE_FRAGMENTATION,
     FSDP_OPTIONS,
     MEGATRON_OPTIONS,
+    NANOTRON_OPTIONS,
     MemoryOptions,
     estimate_memory,
 )
@@ -270,14 +271,15 @@ HF_DEEPSPEED = replace(
 MEGATRON_PRESSURE_STALL_S = 1.118
 MEGATRON_PRESSURE_ONSET = 0.579
 MEGATRON_PRESSURE = MemoryPressure(MEGATRON_PRESSURE_STALL_S, MEGATRON_PRESSURE_ONSET, MEGATRON_OPTIONS)
-#: Megatron-LM, NeMo, nanotron: fused kernels, vocab-parallel loss, the distributed optimizer
-#: (ZeRO-1), fp32 gradient buffers. Constants fitted on vTrain (Megatron-DeepSpeed) and the
-#: Ultra-Scale set (nanotron); the prior on the Ultra-Scale set. ``megatron+alloc-pressure`` adds
-#: the memory-pressure stall (``MEGATRON_PRESSURE``).
+#: Megatron-LM and NeMo: fused kernels, vocab-parallel loss, the distributed optimizer (ZeRO-1),
+#: fp32 gradient buffers. Constants fitted on vTrain (Megatron-DeepSpeed) and the Ultra-Scale set
+#: (nanotron, whose kernels and schedule are Megatron's); the memory options and the prior on
+#: SimuMax's Megatron-LM runs. ``megatron+alloc-pressure`` adds the memory-pressure stall
+#: (``MEGATRON_PRESSURE``).
 MEGATRON = Stack(
-    name="megatron", frameworks="Megatron-LM, NeMo, nanotron",
+    name="megatron", frameworks="Megatron-LM, NeMo",
     description="fused kernels, vocab-parallel loss, distributed optimizer; constants fitted on vTrain + Ultra-Scale",
-    constants=MEGATRON_CONSTANTS, memory_options=MEGATRON_OPTIONS, gpu_fits_prior=NANOTRON_GPU,
+    constants=MEGATRON_CONSTANTS, memory_options=MEGATRON_OPTIONS, gpu_fits_prior=MEGATRON_GPU,
     tensor_parallel=True, pipeline_parallel=True, zero_stages=(0, 1), schedules=("1f1b", "interleaved"),
     recompute=("none", "selective", "full"), launch_files=CANDIDATE_FILES,
     available_options=("fp8", "alloc-pressure"), memory_pressure=MEGATRON_PRESSURE,
@@ -289,6 +291,19 @@ MEGATRON = Stack(
     fp8_constants=replace(MEGATRON_CONSTANTS, fp8_gemms=True, flash_attention=True, fp8_casts_fused=True,
                           tp_overlap=1.0),
     fp8_memory_options=replace(MEGATRON_OPTIONS, fp8_weights=True),
+)
+#: nanotron (Hugging Face's 3D-parallel trainer): Megatron's step-time constants (the Ultra-Scale
+#: set they were fitted on is nanotron's) and nanotron's own memory (``NANOTRON_OPTIONS``: fp32
+#: gradient buffers unsharded under ZeRO-1, DDP's bucket copies under ZeRO-0, stages balanced by
+#: compute cost) with its prior, both fitted on the Ultra-Scale set. Recomputation is whole layers
+#: only (``recompute_layer`` of its Llama config); its pipeline engine runs 1F1B (and
+#: all-forward-all-backward, which Pipette does not plan).
+NANOTRON = Stack(
+    name="nanotron", frameworks="nanotron",
+    description="Megatron's constants; nanotron's memory (fp32 grad buffers, its ZeRO-1, compute-balanced stages)",
+    constants=MEGATRON_CONSTANTS, memory_options=NANOTRON_OPTIONS, gpu_fits_prior=NANOTRON_GPU,
+    tensor_parallel=True, pipeline_parallel=True, zero_stages=(0, 1), schedules=("1f1b",),
+    recompute=("none", "full"), launch_files=CANDIDATE_FILES,
 )
 #: PyTorch FSDP's own terms (``pipette.perf.PerfConstants``): fused attention (SDPA /
 #: flash-attn 2) at its own efficiency, gathers and reduce-scatters prefetched under compute,
@@ -387,7 +402,7 @@ FSDP = Stack(
                           fragmentation=FSDP_COMPILE_FRAGMENTATION, fp8_efficiency=FSDP_COMPILE_FP8_EFFICIENCY),
 )
 
-STACKS: dict[str, Stack] = {s.name: s for s in (PIPETTE, HF_DEEPSPEED, MEGATRON, FSDP)}
+STACKS: dict[str, Stack] = {s.name: s for s in (PIPETTE, HF_DEEPSPEED, MEGATRON, NANOTRON, FSDP)}
 
 
 def get_stack(stack: str | Stack | None, *, field: str = "stack") -> Stack:

@@ -204,7 +204,7 @@ class ScriptIn(StrictTypes):
 #: A stack name with its options, or several separated by commas (pipette.stacks.get_stacks says
 #: which are known).
 STACK_PATTERN = r"^[A-Za-z0-9+_, -]+$"
-STACK_DOC = ("the software that runs the job: pipette, hf-deepspeed, megatron, fsdp; an option with +: "
+STACK_DOC = ("the software that runs the job: pipette, hf-deepspeed, megatron, nanotron, fsdp; an option with +: "
              "fsdp+compile; several side by side with commas: pipette,fsdp (docs/stacks.md)")
 
 

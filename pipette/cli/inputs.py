@@ -116,7 +116,7 @@ def add_recipe_flags(p: argparse.ArgumentParser, defaults: dict[str, str] | None
     p.add_argument("--micro-batches", help="allowed micro-batch sizes, comma-separated (default: every power of "
                    "two up to the batch per replica)")
     p.add_argument("--stack", help="the software that runs the job: pipette (default), hf-deepspeed, megatron, "
-                   "fsdp; an option with +: fsdp+compile, megatron+fp8 (docs/stacks.md)")
+                   "nanotron, fsdp; an option with +: fsdp+compile, megatron+fp8 (docs/stacks.md)")
 
 
 def load_model(value: str) -> Any:

@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from pipette.config import ParallelConfig
 from pipette.fits import KEEP_THRESHOLD, NANOTRON_GPU, PIPETTE_GPU, SURE_TO_FIT, FitsPrior
-from pipette.memory import MEGATRON_OPTIONS, estimate_memory
+from pipette.memory import NANOTRON_OPTIONS, estimate_memory
 from pipette.model import ModelSpec
 from pipette.stacks import get_stack
 from pipette.training import LoraSpec, TrainingSpec
@@ -110,21 +110,21 @@ def llama8b_points(folder: str = "h100-2026-11-27", names: tuple[str, ...] = ("g
 
 def nanotron_points(directory: Path) -> tuple[list[Point], list[Point]]:
     """(runs that ran, failures nothing but memory explains), planned as the plan plans
-    nanotron and Megatron runs (``MEGATRON_OPTIONS``: what the replay benchmark uses)."""
+    nanotron runs (the nanotron stack's ``NANOTRON_OPTIONS``: what the replay benchmark uses)."""
     from tests.benchmarks.memory_accuracy import memory_plausible_failures
 
     rows = load_ultrascale(directory)
     ran, failed = [], []
     for r in rows:
         capacity = r.cluster.device_spec.memory_bytes
-        est = estimate_memory(r.model, r.training, r.config, capacity, options=MEGATRON_OPTIONS)
+        est = estimate_memory(r.model, r.training, r.config, capacity, options=NANOTRON_OPTIONS)
         if r.ok and r.peak_memory:
             # nanotron logs rank 0's peak; the heaviest stage is what must fit
             ran.append(Point(r.model.name, math.log(capacity / est.peak_bytes),
                              math.log(float(r.peak_memory) / est.peak_bytes)))
     for r in memory_plausible_failures(rows):
         capacity = r.cluster.device_spec.memory_bytes
-        est = estimate_memory(r.model, r.training, r.config, capacity, options=MEGATRON_OPTIONS)
+        est = estimate_memory(r.model, r.training, r.config, capacity, options=NANOTRON_OPTIONS)
         failed.append(Point(r.model.name, math.log(capacity / est.peak_bytes), None))
     return ran, failed
 
@@ -298,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     out = score("ultrascale (nanotron)", NANOTRON_GPU, nano_ran, nano_failed, False)
     missed |= out["dropped_pct"] > 2.0 or out["sure_pct"] > 5.0
     for name, stack, pts in (("torchtitan (fsdp, fitted)", "fsdp", titan), ("llm-foundry (fsdp, not fitted)", "fsdp",
-                             foundry), ("simumax B200 (megatron, not fitted)", "megatron", simumax)):
+                             foundry), ("simumax B200 (megatron, fitted)", "megatron", simumax)):
         out = score(name, get_stack(stack).gpu_fits_prior, pts, [], False)
         missed |= out["dropped_pct"] > 2.0
     replays = [replay_job(job) for job in single_gpu_jobs(directory)]

@@ -7,15 +7,17 @@ Run: ``.venv/bin/python tests/benchmarks/memory_accuracy.py [--check] [--fit]``
   of global rank 0, which is on the first stage);
 * the fits classification with ``SAFETY_MARGIN``: % of the runs that succeeded predicted to
   fit (target >= 98%) and % of the crashed / out-of-memory runs predicted to fit (<= 5%);
-* ``--fit``: refits the two calibration constants of ``pipette.memory`` (GPU overhead and
-  fragmentation factor) by least squares on the relative error, leave-one-model-out
-  (fit on two models, test on the third), then on all rows.
+* ``--fit``: refits the two global calibration constants of ``pipette.memory`` (GPU overhead
+  and fragmentation factor) by least squares on the relative error, leave-one-model-out (fit on
+  two models, test on the third), then on all rows; and the nanotron stack's own
+  ``NANOTRON_FRAGMENTATION`` on a fixed split of the (model, nodes) groups
+  (``fit_nanotron_fragmentation``).
 
-The runs are nanotron with its defaults, described with ``MemoryOptions`` (see
-``nanotron_options``): fp32 gradient accumulation buffers, fp32 master weights kept
-unsharded by its ZeRO-1, PyTorch DDP buckets holding a copy of every gradient under ZeRO-0,
-column-parallel matmuls keeping their all-gathered input, and pipeline stages balanced by
-compute cost with the LM head counted as a block.
+The runs are nanotron with its defaults, described by the nanotron stack's
+``pipette.memory.NANOTRON_OPTIONS`` (read from nanotron's source: fp32 gradient buffers for every
+parameter, the fp32 master copy sharded by its ZeRO-1, PyTorch DDP buckets holding a copy of
+every gradient under ZeRO-0, only the local shard of a column-parallel input saved, and pipeline
+stages balanced by compute cost with the LM head counted as a block).
 """
 
 from __future__ import annotations
@@ -25,57 +27,35 @@ import math
 import statistics
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from pipette import memory
-from pipette.memory import SAFETY_MARGIN, MemoryOptions, estimate_memory, stage_breakdowns
-from pipette.model import ModelSpec
+from pipette.memory import (
+    NANOTRON_FRAGMENTATION,
+    NANOTRON_OPTIONS,
+    SAFETY_MARGIN,
+    MemoryOptions,
+    compute_balanced_stage_layers,
+    estimate_memory,
+    stage_breakdowns,
+)
 from tests.benchmarks.calibration import Row, calibration_dir, load_ultrascale
 
 TARGET_MAPE = 10.0
 TARGET_OK_FIT = 98.0
 TARGET_FAILED_FIT = 5.0
-#: PyTorch DDP without gradient_as_bucket_view: its buckets together copy every gradient.
-ALL_GRADIENTS = 10**15
 #: Tensor parallelism within one node of 8 GPUs, as Megatron and DeepSpeed run it. The rows
 #: with tp 16 or 32 (across nodes) and pp 1 measure up to 2-3x what any sharding of the
 #: model predicts (and grow sub-linearly with mbs), so the constants are fitted on tp <= 8.
 MAX_INTRA_NODE_TP = 8
 
 
-def nanotron_stage_layers(model: ModelSpec, pp: int) -> tuple[int, ...]:
-    """Layers per stage as nanotron balances them (``get_block_compute_costs``).
-
-    Blocks in order: embedding (cost 0), each layer (4*a*d_head*h + 3*f*h), final norm (0),
-    LM head (V*h), cast and loss (0); a stage takes blocks until the cumulative cost passes
-    (stage + 1) / pp of the total.
-    """
-    h = model.hidden
-    layer = 4 * model.heads * model.head_dim * h + 3 * model.ffn_hidden * h
-    costs = [0] + [layer] * model.layers + [0, model.vocab * h, 0, 0]
-    total = sum(costs)
-    counts = [0] * pp
-    stage, cumulative = 0, 0
-    for k, cost in enumerate(costs):
-        cumulative += cost
-        if 1 <= k <= model.layers:
-            counts[stage] += 1
-        if cumulative > total * (stage + 1) / pp and stage < pp - 1:
-            stage += 1
-    return tuple(counts)
-
-
 def nanotron_options(row: Row) -> MemoryOptions:
-    return MemoryOptions(
-        grad_accum_fp32=True,
-        shard_master_weights=False,
-        dp_bucket_elements=ALL_GRADIENTS,
-        zero_bucket_elements=0,
-        stage_layers=nanotron_stage_layers(row.model, row.config.pp),
-        loss_fp32_copies=2,  # its vocab-parallel cross entropy (Megatron's)
-    )
+    """The nanotron stack's memory options (``pipette.memory.NANOTRON_OPTIONS``) for ``row``."""
+    return NANOTRON_OPTIONS
 
 
 def _static_dynamic(row: Row) -> tuple[float, float]:
@@ -158,7 +138,7 @@ def memory_plausible_failures(rows: list[Row]) -> list[Row]:
             continue
         peers = [o for o in groups[_group(r)] if o.ok]
         dominated = any(o.config.mbs >= r.config.mbs and load(o) >= load(r) for o in peers)
-        empty_stage = 0 in nanotron_stage_layers(r.model, r.config.pp)
+        empty_stage = 0 in compute_balanced_stage_layers(r.model, r.config.pp)
         if peers and not dominated and not empty_stage:
             out.append(r)
     return out
@@ -174,8 +154,8 @@ def report(rows: list[Row]) -> dict[str, float]:
     intra = [r for r in ok if r.config.tp <= MAX_INTRA_NODE_TP]
     failed = [r for r in rows if not r.ok]
     plausible = memory_plausible_failures(rows)
-    err = errors(ok, memory.GPU_OVERHEAD_BYTES, memory.FRAGMENTATION)
-    err8 = errors(intra, memory.GPU_OVERHEAD_BYTES, memory.FRAGMENTATION)
+    err = errors(ok, memory.GPU_OVERHEAD_BYTES, NANOTRON_FRAGMENTATION)
+    err8 = errors(intra, memory.GPU_OVERHEAD_BYTES, NANOTRON_FRAGMENTATION)
     out = {
         **err, **{f"{k}_tp_le_8": v for k, v in err8.items()},
         "ok_rows": float(len(ok)), "failed_rows": float(len(failed)),
@@ -218,6 +198,30 @@ def held_out(rows: list[Row]) -> None:
         f"fit on all {len(ok)} runs with tp <= {MAX_INTRA_NODE_TP}: "
         f"overhead {overhead / 2**30:.3f} GiB, fragmentation {frag:.3f}"
     )
+
+
+def fit_nanotron_fragmentation(rows: list[Row]) -> float:
+    """``NANOTRON_FRAGMENTATION``: the factor with the least MAPE of the plan's estimate (the heaviest
+    stage, ``NANOTRON_OPTIONS``) on the runs of the (model, nodes) groups ``pressure_fit.held_out``
+    leaves in (fixed before fitting), scored on the groups it holds out too."""
+    from tests.benchmarks.pressure_fit import held_out as group_held_out
+
+    ok = [r for r in rows if r.ok and r.peak_memory]
+    fit_rows, test_rows = [r for r in ok if not group_held_out(r)], [r for r in ok if group_held_out(r)]
+
+    def mape(part: list[Row], fragmentation: float) -> float:
+        options = replace(NANOTRON_OPTIONS, fragmentation=fragmentation)
+        return 100 * statistics.fmean(
+            abs(estimate_memory(r.model, r.training, r.config, r.cluster.min_usable_memory,
+                                options=options).peak_bytes / float(r.peak_memory or 1) - 1) for r in part)
+
+    grid = [round(1.0 + 0.01 * k, 2) for k in range(61)]
+    best = min(grid, key=lambda f: mape(fit_rows, f))
+    print(f"nanotron fragmentation (least MAPE on {len(fit_rows)} runs, grid 1.00-1.60): {best:.2f}; "
+          f"fit MAPE {mape(fit_rows, best):.1f}%, held-out groups ({len(test_rows)} runs) {mape(test_rows, best):.1f}% "
+          f"(shipped {NANOTRON_FRAGMENTATION}: {mape(fit_rows, NANOTRON_FRAGMENTATION):.1f}% / "
+          f"{mape(test_rows, NANOTRON_FRAGMENTATION):.1f}%)")
+    return best
 
 
 def failure_analysis(rows: list[Row]) -> None:
@@ -284,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = load_ultrascale(directory)
     if args.fit:
         held_out(rows)
+        fit_nanotron_fragmentation(rows)
     out = report(rows)
     failure_analysis(rows)
     h100_report(directory)

@@ -30,8 +30,8 @@ times ``1 + NOISE_SD * N(0, 1)`` per step (deterministic per seed, configuration
 how-many-th trial of it), with the measured peak memory (Ultra-Scale's
 ``gpu_mem_gb``; ``--no-peak-memory`` leaves it out). The data do not say whether a failed
 row (``nan``) crashed or ran out of memory: it replays as ``oom`` when the plan's memory
-estimator puts it at ``OOM_FRACTION`` of the capacity or more, else as ``failed`` (see the
-constant). vTrain has no failed rows.
+estimator puts it over the capacity, or at ``OOM_FRACTION`` of it or more where nothing else in
+the data explains the failure, else as ``failed`` (see the constant). vTrain has no failed rows.
 
 Methods, each with a budget of ``--budget`` trials (attempts; the tuner's retry of a
 failed trial counts as a trial) on every group and seed:
@@ -101,7 +101,7 @@ from pipette.config import ParallelConfig  # noqa: E402
 from pipette.errors import PipetteError, SpecError  # noqa: E402
 from pipette.fits import NANOTRON_GPU  # noqa: E402
 from pipette.measurement import Measurement  # noqa: E402
-from pipette.memory import MEGATRON_OPTIONS, estimate_memory  # noqa: E402
+from pipette.memory import MEGATRON_OPTIONS, NANOTRON_OPTIONS, estimate_memory  # noqa: E402
 from pipette.model import ModelSpec  # noqa: E402
 from pipette.perf import MEGATRON_CONSTANTS  # noqa: E402
 from pipette.plan import Plan, make_plan  # noqa: E402
@@ -109,6 +109,7 @@ from pipette.search import PARAMS, candidate_params, params_key  # noqa: E402
 from pipette.training import TrainingSpec  # noqa: E402
 from pipette.tuner import OnStep, StepProgress, TuneOptions, Tuner  # noqa: E402
 from tests.benchmarks.calibration import Row, calibration_dir, load_ultrascale, load_vtrain  # noqa: E402
+from tests.benchmarks.memory_accuracy import memory_plausible_failures  # noqa: E402
 
 Key = tuple[Any, ...]
 
@@ -134,11 +135,15 @@ TRIAL_NOISE_SD = 0.02
 #: their product clipped to [1/DISTORT_MAX, DISTORT_MAX].
 DISTORT_EACH = math.sqrt(5.0)
 DISTORT_MAX = 5.0
-#: A failed Ultra-Scale row replays as "oom" when the plan's estimator puts it at this
-#: fraction of the capacity or more. The estimator (DeepSpeed defaults) under-counts the
-#: nanotron runs that succeeded by up to 2.13x (measured / predicted peak, 1121 rows in
-#: plans), so a failed row predicted at >= 1/2.13 = 0.47 of capacity may well have run out
-#: of memory; one predicted at 2-20% of it (a quarter of the failed rows in plans) did not.
+#: A failed Ultra-Scale row replays as "oom" when the plan's estimator puts it over the capacity,
+#: or at this fraction of it or more where the data leave the failure to memory
+#: (``memory_accuracy.memory_plausible_failures``: no run of the same degrees and ZeRO stage with
+#: as much in flight ran, and some micro-batch of them did); else as "failed". The estimator
+#: under-counts the nanotron runs that succeeded by up to 2x (measured / predicted peak), so a
+#: failed row predicted at >= 0.5 of capacity may well have run out of memory; one predicted at
+#: 2-20% of it did not. A failure whose peers ran with more in flight is a crash: replayed as an
+#: OOM it taught the tuner's memory model a boundary that is not there (8B on 16 nodes: the
+#: measured best's chance to fit fell 0.97 -> 0.65 after tp2-pp4-dp16 ZeRO-0's crash).
 OOM_FRACTION = 0.5
 #: TPE: proposals without a new measured configuration in a row before a random one.
 TPE_MAX_REJECTS = 25
@@ -210,9 +215,10 @@ def build_group(source: str, rows: Sequence[Row], distort: int | None = None) ->
         micro_batches=tuple(sorted({r.config.mbs for r in rows})),
         schedules=("1f1b",),
     )
-    # the set's own framework (Megatron-LM, nanotron): its constants, not Pipette's stack's
-    # and its memory error (pipette.fits: fitted on Ultra-Scale with these options)
-    plan = make_plan(r0.model, training, r0.cluster, constants=MEGATRON_CONSTANTS, memory_options=MEGATRON_OPTIONS,
+    # the set's own framework (Megatron-DeepSpeed, nanotron): its constants, not Pipette's stack's,
+    # and nanotron's memory with its error (pipette.fits: fitted on Ultra-Scale with these options)
+    options = NANOTRON_OPTIONS if source == "ultrascale" else MEGATRON_OPTIONS
+    plan = make_plan(r0.model, training, r0.cluster, constants=MEGATRON_CONSTANTS, memory_options=options,
                      fits_prior=NANOTRON_GPU if source == "ultrascale" else None)
     if distort is not None:
         plan = distort_plan(plan, distort)
@@ -220,6 +226,9 @@ def build_group(source: str, rows: Sequence[Row], distort: int | None = None) ->
     for r in rows:
         by_key.setdefault(key_of(r.config), []).append(r)
     capacity, kind = r0.cluster.min_usable_memory, r0.cluster.device_spec.kind
+    # failures the data leave to memory (no run of the same degrees and ZeRO stage with as much in
+    # flight ran, and some micro-batch of them did): only these may replay as out of memory
+    plausible = {id(r) for r in memory_plausible_failures(list(rows))} if source == "ultrascale" else set()
     configs, truths = {}, {}
     for key, rs in by_key.items():
         configs[key] = rs[0].config
@@ -230,8 +239,10 @@ def build_group(source: str, rows: Sequence[Row], distort: int | None = None) ->
                                 len(rs))
         else:
             mem = estimate_memory(r0.model, training, rs[0].config, capacity, device_kind=kind,
-                                  options=MEGATRON_OPTIONS)
-            status = "oom" if mem.peak_bytes >= OOM_FRACTION * capacity else "failed"
+                                  options=options)
+            memory_left = any(id(r) in plausible for r in rs)
+            oom = mem.peak_bytes >= capacity or (memory_left and mem.peak_bytes >= OOM_FRACTION * capacity)
+            status = "oom" if oom else "failed"
             truths[key] = Truth(status, None, None, len(rs))
     return Group(source, "/".join(r0.group), plan, configs, truths)
 

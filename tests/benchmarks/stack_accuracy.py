@@ -62,7 +62,7 @@ def sets(directory: Path) -> list[CalibrationSet]:
     """Every set that is present, with the stack that ran it (data/calibration/README.md)."""
     out = [
         CalibrationSet("vtrain_a100", "megatron", load_vtrain(directory)),
-        CalibrationSet("ultrascale_h100", "megatron", [r for r in load_ultrascale(directory) if r.ok]),
+        CalibrationSet("ultrascale_h100", "nanotron", [r for r in load_ultrascale(directory) if r.ok]),
     ]
     if (directory / "h100_single_gpu.csv").exists():
         one = homogeneous_cluster("H100-80GB", 1, 1, 450e9, 50e9, name="one-h100")

@@ -24,7 +24,7 @@ def test_plan_takes_a_stack_and_shows_it(api: Api) -> None:
     megatron = api.client.post("/v1/plan", json={**PLAN, "stack": "megatron"}, headers=h)
     assert megatron.status_code == 200, megatron.text
     plan = megatron.json()
-    assert plan["stack"]["name"] == "megatron" and plan["fits_prior"]["name"] == "nanotron-gpu"
+    assert plan["stack"]["name"] == "megatron" and plan["fits_prior"]["name"] == "megatron-gpu"
     assert plan["ranked"][0]["perf"]["step_time"] != default.json()["ranked"][0]["perf"]["step_time"]
 
 
@@ -40,7 +40,7 @@ def test_plan_refuses_an_unknown_stack(api: Api, stack: str, words: list[str]) -
     assert err["field"] == "stack", err
     assert all(w in err["message"] for w in words), err
     if words:
-        assert "pipette, hf-deepspeed, megatron, fsdp" in err["fix"] or "fsdp+compile" in err["fix"], err
+        assert "pipette, hf-deepspeed, megatron, nanotron, fsdp" in err["fix"] or "fsdp+compile" in err["fix"], err
 
 
 def test_a_job_stores_its_stack(api: Api) -> None:

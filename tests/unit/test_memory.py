@@ -202,3 +202,42 @@ def test_bad_inputs_raise_spec_errors() -> None:
         estimate_memory(LLAMA2_7B, BF16_ADAM, cfg(), 0)
     with pytest.raises(SpecError):
         stage_breakdowns(LLAMA2_7B, BF16_ADAM, cfg(pp=2), options=MemoryOptions(stage_layers=(1, 2)))
+
+
+def test_nanotron_balances_its_stages_by_compute_cost_with_the_lm_head_as_a_block() -> None:
+    """nanotron's split (``get_block_compute_costs``): the LM head counts as a block, so the last
+    stage gets fewer layers than the even split and the first, which holds the most micro-batches
+    under 1F1B, more; its memory estimate follows the split it names."""
+    from pipette.memory import NANOTRON_OPTIONS, compute_balanced_stage_layers, stage_breakdowns
+
+    model = ModelSpec.preset("llama3-8b")
+    for pp in (2, 4, 8):
+        layers = compute_balanced_stage_layers(model, pp)
+        assert sum(layers) == model.layers and len(layers) == pp
+        assert layers[-1] < model.layers // pp <= layers[0]
+    assert compute_balanced_stage_layers(model, 1) == (model.layers,)
+    assert compute_balanced_stage_layers(model, 4) == (9, 9, 8, 6)
+    config = cfg(pp=4, dp=2, mbs=1, zero_stage=1, global_batch=64)
+    uniform = stage_breakdowns(model, BF16_ADAM, config, options=replace(NANOTRON_OPTIONS, stage_balance="uniform"))
+    balanced = stage_breakdowns(model, BF16_ADAM, config, options=NANOTRON_OPTIONS)
+    assert balanced[0]["activations"] == uniform[0]["activations"] * 9 // 8 or \
+        abs(balanced[0]["activations"] / uniform[0]["activations"] - 9 / 8) < 1e-6
+    with pytest.raises(SpecError) as e:
+        replace(NANOTRON_OPTIONS, stage_balance="by-memory")
+    assert e.value.field == "options.stage_balance" and "uniform, compute" in str(e.value.fix)
+
+
+def test_nanotron_keeps_fp32_gradients_unsharded_and_shards_its_master_copy_under_zero1() -> None:
+    """nanotron's FP32GradientAccumulator: fp32 gradient buffers for every parameter whatever the
+    ZeRO stage, the fp32 master copy sharded with ZeRO-1: 2 + 4 + 12/d bytes per parameter;
+    DDP's buckets copy every gradient under ZeRO-0."""
+    from pipette.memory import NANOTRON_OPTIONS
+
+    psi = LLAMA2_7B.total_params()
+    est = estimate_memory(LLAMA2_7B, BF16_ADAM, cfg(zero_stage=1, dp=4, global_batch=64), H100,
+                          options=NANOTRON_OPTIONS)
+    assert abs(est.breakdown["gradients"] - 4 * psi) <= 3 and abs(est.breakdown["optimizer"] - 12 * psi / 4) <= 12
+    assert est.breakdown["buffers"] == 0
+    zero0 = estimate_memory(LLAMA2_7B, BF16_ADAM, cfg(zero_stage=0, dp=4, global_batch=64), H100,
+                            options=NANOTRON_OPTIONS)
+    assert zero0.breakdown["buffers"] == zero0.breakdown["gradients"]  # every gradient copied once

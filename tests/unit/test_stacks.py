@@ -15,13 +15,13 @@ from pipette.clusterfile import homogeneous_cluster
 from pipette.config import ParallelConfig
 from pipette.emit import write_launch_files
 from pipette.errors import InfeasibleError, SpecError
-from pipette.fits import CPU, FSDP_GPU, NANOTRON_GPU, PIPETTE_GPU
+from pipette.fits import CPU, FSDP_GPU, MEGATRON_GPU, NANOTRON_GPU, PIPETTE_GPU
 from pipette.measurement import Measurement
-from pipette.memory import DEFAULT_OPTIONS, MEGATRON_OPTIONS, estimate_memory
+from pipette.memory import DEFAULT_OPTIONS, MEGATRON_OPTIONS, NANOTRON_OPTIONS, estimate_memory
 from pipette.model import ModelSpec
 from pipette.perf import HF_DEEPSPEED_CONSTANTS, MEGATRON_CONSTANTS, PerfModel, estimate_perf
 from pipette.plan import Plan, make_plan
-from pipette.stacks import FSDP, MEGATRON, PIPETTE, STACK_RULES, STACKS, get_stack, runner_stacks
+from pipette.stacks import FSDP, MEGATRON, NANOTRON, PIPETTE, STACK_RULES, STACKS, get_stack, runner_stacks
 from pipette.training import TrainingSpec
 from pipette.tuner import TrialRecord, Tuner, job_key
 
@@ -34,12 +34,15 @@ A100S = homogeneous_cluster("A100-80GB", 2, 8, 300e9, 25e9)
 
 # ---- the registry ---------------------------------------------------------------------
 
-def test_the_registry_holds_the_four_stacks_with_their_own_models() -> None:
-    assert list(STACKS) == ["pipette", "hf-deepspeed", "megatron", "fsdp"]
+def test_the_registry_holds_the_five_stacks_with_their_own_models() -> None:
+    assert list(STACKS) == ["pipette", "hf-deepspeed", "megatron", "nanotron", "fsdp"]
     assert get_stack(None) is PIPETTE and get_stack("pipette") == PIPETTE
     assert PIPETTE.constants is HF_DEEPSPEED_CONSTANTS and PIPETTE.memory_options is DEFAULT_OPTIONS
     assert MEGATRON.constants is MEGATRON_CONSTANTS and MEGATRON.memory_options is MEGATRON_OPTIONS
-    assert PIPETTE.fits_prior("gpu") is PIPETTE_GPU and MEGATRON.fits_prior("gpu") is NANOTRON_GPU
+    # nanotron: Megatron's step-time constants, its own memory and prior (both fitted on Ultra-Scale)
+    assert NANOTRON.constants is MEGATRON_CONSTANTS and NANOTRON.memory_options is NANOTRON_OPTIONS
+    assert PIPETTE.fits_prior("gpu") is PIPETTE_GPU and MEGATRON.fits_prior("gpu") is MEGATRON_GPU
+    assert NANOTRON.fits_prior("gpu") is NANOTRON_GPU and MEGATRON_GPU is not NANOTRON_GPU
     assert FSDP.fits_prior("gpu") is FSDP_GPU  # fitted on torchtitan (docs/models.md)
     assert all(s.fits_prior("cpu") is CPU for s in STACKS.values())
     assert runner_stacks() == ["pipette", "fsdp"]
@@ -58,7 +61,7 @@ def test_an_unknown_stack_names_the_known_ones() -> None:
     with pytest.raises(SpecError) as e:
         get_stack("deepspeed-chat")
     assert e.value.field == "stack"
-    assert e.value.fix == "use one of pipette, hf-deepspeed, megatron, fsdp"
+    assert e.value.fix == "use one of pipette, hf-deepspeed, megatron, nanotron, fsdp"
 
 
 def test_a_stack_refuses_what_it_cannot_run() -> None:
@@ -67,6 +70,9 @@ def test_a_stack_refuses_what_it_cannot_run() -> None:
     assert PIPETTE.refusals(cfg) == ["stack_schedule"]  # DeepSpeed's pipeline engine: 1F1B only
     assert MEGATRON.refusals(cfg) == []
     assert FSDP.refusals(cfg) == ["stack_zero"]  # FSDP has no ZeRO-1 mode
+    assert NANOTRON.refusals(cfg) == ["stack_schedule"]  # nanotron's pipeline engine: no interleaving
+    assert NANOTRON.refusals(replace(cfg, schedule="1f1b", virtual_stages=1, recompute="selective")) \
+        == ["stack_recompute"]  # whole layers only (recompute_layer)
     assert set(STACK_RULES) >= {"stack_tp", "stack_pp", "stack_zero", "stack_schedule", "stack_recompute"}
 
 
@@ -223,7 +229,7 @@ PLAN = ("plan", "--model", "llama2-7b", "--cluster", str(CLUSTERS / "a100-2x8.ya
 def test_plan_stack_flag_is_shown_and_written(tmp_path: Path) -> None:
     r = pipette(*PLAN, "--stack", "megatron", "--out", str(tmp_path / "o"))
     assert r.returncode == 0, r.stderr
-    assert "stack megatron: Megatron-LM, NeMo, nanotron" in r.stdout
+    assert "stack megatron: Megatron-LM, NeMo" in r.stdout
     assert json.loads((tmp_path / "o" / "candidate.json").read_text())["stack"]["name"] == "megatron"
     assert "./launch.sh" not in r.stdout and "Pipette writes no launcher for this stack yet" in r.stdout
     r = pipette(*PLAN, "--stack", "fsdp", "--json", "--no-files")
@@ -236,7 +242,7 @@ def test_plan_stack_flag_is_shown_and_written(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("stack", "words"), [
-    ("bogus", ["--stack: unknown stack 'bogus'", "use one of pipette, hf-deepspeed, megatron, fsdp"]),
+    ("bogus", ["--stack: unknown stack 'bogus'", "use one of pipette, hf-deepspeed, megatron, nanotron, fsdp"]),
     ("megatron+compile", ["--stack: megatron has no option 'compile'", "megatron+fp8"]),
 ])
 def test_plan_refuses_a_bad_stack_in_one_line(stack: str, words: list[str]) -> None:
@@ -246,7 +252,7 @@ def test_plan_refuses_a_bad_stack_in_one_line(stack: str, words: list[str]) -> N
     assert all(w in line for w in words), line
 
 
-@pytest.mark.parametrize("stack", ["megatron", "hf-deepspeed"])
+@pytest.mark.parametrize("stack", ["megatron", "nanotron", "hf-deepspeed"])
 def test_tune_without_a_script_refuses_a_stack_its_runner_does_not_run(stack: str, tmp_path: Path) -> None:
     r = pipette("tune", "--stack", stack, "--home", str(tmp_path), "--max-trials", "1")
     assert r.returncode == 1 and "Traceback" not in r.stderr
