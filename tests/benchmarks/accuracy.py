@@ -359,6 +359,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     mh = h100_report(directory, args.fit_hf)
     memory_report(directory)
     stack_accuracy.report(directory)
+    from tests.benchmarks import repeat_floor
+
+    print("what the sets' repeated configurations allow any model (tests/benchmarks/repeat_floor.py):")
+    print("\n".join(repeat_floor.report(directory)))
     print(f"({time.perf_counter() - t0:.0f} s)")
     missed = []
     if mv["mape"] > TARGETS["vtrain_mape"]:
