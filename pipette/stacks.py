@@ -301,7 +301,7 @@ MEGATRON = Stack(
 #: only (``recompute_layer`` of its Llama config); its pipeline engine runs 1F1B (and
 #: all-forward-all-backward, which Pipette does not plan).
 NANOTRON = Stack(
-    name="nanotron", frameworks="nanotron",
+    name="nanotron", frameworks="nanotron (Hugging Face)",
     description="Megatron's constants; nanotron's memory (fp32 grad buffers, its ZeRO-1, compute-balanced stages)",
     constants=MEGATRON_CONSTANTS, memory_options=NANOTRON_OPTIONS, gpu_fits_prior=NANOTRON_GPU,
     tensor_parallel=True, pipeline_parallel=True, zero_stages=(0, 1), schedules=("1f1b",),
