@@ -37,7 +37,6 @@ from pipette.memory import (
     NANOTRON_FRAGMENTATION,
     NANOTRON_OPTIONS,
     SAFETY_MARGIN,
-    MemoryOptions,
     compute_balanced_stage_layers,
     estimate_memory,
     stage_breakdowns,
@@ -53,14 +52,9 @@ TARGET_FAILED_FIT = 5.0
 MAX_INTRA_NODE_TP = 8
 
 
-def nanotron_options(row: Row) -> MemoryOptions:
-    """The nanotron stack's memory options (``pipette.memory.NANOTRON_OPTIONS``) for ``row``."""
-    return NANOTRON_OPTIONS
-
-
 def _static_dynamic(row: Row) -> tuple[float, float]:
     """(model state + buffers, activations + logits) of the first stage, in bytes."""
-    part = stage_breakdowns(row.model, row.training, row.config, options=nanotron_options(row))[0]
+    part = stage_breakdowns(row.model, row.training, row.config, options=NANOTRON_OPTIONS)[0]
     static = part["weights"] + part["gradients"] + part["optimizer"] + part["buffers"]
     return float(static), float(part["activations"] + part["logits"])
 
@@ -108,7 +102,7 @@ def errors(rows: list[Row], overhead: float, fragmentation: float) -> dict[str, 
 
 def fits(row: Row, margin: float = SAFETY_MARGIN) -> bool:
     capacity = row.cluster.device_spec.memory_bytes
-    est = estimate_memory(row.model, row.training, row.config, capacity, options=nanotron_options(row))
+    est = estimate_memory(row.model, row.training, row.config, capacity, options=NANOTRON_OPTIONS)
     return est.fits(margin)
 
 
