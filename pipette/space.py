@@ -20,7 +20,7 @@ RULES: dict[str, str] = {
     "tp_heads": "tp does not divide the attention heads",
     "tp_kv_heads": "tp does not divide the key/value heads",
     "pp_layers": "pp is larger than the number of layers",
-    "zero_pipeline": "DeepSpeed's pipeline engine refuses ZeRO-2/3 (pp > 1)",
+    "zero_pipeline": "ZeRO-2/3 under a pipeline (pp > 1): the stack's pipeline engine refuses it (DeepSpeed's does)",
     "interleaved_pp": "an interleaved schedule needs pp > 1",
     "interleaved_layers": "layers are not divisible by pp x virtual stages",
     "interleaved_microbatches": "interleaving needs the micro-batch count to be a multiple of pp",
