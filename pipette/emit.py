@@ -12,6 +12,8 @@
 * ``launch.sh``: the launch command, with the Python to run it and the trial's rank environment:
   the DeepSpeed launcher for Pipette's DeepSpeed runner, ``torchrun`` for its PyTorch-native one
   (the ``fsdp`` stack: ``workers.rank.fsdp``, no ``ds_config.json``).
+* ``megatron_args.txt`` / ``nanotron.yaml``: the part of a Megatron-LM or nanotron job the
+  candidate decides, in that framework's words (``pipette.emit_frameworks``).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import Any
 from pipette.cluster import ClusterProfile
 from pipette.config import ParallelConfig
 from pipette.contract import FSDP_ENTRY, RANK_ENV, TRAIN_ENTRY, extensions_dir
+from pipette.emit_frameworks import MEGATRON_ARGS, NANOTRON_CONFIG, megatron_args_file, nanotron_config
 from pipette.memory import trainable_params
 from pipette.model import ModelSpec
 from pipette.stacks import Stack, get_stack
@@ -325,6 +328,8 @@ def write_launch_files(
     chosen = get_stack(stack)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    header = (f"Pipette: {config.label} on {cluster.world} x {cluster.device_spec.name} ({cluster.name}), "
+              f"stack {chosen.key}.")
     files = {
         "ds_config.json": lambda: json.dumps(deepspeed_config(training, config, model=model), indent=2) + "\n",
         "hostfile": lambda: hostfile(config, cluster),
@@ -335,6 +340,9 @@ def write_launch_files(
             indent=2,
         ) + "\n",
         "launch.sh": lambda: launch_script(config, cluster, stack=chosen),
+        MEGATRON_ARGS: lambda: megatron_args_file(training, config, model.layers, header, chosen.options,
+                                                  "fp8" in cluster.device_spec.peak_flops),
+        NANOTRON_CONFIG: lambda: nanotron_config(training, config, header),
     }
     written = {}
     for name in chosen.launch_files:

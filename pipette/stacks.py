@@ -283,7 +283,7 @@ MEGATRON = Stack(
     description="fused kernels, vocab-parallel loss, distributed optimizer; constants fitted on vTrain + Ultra-Scale",
     constants=MEGATRON_CONSTANTS, memory_options=MEGATRON_OPTIONS, gpu_fits_prior=MEGATRON_GPU,
     tensor_parallel=True, pipeline_parallel=True, zero_stages=(0, 1), schedules=("1f1b", "interleaved"),
-    recompute=("none", "selective", "full"), launch_files=CANDIDATE_FILES,
+    recompute=("none", "selective", "full"), launch_files=(*CANDIDATE_FILES, "megatron_args.txt"),
     available_options=("fp8", "alloc-pressure"), memory_pressure=MEGATRON_PRESSURE,
     #: Megatron-LM / NeMo FP8 is Transformer Engine's: its fused attention (cuDNN / flash, not the
     #: unfused one the bf16 constants were fitted with on vTrain), the casts fused into the norm and
@@ -298,14 +298,14 @@ MEGATRON = Stack(
 #: set they were fitted on is nanotron's) and nanotron's own memory (``NANOTRON_OPTIONS``: fp32
 #: gradient buffers unsharded under ZeRO-1, DDP's bucket copies under ZeRO-0, stages balanced by
 #: compute cost) with its prior, both fitted on the Ultra-Scale set. Recomputation is whole layers
-#: only (``recompute_layer`` of its Llama config); its pipeline engine runs 1F1B (and
+#: only (``ParallelismArgs.recompute_layer``); its pipeline engine runs 1F1B (and
 #: all-forward-all-backward, which Pipette does not plan).
 NANOTRON = Stack(
     name="nanotron", frameworks="nanotron (Hugging Face)",
     description="Megatron's constants; nanotron's memory (fp32 grad buffers, its ZeRO-1, compute-balanced stages)",
     constants=MEGATRON_CONSTANTS, memory_options=NANOTRON_OPTIONS, gpu_fits_prior=NANOTRON_GPU,
     tensor_parallel=True, pipeline_parallel=True, zero_stages=(0, 1), schedules=("1f1b",),
-    recompute=("none", "full"), launch_files=CANDIDATE_FILES,
+    recompute=("none", "full"), launch_files=(*CANDIDATE_FILES, "nanotron.yaml"),
 )
 #: PyTorch FSDP's own terms (``pipette.perf.PerfConstants``): fused attention (SDPA /
 #: flash-attn 2) at its own efficiency, gathers and reduce-scatters prefetched under compute,

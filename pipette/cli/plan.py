@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 from pipette.cli.inputs import add_option_flags, add_recipe_flags, load_model, load_recipe, option_values
+from pipette.emit_frameworks import MEGATRON_ARGS, NANOTRON_CONFIG
 from pipette.errors import SpecError
 
 EXIT_OK = 0
@@ -93,6 +94,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"\nlaunch files for #1 in {args.out}/: {', '.join(sorted(files))}")
         if "launch.sh" in files:
             print(f"launch: (cd {args.out} && ./launch.sh)")
+        elif MEGATRON_ARGS in files:
+            print(f"launch: your Megatron-LM job with the arguments in {args.out}/{MEGATRON_ARGS} "
+                  "(the parallel layout and batch; your model, data and optimizer arguments besides)")
+        elif NANOTRON_CONFIG in files:
+            print(f"launch: your nanotron job with the keys of {args.out}/{NANOTRON_CONFIG} merged into its config")
         else:
             print(f"launch: with {stack.frameworks}, from the candidate in {args.out}/candidate.json "
                   "(Pipette writes no launcher for this stack yet)")

@@ -170,7 +170,11 @@ def test_launch_files_per_stack_name_it(tmp_path: Path) -> None:
     assert json.loads(ds["candidate.json"].read_text())["stack"]["name"] == "pipette"
     assert "stack pipette." in ds["launch.sh"].read_text().splitlines()[1]
     mg = write_launch_files(tmp_path / "mg", MODEL, TRAINING, cfg, A100S, stack="megatron+fp8")
-    assert set(mg) == {"hostfile", "rank_map.json", "candidate.json"}  # no DeepSpeed config for Megatron
+    # no DeepSpeed config for Megatron: its own arguments (on an A100 without FP8: priced as bf16, no FP8 flags)
+    assert set(mg) == {"hostfile", "rank_map.json", "candidate.json", "megatron_args.txt"}
+    assert "--fp8-format" not in mg["megatron_args.txt"].read_text()
+    nt = write_launch_files(tmp_path / "nt", MODEL, TRAINING, cfg, A100S, stack="nanotron")
+    assert set(nt) == {"hostfile", "rank_map.json", "candidate.json", "nanotron.yaml"}
     stack = json.loads(mg["candidate.json"].read_text())["stack"]
     assert stack["name"] == "megatron+fp8" and stack["options_note"] is None  # fp8 is priced
     assert "compile: not modelled" in (get_stack("hf-deepspeed+compile").options_note or "")
@@ -231,7 +235,8 @@ def test_plan_stack_flag_is_shown_and_written(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr
     assert "stack megatron: Megatron-LM, NeMo" in r.stdout
     assert json.loads((tmp_path / "o" / "candidate.json").read_text())["stack"]["name"] == "megatron"
-    assert "./launch.sh" not in r.stdout and "Pipette writes no launcher for this stack yet" in r.stdout
+    assert "./launch.sh" not in r.stdout and "megatron_args.txt" in r.stdout
+    assert "--tensor-model-parallel-size" in (tmp_path / "o" / "megatron_args.txt").read_text()
     r = pipette(*PLAN, "--stack", "fsdp", "--json", "--no-files")
     assert r.returncode == 0, r.stderr
     data = json.loads(r.stdout)

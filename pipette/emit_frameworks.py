@@ -1,0 +1,102 @@
+"""What a Megatron-LM or nanotron user pastes into their own job for a candidate.
+
+Pipette runs neither framework; it prices them (the ``megatron`` and ``nanotron`` stacks). So it
+writes the part of their configuration the candidate decides, in each framework's own words, and
+leaves the model, data and optimizer to the user's job:
+
+* ``megatron_args.txt``: ``pretrain_gpt.py`` arguments (megatron/training/arguments.py of
+  Megatron-LM): the tensor and pipeline degrees (data parallelism is what the world size leaves),
+  sequence parallelism with tp (what the megatron stack prices), the batch, the distributed
+  optimizer for ZeRO-1, the virtual stages of an interleaved schedule, recomputation and
+  precision (under ``megatron+fp8`` Transformer Engine's FP8 with FP8 weights, as priced, on a
+  device with FP8 tensor cores). Megatron-LM numbers ranks tp fastest, then dp, then pp (its default order
+  ``tp-cp-ep-dp-pp``), as Pipette's rank map does, so ranks started node by node in the
+  hostfile's order land where the plan put them.
+* ``nanotron.yaml``: the ``parallelism``, ``tokens`` and ``optimizer`` keys of a nanotron config
+  (nanotron/config/parallelism_config.py and config.py: ``ParallelismArgs``, ``TokensArgs``,
+  ``OptimizerArgs``), with the settings the nanotron stack's memory estimate assumes: the 1F1B
+  engine (nanotron's default is all-forward-all-backward), sequence-parallel TP
+  (``REDUCE_SCATTER``; its default is ``ALL_REDUCE``), the all-gather recomputed in the backward
+  and fp32 gradient accumulation.
+"""
+
+from __future__ import annotations
+
+from pipette.config import ParallelConfig
+from pipette.training import TrainingSpec
+
+MEGATRON_ARGS = "megatron_args.txt"
+NANOTRON_CONFIG = "nanotron.yaml"
+
+
+def megatron_arguments(training: TrainingSpec, config: ParallelConfig, layers: int,
+                       options: tuple[str, ...] = (), device_fp8: bool = True) -> list[str]:
+    """``pretrain_gpt.py`` arguments for ``config``, one flag (with its value) per item; FP8 only
+    where the option is chosen and the device has FP8 (on an A100 the option prices nothing)."""
+    args = [
+        f"--tensor-model-parallel-size {config.tp}",
+        f"--pipeline-model-parallel-size {config.pp}",
+        f"--micro-batch-size {config.mbs}",
+        f"--global-batch-size {config.global_batch}",
+        f"--seq-length {training.seq_len}",
+    ]
+    if config.tp > 1:
+        args.append("--sequence-parallel")
+    if config.zero_stage == 1:
+        args.append("--use-distributed-optimizer")
+    if config.schedule == "interleaved":
+        args.append(f"--num-layers-per-virtual-pipeline-stage {layers // (config.pp * config.virtual_stages)}")
+    if config.recompute == "full":
+        args += ["--recompute-granularity full", "--recompute-method uniform", "--recompute-num-layers 1"]
+    elif config.recompute == "selective":
+        args.append("--recompute-granularity selective")
+    if training.dtype in ("bf16", "fp16"):
+        args.append(f"--{training.dtype}")
+    if "fp8" in options and device_fp8:  # megatron+fp8 prices FP8 weights too (MemoryOptions.fp8_weights)
+        args += ["--fp8-format hybrid", "--fp8-param-gather"]
+    return args
+
+
+def megatron_args_file(training: TrainingSpec, config: ParallelConfig, layers: int, header: str,
+                       options: tuple[str, ...] = (), device_fp8: bool = True) -> str:
+    """``megatron_args.txt``: the arguments after a header of ``#`` lines saying how to use them."""
+    lora = ["# LoRA: these are Megatron-LM's pretraining arguments; under NeMo's PEFT give the same",
+            "# degrees and batch in its trainer and model config."] if training.method == "lora" else []
+    return "\n".join([
+        f"# {header}",
+        "# Megatron-LM pretrain_gpt.py arguments for the parallel layout and batch Pipette priced;",
+        "# add your model, data and optimizer arguments, e.g.",
+        "#   torchrun ... pretrain_gpt.py $(grep -v '^#' megatron_args.txt) <your arguments>",
+        "# Ranks: tp fastest, then dp, then pp (Megatron-LM's default order, as in rank_map.json);",
+        "# start the nodes in the hostfile's order.",
+        *lora,
+        *megatron_arguments(training, config, layers, options, device_fp8),
+        "",
+    ])
+
+
+def nanotron_config(training: TrainingSpec, config: ParallelConfig, header: str) -> str:
+    """``nanotron.yaml``: the keys of a nanotron config the candidate sets (YAML, flat enough to
+    write without a YAML library)."""
+    true, false = "true", "false"
+    return "\n".join([
+        f"# {header}",
+        "# Merge these keys into your nanotron config (the rest: model, data, optimizer's learning rate).",
+        "parallelism:",
+        f"  dp: {config.dp}",
+        f"  pp: {config.pp}",
+        f"  tp: {config.tp}",
+        "  pp_engine: 1f1b",
+        "  tp_mode: REDUCE_SCATTER",
+        f"  tp_linear_async_communication: {true if config.tp > 1 else false}",
+        "  tp_recompute_allgather: true",
+        f"  recompute_layer: {true if config.recompute == 'full' else false}",
+        "tokens:",
+        f"  sequence_length: {training.seq_len}",
+        f"  micro_batch_size: {config.mbs}",
+        f"  batch_accumulation_per_replica: {config.grad_accum}",
+        "optimizer:",
+        f"  zero_stage: {config.zero_stage}",
+        "  accumulate_grad_in_fp32: true",
+        "",
+    ])
