@@ -189,8 +189,8 @@ class MemoryOptions:
 
 
 DEFAULT_OPTIONS = MemoryOptions()
-#: Megatron-LM's and nanotron's loss (vocab-parallel cross entropy) and no DeepSpeed
-#: BF16_Optimizer: how the calibration sets of those frameworks are planned.
+#: Megatron-LM's loss (vocab-parallel cross entropy), no DeepSpeed BF16_Optimizer, Transformer
+#: Engine's frozen linear inputs not kept, and its fp32 gradient buffer under bf16: the megatron stack.
 MEGATRON_OPTIONS = MemoryOptions(loss_fp32_copies=2, deepspeed_bf16_fp32_grads=False, frozen_inputs_saved=False,
                                  bf16_fp32_grads=True)
 #: nanotron (Hugging Face's 3D-parallel trainer) as it holds a model, read from its source:
@@ -199,7 +199,8 @@ MEGATRON_OPTIONS = MemoryOptions(loss_fp32_copies=2, deepspeed_bf16_fp32_grads=F
 #: parameters, independently of ZeRO sharding", nanotron/optim/gradient_accumulator.py), the fp32
 #: master copy sharded with ZeRO-1 ("fp32 and half are sharded in case of Zero", same file),
 #: PyTorch DDP's buckets copying every gradient under ZeRO-0 (no ``gradient_as_bucket_view``),
-#: none under ZeRO-1 (its reduce-scatter works in the fp32 buffer), its vocab-parallel cross entropy
+#: none under ZeRO-1 (with a copy there too the error trends with dp again against the Ultra-Scale
+#: runs, +0.18 in log at dp 1 to -0.16 at dp 256: docs/stacks.md), its vocab-parallel cross entropy
 #: (``_ShardedCrossEntropy`` saves the fp32 softmax: 2 copies), every linear input saved whatever
 #: its weight (``ctx.save_for_backward(tensor, weight)``, nanotron/parallel/tensor_parallel/
 #: functional.py), only the local shard of a column-parallel input under sequence parallelism
