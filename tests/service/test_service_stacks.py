@@ -26,6 +26,12 @@ def test_plan_takes_a_stack_and_shows_it(api: Api) -> None:
     plan = megatron.json()
     assert plan["stack"]["name"] == "megatron" and plan["fits_prior"]["name"] == "megatron-gpu"
     assert plan["ranked"][0]["perf"]["step_time"] != default.json()["ranked"][0]["perf"]["step_time"]
+    # the estimate's two figures: the live tensors and what the device must hold (compared with capacity)
+    memory = plan["ranked"][0]["memory"]
+    assert memory["live_bytes"] < memory["reserved_bytes"] == memory["peak_bytes"] and memory["capacity_bytes"] > 0
+    nanotron = api.client.post("/v1/plan", json={**PLAN, "stack": "nanotron"}, headers=h)
+    assert nanotron.status_code == 200, nanotron.text
+    assert nanotron.json()["stack"]["name"] == "nanotron" and nanotron.json()["fits_prior"]["name"] == "nanotron-gpu"
 
 
 @pytest.mark.parametrize(("stack", "words"), [
