@@ -277,6 +277,12 @@ def stack_launch_command(config: ParallelConfig, cluster: ClusterProfile, stack:
     return f"./launch.sh on every node, with {hosts}"
 
 
+def file_header(config: ParallelConfig, cluster: ClusterProfile, stack: Stack) -> str:
+    """The first line of every emitted text file: the candidate, where it runs, its stack."""
+    return (f"Pipette: {config.label} on {cluster.world} x {cluster.device_spec.name} ({cluster.name}), "
+            f"stack {stack.key}.")
+
+
 def launch_script(config: ParallelConfig, cluster: ClusterProfile, python: str | None = None,
                   stack: Stack | None = None) -> str:
     """``launch.sh``: finds a Python that has the runner (``$PIPETTE_PYTHON``, else ``python``
@@ -299,8 +305,7 @@ def launch_script(config: ParallelConfig, cluster: ClusterProfile, python: str |
     run = native_lines(config, cluster) if native else [*build_tool_lines(), launch_command(config, cluster, ".")]
     return "\n".join([
         "#!/usr/bin/env bash",
-        f"# Pipette: {config.label} on {cluster.world} x {cluster.device_spec.name} ({cluster.name}), "
-        f"stack {chosen.key}.",
+        f"# {file_header(config, cluster, chosen)}",
         "# Run as ./launch.sh from anywhere; MASTER_PORT=N ./launch.sh picks another rendezvous port.",
         "set -euo pipefail",
         'cd "$(dirname "$0")"',
@@ -328,8 +333,7 @@ def write_launch_files(
     chosen = get_stack(stack)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    header = (f"Pipette: {config.label} on {cluster.world} x {cluster.device_spec.name} ({cluster.name}), "
-              f"stack {chosen.key}.")
+    header = file_header(config, cluster, chosen)
     files = {
         "ds_config.json": lambda: json.dumps(deepspeed_config(training, config, model=model), indent=2) + "\n",
         "hostfile": lambda: hostfile(config, cluster),

@@ -10,7 +10,8 @@ leaves the model, data and optimizer to the user's job:
   optimizer for ZeRO-1, the virtual stages of an interleaved schedule, recomputation and
   precision (under ``megatron+fp8`` Transformer Engine's FP8 with FP8 weights, as priced, on a
   device with FP8 tensor cores). Megatron-LM numbers ranks tp fastest, then dp, then pp (its default order
-  ``tp-cp-ep-dp-pp``), as Pipette's rank map does, so ranks started node by node in the
+  ``tp-cp-ep-dp-pp``, megatron/core/parallel_state.py ``initialize_model_parallel``), as Pipette's
+  rank map does, so ranks started node by node in the
   hostfile's order land where the plan put them.
 * ``nanotron.yaml``: the ``parallelism``, ``tokens`` and ``optimizer`` keys of a nanotron config
   (nanotron/config/parallelism_config.py and config.py: ``ParallelismArgs``, ``TokensArgs``,

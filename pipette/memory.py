@@ -85,6 +85,9 @@ FSDP_FRAGMENTATION = 1.012
 #: H100s (bf16 and Float8); held out: its other 8 compiled rows (docs/stacks.md). Below 1: compile
 #: saves more transient memory than the eager count leaves out.
 FSDP_COMPILE_FRAGMENTATION = 0.943
+#: ``MemoryOptions.dp_bucket_elements`` of a framework whose DDP buckets copy every gradient
+#: (PyTorch DDP without ``gradient_as_bucket_view``): more than any model's parameters.
+EVERY_GRADIENT = 10**15
 #: ``FRAGMENTATION`` for the nanotron stack (``NANOTRON_OPTIONS``): fitted by
 #: tests/benchmarks/memory_accuracy.py --fit on the Ultra-Scale rows of the (model, nodes) groups it
 #: fits on (the split of tests/benchmarks/pressure_fit.py), checked on the others (docs/stacks.md).
@@ -198,8 +201,9 @@ MEGATRON_OPTIONS = MemoryOptions(loss_fp32_copies=2, deepspeed_bf16_fp32_grads=F
 #: (``accumulate_grad_in_fp32``: ``FP32GradientAccumulator`` builds "grad buffers for all model's
 #: parameters, independently of ZeRO sharding", nanotron/optim/gradient_accumulator.py), the fp32
 #: master copy sharded with ZeRO-1 ("fp32 and half are sharded in case of Zero", same file),
-#: PyTorch DDP's buckets copying every gradient under ZeRO-0 (no ``gradient_as_bucket_view``),
-#: none under ZeRO-1 (with a copy there too the error trends with dp again against the Ultra-Scale
+#: PyTorch DDP's buckets copying every gradient under ZeRO-0 (``EVERY_GRADIENT``: the earlier
+#: description of these runs in tests/benchmarks/memory_accuracy.py, not re-read in nanotron), none
+#: under ZeRO-1 (with a copy there too the error trends with dp again against the Ultra-Scale
 #: runs, +0.18 in log at dp 1 to -0.16 at dp 256: docs/stacks.md), its vocab-parallel cross entropy
 #: (``_ShardedCrossEntropy`` saves the fp32 softmax: 2 copies), every linear input saved whatever
 #: its weight (``ctx.save_for_backward(tensor, weight)``, nanotron/parallel/tensor_parallel/
@@ -207,7 +211,7 @@ MEGATRON_OPTIONS = MemoryOptions(loss_fp32_copies=2, deepspeed_bf16_fp32_grads=F
 #: (``tp_recompute_allgather``), and the stages balanced by compute cost. ``fragmentation`` is
 #: nanotron's own, fitted on the Ultra-Scale set (``NANOTRON_FRAGMENTATION``).
 NANOTRON_OPTIONS = MemoryOptions(loss_fp32_copies=2, deepspeed_bf16_fp32_grads=False, bf16_fp32_grads=True,
-                                 shard_master_weights=True, dp_bucket_elements=10**15, zero_bucket_elements=0,
+                                 shard_master_weights=True, dp_bucket_elements=EVERY_GRADIENT, zero_bucket_elements=0,
                                  stage_balance="compute", fragmentation=NANOTRON_FRAGMENTATION)
 #: PyTorch FSDP2 as torchtitan and Pipette's PyTorch-native runner compose it: the model's fp32
 #: parameters sharded, fp32 gradient reduction, and the loss over the logits cast to fp32
@@ -388,7 +392,8 @@ def stage_breakdowns(
 
 def compute_balanced_stage_layers(model: ModelSpec, pp: int) -> tuple[int, ...]:
     """Layers per pipeline stage as nanotron balances them by compute cost (``get_block_compute_costs``
-    of its Llama, nanotron/models/llama.py; the split in nanotron/models/base.py): blocks in order
+    of its Llama, nanotron/models/llama.py; the split as tests/benchmarks/memory_accuracy.py read it
+    before it moved here): blocks in order
     are the embedding (cost 0), each decoder layer (4 a d_head h + 3 f h), the final norm (0), the
     LM head (V h), the cast and the loss (0); a stage takes blocks until the cumulative cost passes
     (stage + 1) / pp of the total. The LM head counts as a block, so the last stage gets fewer

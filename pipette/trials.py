@@ -41,9 +41,10 @@ DERIVED = ("label", "analytic_step_time", "predicted_peak_bytes", "error_pct")
 
 
 def tensor_peak_bytes(memory: MemoryEstimate) -> int:
-    """The estimate's tensors alone: what a trial's measured peak counts (the allocator's peak
-    on a GPU). The process overhead (CUDA context and fragmentation, or the 512 MiB of a CPU
-    rank's interpreter) is no tensor: compared with it, estimate and trial were 24x apart."""
+    """The estimate's tensors alone (``MemoryEstimate.live_bytes``): what a trial's measured peak
+    counts (the allocator's peak on a GPU). The process overhead (CUDA context and fragmentation,
+    or the 512 MiB of a CPU rank's interpreter) is no tensor: compared with it, estimate and trial
+    were 24x apart."""
     return memory.live_bytes
 
 
@@ -86,7 +87,7 @@ class TrialRecord:
     @property
     def predicted_peak_bytes(self) -> int:
         """The tensors, as the trial's measured peak counts them (the process overhead apart)."""
-        return tensor_peak_bytes(self.memory)
+        return self.memory.live_bytes
 
     @property
     def error_pct(self) -> float | None:

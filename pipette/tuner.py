@@ -265,7 +265,7 @@ class TuneResult:
                     "tokens_per_s": {"analytic": b.perf.tokens_per_s, "measured": m.tokens_per_s},
                     # like with like: the estimate's tensors against the measured tensor peak; the
                     # process overhead (interpreter, CUDA context, fragmentation) apart
-                    "peak_memory_bytes": {"predicted": tensor_peak_bytes(b.memory), "measured": m.peak_memory_max,
+                    "peak_memory_bytes": {"predicted": b.memory.live_bytes, "measured": m.peak_memory_max,
                                           "predicted_overhead": b.memory.breakdown.get("overhead", 0)},
                 },
             }

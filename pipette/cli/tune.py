@@ -531,7 +531,6 @@ class Progress:
 
 def _print_result(result: Any, out: str, files: dict[str, str]) -> None:
     from pipette.result_text import confidence_lines, placement_line, precision_line, verdict_first, what_happened
-    from pipette.trials import tensor_peak_bytes
 
     print()
     if result.best is None:
@@ -557,7 +556,7 @@ def _print_result(result: Any, out: str, files: dict[str, str]) -> None:
     if m.peak_memory:
         # Like with like: the tensors the estimator counts against the tensors the trial held;
         # the process's resident size (interpreter, libraries) beside them.
-        tensors = tensor_peak_bytes(b.memory)
+        tensors = b.memory.live_bytes
         print(f"  {'peak tensors (MiB)':<18}{tensors / 2**20:>12,.0f}{max(m.peak_memory) / 2**20:>12,.0f}")
         rss = b.details.peak_rss_bytes
         if rss:

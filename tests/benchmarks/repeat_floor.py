@@ -91,17 +91,20 @@ def _memory(r: Row) -> float | None:
     return r.peak_memory
 
 
+def _own(r: Row, stack: Stack) -> Stack:
+    """The stack that ran the row: its own where it names one (the stack sets), else the set's."""
+    return get_stack(r.stack) if r.stack else stack
+
+
 def predicted_step(r: Row, stack: Stack) -> float:
-    """The row's step time as its stack (the row's own where it names one) predicts it."""
-    own = get_stack(r.stack) if r.stack else stack
-    return PerfModel(r.model, r.training, r.config, r.cluster, constants=own.constants).step_time()
+    """The row's step time as the stack that ran it predicts it."""
+    return PerfModel(r.model, r.training, r.config, r.cluster, constants=_own(r, stack).constants).step_time()
 
 
 def predicted_memory(r: Row, stack: Stack) -> float:
     """The estimate's figure of the kind the row measured (live against allocated, else reserved)."""
-    own = get_stack(r.stack) if r.stack else stack
     est = estimate_memory(r.model, r.training, r.config, r.cluster.min_usable_memory,
-                          options=as_run(r, own.memory_options))
+                          options=as_run(r, _own(r, stack).memory_options))
     return float(est.live_bytes if r.measured_kind == "live" else est.reserved_bytes)
 
 
