@@ -57,7 +57,9 @@ class DeviceSpec:
             )
 
     def peak(self, dtype: str) -> float:
-        """Peak FLOP/s for ``dtype``; a dtype without tensor-core support falls back."""
+        """Peak FLOP/s for ``dtype``; a dtype without tensor-core support falls back: ``tf32`` (fp32
+        matmuls on TF32 tensor cores) to ``fp32`` where the device has no TF32 peak (a CPU, V100,
+        T4: PyTorch runs such matmuls in plain fp32 there)."""
         if dtype in self.peak_flops:
             return self.peak_flops[dtype]
         if dtype == "bf16" and "fp16" in self.peak_flops:
@@ -129,12 +131,14 @@ def cpu_device(memory_bytes: int, flops: float = 50e9, memory_bandwidth: float =
 
 
 def _gpu(name: str, mem: float, bf16: float | None, fp16: float, fp32: float, bw: float,
-         fp8: float | None = None) -> DeviceSpec:
+         fp8: float | None = None, tf32: float | None = None) -> DeviceSpec:
     peaks = {"fp16": fp16 * TFLOPS, "fp32": fp32 * TFLOPS}
     if bf16 is not None:
         peaks["bf16"] = bf16 * TFLOPS
     if fp8 is not None:
         peaks["fp8"] = fp8 * TFLOPS
+    if tf32 is not None:
+        peaks["tf32"] = tf32 * TFLOPS
     return DeviceSpec(name, int(mem), peaks, bw * 1e12, "gpu")
 
 
@@ -146,16 +150,19 @@ def _gpu(name: str, mem: float, bf16: float | None, fp16: float, fp32: float, bw
 # 72 PFLOPS with sparsity for 8 GPUs = 4.5 PFLOPS dense per GPU. A100, V100, T4 have no FP8.
 # GH200: NVIDIA GH200 Grace Hopper Superchip data sheet: the H100's peaks (BF16 989 TFLOPS
 # dense, FP32 67 TFLOPS) with 96 GB HBM3 at 4 TB/s, or 144 GB HBM3e at 4.9 TB/s.
+# TF32 tensor cores (dense; the sheets print twice these with sparsity): A100 156 TFLOPS; H100 SXM,
+# H200 SXM and GH200 494.5 (989 with sparsity); HGX B200 1,100 per GPU (2.2 PFLOPS with sparsity).
+# Volta (V100) and Turing (T4) have none: there ``tf32`` falls back to the fp32 peak.
 DEVICE_PRESETS: dict[str, DeviceSpec] = {
     d.name.lower(): d
     for d in [
-        _gpu("A100-40GB", 40 * GiB, 312, 312, 19.5, 1.555),
-        _gpu("A100-80GB", 80 * GiB, 312, 312, 19.5, 2.039),
-        _gpu("H100-80GB", 80 * GiB, 989, 989, 67, 3.35, fp8=1979),
-        _gpu("H200-141GB", 141 * GB, 989, 989, 67, 4.8, fp8=1979),
-        _gpu("B200-180GB", 180 * GB, 2250, 2250, 75, 8.0, fp8=4500),
-        _gpu("GH200-96GB", 96 * GB, 989, 989, 67, 4.0, fp8=1979),
-        _gpu("GH200-144GB", 144 * GB, 989, 989, 67, 4.9, fp8=1979),
+        _gpu("A100-40GB", 40 * GiB, 312, 312, 19.5, 1.555, tf32=156),
+        _gpu("A100-80GB", 80 * GiB, 312, 312, 19.5, 2.039, tf32=156),
+        _gpu("H100-80GB", 80 * GiB, 989, 989, 67, 3.35, fp8=1979, tf32=494.5),
+        _gpu("H200-141GB", 141 * GB, 989, 989, 67, 4.8, fp8=1979, tf32=494.5),
+        _gpu("B200-180GB", 180 * GB, 2250, 2250, 75, 8.0, fp8=4500, tf32=1100),
+        _gpu("GH200-96GB", 96 * GB, 989, 989, 67, 4.0, fp8=1979, tf32=494.5),
+        _gpu("GH200-144GB", 144 * GB, 989, 989, 67, 4.9, fp8=1979, tf32=494.5),
         _gpu("V100-32GB", 32 * GiB, None, 125, 15.7, 0.9),
         _gpu("T4-16GB", 16 * GiB, None, 65, 8.1, 0.32),
         cpu_device(4 * GiB),

@@ -28,6 +28,13 @@ from pipette.training import TrainingSpec
 
 MEGATRON_ARGS = "megatron_args.txt"
 NANOTRON_CONFIG = "nanotron.yaml"
+#: Said where a ``tf32`` job's file cannot switch TF32 on itself (neither framework has a flag for it).
+TF32_NOTE = ("# TF32: priced with fp32 matmuls on TF32 tensor cores, which PyTorch leaves off for matmuls;",
+             "# turn them on in your entry point: torch.set_float32_matmul_precision(\"high\")")
+
+
+def _tf32(training: TrainingSpec) -> list[str]:
+    return list(TF32_NOTE) if training.dtype == "tf32" else []
 
 
 def megatron_arguments(training: TrainingSpec, config: ParallelConfig, layers: int,
@@ -71,6 +78,7 @@ def megatron_args_file(training: TrainingSpec, config: ParallelConfig, layers: i
         "# Ranks: tp fastest, then dp, then pp (Megatron-LM's default order, as in rank_map.json);",
         "# start the nodes in the hostfile's order.",
         *lora,
+        *_tf32(training),
         *megatron_arguments(training, config, layers, options, device_fp8),
         "",
     ])
@@ -83,6 +91,7 @@ def nanotron_config(training: TrainingSpec, config: ParallelConfig, header: str)
     return "\n".join([
         f"# {header}",
         "# Merge these keys into your nanotron config (the rest: model, data, optimizer's learning rate).",
+        *_tf32(training),
         "parallelism:",
         f"  dp: {config.dp}",
         f"  pp: {config.pp}",

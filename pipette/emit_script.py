@@ -103,13 +103,14 @@ def _fsdp_config_file(script: ScriptSpec, config: ParallelConfig) -> str | None:
     return TRAINER_FSDP_CONFIG if sharded(config) else None
 
 
-def _script_part(script: ScriptSpec, training: TrainingSpec, config: ParallelConfig, no_python: str) -> str:
+def _script_part(script: ScriptSpec, training: TrainingSpec, config: ParallelConfig, no_python: str,
+                 device_kind: str) -> str:
     """The program and its arguments after the launcher's own flags (the files beside the
     launch as ``"$HERE/NAME"``)."""
     q = shlex.quote
     named = _fsdp_config_file(script, config)
     argv = script.command(training, config, "$HERE/ds_config.json", steps=LAUNCH_STEPS,
-                          fsdp_config_path=f"$HERE/{named}" if named else None)
+                          fsdp_config_path=f"$HERE/{named}" if named else None, device_kind=device_kind)
     args = argv[2:] if script.is_python else argv[1:]
     head = [] if script.is_python else [no_python]
     return " ".join([*head, q(script.program)] + [f'"{a}"' if _beside(a) else q(a) for a in args])
@@ -121,7 +122,17 @@ def _beside(word: str) -> bool:
     return word.startswith("$HERE/") and name.replace(".", "").replace("_", "").replace("-", "").isalnum()
 
 
-def _header(config: ParallelConfig, cluster: ClusterProfile, script: ScriptSpec, launcher: str) -> list[str]:
+def _tf32_note(script: ScriptSpec, training: TrainingSpec, cluster: ClusterProfile) -> list[str]:
+    """A ``tf32`` job whose script Pipette cannot switch TF32 on for (no ``tf32`` knob): a line saying
+    the script must, since the candidate was priced with TF32 matmuls."""
+    if training.dtype != "tf32" or cluster.device_spec.kind != "gpu" or script.sets_tf32():
+        return []
+    return ["# TF32: priced with fp32 matmuls on TF32 tensor cores; this script takes no TF32 flag, so turn them "
+            "on in it: torch.set_float32_matmul_precision(\"high\")"]
+
+
+def _header(config: ParallelConfig, cluster: ClusterProfile, script: ScriptSpec, launcher: str,
+            training: TrainingSpec) -> list[str]:
     env = dict(RANK_ENV)
     if cluster.device_spec.kind == "cpu":
         env["DS_ACCELERATOR"] = "cpu"
@@ -131,6 +142,7 @@ def _header(config: ParallelConfig, cluster: ClusterProfile, script: ScriptSpec,
         "#!/usr/bin/env bash",
         f"# Pipette: your script under {launcher}, as {config.label} on {cluster.world} x "
         f"{cluster.device_spec.name} ({cluster.name}).",
+        *_tf32_note(script, training, cluster),
         "set -euo pipefail",
         'case "$0" in */*) HERE="$(cd "${0%/*}" && pwd)" ;; *) HERE="$(pwd)" ;; esac  # this folder',
         f"cd {shlex.quote(workdir)}  # where the script's relative paths point (its trials ran here)",
@@ -141,20 +153,21 @@ def _header(config: ParallelConfig, cluster: ClusterProfile, script: ScriptSpec,
 def launch_torchrun(config: ParallelConfig, cluster: ClusterProfile, training: TrainingSpec,
                     script: ScriptSpec, python: str | None = None) -> str:
     blocks = node_blocks(config, cluster)
-    lines = _header(config, cluster, script, "torchrun") + _finder(("torch",), "torch", python)
+    lines = _header(config, cluster, script, "torchrun", training) + _finder(("torch",), "torch", python)
     lines += build_tool_lines()
     lines += _node_selection(blocks, cluster)
     lines.append(
         f'"${PYTHON_VAR}" -m torch.distributed.run --nnodes {len(blocks)} --nproc_per_node "$NPROC" '
         f'--node_rank "$NODE_RANK" --master_addr {shlex.quote(_master(blocks, cluster))} '
-        '--master_port "${MASTER_PORT:-29500}" ' + _script_part(script, training, config, "--no-python"))
+        '--master_port "${MASTER_PORT:-29500}" '
+        + _script_part(script, training, config, "--no-python", cluster.device_spec.kind))
     return "\n".join(lines) + "\n"
 
 
 def launch_accelerate(config: ParallelConfig, cluster: ClusterProfile, training: TrainingSpec,
                       script: ScriptSpec, python: str | None = None) -> str:
     blocks = node_blocks(config, cluster)
-    lines = _header(config, cluster, script, "accelerate launch")
+    lines = _header(config, cluster, script, "accelerate launch", training)
     if script.fsdp:
         lines += _finder(("accelerate",), "accelerate", python)
     else:
@@ -165,7 +178,7 @@ def launch_accelerate(config: ParallelConfig, cluster: ClusterProfile, training:
         f'"${PYTHON_VAR}" -m accelerate.commands.launch --config_file "$HERE/accelerate_config.yaml" '
         f'--num_machines {len(blocks)} --num_processes {config.world} --machine_rank "$NODE_RANK" '
         f'--main_process_ip {shlex.quote(_master(blocks, cluster))} --main_process_port "${{MASTER_PORT:-29500}}" '
-        + _script_part(script, training, config, "--no_python"))
+        + _script_part(script, training, config, "--no_python", cluster.device_spec.kind))
     return "\n".join(lines) + "\n"
 
 
@@ -173,14 +186,15 @@ def launch_deepspeed(config: ParallelConfig, cluster: ClusterProfile, training: 
                      script: ScriptSpec, python: str | None = None) -> str:
     blocks = node_blocks(config, cluster)
     include = "@".join(f"{_host(cluster, n)}:{','.join(map(str, ds))}" for n, ds in blocks)
-    lines = _header(config, cluster, script, "the deepspeed launcher")
+    lines = _header(config, cluster, script, "the deepspeed launcher", training)
     lines += _finder(("deepspeed",), "deepspeed", python)
     lines += build_tool_lines()
     parts = [f'"${PYTHON_VAR}" -m deepspeed.launcher.runner', '--hostfile "$HERE/hostfile"',
              '--master_port "${MASTER_PORT:-29500}"']
     if len(blocks) == 1:  # one node: no ssh (deepspeed/launcher/runner.py asks the host over ssh otherwise)
         parts.append("--no_ssh --node_rank 0 --master_addr 127.0.0.1")
-    parts += [f"--include {shlex.quote(include)}", _script_part(script, training, config, "--no_python")]
+    parts += [f"--include {shlex.quote(include)}",
+              _script_part(script, training, config, "--no_python", cluster.device_spec.kind)]
     lines.append(" ".join(parts))
     return "\n".join(lines) + "\n"
 

@@ -294,7 +294,7 @@ def stage_breakdowns(
     lora_psi = _lora_params_per_layer(model, training, t)
 
     # ---- bytes per parameter (Rajbhandari et al. 2020, sec. 3: 2 + 2 + K with K = 12) ----
-    mixed = training.dtype != "fp32"
+    mixed = training.mixed_precision
     bf16_optimizer = options.deepspeed_bf16_fp32_grads and training.dtype == "bf16" and config.zero_stage == 0
     bf16_grads = options.bf16_fp32_grads and training.dtype == "bf16"
     grad_bytes = FP32_BYTES if (options.grad_accum_fp32 or bf16_optimizer or bf16_grads or not mixed) else d

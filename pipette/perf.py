@@ -296,6 +296,9 @@ class PerfModel:
         self.fp8 = self.k.fp8_gemms and "fp8" in self.device.peak_flops
         self.linear_peak = self.device.peak_flops["fp8"] if self.fp8 else self.peak
         self.curve = _curve(self.k, self.device)
+        #: the GEMM sizes at which the curve is read: scaled to the duration of the bf16 GEMM it was
+        #: calibrated on (see ``_curve_scale``)
+        self.curve_scale = _curve_scale(self.device, training.dtype)
         self.layers = np.asarray(config.layers_per_stage(model.layers), dtype=np.float64)
         self.m = config.grad_accum
         self.v = config.virtual_stages if config.schedule == "interleaved" else 1
@@ -327,7 +330,7 @@ class PerfModel:
         """Time of ``count`` GEMMs of ``flops_per_gemm`` each at the curve's efficiency."""
         if count <= 0 or flops_per_gemm <= 0:
             return 0.0
-        eff = float(self.curve(flops_per_gemm))
+        eff = float(self.curve(flops_per_gemm * self.curve_scale))
         return count * flops_per_gemm / (self.peak * eff)
 
     def _linear_time(self, flops_per_gemm: float, tokens: float, fan_in: int, fan_out: int) -> float:
@@ -342,7 +345,8 @@ class PerfModel:
             return self._gemm_time(flops_per_gemm, 1)
         if flops_per_gemm <= 0:
             return 0.0
-        eff = float(self.curve(flops_per_gemm * self.peak / self.linear_peak)) * self.k.fp8_efficiency
+        eff = float(self.curve(flops_per_gemm * self.curve_scale * self.peak / self.linear_peak)) \
+            * self.k.fp8_efficiency
         gemm = flops_per_gemm / (self.linear_peak * eff)
         if self.k.fp8_casts_fused:
             return gemm
@@ -653,6 +657,20 @@ def _curve(k: PerfConstants, device: DeviceSpec) -> EfficiencyCurve:
     if not device.efficiency and family(device) in by_family:
         return by_family[family(device)]
     return default_curve(device)
+
+
+def _curve_scale(device: DeviceSpec, dtype: str) -> float:
+    """How much larger a bf16 GEMM of the same duration is than a ``dtype`` GEMM of the same FLOPs.
+
+    The curves were calibrated on bf16 and fp16 GEMMs; a GEMM fills the SMs in a given time, so a
+    TF32 GEMM of x FLOPs, at half the bf16 peak, sits on the curve where a bf16 GEMM of twice x does
+    (the rule ``_linear_time`` applies to FP8). 1 for every other dtype: fp32 on a GPU is read at its
+    own size, as the curves always were, and a device without TF32 tensor cores runs ``tf32`` as fp32.
+    """
+    if dtype != "tf32" or "tf32" not in device.peak_flops:
+        return 1.0
+    half = device.peak_flops.get("bf16", device.peak_flops.get("fp16"))
+    return half / device.peak_flops["tf32"] if half else 1.0
 
 
 def _slowest_device(cluster: ClusterProfile, dtype: str) -> DeviceSpec:

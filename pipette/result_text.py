@@ -151,6 +151,9 @@ def placement_line(config: ParallelConfig) -> str:
 
 def precision_line(result: TuneResult) -> str | None:
     training, cluster = result.plan.training, result.plan.cluster
+    if cluster.device_spec.kind == "cpu" and training.dtype == "tf32":
+        return ("trained in fp32: tf32 is fp32 with its matmuls on a GPU's TF32 tensor cores, which CPU devices "
+                "do not have; a GPU run in tf32 is timed on its own cluster")
     if cluster.device_spec.kind == "cpu" and training.dtype == "fp32":
         return ("trained in fp32: CPU devices emulate bf16 matmuls (slower), so these step times are fp32's; "
                 "a GPU run in bf16 is timed on its own cluster")

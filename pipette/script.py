@@ -38,16 +38,17 @@ from pipette.errors import SpecError
 from pipette.training import TrainingSpec
 
 KNOBS = ("deepspeed_config", "micro_batch", "grad_accum", "checkpointing", "steps", "seq_len", "bf16", "fp16",
-         "fsdp", "fsdp_config")
+         "tf32", "fsdp", "fsdp_config")
 #: Knobs that are flags without a value (present when on).
-SWITCHES = ("checkpointing", "bf16", "fp16", "fsdp")
+SWITCHES = ("checkpointing", "bf16", "fp16", "tf32", "fsdp")
 
 #: The knobs of the stacks Pipette knows (HF ``TrainingArguments`` names; the example loop's).
 KINDS: dict[str, dict[str, str]] = {
     "hf-trainer": {
         "deepspeed_config": "--deepspeed", "micro_batch": "--per_device_train_batch_size",
         "grad_accum": "--gradient_accumulation_steps", "checkpointing": "--gradient_checkpointing",
-        "steps": "--max_steps", "bf16": "--bf16", "fp16": "--fp16", "fsdp": "--fsdp", "fsdp_config": "--fsdp_config",
+        "steps": "--max_steps", "bf16": "--bf16", "fp16": "--fp16", "tf32": "--tf32", "fsdp": "--fsdp",
+        "fsdp_config": "--fsdp_config",
     },
     "deepspeed": {"deepspeed_config": "--deepspeed_config"},
     # Accelerate's FSDP plugin reads its settings from what `accelerate launch` exports (the
@@ -177,11 +178,13 @@ class ScriptSpec:
         return "micro_batch" in self.knobs or "deepspeed_config" in self.knobs
 
     def command(self, training: TrainingSpec, config: ParallelConfig, ds_config_path: str,
-                steps: int | None = None, fsdp_config_path: str | None = None) -> list[str]:
+                steps: int | None = None, fsdp_config_path: str | None = None, device_kind: str = "gpu") -> list[str]:
         """The argument list that runs ``config``: the user's, then each knob Pipette sets. An
         FSDP script gets its FSDP switch and config file (``fsdp_config_path``) instead of the
         DeepSpeed config, and its recomputation from that config (the Trainer's
-        ``fsdp_config.activation_checkpointing``, Accelerate's plugin, torchtitan's TOML)."""
+        ``fsdp_config.activation_checkpointing``, Accelerate's plugin, torchtitan's TOML). The
+        ``tf32`` switch only on a GPU (``device_kind``): a CPU trains ``tf32`` as fp32, and the
+        Trainer refuses ``--tf32`` without an Ampere-or-newer GPU."""
         k = self.knobs
         out = list(self.argv)
         if self.fsdp:
@@ -204,7 +207,13 @@ class ScriptSpec:
             out.append(k["checkpointing"])
         if training.dtype in ("bf16", "fp16") and training.dtype in k:
             out.append(k[training.dtype])
+        if training.dtype == "tf32" and "tf32" in k and device_kind == "gpu":
+            out.append(k["tf32"])
         return out
+
+    def sets_tf32(self) -> bool:
+        """Whether Pipette can turn TF32 on for this script (its ``tf32`` knob); else the script must."""
+        return "tf32" in self.knobs
 
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in fields(self)}

@@ -7,14 +7,22 @@ from typing import Any, Literal
 
 from pipette.errors import SpecError
 
-Dtype = Literal["bf16", "fp16", "fp32"]
-DTYPES: tuple[str, ...] = ("bf16", "fp16", "fp32")
+#: The training precision. ``bf16`` and ``fp16`` are mixed precision (low-precision weights, activations
+#: and gradients for the compute, an fp32 master copy for the optimizer); ``fp32`` trains in fp32 with
+#: fp32 matmuls; ``tf32`` trains in fp32 too (fp32 weights, activations, gradients and states: the
+#: same memory as ``fp32``) with its matmuls on TF32 tensor cores (PyTorch's
+#: ``torch.backends.cuda.matmul.allow_tf32 = True``, HF ``TrainingArguments(tf32=True)``), which NVIDIA
+#: GPUs have since Ampere; a device without them (a CPU, V100, T4) runs ``tf32`` as ``fp32``.
+Dtype = Literal["bf16", "fp16", "fp32", "tf32"]
+DTYPES: tuple[str, ...] = ("bf16", "fp16", "fp32", "tf32")
+#: The mixed-precision dtypes (an fp32 master copy beside the low-precision weights).
+MIXED_DTYPES: tuple[str, ...] = ("bf16", "fp16")
 OPTIMIZERS: tuple[str, ...] = ("adamw", "adam", "sgd")
 RECOMPUTE_MODES: tuple[str, ...] = ("none", "selective", "full")
 SCHEDULES: tuple[str, ...] = ("1f1b", "interleaved")
 
 #: Bytes per element of each dtype.
-DTYPE_BYTES: dict[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4}
+DTYPE_BYTES: dict[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4, "tf32": 4}
 
 #: Default LoRA targets: every attention projection (the MLPerf Llama-2-70B LoRA recipe).
 DEFAULT_LORA_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -112,6 +120,11 @@ class TrainingSpec:
     @property
     def dtype_bytes(self) -> int:
         return DTYPE_BYTES[self.dtype]
+
+    @property
+    def mixed_precision(self) -> bool:
+        """Whether the dtype is mixed precision (bf16, fp16); fp32 and tf32 keep fp32 everywhere."""
+        return self.dtype in MIXED_DTYPES
 
     @property
     def tokens_per_step(self) -> int:

@@ -121,7 +121,7 @@ class TrainingIn(StrictTypes):
 
     global_batch: int = Field(ge=1, le=1 << 24)
     seq_len: int = Field(ge=1, le=1 << 24)
-    dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
+    dtype: Literal["bf16", "fp16", "fp32", "tf32"] = "bf16"
     optimizer: Literal["adamw", "adam", "sgd"] = "adamw"
     method: Literal["full", "lora"] = "full"
     lora: LoraIn | None = None

@@ -18,7 +18,7 @@ from pipette.config import ParallelConfig
 from pipette.errors import SpecError
 from pipette.fsdp_rules import fsdp_problems as fsdp_problems  # the rules live with the planner
 from pipette.model import ModelSpec
-from pipette.training import TrainingSpec
+from pipette.training import MIXED_DTYPES, TrainingSpec
 
 #: mesh dimension names, outermost first (torchtitan's order, without cp and ep)
 MESH_DIMS: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "tp")
@@ -71,7 +71,7 @@ class FsdpPlan:
     def fsdp(self) -> bool:
         """Whether ``fully_shard`` wraps the model: over a data-parallel group, or on one rank for
         its mixed precision or offload (without them a single rank trains the plain model)."""
-        return self.dp > 1 or self.offload or self.dtype != "fp32"
+        return self.dp > 1 or self.offload or self.dtype in MIXED_DTYPES
 
     def stage_ids(self, pp_index: int) -> list[int]:
         """The stages pipeline rank ``pp_index`` holds: one, or one per round of the interleaved

@@ -144,9 +144,9 @@ def devices_table(profile: dict[str, Any]) -> str:
         node = nodes[d["node"]]["name"] if d["node"] < len(nodes) else str(d["node"])
         rows.append([str(i), node, str(d["local_index"]), spec["name"], out.size(spec["memory_bytes"]),
                      out.size(d.get("free_memory")),
-                     *[f"{flops[k] / 1e12:.2f}" if k in flops else "-" for k in ("fp32", "bf16", "fp16")]])
-    return out.table(["DEVICE", "NODE", "LOCAL", "KIND", "MEMORY", "FREE", "FP32 TFLOPS", "BF16 TFLOPS",
-                      "FP16 TFLOPS"], rows, right=(0, 2, 4, 5, 6, 7, 8))
+                     *[f"{flops[k] / 1e12:.2f}" if k in flops else "-" for k in ("fp32", "tf32", "bf16", "fp16")]])
+    return out.table(["DEVICE", "NODE", "LOCAL", "KIND", "MEMORY", "FREE", "FP32 TFLOPS", "TF32 TFLOPS",
+                      "BF16 TFLOPS", "FP16 TFLOPS"], rows, right=(0, 2, 4, 5, 6, 7, 8, 9))
 
 
 def slow_links(profile: dict[str, Any]) -> list[tuple[int, int, float, float]]:

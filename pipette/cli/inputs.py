@@ -14,6 +14,7 @@ from typing import Any
 
 from pipette.errors import PipetteError, SpecError
 from pipette.options import BY_NAME, Option, Scope, Value, describe, options_for
+from pipette.training import DTYPES
 
 #: the recipe flag that sets each training field (plan and tune)
 RECIPE_FLAGS = {
@@ -101,8 +102,9 @@ def add_recipe_flags(p: argparse.ArgumentParser, defaults: dict[str, str] | None
                    + said.get("global_batch", "required, here or in --recipe") + ")")
     p.add_argument("--seq-len", type=int, help="tokens per sequence, at most the model's positions ("
                    + said.get("seq_len", "required, here or in --recipe") + ")")
-    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"],
-                   help="training precision (" + said.get("dtype", "default: the recipe's, else bf16") + ")")
+    p.add_argument("--dtype", choices=list(DTYPES),
+                   help="training precision: bf16, fp16 (mixed), fp32, or tf32 (fp32 with TF32 tensor-core "
+                        "matmuls) (" + said.get("dtype", "default: the recipe's, else bf16") + ")")
     p.add_argument("--optimizer", choices=["adamw", "adam", "sgd"], help="default: the recipe's, else adamw")
     p.add_argument("--method", choices=["full", "lora"],
                    help="fine-tuning method (" + said.get("method", "default: the recipe's, else full") + ")")

@@ -1,5 +1,6 @@
 """The probe's rank program on one GPU measures the GPU: its matmul and copy figures are
-within 2x of plain torch measured in the same run, with NCCL and ``cuda:0`` named."""
+within 2x of plain torch measured in the same run, with NCCL and ``cuda:0`` named; its TF32
+figure is fp32 on the tensor cores (faster than plain fp32 from Ampere on)."""
 
 from __future__ import annotations
 
@@ -58,7 +59,7 @@ def test_the_probe_measures_the_gpu() -> None:
     got = probe({"device_kind": "gpu", "shapes": [[N, N, N], [4096, 2048, 8192]]})
     assert got["backend"] == "nccl" and got["device"] == "cuda:0"
     flops = {dtype: max(p[3] for p in points) for dtype, points in got["matmul"].items()}
-    assert set(flops) == {"bf16", "fp16", "fp32"}
+    assert set(flops) == {"bf16", "fp16", "fp32", "tf32"}
     reference = {"bf16": plain_matmul(torch.bfloat16), "fp32": plain_matmul(torch.float32)}
     copy = plain_copy()
     name = torch.cuda.get_device_name()
@@ -68,5 +69,7 @@ def test_the_probe_measures_the_gpu() -> None:
     for dtype, plain in reference.items():
         assert 0.5 <= flops[dtype] / plain <= 2.0, (dtype, flops[dtype], plain)
     assert 0.5 <= got["copy_bandwidth"] / copy <= 2.0, (got["copy_bandwidth"], copy)
+    if torch.cuda.get_device_capability()[0] >= 8:  # Ampere and newer have TF32 tensor cores
+        assert flops["tf32"] >= 2.0 * flops["fp32"], (flops["tf32"], flops["fp32"])
     if "H100" in name or "H200" in name:  # the issue's floor for a Hopper GPU
         assert flops["bf16"] >= 600e12 and got["copy_bandwidth"] >= 2e12

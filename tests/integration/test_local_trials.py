@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -66,3 +67,14 @@ def test_a_local_gpu_rank_sees_only_its_own_gpu() -> None:
         transport.close()
     assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["3", "1"]
     assert all(e["LOCAL_RANK"] == "0" and "DS_ACCELERATOR" not in e for e in envs)
+
+
+def test_a_tf32_trial_on_cpu_devices_trains_exactly_as_fp32() -> None:
+    """TF32 is a GPU tensor-core mode: on CPU devices the runner leaves the matmul precision alone, so
+    a ``tf32`` trial computes what the ``fp32`` one does, loss for loss (same seed and batches)."""
+    fp32 = trial(dp=1)
+    tf32 = replace(fp32, training=replace(fp32.training, dtype="tf32"))
+    a, b = run_local(fp32, timeout_s=120), run_local(tf32, timeout_s=120)
+    assert (a.status, b.status) == ("ok", "ok"), (a.error, b.error)
+    n = min(len(a.losses), len(b.losses))
+    assert n >= 3 and a.losses[:n] == b.losses[:n]

@@ -42,10 +42,12 @@ def script_launch(trial: TrialSpec) -> tuple[dict[str, str], list[str], dict[str
     if script.fsdp:  # the fsdp stack's candidate, in the script's stack's words (pipette.script_fsdp)
         files, named, extra_env = fsdp_trial_parts(trial.training, trial.config, trial.model, script)
         argv = script.command(trial.training, trial.config, "", steps=steps,
-                              fsdp_config_path=f"$PIPETTE_RANK_DIR/{named}" if named else None)
+                              fsdp_config_path=f"$PIPETTE_RANK_DIR/{named}" if named else None,
+                              device_kind=trial.device_kind)
     else:
         files = {DS_CONFIG: json.dumps(script_ds_config(trial.ds_config(), script), indent=2)}
-        argv = script.command(trial.training, trial.config, f"$PIPETTE_RANK_DIR/{DS_CONFIG}", steps=steps)
+        argv = script.command(trial.training, trial.config, f"$PIPETTE_RANK_DIR/{DS_CONFIG}", steps=steps,
+                              device_kind=trial.device_kind)
     # DeepSpeed's JIT-built CPU op: the cache Pipette's own ranks use (built once per machine)
     env = dict(RANK_ENV) | extra_env | {"TORCH_EXTENSIONS_DIR": build_environment()["TORCH_EXTENSIONS_DIR"]} | {
         "PIPETTE_TRIAL": json.dumps({"warmup_steps": trial.warmup_steps, "timed_steps": trial.max_steps,

@@ -34,6 +34,22 @@ def backend_for(device_kind: str) -> str:
         raise ValueError(f"device kind {device_kind!r} is not one of {', '.join(BACKENDS)}") from None
 
 
+def set_matmul_precision(dtype: str, device: torch.device) -> str | None:
+    """The fp32 matmul precision of a rank training in ``dtype`` on ``device``; returns what it set.
+
+    ``tf32`` on a GPU: TF32 tensor cores for fp32 matmuls (``torch.set_float32_matmul_precision("high")``,
+    which PyTorch 2.9+ keeps in step with ``torch.backends.cuda.matmul.fp32_precision``; setting the legacy
+    ``allow_tf32`` flag beside the new one makes PyTorch refuse to read either). Any other dtype on a GPU:
+    full fp32 (``"highest"``, PyTorch's default), so a previous trial in the same process cannot leak TF32
+    into an fp32 one. A CPU rank is left alone (None): TF32 is a tensor-core mode, and ``"high"`` on a CPU
+    may switch oneDNN to split-bf16 matmuls, which is not what ``tf32`` means."""
+    if device.type != "cuda":
+        return None
+    precision = "high" if dtype == "tf32" else "highest"
+    torch.set_float32_matmul_precision(precision)
+    return precision
+
+
 def rank_device(device_kind: str) -> torch.device:
     """The device this rank computes on. On a GPU it is the one ``LOCAL_RANK`` names among
     the visible ones (the executor shows each rank only its own, so index 0 there)."""

@@ -26,9 +26,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pipette.training import MIXED_DTYPES
 from workers.fsdp_spec import MESH_DIMS, FsdpPlan, plan_for
 from workers.phases import PHASES, Phases
-from workers.rank.devices import backend_for, collective_device, init_distributed, rank_device
+from workers.rank.devices import (
+    backend_for,
+    collective_device,
+    init_distributed,
+    rank_device,
+    set_matmul_precision,
+)
 from workers.rank.fsdp_data import GlobalBatches, micro_batches
 from workers.rank.fsdp_model import build_stages, held_param_bytes, lm_loss, materialize, meta_model, parameter_names
 from workers.rank.fsdp_parallel import parallelize
@@ -63,7 +70,7 @@ def backend_name(trial: TrialSpec, plan: FsdpPlan) -> str:
         parts.append(f"pp-{plan.schedule}" + (f"{plan.stages_per_rank}" if plan.schedule == "interleaved" else ""))
     parts += [f"ac-{plan.recompute}"] if plan.recompute != "none" else []
     parts += ["cpu-offload"] if plan.offload else []
-    parts += [f"mp-{plan.dtype}"] if plan.dtype != "fp32" else []
+    parts += [f"mp-{plan.dtype}"] if plan.dtype in MIXED_DTYPES else []
     parts += ["peft-lora"] if trial.training.is_lora else []
     return "+".join(parts)
 
@@ -116,6 +123,7 @@ class FsdpRank:
         self.trial, self.plan = trial, plan
         self.devices = rank_devices(trial.device_kind, plan.offload)
         self.device = self.devices.compute
+        set_matmul_precision(t.dtype, self.device)
         self.mesh = init_device_mesh(self.device.type, plan.mesh_shape, mesh_dim_names=MESH_DIMS)
         coords = plan.coords(rank)
         dp_index = coords["dp_replicate"] * plan.dp_shard + coords["dp_shard"]

@@ -31,7 +31,11 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from pipette.errors import SpecError
 from pipette.model import ModelSpec
 
-TORCH_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+#: The torch dtype a rank builds and trains its model in: ``tf32`` trains in fp32, its matmuls on TF32
+#: tensor cores (``workers.rank.devices.set_matmul_precision``).
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+}
 
 
 def llama_config(model: ModelSpec, attn_implementation: str = "sdpa") -> LlamaConfig:

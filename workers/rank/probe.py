@@ -17,12 +17,13 @@ after a warm-up, so the host's launch cost is not counted.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -35,7 +36,22 @@ from workers.rank.devices import backend_for, collective_device, rank_device
 from workers.rank.store import rendezvous_store
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-GPU_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+#: on a GPU also fp16 and TF32 (fp32 tensors, the matmul on TF32 tensor cores: ``matmul_precision``)
+GPU_DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+#: ``torch.set_float32_matmul_precision`` while each dtype is timed: fp32 at full precision, tf32 on
+#: the TF32 tensor cores (as ``workers.rank.devices.set_matmul_precision`` trains it)
+MATMUL_PRECISION = {"tf32": "high"}
+
+
+@contextlib.contextmanager
+def matmul_precision(name: str) -> Iterator[None]:
+    """fp32 matmuls at the precision ``name`` is timed at, restored afterwards."""
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(MATMUL_PRECISION.get(name, "highest"))
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
 
 
 def rounds(n: int) -> list[list[tuple[int, int]]]:
@@ -121,19 +137,25 @@ def matmul_flops(
     timer = Timer(device)
     out: dict[str, list[list[float]]] = {}
     for name, dtype in (dtypes or DTYPES).items():
-        for m, k, n in shapes:
-            a = torch.randn(m, k, dtype=dtype, device=device)
-            b = torch.randn(k, n, dtype=dtype, device=device)
-
-            def product(a: torch.Tensor = a, b: torch.Tensor = b) -> torch.Tensor:
-                return a @ b
-
-            one = timer(product, 1)
-            reps = max(1, min(1000, int(budget_s / max(one, 1e-7))))
-            seconds = timer(product, reps)
-            out.setdefault(name, []).append([m, k, n, 2.0 * m * k * n / seconds])
-            del a, b, product
+        with matmul_precision(name):
+            _time_shapes(out, name, dtype, shapes, budget_s, device, timer)
     return out
+
+
+def _time_shapes(out: dict[str, list[list[float]]], name: str, dtype: torch.dtype,
+                 shapes: list[tuple[int, int, int]], budget_s: float, device: torch.device, timer: Timer) -> None:
+    for m, k, n in shapes:
+        a = torch.randn(m, k, dtype=dtype, device=device)
+        b = torch.randn(k, n, dtype=dtype, device=device)
+
+        def product(a: torch.Tensor = a, b: torch.Tensor = b) -> torch.Tensor:
+            return a @ b
+
+        one = timer(product, 1)
+        reps = max(1, min(1000, int(budget_s / max(one, 1e-7))))
+        seconds = timer(product, reps)
+        out.setdefault(name, []).append([m, k, n, 2.0 * m * k * n / seconds])
+        del a, b, product
 
 
 def copy_bandwidth(nbytes: int = 64 * 1024 * 1024, reps: int = 5, device: torch.device | None = None) -> float:

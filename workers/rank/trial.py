@@ -22,7 +22,14 @@ from scipy import stats
 from pipette.config import ParallelConfig
 from pipette.contract import OOM_EXIT, event_line
 from workers.phases import PHASES, Phases
-from workers.rank.devices import backend_for, collective_device, init_distributed, rank_device, to_device
+from workers.rank.devices import (
+    backend_for,
+    collective_device,
+    init_distributed,
+    rank_device,
+    set_matmul_precision,
+    to_device,
+)
 from workers.rank.memory import (
     PeakTensorBytes,
     allocator_record,
@@ -71,6 +78,7 @@ class Engine:
         _, dp_index, _ = c.coords(rank)
         self.trial, self.config = trial, c
         self.device = rank_device(trial.device_kind)
+        set_matmul_precision(t.dtype, self.device)
         self.batches = Batches(trial.model.vocab, t.seq_len, c.mbs, dp_index, trial.seed, trial.data)
         # The runner shards tensor-parallel layers itself (workers.rank.tp_shard, as pipette.memory
         # counts them), inside a pipeline or not; AutoTP's block is for the user's own scripts.

@@ -478,8 +478,8 @@ async function clusterPage(pg, ref) {
       { name: p.shared ? 'host free' : 'free', value: p.free, cls: 'memory-free', colour: '#2f6fde' }] }));
   const sharedNote = [...pools.values()].some((p) => p.shared)
     ? h('p', { class: 'small muted', id: 'shared-memory', text: "CPU devices share their host's RAM: one pair of bars per host, for all its devices." }) : null;
-  const dtypes = ['fp32', 'bf16', 'fp16'].filter((k) => profile.devices.some((d) => d.spec.peak_flops && d.spec.peak_flops[k]));
-  const colours = { fp32: '#2f6fde', bf16: '#1f9d55', fp16: '#d6845b' };
+  const dtypes = ['fp32', 'tf32', 'bf16', 'fp16'].filter((k) => profile.devices.some((d) => d.spec.peak_flops && d.spec.peak_flops[k]));
+  const colours = { fp32: '#2f6fde', tf32: '#7a4fd6', bf16: '#1f9d55', fp16: '#d6845b' };
   const flopRows = devices.map(({ i, d }) => ({ device: i, label: `device ${i}`, values: dtypes.map((k) => ({
     name: k, value: d.spec.peak_flops[k] || 0, cls: `compute-${k}`, colour: colours[k] })) }));
   const tflops = (v) => `${(v / 1e12).toFixed(v < 1e12 ? 3 : 1)} TFLOPS`;
