@@ -15,211 +15,39 @@ flight, the last the LM head and the logits; the estimate reports the heaviest.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from pipette.config import ParallelConfig
 from pipette.errors import SpecError
 from pipette.estimates import MemoryEstimate
+from pipette.memory_options import (
+    CPU_PROCESS_OVERHEAD_BYTES,
+    DEEPSPEED_BF16_FP32_GRADS,
+    DEEPSPEED_BUCKET_ELEMENTS,
+    DEFAULT_OPTIONS,
+    DEVICE_KINDS,
+    EVERY_GRADIENT,
+    FLASH_ATTENTION,
+    FP32_BYTES,
+    FRAGMENTATION,
+    FSDP_COMPILE_FRAGMENTATION,
+    FSDP_FRAGMENTATION,
+    FSDP_OPTIONS,
+    GPU_OVERHEAD_BYTES,
+    GRAD_ACCUM_FP32,
+    LOSS_FP32_COPIES,
+    MEGATRON_OPTIONS,
+    NANOTRON_FRAGMENTATION,
+    NANOTRON_OPTIONS,
+    SAFETY_MARGIN,
+    SEQUENCE_PARALLEL,
+    STAGE_BALANCES,
+    ZERO3_MAX_LIVE_PARAMETERS,
+    ZERO3_PREFETCH_ELEMENTS,
+    GiB,
+    MemoryOptions,
+)
 from pipette.model import ModelSpec
+from pipette.stacks import Stack, get_stack
 from pipette.training import TrainingSpec
-
-GiB = 1024**3
-FP32_BYTES = 4
-
-# ---- planning margin ---------------------------------------------------------------
-#: The plan's hard cut until 2026-11-27 (``peak x (1 + margin) <= capacity``), chosen on the
-#: Ultra-Scale H100 set (the largest margin keeping >= 98% of the runs that succeeded). The plan
-#: now uses the chance to fit (``pipette.fits``); tests/benchmarks/memory_accuracy.py still
-#: reports this cut beside it for comparison.
-SAFETY_MARGIN = 0.10
-
-# ---- framework defaults (documented options, not fitted) -----------------------------
-#: Flash attention (and PyTorch SDPA) never stores the a*s^2 score matrix: nanotron,
-#: DeepSpeed with HF SDPA and Megatron with flash all run it.
-FLASH_ATTENTION = True
-#: Tensor parallelism with sequence parallelism (Korthikanti sec. 4.2.2; nanotron's
-#: REDUCE_SCATTER mode, Megatron's --sequence-parallel): the norm and residual activations
-#: are sharded by t too.
-SEQUENCE_PARALLEL = True
-#: Gradients held in the training dtype (PyTorch autograd, DeepSpeed ZeRO with fp16).
-#: Some frameworks keep fp32 gradient accumulation buffers instead (nanotron's
-#: ``accumulate_grad_in_fp32``, DeepSpeed's BF16_Optimizer, Megatron's
-#: ``--accumulate-allreduce-grads-in-fp32``): set ``MemoryOptions.grad_accum_fp32``.
-GRAD_ACCUM_FP32 = False
-#: DeepSpeed's default ``allreduce_bucket_size`` / ``reduce_bucket_size`` (elements): the
-#: flat gradient bucket that is all-reduced (ZeRO-0) or reduce-scattered (ZeRO-1/2/3).
-DEEPSPEED_BUCKET_ELEMENTS = 500_000_000
-#: DeepSpeed ZeRO-3 defaults (elements): ``stage3_prefetch_bucket_size`` and
-#: ``stage3_max_live_parameters``, which bound the gathered (live) parameters.
-ZERO3_PREFETCH_ELEMENTS = 50_000_000
-ZERO3_MAX_LIVE_PARAMETERS = 1_000_000_000
-#: fp32 copies of the logits alive at the loss's peak (its backward), beside the logits in the
-#: training dtype. Pipette's runner (``workers.rank.pipe_model.lm_loss``: cross-entropy over the
-#: logits cast to fp32): the saved fp32 log-softmax, the fp32 gradient arriving from the loss
-#: and the fp32 gradient log-softmax writes: 3 (h100_single_gpu.csv agrees: 13-14 bytes per
-#: logit at bf16 between runs that differ only in micro-batch). Megatron's and nanotron's
-#: vocab-parallel cross entropy store the fp32 softmax and write one fp32 gradient: 2.
-LOSS_FP32_COPIES = 3
-#: DeepSpeed's bf16 training without ZeRO partitioning (``BF16_Optimizer``) accumulates the
-#: gradients in fp32 and releases the bf16 ones: 4 bytes per trainable parameter at the peak
-#: (h100_single_gpu.csv: llama3.2-1b full fine-tuning holds 18 bytes per parameter besides the
-#: activations: bf16 weights 2, fp32 gradients 4, fp32 master and Adam moments 12).
-DEEPSPEED_BF16_FP32_GRADS = True
-
-# ---- calibration constants ------------------------------------------------------------
-#: Bytes on every GPU rank outside model state and activations that the caching allocator
-#: sees (cuBLAS workspaces, small buffers). Fitted (least squares on the relative error,
-#: 1129 runs with tp <= 8) on the Ultra-Scale H100 set (nanotron, H100 80GB);
-#: tests/benchmarks/memory_accuracy.py --fit prints 0.143 GiB.
-GPU_OVERHEAD_BYTES = int(0.143 * GiB)
-#: Multiplier on the transient memory (activations, logits): the caching allocator's
-#: fragmentation and the short-lived tensors of the backward pass (gradients of the
-#: activations, fp32 upcasts). Fitted with GPU_OVERHEAD_BYTES on the same rows: 1.237.
-FRAGMENTATION = 1.237
-#: ``FRAGMENTATION`` for the fsdp stack, whose GPU set (torchtitan) measures the caching allocator's
-#: peak *reserved* bytes: fitted (tests/benchmarks/stack_fit.py, the least MAPE) on torchtitan's two
-#: eager bf16 8B rows (8 and 128 H100s, per-op SAC), with FSDP_OPTIONS' other terms counted.
-FSDP_FRAGMENTATION = 1.012
-#: The same under ``fsdp+compile`` (compiled blocks: the recomputed layer's elementwise
-#: intermediates fused, fewer short-lived tensors), fitted on torchtitan's two compiled 8B rows on 8
-#: H100s (bf16 and Float8); held out: its other 8 compiled rows (docs/stacks.md). Below 1: compile
-#: saves more transient memory than the eager count leaves out.
-FSDP_COMPILE_FRAGMENTATION = 0.943
-#: ``MemoryOptions.dp_bucket_elements`` of a framework whose DDP buckets copy every gradient
-#: (PyTorch DDP without ``gradient_as_bucket_view``): more than any model's parameters.
-EVERY_GRADIENT = 10**15
-#: ``FRAGMENTATION`` for the nanotron stack (``NANOTRON_OPTIONS``): fitted by
-#: tests/benchmarks/memory_accuracy.py --fit on the Ultra-Scale rows of the (model, nodes) groups it
-#: fits on (the split of tests/benchmarks/pressure_fit.py), checked on the others (docs/stacks.md).
-NANOTRON_FRAGMENTATION = 1.31
-#: One CPU worker process (device_kind "cpu"): the Python interpreter, PyTorch and the gloo
-#: process group resident in RAM before the model is built. A documented planning figure,
-#: not fitted (no CPU measurements in the calibration sets).
-CPU_PROCESS_OVERHEAD_BYTES = int(0.5 * GiB)
-
-DEVICE_KINDS: tuple[str, ...] = ("gpu", "cpu")
-
-
-#: The ways ``MemoryOptions.stage_balance`` splits the layers over the pipeline stages.
-STAGE_BALANCES = ("uniform", "compute")
-
-
-@dataclass(frozen=True)
-class MemoryOptions:
-    """Framework behaviour the estimate depends on; the defaults are DeepSpeed's.
-
-    ``shard_master_weights``: ZeRO-1 shards the fp32 master copy with the other optimizer
-    states (Rajbhandari et al. 2020; DeepSpeed). nanotron keeps it unsharded, next to its
-    fp32 gradient buffers. ``dp_bucket_elements``: gradient elements in ZeRO-0's all-reduce
-    buckets at once (PyTorch DDP without ``gradient_as_bucket_view`` copies every gradient:
-    give the parameter count or more); ``zero_bucket_elements`` the same for ZeRO-1/2/3.
-    ``stage_layers`` overrides the layers per pipeline stage (DeepSpeed's uniform split by
-    default), for frameworks that balance stages another way. ``loss_fp32_copies`` and
-    ``deepspeed_bf16_fp32_grads``: see the constants of the same names.
-    """
-
-    flash_attention: bool = FLASH_ATTENTION
-    sequence_parallel: bool = SEQUENCE_PARALLEL
-    grad_accum_fp32: bool = GRAD_ACCUM_FP32
-    shard_master_weights: bool = True
-    dp_bucket_elements: int = DEEPSPEED_BUCKET_ELEMENTS
-    zero_bucket_elements: int = DEEPSPEED_BUCKET_ELEMENTS
-    stage_layers: tuple[int, ...] | None = None
-    loss_fp32_copies: int = LOSS_FP32_COPIES
-    deepspeed_bf16_fp32_grads: bool = DEEPSPEED_BF16_FP32_GRADS
-    #: bf16 training keeps its gradient buffer in fp32 at every ZeRO stage, unsharded by the
-    #: distributed optimizer: Megatron-LM turns ``accumulate_allreduce_grads_in_fp32`` on under
-    #: ``--bf16`` unless ``--grad-reduce-in-bf16`` (megatron/training/arguments.py), and the grad
-    #: buffer takes that dtype (megatron/core/distributed/param_and_grad_buffer.py): 6 + 12/d bytes
-    #: per parameter with the distributed optimizer (Megatron-LM's docs, "Distributed Optimizer").
-    #: fp16 keeps fp16 gradients.
-    bf16_fp32_grads: bool = False
-    #: FSDP2's sharding (``fully_shard`` per decoder layer, then the stage: ``_fsdp2_state``)
-    #: instead of DeepSpeed's ZeRO; ``zero_stage`` 3/2/0 is FULL_SHARD / no reshard / NO_SHARD
-    fsdp2: bool = False
-    #: The linear layers' weights held in FP8, 1 byte each (NeMo's ``fp8_params``, Transformer
-    #: Engine's Float8Tensor parameters; MLPerf's Llama-2-70B LoRA reference sets it with ``FP8``:
-    #: mlcommons/training_results_v4.0, NVIDIA llama2_70b_lora, megatron_gpt_peft_tuning_config.yaml).
-    #: Embedding, head and norms stay in the training dtype.
-    fp8_weights: bool = False
-    #: Whether a frozen linear layer's input is kept for the backward. Only the weight gradient
-    #: needs it, so Transformer Engine keeps it only when ``weight.requires_grad``
-    #: (transformer_engine/pytorch/ops/basic/basic_linear.py, ``weight_requires_grad``): under
-    #: LoRA (llama) the MLP norm's output and the down projection's input are not stored unless
-    #: an adapter reads them. True (kept) for Pipette's runner: its fits prior
-    #: (``pipette.fits.PIPETTE_GPU``) was fitted on the estimate with them.
-    frozen_inputs_saved: bool = True
-    #: Selective recomputation as torchtitan's per-op checkpointing (``selective_ac_option = "op"``):
-    #: each layer keeps its input and the outputs of the ops in ``_save_list`` (every other mm,
-    #: the SDPA kernel's output) and recomputes the rest in the backward (torchtitan,
-    #: models/llama3/infra/parallelize.py, ``_apply_ac_to_transformer_block``: "Saves output of all
-    #: compute ops, except every second mm"). False: Korthikanti's selective (scores only).
-    op_sac: bool = False
-    #: A fused cross-entropy: the fp32 upcast, log-softmax and NLL in one kernel each way, so no fp32
-    #: copy of the logits is materialized; it keeps the logits (d bytes) and writes their gradient
-    #: (d). torchtitan under compile (``build_cross_entropy_loss`` wraps ``cross_entropy_loss`` in
-    #: ``torch.compile``: torchtitan/components/loss.py; before 2025 its train.py left it eager,
-    #: "TODO: compiling loss function causes CUDA errors"); llm-foundry's MPT by default
-    #: (``loss_fn`` ``fused_crossentropy``: flash-attn's ``CrossEntropyLoss``, llmfoundry/models/mpt).
-    fused_loss: bool = False
-    #: Tensor parallelism as PyTorch DTensor runs it (torchtitan's ``ColwiseParallel`` with
-    #: ``input_layouts=Shard(1)`` on wq/wk/wv, w1/w3 and the output projection): the norm's output is
-    #: all-gathered over the sequence and ``F.linear`` saves that gathered input for its weight
-    #: gradient, so each of the two norm outputs of a layer and the final norm's are held whole, not
-    #: 1/t. Megatron's sequence parallelism saves the 1/t shard and re-gathers it in the backward
-    #: (Korthikanti et al. 2022, sec. 4.2.2): False.
-    tp_saves_gathered_inputs: bool = False
-    #: fp32 copies of the logits at the loss's peak under tensor parallelism where the stack then
-    #: runs a vocab-parallel loss of its own (None: ``loss_fp32_copies``). torchtitan turns on
-    #: PyTorch's ``loss_parallel`` with TP (``enable_loss_parallel``, default true); its log-softmax
-    #: backward (torch/distributed/tensor/parallel/loss.py, ``_log_softmax_backward_handler``:
-    #: ``grad_output - exp(output) * sum(grad_output)``) holds the saved output, the incoming
-    #: gradient, ``exp(output)`` and the product at once: 4, where the fused eager kernel holds 3.
-    tp_loss_fp32_copies: int | None = None
-    #: Multiplier on the transient memory (activations, logits): the caching allocator's
-    #: fragmentation and short-lived tensors (``FRAGMENTATION``, fitted on nanotron's figures); a
-    #: stack whose sets measure reserved memory fits its own.
-    fragmentation: float = FRAGMENTATION
-    #: How the layers are split over the pipeline stages where ``stage_layers`` does not say:
-    #: "uniform" (DeepSpeed's and Megatron-LM's even split, heaviest first) or "compute"
-    #: (nanotron's: ``compute_balanced_stage_layers``).
-    stage_balance: str = "uniform"
-
-    def __post_init__(self) -> None:
-        if self.stage_balance not in STAGE_BALANCES:
-            raise SpecError(f"unknown stage_balance {self.stage_balance!r}", field="options.stage_balance",
-                            fix=f"use one of {', '.join(STAGE_BALANCES)}")
-
-
-DEFAULT_OPTIONS = MemoryOptions()
-#: Megatron-LM's loss (vocab-parallel cross entropy), no DeepSpeed BF16_Optimizer, Transformer
-#: Engine's frozen linear inputs not kept, and its fp32 gradient buffer under bf16: the megatron stack.
-MEGATRON_OPTIONS = MemoryOptions(loss_fp32_copies=2, deepspeed_bf16_fp32_grads=False, frozen_inputs_saved=False,
-                                 bf16_fp32_grads=True)
-#: nanotron (Hugging Face's 3D-parallel trainer) as it holds a model, read from its source:
-#: the fp32 gradient buffer of every parameter kept unsharded, even under ZeRO-1
-#: (``accumulate_grad_in_fp32``: ``FP32GradientAccumulator`` builds "grad buffers for all model's
-#: parameters, independently of ZeRO sharding", nanotron/optim/gradient_accumulator.py), the fp32
-#: master copy sharded with ZeRO-1 ("fp32 and half are sharded in case of Zero", same file),
-#: PyTorch DDP's buckets copying every gradient under ZeRO-0 (``EVERY_GRADIENT``: the earlier
-#: description of these runs in tests/benchmarks/memory_accuracy.py, not re-read in nanotron), none
-#: under ZeRO-1 (with a copy there too the error trends with dp again against the Ultra-Scale
-#: runs, +0.18 in log at dp 1 to -0.16 at dp 256: docs/stacks.md), its vocab-parallel cross entropy
-#: (``_ShardedCrossEntropy`` saves the fp32 softmax: 2 copies), every linear input saved whatever
-#: its weight (``ctx.save_for_backward(tensor, weight)``, nanotron/parallel/tensor_parallel/
-#: functional.py), only the local shard of a column-parallel input under sequence parallelism
-#: (``tp_recompute_allgather``), and the stages balanced by compute cost. ``fragmentation`` is
-#: nanotron's own, fitted on the Ultra-Scale set (``NANOTRON_FRAGMENTATION``).
-NANOTRON_OPTIONS = MemoryOptions(loss_fp32_copies=2, deepspeed_bf16_fp32_grads=False, bf16_fp32_grads=True,
-                                 shard_master_weights=True, dp_bucket_elements=EVERY_GRADIENT, zero_bucket_elements=0,
-                                 stage_balance="compute", fragmentation=NANOTRON_FRAGMENTATION)
-#: PyTorch FSDP2 as torchtitan and Pipette's PyTorch-native runner compose it: the model's fp32
-#: parameters sharded, fp32 gradient reduction, and the loss over the logits cast to fp32
-#: (torchtitan's ``cross_entropy_loss``, ``workers.rank.fsdp_model.lm_loss``: 3 fp32 copies, as
-#: Pipette's DeepSpeed runner).
-FSDP_OPTIONS = MemoryOptions(grad_accum_fp32=True, deepspeed_bf16_fp32_grads=False, fsdp2=True, op_sac=True,
-                             tp_saves_gathered_inputs=True, tp_loss_fp32_copies=4,
-                             fragmentation=FSDP_FRAGMENTATION)
 
 
 def estimate_memory(
@@ -229,11 +57,17 @@ def estimate_memory(
     capacity_bytes: int,
     *,
     device_kind: str = "gpu",
+    stack: str | Stack | None = None,
     options: MemoryOptions | None = None,
 ) -> MemoryEstimate:
-    """Peak bytes on the heaviest rank of ``config`` (the heaviest pipeline stage), with
-    ``options`` (default Pipette's runner's; a stack's: ``pipette.stacks.Stack.estimate_memory``)."""
-    options = options or DEFAULT_OPTIONS
+    """Peak bytes on the heaviest rank of ``config`` (the heaviest pipeline stage), held as ``stack``
+    holds a model (a name such as ``"nanotron"`` or ``"megatron+fp8"``, or a ``pipette.stacks.Stack``:
+    its memory options). ``options`` estimates with those instead; neither: Pipette's runner's. An
+    unknown stack is a ``SpecError`` naming the known ones."""
+    if stack is not None and options is not None:
+        raise SpecError("both a stack and memory options were given", field="stack",
+                        fix="give the stack (its own memory options) or the options, not both")
+    options = get_stack(stack).memory_options if stack is not None else (options or DEFAULT_OPTIONS)
     if capacity_bytes <= 0:
         raise SpecError(
             f"capacity must be positive, got {capacity_bytes!r}",
@@ -610,15 +444,31 @@ def _notes(training: TrainingSpec, config: ParallelConfig, options: MemoryOption
 
 
 __all__ = [
+    "CPU_PROCESS_OVERHEAD_BYTES",
+    "DEEPSPEED_BF16_FP32_GRADS",
+    "DEEPSPEED_BUCKET_ELEMENTS",
     "DEFAULT_OPTIONS",
+    "DEVICE_KINDS",
+    "EVERY_GRADIENT",
+    "FLASH_ATTENTION",
+    "FP32_BYTES",
     "FRAGMENTATION",
     "FSDP_COMPILE_FRAGMENTATION",
     "FSDP_FRAGMENTATION",
     "FSDP_OPTIONS",
     "GPU_OVERHEAD_BYTES",
+    "GRAD_ACCUM_FP32",
     "HOST_KEY",
+    "LOSS_FP32_COPIES",
     "MEGATRON_OPTIONS",
+    "NANOTRON_FRAGMENTATION",
+    "NANOTRON_OPTIONS",
     "SAFETY_MARGIN",
+    "SEQUENCE_PARALLEL",
+    "STAGE_BALANCES",
+    "ZERO3_MAX_LIVE_PARAMETERS",
+    "ZERO3_PREFETCH_ELEMENTS",
+    "GiB",
     "MemoryOptions",
     "estimate_memory",
     "stage_breakdowns",

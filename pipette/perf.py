@@ -32,7 +32,7 @@ collective.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
@@ -41,228 +41,39 @@ from pipette import comm, flops
 from pipette.cluster import ClusterProfile
 from pipette.config import ParallelConfig
 from pipette.device import DeviceSpec
-from pipette.efficiency import H100_MEASURED_BF16, EfficiencyCurve, default_curve, family
+from pipette.efficiency import EfficiencyCurve, default_curve, family
 from pipette.errors import SpecError
 from pipette.estimates import TIME_PARTS, PerfEstimate
-from pipette.memory import MemoryOptions, estimate_memory
+from pipette.memory import estimate_memory
 from pipette.model import ModelSpec
+from pipette.perf_constants import (
+    ADAM_BYTES_PER_PARAM,
+    COLLECTIVE_OVERHEAD_S,
+    CUT_FRACTION,
+    DEFAULT_CONSTANTS,
+    DP_OVERLAP,
+    ELEMENTWISE_PASSES,
+    FP8_CAST_BYTES,
+    FUSED_LOSS_BYTES_PER_LOGIT,
+    HF_DEEPSPEED_CONSTANTS,
+    HF_ELEMENTWISE_PASSES,
+    HF_FFN_PASSES,
+    HF_LAYER_OVERHEAD_S,
+    LAYER_OVERHEAD_S,
+    LINK_FRACTION,
+    LOSS_BYTES_PER_LOGIT,
+    MEGATRON_CONSTANTS,
+    SCORE_PASSES,
+    SGD_BYTES_PER_PARAM,
+    MemoryPressure,
+    PerfConstants,
+)
+from pipette.stacks import Stack, get_stack
 from pipette.training import TrainingSpec
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
 
-# ---- fitted constants (tests/benchmarks/accuracy.py --fit) ---------------------------
-# Achieved fraction of a link's bandwidth by NCCL collectives (bus bandwidth / link
-# bandwidth). Fitted on the vTrain A100 and Ultra-Scale H100 sets together.
-LINK_FRACTION = 1.0
-# Achieved fraction of the summed NIC bandwidth when a tensor-parallel group crosses a
-# node cut on one NCCL channel per member (pipette.comm.channel_links). Scanned on the
-# Ultra-Scale H100 healthy rows (0.3..0.7; 0.4 best on tp 16/32, 8x H100 + EFA nodes).
-# Data-parallel rings keep one link's speed: the same rule for them made the large-dp
-# rows, already predicted too fast, worse (accuracy.py: healthy MAPE 33.9% -> 34.6%,
-# median top-1 regret 6.7% -> 10.8%).
-CUT_FRACTION = 0.4
-# Fixed time per transformer layer per forward-equivalent pass (kernel launches,
-# layer norms, residual adds, the small ops a GEMM count misses). vTrain + Ultra-Scale.
-LAYER_OVERHEAD_S = 0.0
-# Fraction of the last micro-batch's backward compute that hides the bucketed gradient
-# reduction (and ZeRO-3 prefetched gathers). vTrain + Ultra-Scale.
-DP_OVERLAP = 0.0
-# Fixed cost of one blocking collective or p2p call on the critical path (NCCL launch and
-# the skew of the ranks it synchronises). vTrain + Ultra-Scale.
-COLLECTIVE_OVERHEAD_S = 0.0
-# Activation-sized (T x h) memory passes per layer forward that no GEMM counts: norms,
-# residual adds, dropout, bias and activation functions. Megatron-LM without sequence
-# parallelism replicates the norms and residuals on every TP rank (Korthikanti et al.
-# 2022, sec. 4.2.2), so these passes are not divided by tp. vTrain + Ultra-Scale.
-ELEMENTWISE_PASSES = 11.7
-# Passes over the attention scores (mbs x heads/tp x s x s) per layer forward: scale,
-# mask, softmax, dropout in unfused attention (Korthikanti et al. 2022, eq. 2 counts
-# these tensors). FlashAttention (Dao et al. 2022) never writes them. vTrain + Ultra-Scale.
-SCORE_PASSES = 2.89
-
-# ---- counted, not fitted ----------------------------------------------------------
-# Bytes of memory touched per parameter by one mixed-precision Adam(W) step
-# (Rajbhandari et al. 2020, sec. 3: fp32 master, momentum, variance, fp32 gradient read
-# (16 B), the three fp32 states written back (12 B) and the low-precision copy written
-# (2 B), plus two reads of the fp32 gradient for the overflow check and the norm clip (8 B).
-ADAM_BYTES_PER_PARAM = 38.0
-# SGD with momentum: master + momentum + gradient read, master + momentum + copy written,
-# plus the two gradient reads.
-SGD_BYTES_PER_PARAM = 30.0
-# Fp32 softmax + cross-entropy over the logits: the loss reads the logits, writes fp32
-# probabilities, and the backward reads them and writes the logit gradient: 4 passes of 4 B.
-LOSS_BYTES_PER_LOGIT = 16.0
-# A fused (Megatron-LM's vocab-parallel cross-entropy, Shoeybi et al. 2019 sec. 3; or a chunked)
-# loss reads the bf16 logits once in the forward and writes their gradient once in the backward,
-# in place: 2 passes of 2 B, the fp32 softmax kept in registers.
-FUSED_LOSS_BYTES_PER_LOGIT = 4.0
-# Bytes touched per element by FP8 dynamic scaling: an amax pass (2 B read) and the scaled cast
-# (2 B read, 1 B written); torchao.float8 and Transformer Engine cast each GEMM operand so.
-FP8_CAST_BYTES = 5.0
-
-
-@dataclass(frozen=True)
-class PerfConstants:
-    """The fitted constants, bundled so the accuracy benchmark can refit them.
-
-    ``curve=None`` uses the calibrated curve of the device's family
-    (``pipette.efficiency.default_curve``). ``flash_attention``: the attention runs as one
-    fused kernel (FlashAttention-2, PyTorch SDPA; Dao 2023) that never writes the scores: no
-    score passes, the causal half of the attention FLOPs at the GEMM curve's efficiency, and a
-    backward of 2.5x its forward (it recomputes the scores: 5 matmuls against 2; Dao 2023,
-    sec. 3.1). ``ffn_passes``: memory passes over the MLP's ``T x f`` activations per layer
-    forward (activation function and gating), beside ``elementwise_passes`` over ``T x h``.
-    """
-
-    link_fraction: float = LINK_FRACTION
-    cut_fraction: float = CUT_FRACTION
-    layer_overhead_s: float = LAYER_OVERHEAD_S
-    dp_overlap: float = DP_OVERLAP
-    collective_overhead_s: float = COLLECTIVE_OVERHEAD_S
-    elementwise_passes: float = ELEMENTWISE_PASSES
-    score_passes: float = SCORE_PASSES
-    curve: EfficiencyCurve | None = field(default=None)
-    flash_attention: bool = False
-    ffn_passes: float = 0.0
-    #: GEMM curves by device family for devices the probe has not measured (the profile's own
-    #: measured points come first): (family, curve) pairs
-    curves: tuple[tuple[str, EfficiencyCurve], ...] = ()
-    #: Fraction of the device's peak a fused attention kernel reaches (0: the GEMM curve's
-    #: efficiency at the attention matmul's size). FlashAttention-2 reaches 50-73% of an A100's
-    #: peak in the forward and less in the backward (Dao 2023, sec. 4.1, fig. 4-6), far below a
-    #: large GEMM at long sequences; with ``flash_attention`` only.
-    attention_efficiency: float = 0.0
-    #: Fraction of a micro-batch's compute under which FSDP/ZeRO-3 parameter gathers and the
-    #: gradient reduce-scatters run (None: the older ``dp_overlap`` rule). FSDP prefetches the
-    #: next unit's all-gather on a separate stream while the current unit computes (forward and
-    #: backward prefetch; PyTorch FSDP docs, "BackwardPrefetch"; FSDP2's implicit prefetching in
-    #: torchtitan, docs/fsdp.md), and reduce-scatters a unit's gradients while the previous unit's
-    #: backward runs: per phase only what the compute does not cover is exposed.
-    shard_overlap: float | None = None
-    #: Whether full recomputation gathers the sharded parameters a third time. DeepSpeed ZeRO-3
-    #: re-gathers for the recomputed forward; FSDP's backward pre-hook gathers a unit once and the
-    #: checkpointed forward is recomputed inside it (torch.distributed.fsdp, "activation
-    #: checkpointing" with FSDP: the recomputation runs under the unit's unsharded parameters).
-    recompute_regathers: bool = True
-    #: Data-parallel collectives across nodes on one NCCL channel per member with this share of
-    #: the summed NIC bandwidth (``pipette.comm.channel_links``; None: one link's speed). NCCL
-    #: runs one ring per NIC, so a data-parallel group with k members on a node crosses the node
-    #: cut on k NICs at once (NCCL's multi-ring all-gather/reduce-scatter; Jeaugey, "Massively
-    #: scale your deep learning training with NCCL 2.4", NVIDIA 2019).
-    dp_cut_fraction: float | None = None
-    #: Bytes of memory touched per logit by the loss (forward and backward together):
-    #: ``LOSS_BYTES_PER_LOGIT`` for an eager fp32 softmax + cross-entropy; a fused or chunked
-    #: loss touches fewer (see ``FUSED_LOSS_BYTES_PER_LOGIT``).
-    loss_bytes_per_logit: float = LOSS_BYTES_PER_LOGIT
-    #: Selective recomputation as per-op checkpointing (0: Korthikanti's selective mode, which
-    #: re-runs the attention core only): the share of the linear layers' forward recomputed,
-    #: with every elementwise op, while the fused attention's output is saved. torchtitan's op
-    #: mode saves the output of every other matmul (torchtitan, models/llama3/infra/parallelize.py,
-    #: ``_apply_ac``: ``_save_list`` and the matmul counter), so it recomputes half of them.
-    op_sac_linear_share: float = 0.0
-    #: FP8 linear layers (the stack's ``fp8`` option: Transformer Engine, torchao Float8): the
-    #: forward and both backward GEMMs of every linear layer at the device's ``fp8`` peak, the
-    #: attention, the LM head and LoRA adapters in the training dtype (both libraries keep them
-    #: there). A device without an ``fp8`` peak runs them in the training dtype.
-    fp8_gemms: bool = False
-    #: Achieved FP8 GEMM throughput relative to the bf16 curve at the same kernel duration
-    #: (fitted: tests/benchmarks/stack_fit.py).
-    fp8_efficiency: float = 1.0
-    #: The FP8 casts fused away (no cast passes): Transformer Engine casts a linear layer's input
-    #: inside the kernel before it (LayerNormLinear, LayerNormMLP: the norm and the activation write
-    #: FP8), and with FP8 weights (NeMo's ``fp8_params``) the weights need no cast. Megatron-LM /
-    #: NeMo under ``--fp8`` run on Transformer Engine; torchao Float8 (torchtitan) casts apart.
-    fp8_casts_fused: bool = False
-    #: Share of a micro-batch's linear-layer GEMM time under which the tensor-parallel collectives
-    #: run (0: all exposed, as vTrain's and Ultra-Scale's runs had them). Transformer Engine's
-    #: userbuffer overlap (Megatron-LM ``--tp-comm-overlap``, NeMo ``ub_tp_comm_overlap``; MLPerf's
-    #: Llama-2-70B LoRA reference sets TP_COMM_OVERLAP with MC_TP_OVERLAP_AG/RS) splits each
-    #: sequence-parallel all-gather and reduce-scatter into chunks pipelined with the GEMM that
-    #: consumes or produces them: only what the GEMMs do not cover is exposed.
-    tp_overlap: float = 0.0
-    #: Sequence parallelism over the elementwise work: the norms, residual adds and the FP8 casts of
-    #: the linear layers' inputs run on the 1/t sequence shard of each tensor-parallel rank
-    #: (torchtitan's TP plan: ``SequenceParallel()`` on attention_norm and ffn_norm, the residual
-    #: stream ``Shard(1)`` between blocks, and ``Float8ColwiseParallel`` casting the input shard to
-    #: FP8 before the all-gather: torchtitan models/llama3/infra/parallelize.py, ``apply_tp``).
-    #: False: the passes are replicated on every TP rank (Megatron-LM without sequence parallelism,
-    #: as vTrain ran; Korthikanti et al. 2022, sec. 4.2.2) and each rank casts its whole input.
-    sequence_parallel: bool = False
-    #: Fixed cost of one pipeline p2p transfer (None: ``collective_overhead_s``, as a blocking
-    #: collective). ``torch.distributed.pipelining`` posts its sends and receives as non-blocking
-    #: p2p ops (``batch_isend_irecv``); a receive's wait is the schedule's data dependency, which
-    #: the 1F1B formula already prices.
-    p2p_overhead_s: float | None = None
-    #: Share of the 1F1B bubble (``(p-1)/(m+p-1)`` of the pipeline's time; Narayanan et al. 2021,
-    #: sec. 2.2) that costs wall time. 1: each stage on a device of its own. Below 1 where ranks
-    #: share cores (CPU workers): a stage waiting in the bubble blocks in its receive and leaves
-    #: its core to the stages that compute.
-    bubble_share: float = 1.0
-    #: Fixed cost on the critical path of one FSDP2 per-unit collective (``_unit_collectives``: a
-    #: gather or gradient reduction of one unit, each decoder layer and the stage's root, over the
-    #: stage's data-parallel group; none when it is one rank). Apart from ``collective_overhead_s``:
-    #: FSDP2 issues them asynchronously and prefetches the next unit's gather under the current
-    #: unit's compute, where a tensor-parallel all-reduce blocks. 0: priced by bytes only.
-    unit_collective_s: float = 0.0
-    #: Memory pressure near capacity (None: off, as on every stack unless ``megatron+alloc-pressure``
-    #: is named): see ``MemoryPressure``.
-    memory_pressure: MemoryPressure | None = None
-
-
-@dataclass(frozen=True)
-class MemoryPressure:
-    """A stall per micro-batch as the estimated peak nears the device's capacity.
-
-    PyTorch's caching allocator, when a ``cudaMalloc`` fails, frees every cached block it does not
-    use and retries (``torch.cuda.memory_stats``: ``num_alloc_retries``, "number of failed cudaMalloc
-    calls that result in a cache flush and retry"; the CUDA semantics notes, "Memory management").
-    ``cudaFree`` synchronises the device, and the freed blocks are allocated again at the next
-    micro-batch, so a run whose working set does not fit its cache pays the flush, the device sync
-    and the re-allocation at every micro-batch, and a pipeline stalls with its slowest stage. The
-    share of micro-batches that hit it rises as the peak nears capacity; priced linearly:
-
-        stall = stall_s * clip((peak / capacity - onset) / (1 - onset), 0, 1)
-
-    added to each stage's micro-batch time (``(m + p - 1) * stall`` on a 1F1B pipeline). ``peak`` is
-    ``pipette.memory.estimate_memory`` with ``options`` (the stack's memory options). Fitted on the
-    Ultra-Scale set (``tests/benchmarks/pressure_fit.py``, docs/stacks.md).
-    """
-
-    stall_s: float
-    onset: float
-    options: MemoryOptions
-
-    def stall(self, peak_bytes: float, capacity_bytes: float) -> float:
-        """Seconds per micro-batch at ``peak_bytes`` of ``capacity_bytes``."""
-        if self.stall_s <= 0 or capacity_bytes <= 0 or self.onset >= 1.0:
-            return 0.0
-        share = (peak_bytes / capacity_bytes - self.onset) / (1.0 - self.onset)
-        return self.stall_s * min(max(share, 0.0), 1.0)
-
-
-#: The constants above: Megatron-LM (vTrain) and nanotron (Ultra-Scale) runs, fused kernels.
-MEGATRON_CONSTANTS = PerfConstants()
-
-# ---- Pipette's own stack: Hugging Face Llama under DeepSpeed (workers.rank.train) -------------
-# What Pipette's trials and launch files run: HF's eager Llama (RMSNorm upcast to fp32,
-# rotary, SiLU and gating as separate kernels), PyTorch SDPA (FlashAttention-2), DeepSpeed's
-# engine. Fitted (least squares on log(predicted / measured)) on the 9 timed runs of
-# h100_single_gpu.csv (one H100, llama3.2-1b full and LoRA, llama3.2-3b LoRA, seq 2048-4096)
-# with the H100's measured GEMM curve: tests/benchmarks/accuracy.py --fit-hf.
-#: memory passes over T x h per layer forward (norms in fp32, residuals, rotary, casts)
-HF_ELEMENTWISE_PASSES = 71.4
-#: memory passes over T x f per layer forward (SiLU, the gate product)
-HF_FFN_PASSES = 13.4
-#: fixed time per layer per forward-equivalent pass (kernel launches of ~40 small ops, Python)
-HF_LAYER_OVERHEAD_S = 8.64e-4
-HF_DEEPSPEED_CONSTANTS = PerfConstants(
-    elementwise_passes=HF_ELEMENTWISE_PASSES, ffn_passes=HF_FFN_PASSES, layer_overhead_s=HF_LAYER_OVERHEAD_S,
-    flash_attention=True, curves=(("h100", EfficiencyCurve(1.0, 1.0, 1.0, H100_MEASURED_BF16)),),
-)
-#: What Pipette predicts by default: the stack its trials and launch files run. The calibration
-#: sets of other frameworks are evaluated with their own constants (MEGATRON_CONSTANTS).
-DEFAULT_CONSTANTS = HF_DEEPSPEED_CONSTANTS
 
 
 @dataclass(frozen=True)
@@ -586,10 +397,18 @@ class PerfModel:
 
 def estimate_perf(
     model: ModelSpec, training: TrainingSpec, config: ParallelConfig, cluster: ClusterProfile,
-    *, constants: PerfConstants | None = None,
+    *, stack: str | Stack | None = None, constants: PerfConstants | None = None,
 ) -> PerfEstimate:
-    """Convenience: ``PerfModel(...).estimate()`` for the config's own placement, with
-    ``constants`` (default Pipette's runner's; a stack's: ``pipette.stacks.Stack.estimate_perf``)."""
+    """``PerfModel(...).estimate()`` for the config's own placement, priced for ``stack`` (a name such
+    as ``"megatron"`` or ``"fsdp+compile"``, or a ``pipette.stacks.Stack``): its constants for the
+    cluster's devices (``Stack.constants_for``). ``constants`` prices with those instead (the
+    calibration benchmarks refit them); neither: Pipette's runner's GPU constants. An unknown stack
+    is a ``SpecError`` naming the known ones."""
+    if stack is not None and constants is not None:
+        raise SpecError("both a stack and constants were given", field="stack",
+                        fix="give the stack (its own constants) or the constants, not both")
+    if stack is not None:
+        constants = get_stack(stack).constants_for(cluster.device_spec.kind)
     return PerfModel(model, training, config, cluster, constants=constants).estimate()
 
 
@@ -703,6 +522,26 @@ def _stage_params(model: ModelSpec, training: TrainingSpec, config: ParallelConf
 
 
 __all__ = [
-    "DEFAULT_CONSTANTS", "FUSED_LOSS_BYTES_PER_LOGIT", "HF_DEEPSPEED_CONSTANTS",
-    "MEGATRON_CONSTANTS", "MemoryPressure", "PerfConstants", "PerfModel", "estimate_perf",
+    "ADAM_BYTES_PER_PARAM",
+    "COLLECTIVE_OVERHEAD_S",
+    "CUT_FRACTION",
+    "DEFAULT_CONSTANTS",
+    "DP_OVERLAP",
+    "ELEMENTWISE_PASSES",
+    "FP8_CAST_BYTES",
+    "FUSED_LOSS_BYTES_PER_LOGIT",
+    "HF_DEEPSPEED_CONSTANTS",
+    "HF_ELEMENTWISE_PASSES",
+    "HF_FFN_PASSES",
+    "HF_LAYER_OVERHEAD_S",
+    "LAYER_OVERHEAD_S",
+    "LINK_FRACTION",
+    "LOSS_BYTES_PER_LOGIT",
+    "MEGATRON_CONSTANTS",
+    "SCORE_PASSES",
+    "SGD_BYTES_PER_PARAM",
+    "MemoryPressure",
+    "PerfConstants",
+    "PerfModel",
+    "estimate_perf",
 ]

@@ -1,11 +1,15 @@
 """Stacks: the software that runs a job, as one named bundle the models predict for.
 
 A ``Stack`` holds what a prediction depends on besides the model, recipe and cluster: the
-performance constants (``pipette.perf``), the memory options (``pipette.memory``), the fits
-prior of the memory estimator's error (``pipette.fits``), what the stack can run (degrees,
+performance constants (``pipette.perf_constants``), the memory options (``pipette.memory_options``),
+the fits prior of the memory estimator's error (``pipette.fits``), what the stack can run (degrees,
 ZeRO/FSDP sharding modes, pipeline schedules, recomputation granularity) and which launch
 files the emitter writes for it. A prediction is made for one stack, and trials of one
 stack teach only it (``pipette.tuner.job_key`` includes the stack).
+
+A stack is data: the estimators take one (``pipette.perf.estimate_perf(..., stack=)``,
+``pipette.memory.estimate_memory(..., stack=)``, ``pipette.plan.make_plan(..., stack=)``, a name or a
+``Stack``), so this module sits between the constants it bundles and the estimators that use them.
 
 Choose one by name everywhere (``--stack``, ``stack:`` in a job file and the API): ``pipette``
 (the default), ``hf-deepspeed``, ``megatron``, ``nanotron``, ``fsdp``; an option is appended with ``+``
@@ -19,23 +23,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from pipette.cluster import ClusterProfile
 from pipette.config import ParallelConfig
 from pipette.errors import SpecError
-from pipette.estimates import MemoryEstimate, PerfEstimate
 from pipette.fits import CPU, FSDP_GPU, MEGATRON_GPU, NANOTRON_GPU, PIPETTE_GPU, FitsPrior
 from pipette.fsdp_rules import fsdp_problems
-from pipette.memory import (
+from pipette.memory_options import (
     DEFAULT_OPTIONS,
     FSDP_COMPILE_FRAGMENTATION,
     FSDP_OPTIONS,
     MEGATRON_OPTIONS,
     NANOTRON_OPTIONS,
     MemoryOptions,
-    estimate_memory,
 )
 from pipette.model import ModelSpec
-from pipette.perf import HF_DEEPSPEED_CONSTANTS, MEGATRON_CONSTANTS, MemoryPressure, PerfConstants, estimate_perf
+from pipette.perf_constants import HF_DEEPSPEED_CONSTANTS, MEGATRON_CONSTANTS, MemoryPressure, PerfConstants
 from pipette.training import TrainingSpec
 
 #: The stack Pipette plans and tunes for when none is named: its own runner.
@@ -191,17 +192,6 @@ class Stack:
                 and fsdp_problems(model, training, config, device_kind, world=None):
             broken.append("stack_native_split")
         return broken
-
-    def estimate_memory(self, model: ModelSpec, training: TrainingSpec, config: ParallelConfig,
-                        capacity_bytes: int, *, device_kind: str = "gpu") -> MemoryEstimate:
-        """``pipette.memory.estimate_memory`` with this stack's memory options."""
-        return estimate_memory(model, training, config, capacity_bytes, device_kind=device_kind,
-                               options=self.memory_options)
-
-    def estimate_perf(self, model: ModelSpec, training: TrainingSpec, config: ParallelConfig,
-                      cluster: ClusterProfile) -> PerfEstimate:
-        """``pipette.perf.estimate_perf`` with this stack's constants for the cluster's devices."""
-        return estimate_perf(model, training, config, cluster, constants=self.constants_for(cluster.device_spec.kind))
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -20,6 +20,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from pipette.config import ParallelConfig
+from pipette.memory import estimate_memory
 from pipette.model import MODEL_PRESETS
 from pipette.stacks import FSDP
 from pipette.training import LoraSpec, TrainingSpec
@@ -75,7 +76,7 @@ def main() -> int:
             print(f"{name:<22} failed: codes {batch['codes']}\n{batch['tails'][0][-2000:]}")
             return 1
         measured = max(int(e["peak_tensor_bytes"]) for e in done.values())
-        est = FSDP.estimate_memory(trial.model, trial.training, trial.config, 4 * 1024**3, device_kind="cpu")
+        est = estimate_memory(trial.model, trial.training, trial.config, 4 * 1024**3, device_kind="cpu", stack=FSDP)
         predicted = tensor_peak_bytes(est)
         error = predicted / measured - 1.0
         backend = next(iter(done.values()))["backend"]

@@ -24,7 +24,9 @@ if str(REPO) not in sys.path:
 
 from pipette.clusterfile import homogeneous_cluster  # noqa: E402
 from pipette.config import ParallelConfig  # noqa: E402
+from pipette.memory import estimate_memory  # noqa: E402
 from pipette.model import ModelSpec  # noqa: E402
+from pipette.perf import estimate_perf  # noqa: E402
 from pipette.plan import make_plan  # noqa: E402
 from pipette.stacks import get_stack  # noqa: E402
 from pipette.training import LoraSpec, TrainingSpec  # noqa: E402
@@ -46,8 +48,8 @@ def main() -> int:
     for device, tp in LAYOUTS:
         cluster = homogeneous_cluster(device, 1, 8, 450 * GB, 50 * GB, name=f"dgx-{device}")
         layout = ParallelConfig(tp=tp, pp=1, dp=8 // tp, mbs=1, global_batch=8, zero_stage=1, recompute="none")
-        mem = stack.estimate_memory(model, training, layout, cluster.min_usable_memory)
-        perf = stack.estimate_perf(model, training, layout, cluster)
+        mem = estimate_memory(model, training, layout, cluster.min_usable_memory, stack=stack)
+        perf = estimate_perf(model, training, layout, cluster, stack=stack)
         rate = training.global_batch / perf.step_time
         plan = make_plan(model, training, cluster, stack=stack)
         labels = [c.config.label for c in plan.ranked]

@@ -15,7 +15,7 @@ import pytest
 from pipette.clusterfile import homogeneous_cluster, load_cluster
 from pipette.config import ParallelConfig
 from pipette.model import ModelSpec
-from pipette.perf import HF_DEEPSPEED_CONSTANTS, PerfConstants, PerfModel
+from pipette.perf import HF_DEEPSPEED_CONSTANTS, PerfConstants, PerfModel, estimate_perf
 from pipette.plan import make_plan
 from pipette.stacks import (
     FSDP,
@@ -63,7 +63,7 @@ def test_a_plan_over_both_families_prices_each_with_its_own_cpu_constants() -> N
         assert p.perf.step_time == pytest.approx(direct.step_time)
         seen.add(p.config.stack)
     assert seen == {"pipette", "fsdp"}
-    assert FSDP.estimate_perf(TINY, calib.recipe(), plan.ranked[0].config, CPU4).step_time > 0
+    assert estimate_perf(TINY, calib.recipe(), plan.ranked[0].config, CPU4, stack=FSDP).step_time > 0
 
 
 def test_gpu_clusters_keep_the_gpu_fit() -> None:

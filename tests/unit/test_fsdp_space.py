@@ -19,6 +19,7 @@ from pipette.learned import LearnedModel, Observation
 from pipette.measurement import Measurement
 from pipette.memory import FSDP_OPTIONS, estimate_memory
 from pipette.model import ModelSpec
+from pipette.perf import estimate_perf
 from pipette.plan import Plan, make_plan
 from pipette.search import candidate_params, params_key
 from pipette.stacks import FSDP, PIPETTE, get_stacks, stacks_to_tune
@@ -142,10 +143,10 @@ def test_one_plan_ranks_both_families_each_priced_by_its_own_stack() -> None:
         assert stack.key == name
         assert {replace(p.config, stack=None).label for p in planned} == single[name]
         for p in planned[:5]:
-            assert p.memory == stack.estimate_memory(TINY, TUNE_DEFAULT, p.config, CPU4.min_usable_memory,
-                                                     device_kind="cpu")
+            assert p.memory == estimate_memory(TINY, TUNE_DEFAULT, p.config, CPU4.min_usable_memory,
+                                                     device_kind="cpu", stack=stack)
             assert p.perf.step_time == pytest.approx(
-                stack.estimate_perf(TINY, TUNE_DEFAULT, p.config, CPU4).step_time, rel=1e-9)
+                estimate_perf(TINY, TUNE_DEFAULT, p.config, CPU4, stack=stack).step_time, rel=1e-9)
     # labels and the study's parameters tell the families apart
     assert len({p.config.label for p in plan.ranked}) == len(plan.ranked)
     assert len({params_key(candidate_params(p.config)) for p in plan.ranked}) == len(plan.ranked)

@@ -108,11 +108,12 @@ def test_fp8_runs_the_linear_layers_at_the_fp8_peak_where_the_device_has_one() -
     a100 = homogeneous_cluster("A100-80GB", 1, 8, 300 * GB, 25 * GB)
     bf16, fp8 = get_stack("fsdp"), get_stack("fsdp+fp8")
     assert fp8.constants.fp8_gemms and not bf16.constants.fp8_gemms and fp8.options_note is None
-    fast = fp8.estimate_perf(MODEL, TRAIN, cfg, h100).breakdown["compute"]
-    slow = bf16.estimate_perf(MODEL, TRAIN, cfg, h100).breakdown["compute"]
+    fast = estimate_perf(MODEL, TRAIN, cfg, h100, stack=fp8).breakdown["compute"]
+    slow = estimate_perf(MODEL, TRAIN, cfg, h100, stack=bf16).breakdown["compute"]
     assert 1.2 * fast < slow < 2.0 * fast  # the linear layers only, not attention, loss or norms
     # an A100 has no FP8 tensor cores: the option changes nothing there
-    assert fp8.estimate_perf(MODEL, TRAIN, cfg, a100).step_time == bf16.estimate_perf(MODEL, TRAIN, cfg, a100).step_time
+    assert estimate_perf(MODEL, TRAIN, cfg, a100, stack=fp8).step_time \
+        == estimate_perf(MODEL, TRAIN, cfg, a100, stack=bf16).step_time
     note = get_stack("hf-deepspeed+compile").options_note
     assert note == "compile: not modelled yet: predicted as the stack without it"
     assert get_stack("fsdp+compile").options_note is None  # priced since issue 28 (CompileTerms)

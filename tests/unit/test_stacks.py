@@ -81,20 +81,56 @@ def test_a_stack_refuses_what_it_cannot_run() -> None:
 def test_a_stack_estimates_with_its_own_constants_and_options() -> None:
     cfg = ParallelConfig(tp=2, pp=1, dp=8, mbs=1, zero_stage=1, global_batch=64)
     for stack in STACKS.values():
-        by_name = get_stack(stack.name).estimate_perf(MODEL, TRAINING, cfg, A100S)
+        by_name = estimate_perf(MODEL, TRAINING, cfg, A100S, stack=stack.name)
         direct = PerfModel(MODEL, TRAINING, cfg, A100S, constants=stack.constants).estimate()
-        assert by_name.step_time == stack.estimate_perf(MODEL, TRAINING, cfg, A100S).step_time
+        assert by_name.step_time == estimate_perf(MODEL, TRAINING, cfg, A100S, stack=stack).step_time
         assert by_name.step_time == direct.step_time
         assert by_name.step_time == estimate_perf(MODEL, TRAINING, cfg, A100S, constants=stack.constants).step_time
-        mem = get_stack(stack.name).estimate_memory(MODEL, TRAINING, cfg, 80 * 1024**3)
+        mem = estimate_memory(MODEL, TRAINING, cfg, 80 * 1024**3, stack=stack.name)
         assert mem == estimate_memory(MODEL, TRAINING, cfg, 80 * 1024**3, options=stack.memory_options)
     # the models' own defaults are Pipette's runner's, the default stack
     assert estimate_perf(MODEL, TRAINING, cfg, A100S).step_time == \
-        get_stack("pipette").estimate_perf(MODEL, TRAINING, cfg, A100S).step_time
+        estimate_perf(MODEL, TRAINING, cfg, A100S, stack=get_stack("pipette")).step_time
     assert estimate_memory(MODEL, TRAINING, cfg, 80 * 1024**3) == \
-        get_stack(None).estimate_memory(MODEL, TRAINING, cfg, 80 * 1024**3)
+        estimate_memory(MODEL, TRAINING, cfg, 80 * 1024**3, stack=get_stack(None))
     with pytest.raises(SpecError, match="unknown stack"):
         get_stack("nope")
+
+
+def test_the_estimators_take_a_stack_by_name_and_refuse_an_unknown_one_or_two_answers() -> None:
+    """``estimate_perf(..., stack=)`` and ``estimate_memory(..., stack=)`` (issue 28's Python API): a
+    name with options prices as ``get_stack`` builds it; an unknown name is one line naming the known
+    ones; a stack and explicit constants or options together are refused, not silently merged."""
+    cfg = ParallelConfig(tp=2, pp=1, dp=8, mbs=1, zero_stage=1, global_batch=64)
+    h100 = homogeneous_cluster("H100-80GB", 2, 8, 450e9, 50e9, name="h100s")
+    fp8 = get_stack("megatron+fp8")
+    assert estimate_perf(MODEL, TRAINING, cfg, h100, stack="megatron+fp8").step_time \
+        == PerfModel(MODEL, TRAINING, cfg, h100, constants=fp8.constants).estimate().step_time
+    assert estimate_perf(MODEL, TRAINING, cfg, h100, stack="megatron+fp8").step_time \
+        < estimate_perf(MODEL, TRAINING, cfg, h100, stack="megatron").step_time
+    assert estimate_memory(MODEL, TRAINING, cfg, 80 * 1024**3, stack="megatron+fp8") \
+        == estimate_memory(MODEL, TRAINING, cfg, 80 * 1024**3, options=fp8.memory_options)
+    for call in (lambda: estimate_perf(MODEL, TRAINING, cfg, h100, stack="deepspeedy"),
+                 lambda: estimate_memory(MODEL, TRAINING, cfg, 80 * 1024**3, stack="deepspeedy")):
+        with pytest.raises(SpecError) as e:
+            call()
+        assert e.value.field == "stack" and "pipette, hf-deepspeed, megatron, nanotron, fsdp" in str(e.value)
+    with pytest.raises(SpecError, match="both a stack and constants"):
+        estimate_perf(MODEL, TRAINING, cfg, h100, stack="megatron", constants=fp8.constants)
+    with pytest.raises(SpecError, match="both a stack and memory options"):
+        estimate_memory(MODEL, TRAINING, cfg, 80 * 1024**3, stack="megatron", options=fp8.memory_options)
+
+
+def test_a_stack_prices_cpu_devices_with_its_cpu_constants() -> None:
+    tiny = ModelSpec.preset("tiny-llama")
+    job = TrainingSpec(global_batch=8, seq_len=64, dtype="fp32", method="lora")
+    cpu4 = homogeneous_cluster("cpu", 1, 4, 5e9, 5e9, name="cpu-4")
+    cfg = ParallelConfig(tp=1, pp=1, dp=4, mbs=2, zero_stage=1, global_batch=8)
+    for name in ("pipette", "fsdp"):
+        stack = get_stack(name)
+        assert stack.cpu_constants is not None and stack.cpu_constants != stack.constants
+        assert estimate_perf(tiny, job, cfg, cpu4, stack=name).step_time \
+            == estimate_perf(tiny, job, cfg, cpu4, constants=stack.cpu_constants).step_time
 
 
 @pytest.mark.parametrize("name", list(STACKS))

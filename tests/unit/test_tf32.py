@@ -24,7 +24,7 @@ from pipette.emit_script import write_script_launch_files
 from pipette.errors import SpecError
 from pipette.memory import estimate_memory
 from pipette.model import ModelSpec
-from pipette.perf import PerfModel, _curve_scale
+from pipette.perf import PerfModel, _curve_scale, estimate_perf
 from pipette.script import ScriptSpec
 from pipette.stacks import get_stack
 from pipette.training import TrainingSpec
@@ -44,7 +44,7 @@ def job(dtype: str) -> TrainingSpec:
 
 def step(device: str, dtype: str, stack: str = "pipette") -> float:
     cluster = homogeneous_cluster(device, 1, 8, 300e9, 25e9, name="one-node")
-    return get_stack(stack).estimate_perf(MODEL, job(dtype), CONFIG, cluster).step_time
+    return estimate_perf(MODEL, job(dtype), CONFIG, cluster, stack=get_stack(stack)).step_time
 
 
 @pytest.mark.parametrize(("name", "tf32"), [
