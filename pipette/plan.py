@@ -194,7 +194,8 @@ def make_plan(
     candidates: list[ParallelConfig] = []
     rejected: Counter[str] = Counter()
     for st in chosen_all:
-        base = enumerate_space(model, training, cluster.world, sharded_pipeline=st.sharded_pipeline)
+        base = enumerate_space(model, training, cluster.world, sharded_pipeline=st.sharded_pipeline,
+                               uneven_virtual_stages=st.uneven_virtual_stages)
         runnable = _runnable(_stack_space(base, st, cluster), st, model, training, kind)
         rejected.update(runnable.rejected)
         candidates += [replace(c, stack=st.key) if several else c for c in runnable.candidates]

@@ -34,10 +34,12 @@ RULES: dict[str, str] = {
 
 
 def check(model: ModelSpec, training: TrainingSpec, config: ParallelConfig, world: int, *,
-          sharded_pipeline: bool = False) -> list[str]:
+          sharded_pipeline: bool = False, uneven_virtual_stages: bool = False) -> list[str]:
     """The codes of every rule ``config`` breaks (empty when it is valid); ``sharded_pipeline``:
     the stack shards gradients and parameters under a pipeline (FSDP2 with
-    ``torch.distributed.pipelining``), so ``zero_pipeline`` is not a rule."""
+    ``torch.distributed.pipelining``), so ``zero_pipeline`` is not a rule; ``uneven_virtual_stages``:
+    it splits the layers over an interleaved schedule's stages as evenly as they go, so
+    ``interleaved_layers`` is not one either."""
     broken = []
     if config.world != world:
         broken.append("world_mismatch")
@@ -52,7 +54,7 @@ def check(model: ModelSpec, training: TrainingSpec, config: ParallelConfig, worl
     if config.schedule == "interleaved":
         if config.pp == 1:
             broken.append("interleaved_pp")
-        if model.layers % (config.pp * config.virtual_stages):
+        if model.layers % (config.pp * config.virtual_stages) and not uneven_virtual_stages:
             broken.append("interleaved_layers")
         # Megatron-LM's interleaved 1F1B runs micro-batches in groups of pp.
         if config.grad_accum % config.pp:
@@ -98,9 +100,10 @@ def micro_batch_sizes(training: TrainingSpec, dp: int) -> list[int]:
     return sizes
 
 
-def enumerate_space(model: ModelSpec, training: TrainingSpec, world: int, *, sharded_pipeline: bool = False) -> Space:
+def enumerate_space(model: ModelSpec, training: TrainingSpec, world: int, *, sharded_pipeline: bool = False,
+                    uneven_virtual_stages: bool = False) -> Space:
     """All candidates for ``world`` devices; each rejection is counted by its first rule
-    (``sharded_pipeline``: as ``check``).
+    (``sharded_pipeline``, ``uneven_virtual_stages``: as ``check``).
 
     Degree tuples whose tp or pp break a model rule are counted once per tuple, not once
     per (mbs, zero, recompute, schedule) combination, so the counts stay readable.
@@ -134,7 +137,8 @@ def enumerate_space(model: ModelSpec, training: TrainingSpec, world: int, *, sha
                                 global_batch=training.global_batch, zero_stage=zero,
                                 recompute=recompute, schedule=schedule, virtual_stages=v,
                             )
-                            broken = check(model, training, config, world, sharded_pipeline=sharded_pipeline)
+                            broken = check(model, training, config, world, sharded_pipeline=sharded_pipeline,
+                                           uneven_virtual_stages=uneven_virtual_stages)
                             if broken:
                                 space.rejected[broken[0]] += 1
                             else:

@@ -128,6 +128,11 @@ class Stack:
     #: ZeRO-2/3 (FSDP's sharding) under a pipeline: FSDP2 with ``torch.distributed.pipelining``
     #: runs it, DeepSpeed's pipeline engine refuses it (``pipette.space``'s ``zero_pipeline``)
     sharded_pipeline: bool = False
+    #: an interleaved schedule's layers split over the virtual stages as evenly as they go, not only
+    #: where pp x virtual stages divides them: torchtitan (``generate_llm_fqn_per_model_part``; its
+    #: Llama 3.1 405B runs 126 layers interleaved over pp 8) and Pipette's fsdp runner
+    #: (``workers.rank.fsdp_model.stage_layers``). Megatron-LM asserts an even split.
+    uneven_virtual_stages: bool = False
     #: the constants and memory options under the ``fp8`` option, where the stack's FP8 is more
     #: than FP8 GEMMs (None: the stack's own with ``fp8_gemms``)
     fp8_constants: PerfConstants | None = None
@@ -389,7 +394,7 @@ FSDP = Stack(
     recompute=("none", "selective", "full"), launch_files=NATIVE_FILES,
     available_options=("compile", "fp8", "fp8-rowwise", "async-tp"), async_tp_overlap=FSDP_ASYNC_TP_OVERLAP,
     fp8_rowwise_efficiency=FSDP_FP8_ROWWISE_EFFICIENCY,
-    runner_runs=True, hsdp=True, offload=True, native_rules=True, sharded_pipeline=True,
+    runner_runs=True, hsdp=True, offload=True, native_rules=True, sharded_pipeline=True, uneven_virtual_stages=True,
     compiled=CompileTerms(elementwise_share=FSDP_COMPILE_ELEMENTWISE_SHARE, fused_loss=True,
                           fragmentation=FSDP_COMPILE_FRAGMENTATION, fp8_efficiency=FSDP_COMPILE_FP8_EFFICIENCY),
 )

@@ -43,6 +43,9 @@ JOBS = {
     "llama2-7b on 2 x 8 A100": (LLAMA7B, BF16, A100_2X8),
     "llama2-13b on 8 A100-40GB": (ModelSpec.preset("llama2-13b"), BF16, homogeneous_cluster("A100-40GB", 1, 8, 300e9,
                                                                                            25e9)),
+    # 10 layers: interleaving over pp 4 x 2 virtual stages splits them 2, 2, 1, 1, ... (uneven_virtual_stages)
+    "a 10-layer llama on 8 A100": (replace(TINY, name="tiny-llama-10l", layers=10), TUNE_DEFAULT,
+                                   homogeneous_cluster("A100-80GB", 1, 8, 300e9, 25e9)),
 }
 
 
@@ -59,6 +62,11 @@ def test_every_fsdp_candidate_passes_the_runners_own_check(job: str) -> None:
     for config in configs:
         check_fsdp(model, training, config, cluster.device_spec.kind, world=cluster.world)  # raises if not
     assert all(c.zero_stage != 1 for c in configs)
+    if model.layers == 10:  # the layers pp x virtual stages do not divide are planned, priced finite
+        uneven = [p for p in plan.ranked if p.config.schedule == "interleaved"
+                  and model.layers % (p.config.pp * p.config.virtual_stages)]
+        assert uneven and all(0 < p.perf.step_time < float("inf") for p in uneven)
+        assert "interleaved_layers" not in plan.dropped
 
 
 def test_the_deepspeed_stacks_space_is_unchanged() -> None:

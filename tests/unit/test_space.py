@@ -71,3 +71,21 @@ def test_a_batch_no_dp_divides_leaves_nothing() -> None:
     training = TrainingSpec(global_batch=3, seq_len=64, micro_batches=(2,))
     space = enumerate_space(model, training, 4)
     assert not space.candidates and sum(space.rejected.values()) > 0
+
+
+def test_a_stack_that_splits_layers_unevenly_keeps_interleaving_they_do_not_divide() -> None:
+    """Llama 3.1 405B's 126 layers over pp 8 with 2 virtual stages each (torchtitan's own benchmark
+    layout): Megatron-LM's even split refuses it, torchtitan and Pipette's fsdp runner split the layers
+    as evenly as they go (``Stack.uneven_virtual_stages``)."""
+    model = ModelSpec(name="llama3.1-405b", layers=126, hidden=16384, heads=128, kv_heads=8, ffn_hidden=53248,
+                      vocab=128256, max_seq=8192, tied_embeddings=False, arch="llama")
+    training = TrainingSpec(global_batch=64, seq_len=8192, zero_stages=(3,), recompute=("full",))
+    c = ParallelConfig(tp=8, pp=8, dp=8, mbs=1, global_batch=64, zero_stage=3, recompute="full",
+                       schedule="interleaved", virtual_stages=2)
+    assert check(model, training, c, 512) == ["zero_pipeline", "interleaved_layers"]
+    assert check(model, training, c, 512, sharded_pipeline=True, uneven_virtual_stages=True) == []
+    even = enumerate_space(model, training, 64, sharded_pipeline=True)
+    uneven = enumerate_space(model, training, 64, sharded_pipeline=True, uneven_virtual_stages=True)
+    assert even.rejected["interleaved_layers"] > 0 and "interleaved_layers" not in uneven.rejected
+    assert {c.label for c in even.candidates} < {c.label for c in uneven.candidates}
+    assert any(c.schedule == "interleaved" and model.layers % (c.pp * c.virtual_stages) for c in uneven.candidates)
