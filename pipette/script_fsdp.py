@@ -190,6 +190,8 @@ def torchtitan_settings(training: TrainingSpec, config: ParallelConfig, model: M
         stages = c.pp * (c.virtual_stages if c.schedule == "interleaved" else 1)
         if model.layers % stages == 0:
             parallelism["pipeline_parallel_layers_per_stage"] = model.layers // stages
+        else:  # uneven: the split priced and Pipette's runner trains, the heavier stages first
+            parallelism["pipeline_parallel_split_points"] = split_points(model.layers, stages)
     ac: dict[str, Any] = {"mode": c.recompute}
     if c.recompute == "selective":
         ac["selective_ac_option"] = "op"  # per-op, as Pipette's own fsdp runner (torchtitan's apply_ac)
@@ -204,6 +206,16 @@ def torchtitan_settings(training: TrainingSpec, config: ParallelConfig, model: M
             "mixed_precision_param": "bfloat16" if training.dtype == "bf16" else "float32",
         },
     }
+
+
+def split_points(layers: int, stages: int) -> list[str]:
+    """torchtitan's ``pipeline_parallel_split_points`` for ``layers`` over ``stages`` (virtual) stages,
+    the first ``layers % stages`` one layer heavier (``workers.rank.fsdp_model.stage_layers``): the
+    first layer of every stage but the first ("layers.N" begins a stage; a looped schedule takes
+    stages - 1 of them)."""
+    base, extra = divmod(layers, stages)
+    starts = [s * base + min(s, extra) for s in range(1, stages)]
+    return [f"layers.{n}" for n in starts]
 
 
 def torchtitan_toml(training: TrainingSpec, config: ParallelConfig, model: ModelSpec, script: ScriptSpec) -> str:

@@ -140,6 +140,23 @@ def test_torchtitans_sections(kw: dict[str, object], parallelism: dict[str, obje
     assert steps * (local // config.mbs if config.pp > 1 else 1) == config.grad_accum
 
 
+@pytest.mark.parametrize(("pp", "schedule", "v"), [(8, "interleaved", 2), (8, "1f1b", 1), (4, "interleaved", 3)])
+def test_an_uneven_split_is_written_as_the_split_pipette_priced(pp: int, schedule: str, v: int) -> None:
+    """126 layers (Llama 3.1 405B) over stages they do not fill evenly: torchtitan gets the split points
+    of the split the plan priced and Pipette's runner trains (``stage_layers``), heavier stages first."""
+    from workers.rank.fsdp_model import stage_layers
+
+    model = ModelSpec(name="llama3.1-405b", layers=126, hidden=16384, heads=128, kv_heads=8, ffn_hidden=53248,
+                      vocab=128256, max_seq=8192, tied_embeddings=False, arch="llama")
+    config = ParallelConfig(tp=1, pp=pp, dp=1, mbs=1, global_batch=8 * pp, zero_stage=3, schedule=schedule,
+                            virtual_stages=v)
+    got = torchtitan_settings(FP32, config, model)["parallelism"]
+    assert "pipeline_parallel_layers_per_stage" not in got
+    stages = stage_layers(126, pp * v)
+    assert got["pipeline_parallel_split_points"] == [f"layers.{r.start}" for r in stages[1:]]
+    assert len(got["pipeline_parallel_split_points"]) == pp * v - 1
+
+
 def test_the_toml_writer_round_trips() -> None:
     data = {"job": {"description": 'a "quoted" job'}, "model": {"name": "llama3", "converters": ["float8"]},
             "parallelism": {"tensor_parallel_degree": 2, "fsdp_reshard_after_forward": "never"},
