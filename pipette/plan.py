@@ -127,6 +127,14 @@ class Plan:
         raise SpecError(f"names stack {config.stack!r}, not one of this plan's ({self.stack_key})",
                         field="config.stack", fix=f"use one of {self.stack_key}")
 
+    @property
+    def calibration_notes(self) -> list[str]:
+        """One line per stack and device of the cluster its step-time constants were never fitted on
+        (``Stack.calibration_note``)."""
+        devices = {d.spec.name: d.spec for d in self.cluster.devices}
+        notes = (st.calibration_note(spec) for st in self.all_stacks for spec in devices.values())
+        return [n for n in notes if n]
+
     def to_dict(self, top: int | None = None) -> dict[str, Any]:
         ranked = self.ranked if top is None else self.ranked[:top]
         return {
@@ -136,6 +144,7 @@ class Plan:
                         "nodes": len(self.cluster.nodes)},
             "stack": self.stack.to_dict(),
             **({"stacks": [st.to_dict() for st in self.stacks]} if len(self.stacks) > 1 else {}),
+            "calibration_notes": self.calibration_notes,
             "safety_margin": self.margin,
             "fits_prior": self.fits_prior.to_dict() if self.fits_prior else None,
             "keep_threshold": KEEP_THRESHOLD,

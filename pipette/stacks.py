@@ -24,6 +24,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from pipette.config import ParallelConfig
+from pipette.device import DeviceSpec
+from pipette.efficiency import family
 from pipette.errors import SpecError
 from pipette.fits import CPU, FSDP_GPU, MEGATRON_GPU, NANOTRON_GPU, PIPETTE_GPU, FitsPrior
 from pipette.fsdp_rules import fsdp_problems
@@ -128,6 +130,9 @@ class Stack:
     #: ZeRO-2/3 (FSDP's sharding) under a pipeline: FSDP2 with ``torch.distributed.pipelining``
     #: runs it, DeepSpeed's pipeline engine refuses it (``pipette.space``'s ``zero_pipeline``)
     sharded_pipeline: bool = False
+    #: the device families (``pipette.efficiency.family``) the stack's step-time constants were fitted
+    #: or checked on, each with the runs; on another family a plan says so (``calibration_note``)
+    calibrated_on: tuple[tuple[str, str], ...] = ()
     #: an interleaved schedule's layers split over the virtual stages as evenly as they go, not only
     #: where pp x virtual stages divides them: torchtitan (``generate_llm_fqn_per_model_part``; its
     #: Llama 3.1 405B runs 126 layers interleaved over pp 8) and Pipette's fsdp runner
@@ -198,15 +203,36 @@ class Stack:
             broken.append("stack_native_split")
         return broken
 
+    def calibration_note(self, device: DeviceSpec) -> str | None:
+        """What a plan on ``device`` should say when no run of this stack on its family priced the
+        constants (None when one did): they are then carried over from other devices, untested."""
+        fam = family(device)
+        known = dict(self.calibrated_on)
+        if not known or fam in known:
+            return None
+        where = ", ".join(f"{f.upper() if f != 'cpu' else 'CPU devices'} ({runs})" for f, runs in self.calibrated_on)
+        what = "CPU devices" if device.kind == "cpu" else f"{device.name}s"
+        curve = "" if device.kind == "cpu" else f"; the GEMM curve is {FAMILY_CURVES.get(fam, FAMILY_CURVES['a100'])}"
+        return (f"{self.key}: step-time constants fitted on {where}, none on {what}{curve}; the rest carried over "
+                f"untested: expect larger errors than docs/stacks.md reports")
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "name": self.key, "frameworks": self.frameworks, "options": list(self.options),
-            "options_note": self.options_note,
+            "options_note": self.options_note, "calibrated_on": dict(self.calibrated_on),
             "runs": {"tp": self.tensor_parallel, "pp": self.pipeline_parallel, "zero_stages": list(self.zero_stages),
                      "schedules": list(self.schedules), "recompute": list(self.recompute)},
             "launch_files": list(self.launch_files), "runner_runs": self.runner_runs,
         }
 
+
+#: Where each device family's GEMM curve comes from (``pipette.efficiency``), for ``Stack.calibration_note``;
+#: a family without one uses the A100's.
+FAMILY_CURVES: dict[str, str] = {
+    "a100": "the A100's (fitted on vTrain's Megatron-DeepSpeed runs)",
+    "h100": "the H100's (the probe's measured points, or fitted on Ultra-Scale's nanotron runs)",
+    "b200": "the B200's (fitted on SimuMax's Megatron-LM runs)",
+}
 
 #: Why a candidate is refused by its stack, by code (the plan's drop reasons).
 STACK_RULES: dict[str, str] = {
@@ -246,6 +272,7 @@ PIPETTE = Stack(
     gpu_fits_prior=PIPETTE_GPU,
     tensor_parallel=True, pipeline_parallel=True, zero_stages=(0, 1, 2, 3), schedules=("1f1b",),
     recompute=("none", "selective", "full"), launch_files=DEEPSPEED_FILES, runner_runs=True,
+    calibrated_on=(("h100", "h100_single_gpu.csv"), ("cpu", "its own CPU trials")),
 )
 #: HF Trainer / Accelerate with DeepSpeed: the same eager HF model and DeepSpeed engine as
 #: Pipette's runner, so the same constants and prior (not measured apart: docs/stacks.md).
@@ -288,6 +315,8 @@ MEGATRON = Stack(
     fp8_constants=replace(MEGATRON_CONSTANTS, fp8_gemms=True, flash_attention=True, fp8_casts_fused=True,
                           tp_overlap=1.0),
     fp8_memory_options=replace(MEGATRON_OPTIONS, fp8_weights=True),
+    calibrated_on=(("a100", "vTrain"), ("h100", "Ultra-Scale's nanotron runs; MLPerf's Llama-2-70B LoRA"),
+                   ("b200", "SimuMax")),
 )
 #: nanotron (Hugging Face's 3D-parallel trainer): Megatron's step-time constants (the Ultra-Scale
 #: set they were fitted on is nanotron's) and nanotron's own memory (``NANOTRON_OPTIONS``: fp32
@@ -301,6 +330,7 @@ NANOTRON = Stack(
     constants=MEGATRON_CONSTANTS, memory_options=NANOTRON_OPTIONS, gpu_fits_prior=NANOTRON_GPU,
     tensor_parallel=True, pipeline_parallel=True, zero_stages=(0, 1), schedules=("1f1b",),
     recompute=("none", "full"), launch_files=(*CANDIDATE_FILES, "nanotron.yaml"),
+    calibrated_on=(("h100", "Ultra-Scale"), ("a100", "vTrain's Megatron-DeepSpeed runs, fitted with it")),
 )
 #: PyTorch FSDP's own terms (``pipette.perf.PerfConstants``): fused attention (SDPA /
 #: flash-attn 2) at its own efficiency, gathers and reduce-scatters prefetched under compute,
@@ -397,6 +427,7 @@ FSDP = Stack(
     runner_runs=True, hsdp=True, offload=True, native_rules=True, sharded_pipeline=True, uneven_virtual_stages=True,
     compiled=CompileTerms(elementwise_share=FSDP_COMPILE_ELEMENTWISE_SHARE, fused_loss=True,
                           fragmentation=FSDP_COMPILE_FRAGMENTATION, fp8_efficiency=FSDP_COMPILE_FP8_EFFICIENCY),
+    calibrated_on=(("h100", "llm-foundry, torchtitan"), ("cpu", "its own CPU trials")),
 )
 
 STACKS: dict[str, Stack] = {s.name: s for s in (PIPETTE, HF_DEEPSPEED, MEGATRON, NANOTRON, FSDP)}

@@ -142,6 +142,8 @@ def _print_plan(plan: Any, top: int, elapsed: float) -> None:
     print(f"cluster {c.name}: {len(c.nodes)} nodes, {c.world} x {c.device_spec.name}")
     for st in plan.all_stacks:
         print(f"stack {st.key}: {st.frameworks}" + (f" ({st.options_note})" if st.options_note else ""))
+    for note in plan.calibration_notes:
+        print(f"  not calibrated here: {note}")
     dropped = sum(plan.dropped.values())
     sure = sum(p.sure_to_fit for p in plan.ranked)
     kept_free = f", {plan.margin:.0%} of memory kept free" if plan.margin else ""

@@ -13,6 +13,7 @@ import pytest
 
 from pipette.clusterfile import homogeneous_cluster
 from pipette.config import ParallelConfig
+from pipette.device import DeviceSpec
 from pipette.emit import write_launch_files
 from pipette.errors import InfeasibleError, SpecError
 from pipette.fits import CPU, FSDP_GPU, MEGATRON_GPU, NANOTRON_GPU, PIPETTE_GPU
@@ -313,3 +314,30 @@ def test_a_job_file_carries_its_stack_to_the_api(tmp_path: Path) -> None:
     # several side by side: a list, or the API's comma-separated words
     assert load_job_file(str(job), ["stack=[pipette, fsdp]"])["stack"] == "pipette,fsdp"
     assert load_job_file(str(job), ["stack=pipette,fsdp"])["stack"] == "pipette,fsdp"
+
+
+@pytest.mark.parametrize(("stack", "device", "noted"), [
+    ("pipette", "H100-80GB", False), ("pipette", "H200-141GB", False), ("pipette", "cpu", False),
+    ("pipette", "A100-80GB", True), ("hf-deepspeed", "B200-180GB", True),
+    ("megatron", "A100-80GB", False), ("megatron", "B200-180GB", False), ("megatron", "H100-80GB", False),
+    ("megatron", "V100-32GB", True), ("megatron", "cpu", True),
+    ("nanotron", "H100-80GB", False), ("nanotron", "B200-180GB", True),
+    ("fsdp+compile", "GH200-96GB", False), ("fsdp", "A100-40GB", True), ("fsdp", "cpu", False),
+])
+def test_a_stack_says_where_its_constants_were_never_fitted(stack: str, device: str, noted: bool) -> None:
+    """Constants fitted on one device family price another only with a note saying so (the plan's
+    ``calibration_notes``, printed under the stack line), naming the runs they came from."""
+    spec = DeviceSpec.preset(device)
+    note = get_stack(stack).calibration_note(spec)
+    assert (note is not None) == noted
+    if note:
+        assert note.startswith(f"{get_stack(stack).key}: step-time constants fitted on ") and "untested" in note
+        assert ("CPU devices" if spec.kind == "cpu" else spec.name) in note
+
+
+def test_the_plan_carries_the_calibration_notes_of_its_stacks() -> None:
+    a100 = homogeneous_cluster("A100-80GB", 1, 8, 300e9, 25e9, name="a100s")
+    plan = make_plan(MODEL, TRAINING, a100, stack=["pipette", "fsdp"])
+    assert [n.split(":")[0] for n in plan.calibration_notes] == ["pipette", "fsdp"]
+    assert plan.to_dict(top=1)["calibration_notes"] == plan.calibration_notes
+    assert make_plan(MODEL, TRAINING, a100, stack="megatron").calibration_notes == []
