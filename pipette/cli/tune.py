@@ -180,6 +180,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
     near = f" ({unsure} next to the memory limit, tried as their chance to fit earns)" if unsure else ""
     ui.say(f"{plan.enumerated} candidates, {len(plan.ranked)} may fit, {len(tuner.candidates)} runnable by {runs}{near}"
            + (f"; learning from {len(prior)} earlier trials on this cluster" if prior else ""))
+    for note in plan.calibration_notes:  # the trials measure; the order they come in is the model's
+        ui.say(f"not calibrated here: {note}")
     runner.prepare()  # DeepSpeed's CPU op, built once here: no trial's timeout pays for it
     ui.header()
     terminate_like_interrupt()  # ensure_ray installed Ray's handler (exit 15, silently)
