@@ -185,8 +185,9 @@ class PerfModel:
         # Attention core QK^T and softmax x V: 2 x 2 T s h / tp FLOPs, causal half skipped
         # by fused kernels (FlashAttention; Dao et al. 2022).
         attn_gemm = 2.0 * t * s * model.hidden / tp * 0.5
-        if self.k.flash_attention and self.k.attention_efficiency > 0:
-            attn_f = 2.0 * attn_gemm / (self.peak * self.k.attention_efficiency)
+        attention_efficiency = dict(self.k.attention_efficiencies).get(family(self.device), self.k.attention_efficiency)
+        if self.k.flash_attention and attention_efficiency > 0:
+            attn_f = 2.0 * attn_gemm / (self.peak * attention_efficiency)
         else:
             attn_f = self._gemm_time(attn_gemm, 2)
         # FlashAttention-2's backward recomputes the scores: 5 matmuls against the forward's 2

@@ -95,6 +95,11 @@ class PerfConstants:
     #: peak in the forward and less in the backward (Dao 2023, sec. 4.1, fig. 4-6), far below a
     #: large GEMM at long sequences; with ``flash_attention`` only.
     attention_efficiency: float = 0.0
+    #: ``attention_efficiency`` on other device families, by family (``pipette.efficiency.family``):
+    #: a fraction of the peak fitted on one family does not carry to another whose peak the same
+    #: kernel fills to another degree (FlashAttention-2: 50-73% of an A100's peak, Dao 2023; 35% of
+    #: an H100's, Shah et al. 2024, "FlashAttention-3", sec. 1).
+    attention_efficiencies: tuple[tuple[str, float], ...] = ()
     #: Fraction of a micro-batch's compute under which FSDP/ZeRO-3 parameter gathers and the
     #: gradient reduce-scatters run (None: the older ``dp_overlap`` rule). FSDP prefetches the
     #: next unit's all-gather on a separate stream while the current unit computes (forward and

@@ -340,6 +340,9 @@ NANOTRON = Stack(
 #: measured), soft-L1) by tests/benchmarks/stack_fit.py on llm-foundry's bf16 FULL_SHARD runs of
 #: MPT 760M, 3B, 13B and 70B (38 rows of llmfoundry_h100_fsdp.csv); checked on its 1B, 7B and
 #: 30B runs and on torchtitan's FSDP2 runs (docs/stacks.md).
+#: ``FSDP_CONSTANTS.attention_efficiency`` (0.181, fitted on H100 runs) carried to an A100:
+#: 0.181 x 0.615 / 0.35.
+FSDP_A100_ATTENTION_EFFICIENCY = 0.318
 FSDP_CONSTANTS = replace(
     MEGATRON_CONSTANTS, flash_attention=True, recompute_regathers=False,
     #: memory passes over T x h per layer forward: LayerNorm with biases, GeLU over 4h, residuals
@@ -348,6 +351,10 @@ FSDP_CONSTANTS = replace(
     layer_overhead_s=1.42e-3,
     #: fraction of the bf16 peak the flash-attn 2 kernels reach on an H100
     attention_efficiency=0.181,
+    #: on an A100: the H100 fit scaled by FlashAttention-2's utilization there against an H100's (62%,
+    #: the middle of Dao 2023's 50-73%, over Shah et al. 2024's 35%): counted, not fitted (no FSDP run
+    #: on an A100 in the shared data; a plan there says so: ``calibration_note``)
+    attention_efficiencies=(("a100", FSDP_A100_ATTENTION_EFFICIENCY),),
     #: share of a phase's compute that hides its gathers and reduce-scatters (prefetch)
     shard_overlap=0.809,
     #: share of a node's summed NIC bandwidth its data-parallel rings reach (fit at the bound: 1.0)
@@ -549,6 +556,7 @@ def check_runner_runs(stack: Stack, *, field: str = "stack") -> None:
 __all__ = [
     "DEFAULT_STACK",
     "FSDP",
+    "FSDP_A100_ATTENTION_EFFICIENCY",
     "FSDP_ASYNC_TP_OVERLAP",
     "FSDP_COMPILE_ELEMENTWISE_SHARE",
     "FSDP_COMPILE_FP8_EFFICIENCY",
