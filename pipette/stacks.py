@@ -332,6 +332,9 @@ NANOTRON = Stack(
     recompute=("none", "full"), launch_files=(*CANDIDATE_FILES, "nanotron.yaml"),
     calibrated_on=(("h100", "Ultra-Scale"), ("a100", "vTrain's Megatron-DeepSpeed runs, fitted with it")),
 )
+#: ``FSDP_CONSTANTS.attention_efficiency`` (0.181, fitted on H100 runs) carried to an A100: 0.181 x
+#: 0.615 / 0.35, FlashAttention-2's utilization of each (below).
+FSDP_A100_ATTENTION_EFFICIENCY = 0.318
 #: PyTorch FSDP's own terms (``pipette.perf.PerfConstants``): fused attention (SDPA /
 #: flash-attn 2) at its own efficiency, gathers and reduce-scatters prefetched under compute,
 #: one gather per unit and pass under activation checkpointing (no re-gather for the
@@ -340,9 +343,6 @@ NANOTRON = Stack(
 #: measured), soft-L1) by tests/benchmarks/stack_fit.py on llm-foundry's bf16 FULL_SHARD runs of
 #: MPT 760M, 3B, 13B and 70B (38 rows of llmfoundry_h100_fsdp.csv); checked on its 1B, 7B and
 #: 30B runs and on torchtitan's FSDP2 runs (docs/stacks.md).
-#: ``FSDP_CONSTANTS.attention_efficiency`` (0.181, fitted on H100 runs) carried to an A100:
-#: 0.181 x 0.615 / 0.35.
-FSDP_A100_ATTENTION_EFFICIENCY = 0.318
 FSDP_CONSTANTS = replace(
     MEGATRON_CONSTANTS, flash_attention=True, recompute_regathers=False,
     #: memory passes over T x h per layer forward: LayerNorm with biases, GeLU over 4h, residuals
