@@ -40,7 +40,7 @@ import numpy as np  # noqa: E402
 from scipy.optimize import least_squares  # noqa: E402
 from scipy.stats import spearmanr  # noqa: E402
 
-from pipette import efficiency, perf  # noqa: E402
+from pipette import efficiency, perf_constants  # noqa: E402
 from pipette.efficiency import EfficiencyCurve, family  # noqa: E402
 from pipette.perf import PerfConstants, PerfModel  # noqa: E402
 from tests.benchmarks.calibration import (  # noqa: E402
@@ -75,8 +75,8 @@ def shipped() -> np.ndarray:
     return np.array([
         efficiency.A100_MAX_FRACTION, efficiency.A100_HALF_FLOPS,
         efficiency.H100_MAX_FRACTION, efficiency.H100_HALF_FLOPS, efficiency.STEEPNESS,
-        perf.LINK_FRACTION, perf.LAYER_OVERHEAD_S, perf.DP_OVERLAP,
-        perf.COLLECTIVE_OVERHEAD_S, perf.ELEMENTWISE_PASSES, perf.SCORE_PASSES,
+        perf_constants.LINK_FRACTION, perf_constants.LAYER_OVERHEAD_S, perf_constants.DP_OVERLAP,
+        perf_constants.COLLECTIVE_OVERHEAD_S, perf_constants.ELEMENTWISE_PASSES, perf_constants.SCORE_PASSES,
     ])
 
 
@@ -219,8 +219,8 @@ def h100_rows(directory: Path) -> list[Any]:
 
 def h100_constants(x: Sequence[float] | None = None) -> PerfConstants:
     if x is None:
-        return perf.HF_DEEPSPEED_CONSTANTS
-    return replace(perf.HF_DEEPSPEED_CONSTANTS, elementwise_passes=float(x[0]), ffn_passes=float(x[1]),
+        return perf_constants.HF_DEEPSPEED_CONSTANTS
+    return replace(perf_constants.HF_DEEPSPEED_CONSTANTS, elementwise_passes=float(x[0]), ffn_passes=float(x[1]),
                    layer_overhead_s=float(x[2]))
 
 
@@ -238,7 +238,8 @@ def fit_h100(rows: Sequence[Any]) -> np.ndarray:
     def residuals(z: np.ndarray) -> np.ndarray:
         return np.log(h100_predict(rows, h100_constants(z * scale)) / meas)
 
-    x0 = np.array([perf.HF_ELEMENTWISE_PASSES, perf.HF_FFN_PASSES, perf.HF_LAYER_OVERHEAD_S]) / scale
+    k = perf_constants
+    x0 = np.array([k.HF_ELEMENTWISE_PASSES, k.HF_FFN_PASSES, k.HF_LAYER_OVERHEAD_S]) / scale
     res = least_squares(residuals, x0, bounds=(0.0, np.array([400.0, 100.0, 1e-2]) / scale), diff_step=1e-3)
     return np.asarray(res.x * scale)
 
@@ -268,7 +269,7 @@ def h100_report(directory: Path, refit: bool) -> dict[str, float]:
         k = h100_constants(fit_h100(rest))
         loo.append(abs(float(h100_predict([rows[i]], k)[0]) / rows[i].step_time - 1.0))
     out |= {"loo_mape": float(np.mean(loo)), "loo_max": float(np.max(loo))}
-    megatron = np.abs(h100_predict(rows, perf.MEGATRON_CONSTANTS) / meas - 1.0)
+    megatron = np.abs(h100_predict(rows, perf_constants.MEGATRON_CONSTANTS) / meas - 1.0)
     print(f"  MAPE {out['mape']:.1%}, worst {out['max']:.1%}; left-one-out MAPE {out['loo_mape']:.1%}, worst "
           f"{out['loo_max']:.1%} (with the Megatron/nanotron constants instead: MAPE {megatron.mean():.1%}, "
           f"worst {megatron.max():.1%})")
