@@ -28,12 +28,14 @@ from pipette.training import TrainingSpec
 
 MEGATRON_ARGS = "megatron_args.txt"
 NANOTRON_CONFIG = "nanotron.yaml"
-#: Said where a ``tf32`` job's file cannot switch TF32 on itself (neither framework has a flag for it).
+#: Said where a ``tf32`` job's file cannot switch TF32 on itself (neither framework has a flag for it,
+#: nor a script without a ``tf32`` knob: ``pipette.emit_script``).
 TF32_NOTE = ("# TF32: priced with fp32 matmuls on TF32 tensor cores, which PyTorch leaves off for matmuls;",
              "# turn them on in your entry point: torch.set_float32_matmul_precision(\"high\")")
 
 
-def _tf32(training: TrainingSpec) -> list[str]:
+def tf32_note(training: TrainingSpec) -> list[str]:
+    """``TF32_NOTE`` for a ``tf32`` job, nothing for another."""
     return list(TF32_NOTE) if training.dtype == "tf32" else []
 
 
@@ -78,7 +80,7 @@ def megatron_args_file(training: TrainingSpec, config: ParallelConfig, layers: i
         "# Ranks: tp fastest, then dp, then pp (Megatron-LM's default order, as in rank_map.json);",
         "# start the nodes in the hostfile's order.",
         *lora,
-        *_tf32(training),
+        *tf32_note(training),
         *megatron_arguments(training, config, layers, options, device_fp8),
         "",
     ])
@@ -91,7 +93,7 @@ def nanotron_config(training: TrainingSpec, config: ParallelConfig, header: str)
     return "\n".join([
         f"# {header}",
         "# Merge these keys into your nanotron config (the rest: model, data, optimizer's learning rate).",
-        *_tf32(training),
+        *tf32_note(training),
         "parallelism:",
         f"  dp: {config.dp}",
         f"  pp: {config.pp}",

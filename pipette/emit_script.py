@@ -34,6 +34,7 @@ from pipette.contract import RANK_ENV
 from pipette.emit import PYTHON_VAR, build_tool_lines, deepspeed_config, python_finder, rank_map
 from pipette.emit import host_name as _host
 from pipette.emit import node_selection as _node_selection
+from pipette.emit_frameworks import tf32_note
 from pipette.model import ModelSpec
 from pipette.script import ScriptSpec, script_ds_config, sharded
 from pipette.script_fsdp import (
@@ -123,12 +124,11 @@ def _beside(word: str) -> bool:
 
 
 def _tf32_note(script: ScriptSpec, training: TrainingSpec, cluster: ClusterProfile) -> list[str]:
-    """A ``tf32`` job whose script Pipette cannot switch TF32 on for (no ``tf32`` knob): a line saying
-    the script must, since the candidate was priced with TF32 matmuls."""
-    if training.dtype != "tf32" or cluster.device_spec.kind != "gpu" or script.sets_tf32():
+    """A ``tf32`` job whose script Pipette cannot switch TF32 on for (no ``tf32`` knob): the lines
+    saying the script must, since the candidate was priced with TF32 matmuls."""
+    if cluster.device_spec.kind != "gpu" or script.sets_tf32():
         return []
-    return ["# TF32: priced with fp32 matmuls on TF32 tensor cores; this script takes no TF32 flag, so turn them "
-            "on in it: torch.set_float32_matmul_precision(\"high\")"]
+    return tf32_note(training)
 
 
 def _header(config: ParallelConfig, cluster: ClusterProfile, script: ScriptSpec, launcher: str,
