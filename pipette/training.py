@@ -11,7 +11,7 @@ from pipette.errors import SpecError
 #: and gradients for the compute, an fp32 master copy for the optimizer); ``fp32`` trains in fp32 with
 #: fp32 matmuls; ``tf32`` trains in fp32 too (fp32 weights, activations, gradients and states: the
 #: same memory as ``fp32``) with its matmuls on TF32 tensor cores (PyTorch's
-#: ``torch.backends.cuda.matmul.allow_tf32 = True``, HF ``TrainingArguments(tf32=True)``), which NVIDIA
+#: ``torch.set_float32_matmul_precision("high")``, HF ``TrainingArguments(tf32=True)``), which NVIDIA
 #: GPUs have since Ampere; a device without them (a CPU, V100, T4) runs ``tf32`` as ``fp32``.
 Dtype = Literal["bf16", "fp16", "fp32", "tf32"]
 DTYPES: tuple[str, ...] = ("bf16", "fp16", "fp32", "tf32")

@@ -175,3 +175,20 @@ def test_a_gpu_rank_switches_tf32_on_and_off_and_a_cpu_rank_is_left_alone() -> N
     torch.set_float32_matmul_precision("medium")
     assert set_matmul_precision("tf32", torch.device("cpu")) is None
     assert torch.get_float32_matmul_precision() == "medium"
+
+
+@pytest.mark.usefixtures("precision")
+def test_the_probe_times_tf32_as_a_gpu_rank_trains_it_and_restores_the_precision() -> None:
+    """The probe's TF32 figure is fp32 matmuls at ``"high"`` on a GPU (``workers.rank.probe.matmul_precision``,
+    the GPU-only branch checked here without one), its fp32 at full precision; either way the process's
+    precision is back as it was afterwards. On CPU devices the timing runs at the precision found."""
+    from workers.rank.probe import matmul_precision
+
+    cuda = torch.device("cuda", 0)
+    torch.set_float32_matmul_precision("medium")
+    for name, inside in (("tf32", "high"), ("fp32", "highest"), ("bf16", "highest")):
+        with matmul_precision(name, cuda):
+            assert torch.get_float32_matmul_precision() == inside
+        assert torch.get_float32_matmul_precision() == "medium"
+    with matmul_precision("tf32", torch.device("cpu")):
+        assert torch.get_float32_matmul_precision() == "medium"

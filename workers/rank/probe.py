@@ -32,22 +32,20 @@ import torch.distributed as dist
 
 from pipette.contract import event_line
 from workers.probe_plan import message_sizes
-from workers.rank.devices import backend_for, collective_device, rank_device
+from workers.rank.devices import backend_for, collective_device, rank_device, set_matmul_precision
 from workers.rank.store import rendezvous_store
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 #: on a GPU also fp16 and TF32 (fp32 tensors, the matmul on TF32 tensor cores: ``matmul_precision``)
 GPU_DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-#: ``torch.set_float32_matmul_precision`` while each dtype is timed: fp32 at full precision, tf32 on
-#: the TF32 tensor cores (as ``workers.rank.devices.set_matmul_precision`` trains it)
-MATMUL_PRECISION = {"tf32": "high"}
 
 
 @contextlib.contextmanager
-def matmul_precision(name: str) -> Iterator[None]:
-    """fp32 matmuls at the precision ``name`` is timed at, restored afterwards."""
+def matmul_precision(name: str, device: torch.device) -> Iterator[None]:
+    """fp32 matmuls as a rank training in ``name`` runs them (``set_matmul_precision``: TF32 tensor
+    cores for ``tf32`` on a GPU), restored afterwards."""
     before = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision(MATMUL_PRECISION.get(name, "highest"))
+    set_matmul_precision(name, device)
     try:
         yield
     finally:
@@ -137,7 +135,7 @@ def matmul_flops(
     timer = Timer(device)
     out: dict[str, list[list[float]]] = {}
     for name, dtype in (dtypes or DTYPES).items():
-        with matmul_precision(name):
+        with matmul_precision(name, device):
             _time_shapes(out, name, dtype, shapes, budget_s, device, timer)
     return out
 
