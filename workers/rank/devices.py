@@ -41,8 +41,9 @@ def set_matmul_precision(dtype: str, device: torch.device) -> str | None:
     which PyTorch 2.9+ keeps in step with ``torch.backends.cuda.matmul.fp32_precision``; setting the legacy
     ``allow_tf32`` flag beside the new one makes PyTorch refuse to read either). Any other dtype on a GPU:
     full fp32 (``"highest"``, PyTorch's default), so a previous trial in the same process cannot leak TF32
-    into an fp32 one. A CPU rank is left alone (None): TF32 is a tensor-core mode, and ``"high"`` on a CPU
-    may switch oneDNN to split-bf16 matmuls, which is not what ``tf32`` means."""
+    into an fp32 one. A CPU rank is left alone (None): TF32 is a tensor-core mode, and ``"high"`` lets a
+    backend treat each fp32 as the sum of two bf16 numbers where it has such matmuls (PyTorch's
+    ``set_float32_matmul_precision`` docs), which is not what ``tf32`` means."""
     if device.type != "cuda":
         return None
     precision = "high" if dtype == "tf32" else "highest"
