@@ -55,8 +55,12 @@ TRAINING = {"global_batch": 4, "seq_len": 32, "dtype": "fp32", "method": "full",
             "zero_stages": [0], "schedules": ["1f1b"], "micro_batches": [1, 2]}
 #: stop_probability 0.01, not the default 0.05: trial-to-trial spread here (up to ~30% for one
 #: candidate) makes the learned model over-confident after 3 trials; with the default, one run
-#: of five stopped after 3 trials on a pick 21% slower than the best (re-timed)
-BUDGET = {"max_trials": 6, "steps": 6, "retries": 1, "trial_timeout_s": 300, "stop_probability": 0.01}
+#: of five stopped after 3 trials on a pick 21% slower than the best (re-timed).
+#: Two re-timing rounds of the best two (reserve 4 of 8), as the tuner's docs ask on a noisy
+#: machine: with one round (budget 6) CI (2026-12-02) handed over a pick 85% sure, measured
+#: 137/126 ms against the best's 136/134, which re-timed 21% slower than the best.
+BUDGET = {"max_trials": 8, "retime": 2, "reserve": 4, "steps": 6, "retries": 1, "trial_timeout_s": 300,
+          "stop_probability": 0.01}
 #: the issue's target: the job's pick within 5% of the exhaustive best
 WITHIN = 0.05
 LOST_HOST = 3
