@@ -129,7 +129,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("retime_rounds", int, 3, "re-timing rounds at most", ge=0, cap=10),
     Option("reserve", int, None, "trials of {max_trials} kept for re-timing, fewer than {max_trials}; on a noisy "
            "machine keep {retime} x {retime_rounds}", unset="a quarter of {max_trials}, at least 2, at most one "
-           "round of {retime}; on CPU devices whole rounds in up to 0.4 of {max_trials} where that is two or more",
+           "round of {retime}; on CPU devices two rounds or more where {max_trials} allows: of {retime} in up to "
+           "0.4 of it, else of 2 in up to half of it",
            ge=0, cap=499),
     Option("confidence", float, 0.9, "stop re-timing once the pick is this sure to be within {tolerance} of the "
            "best tried", gt=0.0, lt=1.0),

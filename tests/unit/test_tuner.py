@@ -892,15 +892,21 @@ def test_a_whole_tp_slower_than_predicted_is_no_outlier(plan: Plan) -> None:
 
 
 def test_a_cpu_job_keeps_whole_rounds_for_re_timing() -> None:
-    """CPU trials spread ~8% run to run: from two rounds' worth of budget on, a CPU job keeps
-    whole re-timing rounds (up to 40% of it) where a GPU job keeps one round; a given reserve
-    is kept as given. A tuner on a CPU plan searches 15 of 24 trials, then re-times (on the old
-    reserve it searched 21 and re-timed one round)."""
-    assert [TuneOptions(max_trials=m).reserve_for("cpu") for m in (3, 8, 12, 16, 20, 24, 100)] == [0, 2, 3, 6, 6, 9, 9]
+    """CPU trials spread ~8% run to run: a CPU job keeps two re-timing rounds or more where a
+    GPU job keeps one: whole rounds of 3 in up to 40% of the budget, else (budgets of 8 to 14)
+    rounds of 2 in up to half of it; a given reserve is kept as given. A tuner on a CPU plan
+    searches 15 of 24 trials, then re-times (on the old reserve it searched 21 and re-timed one
+    round); with 8 trials it searches 4 and re-times in rounds of 2."""
+    assert [TuneOptions(max_trials=m).reserve_for("cpu") for m in (3, 6, 8, 10, 12, 16, 20, 24, 100)] \
+        == [0, 2, 4, 4, 6, 6, 6, 9, 9]
+    assert [TuneOptions(max_trials=m).round_size("cpu") for m in (6, 8, 12, 16, 24)] == [3, 2, 2, 3, 3]
     assert [TuneOptions(max_trials=m).reserve_for("gpu") for m in (3, 8, 12, 16, 20, 24, 100)] == [0, 2, 3, 3, 3, 3, 3]
+    assert TuneOptions(max_trials=8).round_size("gpu") == 3
     assert TuneOptions(max_trials=24, reserve=4).reserve_for("cpu") == 4
+    assert TuneOptions(max_trials=8, reserve=4).round_size("cpu") == 3
     assert TuneOptions(max_trials=24, retime=0).reserve_for("cpu") == 0
     assert TuneOptions(max_trials=24, retime_rounds=1).reserve_for("cpu") == 3
+    assert TuneOptions(max_trials=8, retime_rounds=1).reserve_for("cpu") == 2
 
     cluster = homogeneous_cluster("cpu", nodes=1, devices_per_node=4, intra_bandwidth=2e9, inter_bandwidth=2e9)
     cpu_plan = make_plan(ModelSpec.preset("tiny-llama"), TrainingSpec(global_batch=16, seq_len=128, dtype="fp32"),
@@ -917,3 +923,8 @@ def test_a_cpu_job_keeps_whole_rounds_for_re_timing() -> None:
     # the rounds stop once the pick is sure enough: 2-3 rounds of 3
     assert purposes.count("search") == 15 and 6 <= purposes.count("retime") <= 9, (purposes, result.stop_reason)
     assert "9 kept to re-time the best" in result.stop_reason, result.stop_reason
+
+    small = Tuner(cpu_plan, TuneOptions(max_trials=8, stop_probability=0.0, prune=False)).run(runner)
+    purposes = [t.purpose for t in small.trials]
+    assert purposes.count("search") == 4 and purposes.count("retime") == 4, (purposes, small.stop_reason)
+    assert "in 2 round(s)" in small.stop_reason and "re-timed 2 contenders" in small.stop_reason, small.stop_reason
