@@ -167,39 +167,32 @@ class TuneOptions:
         return min(self.retime, max(2, self.max_trials // 4))
 
     def reserve_for(self, device_kind: str) -> int:
-        """``retime_reserve`` for trials on ``device_kind``. CPU trials share cores with everything
-        else on the host and spread ~8% from run to run (GPU trials ~2%): one round cannot order
-        candidates a few percent apart, so there the default keeps two rounds or more
-        (``noisy_rounds``). Replay of the recorded CPU run of both families, budget 24, trial noise
-        0.08, 40 seeds (docs/tuning.md): mean regret at stop 3.04% with a reserve of 3, 2.55% with
-        6, 2.60% with 8, 1.64% with 9."""
-        base = self.retime_reserve
-        if device_kind != "cpu":
-            return base
-        size, rounds = self.noisy_rounds()
-        return max(base, size * rounds) if rounds else base
+        """``retime_reserve`` for trials on ``device_kind``, or the rounds ``noisy_rounds`` keeps where
+        they are more."""
+        size, rounds = self.noisy_rounds(device_kind)
+        return max(self.retime_reserve, size * rounds)
 
-    def noisy_rounds(self) -> tuple[int, int]:
-        """(contenders a round, rounds) the default keeps on a noisy (CPU) cluster, (0, 0) where
-        it keeps ``retime_reserve``: whole rounds of ``retime`` in up to ``NOISY_RESERVE_SHARE``
-        of the budget where that is two rounds or more; else two rounds or more of the pick and
-        one contender in up to half of it (a budget of 8 to 14). Replay as above, budget 8: a
-        reserve of 2 (one round) 4.87% mean regret at stop, 14 of 40 runs over 5%; two rounds of
-        two 3.29%, 4 of 40; budget 12, a reserve of 3: 4.36%, 14 of 40; three rounds of two
-        3.57%, 9 of 40 (docs/tuning.md). CI (2026-12-02) handed over a pick 21% slower after
-        one round of two on the shaped CPU cluster."""
-        if self.reserve is not None or self.retime_reserve == 0:
+    def round_size(self, device_kind: str) -> int:
+        """Contenders a re-timing round takes at most (the pick among them)."""
+        size, rounds = self.noisy_rounds(device_kind)
+        return size if rounds else self.retime
+
+    def noisy_rounds(self, device_kind: str) -> tuple[int, int]:
+        """(contenders a round, rounds) the default keeps for re-timing on CPU devices, (0, 0) where
+        it keeps ``retime_reserve`` (a GPU, a given ``reserve``, no re-timing). CPU trials share cores
+        with everything else on the host and spread ~8% from run to run (GPU trials ~2%): one round
+        cannot order candidates a few percent apart, so there the default keeps whole rounds of
+        ``retime`` in up to ``NOISY_RESERVE_SHARE`` of the budget where that makes two rounds or
+        more, else two rounds or more of the pick and one contender in up to half of it (budgets of
+        8 to 14). Replays of the recorded CPU run behind both: docs/results.md (2026-11-28: budget
+        24, 3.04% -> 1.64% mean regret at stop; 2026-12-02: budget 8, 4.87% -> 3.29%)."""
+        if device_kind != "cpu" or self.reserve is not None or self.retime_reserve == 0:
             return 0, 0
         rounds = min(self.retime_rounds, int(NOISY_RESERVE_SHARE * self.max_trials) // self.retime)
         if rounds >= 2:
             return self.retime, rounds
         pairs = min(self.retime_rounds, self.max_trials // 2 // 2)
         return (2, pairs) if pairs >= 2 else (0, 0)
-
-    def round_size(self, device_kind: str) -> int:
-        """Contenders a re-timing round takes at most (the pick among them)."""
-        size, rounds = self.noisy_rounds() if device_kind == "cpu" else (0, 0)
-        return size if rounds else self.retime
 
     @classmethod
     def for_search(cls, search_trials: int, **kwargs: Any) -> TuneOptions:
@@ -670,7 +663,7 @@ class Tuner:
         while rounds < self.options.retime_rounds or (self._undecided() and self._search_closed()):
             if self._time_spent():
                 break
-            # A round takes the best contenders the budget has room for (the pick first): with
+            # A round takes the best contenders (the pick first) its size and the budget have room for: with
             # the reserve of 2 and 3 contenders, skipping the round left the pick timed once.
             # The pick alone is re-timed in the first round only (its repeat measures the noise).
             room = self.options.max_trials - len(self.study.trials)
