@@ -118,3 +118,54 @@ def test_0002_fills_the_trial_figures_of_stored_records(backend: str, tmp_path: 
             assert "tokens_per_s" not in {c["name"] for c in inspect(engine).get_columns("trials")}
         finally:
             engine.dispose()
+
+
+#: Loaded at the start of the killed ``migrate`` (as ``sitecustomize``): it pauses the process right
+#: after 0002's first ALTER TABLE (between two operations of one migration) and says so in a file.
+PAUSE_MID_MIGRATION = '''
+import os, time
+from sqlalchemy import event
+from sqlalchemy.engine import Engine
+
+@event.listens_for(Engine, "after_cursor_execute")
+def _pause(conn, cursor, statement, parameters, context, executemany):
+    if "ADD COLUMN analytic_step_time" in statement:
+        open(os.environ["PAUSED_AT"], "w").write(statement)
+        time.sleep(600)
+'''
+
+
+def test_a_migrate_killed_mid_migration_on_sqlite_is_resumed_by_the_next(tmp_path: Path) -> None:
+    """SIGKILL of a real ``pipette-admin migrate`` between two ALTERs of 0002: the half-done
+    migration is rolled back (0001 stays whole), and the next ``migrate`` goes on to head."""
+    import signal
+    import time
+
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(PAUSE_MID_MIGRATION)
+    paused = tmp_path / "paused"
+    url = f"sqlite:///{tmp_path / 'pipette.db'}"
+    env = {**os.environ, "PIPETTE_HOME": str(tmp_path / "home"), "PIPETTE_DATABASE_URL": url}
+    killed = subprocess.Popen([sys.executable, "-m", "service.admin", "migrate"], cwd=ROOT,
+                              env={**env, "PYTHONPATH": f"{hook}{os.pathsep}{ROOT}", "PAUSED_AT": str(paused)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while not paused.exists():
+            assert killed.poll() is None, killed.communicate()[0]
+            assert time.monotonic() < deadline, "migrate never reached 0002's ALTER TABLE"
+            time.sleep(0.1)
+    finally:
+        killed.send_signal(signal.SIGKILL)
+        killed.wait(30)
+    engine = create_engine(url)
+    try:
+        assert current_revision(engine) == "0001"
+        assert "analytic_step_time" not in {c["name"] for c in inspect(engine).get_columns("trials")}
+        r = subprocess.run([sys.executable, "-m", "service.admin", "migrate"], cwd=ROOT, capture_output=True,
+                           text=True, timeout=120, env={**env, "PYTHONPATH": str(ROOT)})
+        assert r.returncode == 0, r.stderr
+        assert current_revision(engine) == HEAD
+    finally:
+        engine.dispose()
