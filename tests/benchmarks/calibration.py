@@ -1,8 +1,8 @@
-"""Load the measured calibration sets of ``../shared/data/calibration/`` as Pipette specs.
+"""Load the measured calibration sets of ``data/calibration/`` as Pipette specs.
 
-Shared by the accuracy, memory and tuner-replay benchmarks. The data are reference data,
-never copied into the project; ``calibration_dir()`` returns None when the folder is
-absent, and the benchmarks skip cleanly then.
+Shared by the accuracy, memory and tuner-replay benchmarks and their tests. The project carries
+the files it reads (``data/calibration/README.md``: each file's source, commit and license), so a
+clone reproduces the fits; ``calibration_dir()`` is the one place that finds them.
 
 What each set is (from its README):
 * vTrain: GPT on one node of A100 (2/4/8 GPUs), seq 1024, 16 heads, full recomputation,
@@ -41,16 +41,24 @@ H100_NODE_NIC_PER_GPU = 50e9
 ULTRASCALE_MODELS = {"1B": "llama3.2-1b", "3B": "llama3.2-3b", "8B": "llama3.1-8b"}
 
 
-def calibration_dir() -> Path | None:
-    """``$PIPETTE_CALIBRATION_DIR`` or ``../shared/data/calibration`` next to the repo."""
+#: The repo's copy of the calibration sets (data/calibration/README.md says where each came from)
+DATA_DIR = Path(__file__).resolve().parents[2] / "data" / "calibration"
+
+#: Every file the loaders below read: the project carries exactly these
+DATA_FILES = ("vtrain_a100_single_node.csv", "ultrascale_h100_1b_3b_8b.csv", "h100_single_gpu.csv",
+              "llmfoundry_h100_fsdp.csv", "torchtitan_h100_fsdp2.csv", "simumax_b200_megatron.csv")
+
+
+def calibration_dir() -> Path:
+    """The repo's ``data/calibration``, or ``$PIPETTE_CALIBRATION_DIR`` (another folder of the
+    same files) where that is set; a folder that is missing is an error, never a silent skip."""
     env = os.environ.get("PIPETTE_CALIBRATION_DIR")
-    candidates = [Path(env)] if env else []
-    repo = Path(__file__).resolve().parents[2]
-    candidates.append(repo.parent / "shared" / "data" / "calibration")
-    for c in candidates:
-        if c.is_dir():
-            return c
-    return None
+    directory = Path(env) if env else DATA_DIR
+    if not directory.is_dir():
+        where = f"PIPETTE_CALIBRATION_DIR={env}" if env else f"the repo's {DATA_DIR}"
+        raise PipetteError(f"no calibration data at {where}: unset PIPETTE_CALIBRATION_DIR to use the "
+                           "repo's data/calibration, or restore that folder from git")
+    return directory
 
 
 @dataclass(frozen=True)

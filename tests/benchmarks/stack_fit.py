@@ -101,9 +101,6 @@ def report(label: str, parts: dict[str, list[Row]], k: PerfConstants) -> None:
 
 def main() -> int:
     directory = calibration_dir()
-    if directory is None:
-        print("stack fit: no calibration data (set PIPETTE_CALIBRATION_DIR); skipped")
-        return 0
     foundry = [r for r in load_stack_set(directory, "llmfoundry_h100_fsdp.csv").rows if r.stack == "fsdp"]
     titan = load_stack_set(directory, "torchtitan_h100_fsdp2.csv").rows
     fsdp_fit = [r for r in foundry if r.model.name in FSDP_FIT_MODELS]

@@ -76,9 +76,6 @@ def summary(rows: list[Row], pred: dict[str, tuple[float, float]]) -> None:
 
 def main() -> int:
     directory = calibration_dir()
-    if directory is None or not (directory / NAME).exists():
-        print("torchtitan rows: no calibration data; skipped")
-        return 0
     rows = load_stack_set(directory, NAME).rows
     pred = {r.row_id: predict(r) for r in rows}
     print("| run | model | layout | stack | step s measured / predicted | memory GiB measured / predicted |")

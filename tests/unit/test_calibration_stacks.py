@@ -9,8 +9,6 @@ from pipette.stacks import get_stack
 from tests.benchmarks.calibration import STACK_SETS, calibration_dir, load_stack_set
 
 DIRECTORY = calibration_dir()
-pytestmark = pytest.mark.skipif(DIRECTORY is None or not all((DIRECTORY / n).exists() for n in STACK_SETS),
-                                reason="no calibration data (../shared/data/calibration)")
 
 
 @pytest.mark.parametrize(("name", "kept", "skipped", "stacks"), [
@@ -23,7 +21,6 @@ pytestmark = pytest.mark.skipif(DIRECTORY is None or not all((DIRECTORY / n).exi
 ])
 def test_stack_sets_load_with_their_skips_counted(name: str, kept: int, skipped: dict[str, int],
                                                   stacks: dict[str, int]) -> None:
-    assert DIRECTORY is not None
     s = load_stack_set(DIRECTORY, name)
     assert len(s.rows) == kept and dict(s.skipped) == skipped
     counts: dict[str, int] = {}
@@ -41,7 +38,6 @@ def test_megatron_memory_on_simumax_b200_is_within_5_percent_on_both_figures() -
     from pipette.memory import estimate_memory
     from tests.benchmarks.calibration import row_memory_options
 
-    assert DIRECTORY is not None
     rows = [r for r in load_stack_set(DIRECTORY, "simumax_b200_megatron.csv").rows if r.peak_memory]
     live, reserved = [], []
     for r in rows:

@@ -12,8 +12,6 @@ from tests.benchmarks.calibration import calibration_dir, load_ultrascale
 from tests.benchmarks.repeat_floor import best_constant_ape, figure_floor, repeats
 
 DIRECTORY = calibration_dir()
-needs_data = pytest.mark.skipif(DIRECTORY is None or not (DIRECTORY / "ultrascale_h100_1b_3b_8b.csv").exists(),
-                                reason="no calibration data (../shared/data/calibration)")
 
 
 def test_the_best_single_prediction_of_repeats_is_one_of_them() -> None:
@@ -25,11 +23,9 @@ def test_the_best_single_prediction_of_repeats_is_one_of_them() -> None:
     assert best_constant_ape(values) <= min(statistics.fmean(abs(p / y - 1) for y in values) for p in grid) + 1e-12
 
 
-@needs_data
 def test_ultrascale_repeats_disagree_more_than_the_step_time_target_allows() -> None:
     """11 configurations measured twice: their step times 2.4x apart (median), so no model reaches
     the 8% step-time target on them; their memory 1.05x apart."""
-    assert DIRECTORY is not None
     rows = [r for r in load_ultrascale(DIRECTORY) if r.ok]
     groups = repeats(rows, "nanotron")
     assert len(groups) == 11
@@ -40,11 +36,9 @@ def test_ultrascale_repeats_disagree_more_than_the_step_time_target_allows() -> 
     assert memory["ratio_median"] < 1.10 and memory["floor"] < 0.05
 
 
-@needs_data
 def test_nanotron_stack_prices_ultrascale_memory_better_than_megatron_options() -> None:
     """The nanotron stack's memory (its own ZeRO-1, fp32 buffers, compute-balanced stages) on the
     Ultra-Scale runs it was fitted on: 12.4% MAPE where Megatron-LM's options give 16.6%."""
-    assert DIRECTORY is not None
     rows = [r for r in load_ultrascale(DIRECTORY) if r.ok and r.peak_memory]
 
     def mape(options: MemoryOptions) -> float:

@@ -2,8 +2,7 @@
 the harness cannot rot: every method runs, the figures agree with the trials, the tuner
 only tries measured candidates, and bad flags are refused with the flag named.
 
-Needs the calibration data (``../shared/data/calibration`` or ``$PIPETTE_CALIBRATION_DIR``);
-skipped without it, as the benchmarks are.
+Runs on the calibration data the repo carries (``data/calibration``).
 """
 
 from __future__ import annotations
@@ -23,10 +22,7 @@ if str(REPO) not in sys.path:
 from tests.benchmarks import replay  # noqa: E402
 from tests.benchmarks.calibration import calibration_dir  # noqa: E402
 
-pytestmark = [
-    pytest.mark.timeout(120),
-    pytest.mark.skipif(calibration_dir() is None, reason="no calibration data (PIPETTE_CALIBRATION_DIR)"),
-]
+pytestmark = pytest.mark.timeout(120)
 
 #: Llama 3.1-8B shape on one node of 8 H100: 60 measured rows, 47 of them failed.
 GROUP = "8B/1"
@@ -45,7 +41,6 @@ def result(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def group() -> replay.Group:
     directory = calibration_dir()
-    assert directory is not None
     return replay.load_groups(directory, ["ultrascale"], GROUP)[0]
 
 
@@ -147,7 +142,6 @@ def test_the_tuner_stops_with_a_pick_and_a_confidence(result: dict[str, Any]) ->
 
 def test_the_distorted_prior_moves_predictions_not_truths(group: replay.Group) -> None:
     directory = calibration_dir()
-    assert directory is not None
     bent = replay.load_groups(directory, ["ultrascale"], GROUP, distort=1)[0]
     assert bent.truths == group.truths
     before = {p.config.label: p.perf.step_time for p in group.plan.ranked}

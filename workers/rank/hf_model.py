@@ -6,7 +6,7 @@ a local checkpoint directory is loaded when given. Nothing is downloaded.
 The model is built where the rank computes and in the dtype it trains in (``device``,
 ``dtype``): a GPU rank initialises on its GPU, where the host took most of a trial's wall
 time before (an H100 trial of llama3.2-3b spent 40-80 s building fp32 weights on the host for
-12 s of steps; ``../shared/data/calibration/h100_single_gpu.csv``, ``trial_wall_s``).
+12 s of steps; ``data/calibration/h100_single_gpu.csv``, ``trial_wall_s``).
 DeepSpeed then casts nothing and moves nothing, and keeps fp32 master copies of the
 trainable parameters itself, as it did when it cast an fp32 build.
 
