@@ -109,6 +109,11 @@ class JobDriver:
             log.exception("job %s failed unexpectedly", self.job_id)
             self._finish("failed", error=stored_error(e, "see the service log; resubmit the job", "internal error: "),
                          stop_reason="error")
+        finally:
+            # the unpacked working directory: unpacked again by whoever resumes the job
+            from service.scripts import remove_job_files
+
+            remove_job_files(self.settings.home, self.job_id)
 
     def _run(self) -> None:
         with self.db.write() as session:
@@ -298,6 +303,10 @@ class JobDriver:
             progress["running_trial"] = None
             best = fields.pop("best", None)
             set_state(session, job, state, progress=progress, **fields)
+            # a trial whose run raised (its runner's error ended the job) ends with the job
+            error = fields.get("error") or {}
+            trials.end_running(session, job.id, "failed" if state == "failed" else "pruned",
+                               f"the job ended {state}" + (f": {error['message']}" if error.get("message") else ""))
             if best is not None:
                 job.best = best
             events.add_event(session, job.id, "finished", {"state": state, "stop_reason": fields.get("stop_reason"),

@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import shutil
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from pipette.script import ScriptSpec
 from service.errors import ForbiddenError
 from service.models import Cluster
 from service.schemas import ScriptIn
+from workers.host.workdir import check_archive
 
 
 def check_allowed(cluster: Cluster, tenant: str) -> None:
@@ -46,7 +48,9 @@ def script_parts(body: ScriptIn) -> tuple[ScriptSpec, bytes | None]:
         return spec, None
     try:
         data = base64.b64decode(body.files, validate=True)
-        names = set(zipfile.ZipFile(io.BytesIO(data)).namelist())
+        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+            names = set(archive.namelist())
+            check_archive(archive)  # sizes, count, ratio, paths: before anything is unpacked
     except (binascii.Error, ValueError, zipfile.BadZipFile) as e:
         raise SpecError(f"is not a base64-encoded zip ({e})", field="script.files",
                         fix="send the working directory as pipette submit does (zip, base64)") from None
@@ -71,3 +75,8 @@ def unpack_for_job(script: dict[str, Any], files: bytes | None, home: Path, job_
     if files is not None:
         workdir = unpack(files, home / "jobs" / job_id / "workdir")
     return ScriptSpec.from_dict({**script, "workdir": workdir})
+
+
+def remove_job_files(home: Path, job_id: str) -> None:
+    """Remove what the job unpacked under the service's home (its working directory)."""
+    shutil.rmtree(home / "jobs" / job_id, ignore_errors=True)

@@ -107,6 +107,17 @@ def interrupt_running(session: Session, job_id: str) -> list[int]:
     return [t.number for t in rows]
 
 
+def end_running(session: Session, job_id: str, state: str, error: str) -> list[int]:
+    """End the trials of an ending job still marked running (its runner raised mid-trial, so
+    the tuner never reported their end): no trial outlives its job."""
+    rows = session.execute(select(Trial).where(Trial.job_id == job_id, Trial.state == "running")).scalars().all()
+    now = utcnow()
+    for trial in rows:
+        trial.state, trial.error, trial.ended_at = state, error, now
+        trial.duration_s = (now - trial.started_at).total_seconds()
+    return [t.number for t in rows]
+
+
 def interrupted_numbers(session: Session, job_id: str) -> list[int]:
     """The trials of the job that were stopped before their end and will run again."""
     return list(session.execute(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -103,6 +104,8 @@ class RankProcess:
             # of its own, which a killpg of the rank's misses (they ran on, orphaned: issue 32).
             kill_session(self.proc.pid)
             self.proc.wait()
+        # its files: the candidate's, and a script's unpacked working directory
+        shutil.rmtree(self.workdir, ignore_errors=True)
 
 
 def _warm_start(argv: list[str], env: dict[str, str]) -> bool:
