@@ -30,6 +30,7 @@ from sqlalchemy import (
     TypeDecorator,
     UniqueConstraint,
     false,
+    text,
 )
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -104,7 +105,9 @@ class Cluster(Base):
     """A set of devices jobs run on: the embedded local Ray, or a Ray cluster's chosen nodes."""
 
     __tablename__ = "clusters"
-    __table_args__ = (UniqueConstraint("tenant", "name", name="uq_clusters_tenant_name"),)
+    # Names are unique among the tenant's live clusters: a deleted one's name may be used again.
+    __table_args__ = (Index("uq_clusters_tenant_live_name", "tenant", "name", unique=True,
+                            sqlite_where=text("deleted_at IS NULL"), postgresql_where=text("deleted_at IS NULL")),)
     id: Mapped[str] = mapped_column(String(36), primary_key=True)
     tenant: Mapped[str] = mapped_column(String(100), index=True)
     name: Mapped[str] = mapped_column(String(200))
@@ -121,6 +124,8 @@ class Cluster(Base):
     #: jobs of this cluster may run their own training script (an operator enabled it for the
     #: tenant: ``pipette-admin cluster allow-scripts``)
     allow_scripts: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    #: when the tenant deleted it (None: live); the row stays so its jobs' records stay readable
+    deleted_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
 
 
 class Profile(Base):

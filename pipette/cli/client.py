@@ -122,7 +122,7 @@ def _add_service(sub: Any) -> None:
 
 
 def _add_cluster(sub: Any) -> None:
-    cluster = sub.add_parser("cluster", help="register, list, show and profile clusters",
+    cluster = sub.add_parser("cluster", help="register, list, show, profile and delete clusters",
                              description="The clusters jobs run on.").add_subparsers(title="cluster commands",
                                                                                      metavar="ACTION")
     p = _add(cluster, "add", client_cluster.cmd_add, "register a cluster",
@@ -153,6 +153,12 @@ def _add_cluster(sub: Any) -> None:
     p.add_argument("--wait", action="store_true", help="wait for the measurement and show it")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds to wait at most (default 900)")
     _json(p)
+    p = _add(cluster, "delete", client_cluster.cmd_delete, "delete a cluster (its finished jobs stay readable)",
+             "  pipette cluster delete a100s",
+             "Delete one of your clusters: it leaves your list and frees its name and its place under the "
+             "clusters' cap. The jobs that ran on it stay readable. Refused while a job or profile of it is "
+             "queued or running: cancel them or let them end first.")
+    p.add_argument("name", help="the cluster's name or id")
 
 
 def _add_jobs(sub: Any) -> None:

@@ -155,6 +155,9 @@ class Client:
     def post(self, path: str, body: Any = None) -> Any:
         return self._json("POST", path, body=body)
 
+    def delete(self, path: str) -> Any:
+        return self._json("DELETE", path)
+
     def get_text(self, path: str) -> str:
         with self._open("GET", path, accept="*/*") as resp:
             return resp.read().decode()

@@ -1,4 +1,4 @@
-"""``pipette cluster add | list | show | profile``: the clusters jobs run on."""
+"""``pipette cluster add | list | show | profile | delete``: the clusters jobs run on."""
 
 from __future__ import annotations
 
@@ -106,6 +106,12 @@ def cmd_profile(args: argparse.Namespace) -> int:
         err = profile.get("error") or {}
         raise ApiError(f"the profile failed: {err.get('message', '?')}", field=err.get("field") or "cluster",
                        fix=err.get("fix") or "see the service log", exit_code=EXIT_ERROR)
+    return EXIT_OK
+
+
+def cmd_delete(args: argparse.Namespace) -> int:
+    client().delete(f"/v1/clusters/{args.name}")
+    print(f"cluster {out.bold(args.name)} deleted; the jobs that ran on it stay readable (pipette jobs)")
     return EXIT_OK
 
 

@@ -62,12 +62,23 @@ def read_cluster(cluster_id: ClusterRef, state: State, caller: Caller) -> Cluste
         return _out(session, repo.get_cluster(session, caller.tenant, cluster_id), caller.tenant)
 
 
+@router.delete("/{cluster_id}", status_code=204, response_class=Response, responses=errors(*AUTHED, 404, 409))
+def delete_cluster(cluster_id: ClusterRef, state: State, caller: Caller) -> Response:
+    """Delete a cluster of the tenant (its name and its place under the cap are free again). The
+    jobs that ran on it stay readable; refused (409) while a job or profile of it is queued or runs."""
+    with state.db.write() as session:
+        serialize_tenant(session, caller.tenant)  # no job is queued on it while it goes
+        repo.delete_cluster(session, caller.tenant, cluster_id)
+    return Response(status_code=204)
+
+
 @router.post("/{cluster_id}/profile", status_code=202, response_model=ProfileOut,
              responses=errors(*AUTHED, 404, 429))
 def start_profile(cluster_id: ClusterRef, state: State, caller: Caller, response: Response) -> ProfileOut:
     """Queue a measurement of the cluster; it runs when the cluster's devices are free. While
     one is queued, this answers that one (same id): requests coalesce."""
     with state.db.write() as session:
+        serialize_tenant(session, caller.tenant)  # a concurrent delete of the cluster ends first
         cluster = repo.get_cluster(session, caller.tenant, cluster_id)
         out = profile_out(repo.request_profile(session, cluster, max_queued=state.settings.max_queued_per_tenant))
     state.kick()

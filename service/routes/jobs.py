@@ -73,11 +73,12 @@ def submit_job(body: JobIn, state: State, caller: Caller, response: Response) ->
     if script is not None:  # one stack (a script is one stack's code)
         script = bind_stack(script, stacks[0].key)  # an hf-trainer script under fsdp shards with FSDP
     with state.db.write() as session:
+        # First, so the cluster read next is not one a concurrent delete is taking away.
+        serialize_tenant(session, caller.tenant)
         cluster = cluster_repo.get_cluster(session, caller.tenant, body.cluster)
         if script is not None:
             check_allowed(cluster, caller.tenant)
         check_backends(model, training, script, _device_kind(session, cluster))
-        serialize_tenant(session, caller.tenant)
         check_room(session, caller.tenant, state.settings.max_queued_per_tenant)
         job = repo.create_job(
             session, tenant=caller.tenant, cluster=cluster, name=body.name, model=model.to_dict(),

@@ -18,7 +18,8 @@ from tests.e2e.conftest import TINY_JOB, JobRun, Service
 pytestmark = pytest.mark.timeout(1800)
 
 COMMANDS = [["serve"], ["login"], ["token", "create"], ["demo"], ["cluster", "add"], ["cluster", "list"],
-            ["cluster", "show"], ["cluster", "profile"], ["submit"], ["jobs"], ["status"], ["watch"], ["trials"],
+            ["cluster", "show"], ["cluster", "profile"], ["cluster", "delete"], ["submit"], ["jobs"], ["status"],
+            ["watch"], ["trials"],
             ["best"], ["cancel"]]
 
 
@@ -104,6 +105,20 @@ def test_cluster_add_list_show(logged_in: Service, cluster: dict[str, object]) -
     assert "nope" in line
     line = one_line_error(logged_in.cli("cluster", "add", "x", "--ray", "head:6380", "--node", "bad"), 1)
     assert "--node" in line and "NAME=DEVICES" in line
+
+
+def test_cluster_delete(logged_in: Service) -> None:
+    """Issue 43, item 10: a cluster can be deleted, and its name used again."""
+    added = json.loads(logged_in.cli("cluster", "add", "scratch", "--devices", "2", "--json").stdout)
+    r = logged_in.cli("cluster", "delete", "scratch")
+    assert r.returncode == 0, r.stderr
+    assert "scratch" in r.stdout and "deleted" in r.stdout
+    assert "scratch" not in [c["name"] for c in json.loads(logged_in.cli("cluster", "list", "--json").stdout)]
+    line = one_line_error(logged_in.cli("cluster", "delete", "scratch"), 5)
+    assert "no cluster 'scratch'" in line
+    again = json.loads(logged_in.cli("cluster", "add", "scratch", "--devices", "2", "--json").stdout)
+    assert again["id"] != added["id"]
+    assert logged_in.cli("cluster", "delete", again["id"]).returncode == 0
 
 
 @pytest.mark.parametrize(("content", "code", "needles"), [

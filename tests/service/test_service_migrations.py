@@ -23,7 +23,7 @@ from tests.service.conftest import BACKENDS, fresh_database
 
 ROOT = Path(__file__).resolve().parents[2]
 TABLES = {"tokens", "clusters", "profiles", "jobs", "trials", "events", "leases"}
-HEAD = "0005"
+HEAD = "0006"
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
