@@ -17,8 +17,8 @@ The database is ``PIPETTE_DATABASE_URL`` (default: SQLite under ``PIPETTE_HOME``
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
+import logging
 import sys
 from collections.abc import Sequence
 from types import FrameType
@@ -90,7 +90,8 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--no-access-log", action="store_true", help="do not log every request")
     serve.add_argument("--http", choices=("auto", "httptools", "h11"), default="auto",
-                       help="HTTP parser (auto: httptools, the C one, when installed)")
+                       help="HTTP parser (auto and h11: h11 with the service's deadlines and connection caps; "
+                            "httptools: the C one, without them, for behind a reverse proxy)")
     serve.add_argument("--loop", choices=("auto", "uvloop", "asyncio"), default="auto",
                        help="event loop (auto: uvloop when installed)")
     serve.add_argument("--workers", type=int, default=1,
@@ -186,6 +187,7 @@ def _serve(args: argparse.Namespace, settings: Settings) -> int:
 
     from service.app import create_app
     from service.limits import MAX_HEADER_BYTES
+    from service.protocol import ACCEPT_BACKLOG
 
     _ensure_home(settings)
     if args.workers < 1:
@@ -200,8 +202,8 @@ def _serve(args: argparse.Namespace, settings: Settings) -> int:
     # Open event streams must not hold a shutdown forever: they get 10 s, then the scheduler
     # stops (interrupting the running trial, which a restart reruns) and the lease is freed.
     options = {"host": args.host, "port": args.port, "log_level": "info", "timeout_graceful_shutdown": 10,
-               "access_log": not args.no_access_log, "http": _protocol(args.http), "loop": args.loop,
-               "h11_max_incomplete_event_size": MAX_HEADER_BYTES}
+               "access_log": not args.no_access_log, "http": _protocol(args.http, settings), "loop": args.loop,
+               "h11_max_incomplete_event_size": MAX_HEADER_BYTES, "backlog": ACCEPT_BACKLOG}
     if args.workers > 1:
         uvicorn.run("service.app:app_from_env", factory=True, workers=args.workers, **options)
         return 0
@@ -218,14 +220,21 @@ def _serve(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
-def _protocol(http: str) -> object:
-    """uvicorn's HTTP protocol: h11 (what ``auto`` picks without httptools) answers an
-    oversized header block 431 through ``service.protocol``."""
-    if http == "h11" or (http == "auto" and importlib.util.find_spec("httptools") is None):
-        from service.protocol import HeaderLimitH11Protocol
+def _protocol(http: str, settings: Settings) -> object:
+    """uvicorn's HTTP protocol: h11 (what ``auto`` picks) with ``service.protocol``'s guards: a
+    431 for an oversized header block, deadlines for slow clients, connection caps. httptools,
+    asked for by name, has none of them: run it behind a reverse proxy that applies them."""
+    if http == "httptools":
+        logging.getLogger("pipette.service").warning(
+            "--http httptools: the slow-client deadlines and connection caps are h11's; put a reverse proxy "
+            "that applies them in front (docs/deployment.md)")
+        return http
+    from service.protocol import ConnectionLimits, guarded_protocol, raise_fd_limit
 
-        return HeaderLimitH11Protocol
-    return http
+    raise_fd_limit()
+    return guarded_protocol(ConnectionLimits(
+        header_timeout_s=settings.header_timeout_s, body_timeout_s=settings.body_timeout_s,
+        max_connections=settings.max_connections, max_connections_per_client=settings.max_connections_per_client))
 
 
 def _worker(_args: argparse.Namespace, settings: Settings) -> int:

@@ -7,6 +7,7 @@ Nothing here touches the schema: migrations are a command (``pipette-admin migra
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import logging
 from collections.abc import AsyncIterator
@@ -23,6 +24,7 @@ from service.deps import AppState, reject_unknown_query
 from service.errors import install_error_handlers
 from service.limits import BodyLimitMiddleware, HeaderLimitMiddleware
 from service.metrics import LatencyMiddleware, Metrics
+from service.protocol import install_accept_log
 from service.rates import TenantRate
 from service.routes import clusters, events, jobs, ops, plan
 from service.settings import Settings
@@ -51,6 +53,7 @@ def create_app(settings: Settings | None = None, *, database: Database | None = 
         # requests do not stall behind them (CPython's gc.freeze).
         gc.collect()
         gc.freeze()
+        install_accept_log(asyncio.get_running_loop())
         db.after_commit.append(state.feed.flush)  # this process's writes: its cached reads go at once
         state.feed.start()
         if settings.scheduler:

@@ -60,6 +60,14 @@ class Settings:
     stream_idle_s: float = 300.0
     #: answer the polled reads from memory until PostgreSQL notifies a change (``service.changes``)
     read_cache: bool = True
+    #: a request's headers must arrive within this long (408), its body within this long plus
+    #: its size at 64 KiB/s (closed): slow clients cannot hold connections (``service.protocol``)
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    #: connections held at once, in all (0: as many as the file-descriptor limit leaves) and from
+    #: one client address (0: no cap, for a service behind a reverse proxy that caps them)
+    max_connections: int = 0
+    max_connections_per_client: int = 512
 
     @property
     def resource_key(self) -> str:
@@ -91,6 +99,10 @@ class Settings:
             max_clusters_per_tenant=int(_number(env, "PIPETTE_MAX_CLUSTERS_PER_TENANT", 50, minimum=1)),
             stream_idle_s=_number(env, "PIPETTE_STREAM_IDLE_S", 300.0, minimum=1.0),
             read_cache=_flag(env, "PIPETTE_READ_CACHE", True),
+            header_timeout_s=_number(env, "PIPETTE_HEADER_TIMEOUT_S", 10.0, minimum=0.5),
+            body_timeout_s=_number(env, "PIPETTE_BODY_TIMEOUT_S", 30.0, minimum=1.0),
+            max_connections=int(_number(env, "PIPETTE_MAX_CONNECTIONS", 0, minimum=0)),
+            max_connections_per_client=int(_number(env, "PIPETTE_MAX_CONNECTIONS_PER_CLIENT", 512, minimum=0)),
         )
 
 

@@ -30,8 +30,9 @@ class ServiceProcess:
     """``python -m service.admin serve`` (or ``worker``) with its own environment and log."""
 
     def __init__(self, url: str, home: Path, *, command: str = "serve", log_name: str = "service",
-                 args: tuple[str, ...] = (), **env: str) -> None:
+                 args: tuple[str, ...] = (), nofile: int | None = None, **env: str) -> None:
         self.url = url
+        self.nofile = nofile  # the process's file-descriptor limit (soft and hard), when given
         self.home = home
         self.command = command
         self.args = args
@@ -54,10 +55,16 @@ class ServiceProcess:
         with open(self.log, "ab") as log:
             # Its own session, so the teardown can end whatever it started (Ray included).
             self.proc = subprocess.Popen(args, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                         start_new_session=True, cwd=ROOT)
+                                         start_new_session=True, cwd=ROOT, preexec_fn=self._limits)
         if self.command == "serve":
             wait_for(lambda: _healthy(self.base), wait_s, f"the service on {self.base} to answer", self)
         return self
+
+    def _limits(self) -> None:
+        if self.nofile is not None:
+            import resource
+
+            resource.setrlimit(resource.RLIMIT_NOFILE, (self.nofile, self.nofile))
 
     def kill(self) -> None:
         """SIGKILL the service process itself (its children die with it or on their own)."""
