@@ -73,7 +73,7 @@ def start_local_ray(num_cpus: int | None = None) -> None:
 
 
 def _init_local(num_cpus: int | None) -> None:
-    with _single_host_mode():
+    with _single_host_mode(), _quiet_token_notice():
         ray.init(
             address="local",
             num_cpus=num_cpus or max(8, os.cpu_count() or 1),
@@ -123,6 +123,28 @@ class RayParent:
 
 #: The thread that started the local Ray, when a thread other than the main one asked for it.
 _PARENT: RayParent | None = None
+
+
+#: Ray's logger of its token set-up, and the start of the notice it gives at every new local cluster
+_TOKEN_LOGGER = "ray._private.authentication.authentication_token_setup"
+_TOKEN_NOTICE = "Token authentication is enabled for this Ray cluster"
+
+
+def _drop_token_notice(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith(_TOKEN_NOTICE)
+
+
+@contextlib.contextmanager
+def _quiet_token_notice() -> Iterator[None]:
+    """Drop Ray's "Token authentication is enabled ... set RAY_AUTH_MODE=disabled to opt out"
+    warning while the embedded Ray starts: the token is what Pipette wants, so the notice printed
+    at every tune was noise the user could not act on (issue 43 item 24). Ray's other messages pass."""
+    logger = logging.getLogger(_TOKEN_LOGGER)
+    logger.addFilter(_drop_token_notice)
+    try:
+        yield
+    finally:
+        logger.removeFilter(_drop_token_notice)
 
 
 @contextlib.contextmanager
