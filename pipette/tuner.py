@@ -396,6 +396,7 @@ class Tuner:
         self.study = new_study(self.sampler, pruner)
         self.records: list[TrialRecord] = []
         self._replay(history)
+        self._replayed = len(self.records)  # the records before this run (``script_fault`` reads after them)
         #: re-timing done by this tuner so far (every ``retime`` call: the verdict names all)
         self._retimed: set[str] = {r.label for r in self.records if r.purpose == "retime"}
         self._rounds = 0
@@ -535,6 +536,9 @@ class Tuner:
 
     def stop_reason(self, elapsed_s: float = 0.0) -> str | None:
         """Why the search should stop now, or None to go on."""
+        fault = self.script_fault()
+        if fault is not None:
+            return fault
         o = self.options
         n = len(self.study.trials)
         if n >= o.max_trials:
@@ -557,6 +561,19 @@ class Tuner:
                     f"(< {o.stop_probability:.0%}) to beat {best.label} by more than {o.tolerance:.0%} "
                     f"(the likeliest, {top.planned.config.label}, {top.p_beat:.1%})"
                 )
+        return None
+
+    def script_fault(self) -> str | None:
+        """Why the search stops at a failure of the user's script that no layout explains
+        (``pipette.script_faults``: a missing import, a command line it refuses, no step
+        reported, ...), with its fix; None when this run had none. Only this run's trials: a
+        stored record of an earlier script does not stop a new one."""
+        for r in self.records[self._replayed:]:
+            fix = r.measurement.details.script_fault
+            if fix:
+                said = (r.measurement.error.splitlines() or [""])[0]
+                return (f"the script failed at trial #{r.number} in a way no layout explains, so every "
+                        f"candidate would ({said}); fix: {fix}")
         return None
 
     def _nothing_left(self) -> str:
@@ -630,7 +647,8 @@ class Tuner:
                     if self.step(runner, emit, should_stop) == "cancelled":
                         reason = "cancelled"
                         break
-                if reason is None or reason == "cancelled" or reason.startswith("time budget"):
+                if reason is None or reason == "cancelled" or reason.startswith("time budget") \
+                        or self.script_fault() is not None:
                     break
                 before = len(self.study.trials)
                 reason = self.retime(runner, reason, emit, should_stop)
@@ -797,6 +815,10 @@ class Tuner:
                 record = TrialRecord(trial.number, planned.config, m, planned.perf, planned.memory,
                                      prediction.step_time, prediction.sd, attempt, self.job_key,
                                      stack=self.stack_of(planned.config), started_at=started, ended_at=_now())
+                if retry and m.details.script_fault:  # the script's own: a retry repeats it
+                    retry = False
+                    record = replace(record, measurement=replace(m, extra={**m.extra, "not_retried": (
+                        "the script's own failure, which no layout explains: a retry would repeat it")}))
                 if retry:
                     kind = crash_kind(m)
                     chance = retry_chance([*self.records, record], kind)
@@ -909,8 +931,8 @@ def _prior_observations(prior: Sequence[TrialRecord], plan: Plan) -> list[Observ
     keys = {s.key for s in plan.all_stacks}
     out = []
     for r in prior:
-        if r.job_key == "" or r.stack not in keys:
-            continue
+        if r.job_key == "" or r.stack not in keys or r.measurement.details.script_fault:
+            continue  # a fault of the script says nothing of its candidate
         o = r.observation()
         out.append(replace(o, config=replace(o.config, stack=r.stack if several else None)))
     return out

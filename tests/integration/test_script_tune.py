@@ -153,3 +153,34 @@ def test_a_hung_scripts_timeout_keeps_its_output_and_ctrl_c_stops_it_at_once(tmp
     took = time.monotonic() - signalled
     assert proc.returncode == 130, err[-3000:]
     assert took < 30, f"Ctrl-C took {took:.0f} s to stop a hung trial"
+
+
+SCRIPT_FAULTS = {
+    "missing-import": ("import pipette_no_such_helpers\n",
+                       "No module named 'pipette_no_such_helpers'", "install pipette_no_such_helpers into"),
+    "unrecognized-arguments": ("import argparse\np = argparse.ArgumentParser()\np.add_argument('--lr')\n"
+                               "p.parse_args()\n", "error: unrecognized arguments: --deepspeed_config",
+                               "Pipette passed the knob deepspeed_config (--deepspeed_config)"),
+    "reports-no-step": ("print('loading data ... done', flush=True)\n", "exited without error but reported no step",
+                        "change the script as its error says"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SCRIPT_FAULTS))
+def test_a_failure_of_the_script_itself_stops_the_search_at_its_first_trial(tmp_path: Path, case: str) -> None:
+    """Issue 43, item 26: a missing import failed 5 trials and a retry (unrecognised arguments 2 + 1,
+    "reported no step" 5 + 1), then the untried were "likely to fail as tried ones did"."""
+    source, said, fix = SCRIPT_FAULTS[case]
+    (tmp_path / "train.py").write_text(source)
+    done = subprocess.run(
+        [sys.executable, "-m", "pipette.cli", "tune", "--cluster", str(ROOT / "examples/clusters/cpu-4.yaml"),
+         "--model", str(MODEL), "--global-batch", "8", "--seq-len", "64", "--dtype", "fp32", "--steps", "3",
+         "--max-trials", "4", "--retries", "1", "--home", str(tmp_path / "home"), "--out", str(tmp_path / "best"),
+         "--workdir", str(tmp_path), "--script-kind", "deepspeed", "--script", "python", "train.py"],
+        capture_output=True, text=True, env=_env(), timeout=600, cwd=tmp_path)
+    assert done.returncode == 1, done.stderr[-3000:]
+    trials = re.findall(r"^\s+#(\d+)\s+(\S+)( \(attempt \d+\))?", done.stderr, flags=re.M)
+    assert [t[0] for t in trials] == ["0"], done.stderr[-3000:]  # one trial, not retried
+    stop = next(ln for ln in done.stderr.splitlines() if ln.startswith("stopped after"))
+    assert "the script failed at trial #0 in a way no layout explains" in stop and said in stop and fix in stop, stop
+    assert "likely to" not in done.stderr + done.stdout

@@ -16,6 +16,7 @@ import math
 import os
 import shutil
 import statistics
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ from pipette.contract import RANK_ENV, build_environment
 from pipette.errors import SpecError
 from pipette.measurement import Measurement, last_error_line
 from pipette.script import ScriptSpec, script_ds_config, sharded
+from pipette.script_faults import OWN_WORDS, script_fault
 from pipette.script_fsdp import fsdp_trial_parts
 from workers.host.outcome import Outcome
 from workers.host.script_env import script_path
@@ -205,15 +207,17 @@ def script_measurement(trial: TrialSpec, outcome: Outcome, events: ScriptEvents,
         error = outcome.error
         if outcome.status == "failed" and not events.any_step() and exit_tail:
             error = f"the script stopped before its first step: {last_error_line(exit_tail)}\n{error}"
+        if outcome.status == "failed":
+            error = _mark_fault(extra, error, exit_tail, trial.script)
         return Measurement(outcome.status, step_times=timed, tokens_per_step=trial.tokens_per_step,
                            losses=losses, error=error, extra=extra)
     dones = reported if source == "reporter" else hooked
     if source is None or not all(dones):
         what = "reported no step" if source is None else "did not report the end of every rank"
-        return Measurement(
-            "failed", tokens_per_step=trial.tokens_per_step, extra=extra,
-            error=f"the script exited without error but {what}: call pipette.report.Reporter.step (and .done) "
-                  "in its loop, or HFCallback in its Trainer, or train through a DeepSpeed engine")
+        error = (f"the script exited without error but {what}: call pipette.report.Reporter.step (and .done) "
+                 "in its loop, or HFCallback in its Trainer, or train through a DeepSpeed engine")
+        return Measurement("failed", tokens_per_step=trial.tokens_per_step, extra=extra,
+                           error=_mark_fault(extra, error, "", trial.script))
     per_rank = [[float(t) for t in d[-1]["step_times"]] for d in dones]
     n = min(len(t) for t in per_rank)
     if n < 1:
@@ -243,6 +247,21 @@ def script_measurement(trial: TrialSpec, outcome: Outcome, events: ScriptEvents,
         return Measurement("failed", tokens_per_step=trial.tokens_per_step, extra=extra,
                            error=f"the script reported step times {list(step_times)}: give positive seconds")
     return m
+
+
+def _mark_fault(extra: dict[str, Any], error: str, output: str, script: ScriptSpec | None) -> str:
+    """A failure no layout explains (``pipette.script_faults``): its fix in ``extra["script_fault"]``,
+    which stops the search, and on the error's second line; other errors are returned as they are."""
+    fault = script_fault(error, output, script, python=sys.executable)
+    if fault is None:
+        return error
+    extra["script_fault"] = fault.fix
+    if error.startswith(OWN_WORDS):
+        return error  # its one line says what to change already
+    first, _, rest = error.partition("\n")
+    if fault.what not in first:  # the first line names it (the tuner's stop reason quotes that line)
+        first = f"{first}: {fault.what}"
+    return "\n".join(x for x in (first, f"fix: {fault.fix}", rest) if x)
 
 
 def check_script(script: ScriptSpec) -> None:
