@@ -119,6 +119,18 @@ def host_name(cluster: ClusterProfile, node: int) -> str:
     return n.address or n.name
 
 
+def node_rank_lines(hosts: list[str]) -> list[str]:
+    """A multi-node launch's lines that take this node's index from ``$NODE_RANK`` (``hosts`` in the
+    launcher's node order), or stop with one line naming the index of each host."""
+    named = ", ".join(f"{i}={h}" for i, h in enumerate(hosts))
+    return [
+        f"# Run this on every node with NODE_RANK set: {named}.",
+        'NODE_RANK="${NODE_RANK:?set NODE_RANK to the index of this node: ' + named + '}"',
+        f'case "$NODE_RANK" in {"|".join(map(str, range(len(hosts))))}) ;; '
+        f'*) echo "NODE_RANK must be one of {named}" >&2; exit 1 ;; esac',
+    ]
+
+
 def node_selection(blocks: list[tuple[int, list[int]]], cluster: ClusterProfile) -> list[str]:
     """``NODE_RANK`` (0 on the first node; set it on the others), the devices this node exposes
     in rank order, and its process count."""
@@ -128,16 +140,38 @@ def node_selection(blocks: list[tuple[int, list[int]]], cluster: ClusterProfile)
     for i, (node, devices) in enumerate(blocks):
         visible = f" CUDA_VISIBLE_DEVICES={','.join(map(str, devices))};" if cluster.device_spec.kind == "gpu" else ""
         cases.append(f"    {i}) NPROC={len(devices)};{visible} ;;  # {host_name(cluster, node)}")
-    hosts = ", ".join(f"{i}={host_name(cluster, n)}" for i, (n, _) in enumerate(blocks))
     return [
-        f"# Run this on every node with NODE_RANK set: {hosts}.",
-        'NODE_RANK="${NODE_RANK:?set NODE_RANK to the index of this node: ' + hosts + '}"',
+        *node_rank_lines([host_name(cluster, n) for n, _ in blocks]),
         'case "$NODE_RANK" in',
         *cases,
-        f'    *) echo "NODE_RANK must be 0..{len(blocks) - 1}" >&2; exit 1 ;;',
         "esac",
         *(["export CUDA_VISIBLE_DEVICES"] if cluster.device_spec.kind == "gpu" else []),
     ]
+
+
+def per_node_commands(hosts: list[str], command: str) -> list[str]:
+    """What a user runs for a launch over ``hosts`` (in the launcher's node order): ``command`` (a
+    ``{rank}`` in it takes each node's ``NODE_RANK``) on each host, named; one line for one node."""
+    if len(hosts) == 1:
+        return [command.format(rank=0)]
+    return [f"on {h}: {command.format(rank=i)}" for i, h in enumerate(hosts)]
+
+
+def launch_how(hosts: list[str], commands: list[str], folder: str) -> list[str]:
+    """The ``launch:`` lines ``plan`` and ``tune`` print: the one command, or across nodes one per
+    node (``per_node_commands``), each run on its host from a copy of ``folder`` there."""
+    if len(hosts) == 1:
+        return [f"launch: {commands[0]}"]
+    return [f"launch: on each of its {len(hosts)} nodes, from a copy of {folder}/ there; {hosts[0]} hosts the "
+            "rendezvous (port $MASTER_PORT, default 29500):", *(f"  {c}" for c in commands)]
+
+
+def launch_sh_lines(out_dir: str, config: ParallelConfig, cluster: ClusterProfile) -> list[str]:
+    """How ``launch.sh`` in ``out_dir`` is run, as ``plan`` and ``tune`` print it: ``(cd out_dir &&
+    ./launch.sh)``, or across nodes that with each node's ``NODE_RANK`` on its host."""
+    hosts = [host_name(cluster, n) for n, _ in runner_nodes(config, cluster)]
+    rank = "" if len(hosts) == 1 else "NODE_RANK={rank} "
+    return launch_how(hosts, per_node_commands(hosts, f"(cd {shlex.quote(out_dir)} && {rank}./launch.sh)"), out_dir)
 
 
 def visible_devices(devices: list[int], cluster: ClusterProfile) -> list[str]:
@@ -188,32 +222,29 @@ def python_finder(check_code: str, tries: list[str], missing: str) -> list[str]:
 
 
 def launch_command(config: ParallelConfig, cluster: ClusterProfile, out_dir: str = ".") -> str:
-    """The DeepSpeed launcher line, run from ``out_dir``'s parent or with absolute paths: over
-    ssh (pdsh) from the first node when the candidate spans nodes, locally when it uses one.
+    """The DeepSpeed launcher line, run from ``out_dir``'s parent or with absolute paths. It starts
+    this node's ranks itself (``--no_ssh``): on one node as node 0; across nodes on every node with
+    ``$NODE_RANK`` set (``node_rank_lines``), the first node the rendezvous host, so no pdsh or ssh
+    between the nodes is needed.
 
     The launcher runs as a module of ``$PIPETTE_PYTHON`` (``python3`` when unset, as in an
     activated environment), so no ``deepspeed`` script needs to be on PATH; ``launch.sh``
-    finds that Python first. The rank map is an argument of the entry point, so it reaches
-    every node (the launcher forwards only some variables over ssh). The rendezvous port is
+    finds that Python first. The rank map is an argument of the entry point. The rendezvous port is
     ``$MASTER_PORT`` when set, else DeepSpeed's default 29500, so two launches on one host can
-    be given different ports (``MASTER_PORT=29600 ./launch.sh``)."""
-    nodes = {cluster.devices[d].node for d in config.devices()}
-    include = ",".join(
-        f"{cluster.nodes[n].address or cluster.nodes[n].name}:"
-        + ",".join(str(cluster.devices[d].local_index) for d in config.devices() if cluster.devices[d].node == n)
-        for n in sorted(nodes)
-    )
+    be given different ports (``MASTER_PORT=29600 ./launch.sh``). ``--include`` names hosts as
+    ``NAME:SLOT,SLOT@NAME:SLOT`` (``parse_node_config_list`` of deepspeed/launcher/runner.py)."""
+    blocks = runner_nodes(config, cluster)
+    include = "@".join(f"{host_name(cluster, n)}:{','.join(map(str, devices))}" for n, devices in blocks)
     q = shlex.quote
+    one = len(blocks) == 1
+    master, node = ("127.0.0.1", "0") if one else (host_name(cluster, blocks[0][0]), '"$NODE_RANK"')
     parts = [
         f'"${{{PYTHON_VAR}:-python3}}" -m deepspeed.launcher.runner',
         f"--hostfile {q(out_dir + '/hostfile')}",
         '--master_port "${MASTER_PORT:-29500}"',
-    ]
-    if len(nodes) == 1:
-        # One node: start the ranks here. With a hostfile the launcher otherwise checks ssh to
-        # the host and asks it for its address over ssh (deepspeed/launcher/runner.py).
-        parts.append("--no_ssh --node_rank 0 --master_addr 127.0.0.1")
-    parts += [
+        # Without --no_ssh the launcher checks ssh to the first host and asks it for its address
+        # over ssh, then starts the other nodes with pdsh (deepspeed/launcher/runner.py).
+        f"--no_ssh --node_rank {node} --master_addr {q(master)}",
         f"--include {q(include)}",
         f"--module {TRAIN_ENTRY}",
         f"--deepspeed_config {q(out_dir + '/ds_config.json')}",
@@ -259,22 +290,25 @@ def native_lines(config: ParallelConfig, cluster: ClusterProfile) -> list[str]:
     return [*selection, native_command(config, cluster)]
 
 
+def deepspeed_node_lines(config: ParallelConfig, cluster: ClusterProfile) -> list[str]:
+    """Across nodes, the lines that take this node's ``NODE_RANK`` for ``launch_command``; none on one."""
+    blocks = runner_nodes(config, cluster)
+    return [] if len(blocks) == 1 else node_rank_lines([host_name(cluster, n) for n, _ in blocks])
+
+
 def stack_launch_command(config: ParallelConfig, cluster: ClusterProfile, stack: str | Stack | None = None,
                          out_dir: str = ".") -> str | None:
     """The command that launches ``config`` on ``stack``: the DeepSpeed launcher line of Pipette's
-    DeepSpeed runner, the ``torchrun`` line of its native one (a stack with ``native_rules``: fsdp;
-    on several nodes, what to run on each), or None where Pipette writes no launcher (megatron, a stack's option the
-    runner does not run)."""
+    DeepSpeed runner, the ``torchrun`` line of its native one (a stack with ``native_rules``: fsdp);
+    on several nodes, ``launch.sh`` with each node's ``NODE_RANK``, host by host; or None where
+    Pipette writes no launcher (megatron, a stack's option the runner does not run)."""
     chosen = get_stack(stack)
     if "launch.sh" not in chosen.launch_files:
         return None
-    if not chosen.native_rules:
-        return launch_command(config, cluster, out_dir)
     blocks = runner_nodes(config, cluster)
-    if len(blocks) == 1:
-        return native_command(config, cluster)
-    hosts = ", ".join(f"NODE_RANK={i} on {host_name(cluster, n)}" for i, (n, _) in enumerate(blocks))
-    return f"./launch.sh on every node, with {hosts}"
+    if len(blocks) > 1:
+        return "; ".join(per_node_commands([host_name(cluster, n) for n, _ in blocks], "NODE_RANK={rank} ./launch.sh"))
+    return native_command(config, cluster) if chosen.native_rules else launch_command(config, cluster, out_dir)
 
 
 def file_header(config: ParallelConfig, cluster: ClusterProfile, stack: Stack) -> str:
@@ -302,7 +336,8 @@ def launch_script(config: ParallelConfig, cluster: ClusterProfile, python: str |
                           f"launch.sh: no Python here has {what} (tried ${{{PYTHON_VAR}:-{' '.join(tries)}}}); "
                           f"set {PYTHON_VAR} to the python of the environment Pipette is installed in, "
                           f"e.g. {PYTHON_VAR}=/path/to/.venv/bin/python ./launch.sh")
-    run = native_lines(config, cluster) if native else [*build_tool_lines(), launch_command(config, cluster, ".")]
+    run = native_lines(config, cluster) if native else [*build_tool_lines(), *deepspeed_node_lines(config, cluster),
+                                                        launch_command(config, cluster, ".")]
     return "\n".join([
         "#!/usr/bin/env bash",
         f"# {file_header(config, cluster, chosen)}",

@@ -9,8 +9,8 @@
 * ``launch-deepspeed.sh``, ``launch-torchrun.sh``, ``launch-accelerate.sh``: the user's script
   under each launcher, with the knobs the trial used. Each finds a Python that has the launcher
   (``$PIPETTE_PYTHON``, the one that wrote it, ``python3``) or says in one line what to set; a
-  multi-node launch runs on every node with ``NODE_RANK`` set (torchrun, Accelerate) or from the
-  first node over ssh (DeepSpeed). The candidate's placement is realised by the order of the
+  multi-node launch runs on every node with ``NODE_RANK`` set (``per_node_launch_lines`` says
+  what to run on which host). The candidate's placement is realised by the order of the
   devices each node exposes (``CUDA_VISIBLE_DEVICES`` / ``--include``): launchers number a
   script's ranks node by node, which is why a script's search keeps only placements that do.
 
@@ -31,7 +31,16 @@ from typing import Any
 from pipette.cluster import ClusterProfile
 from pipette.config import ParallelConfig
 from pipette.contract import RANK_ENV
-from pipette.emit import PYTHON_VAR, build_tool_lines, deepspeed_config, python_finder, rank_map
+from pipette.emit import (
+    PYTHON_VAR,
+    build_tool_lines,
+    deepspeed_config,
+    launch_how,
+    node_rank_lines,
+    per_node_commands,
+    python_finder,
+    rank_map,
+)
 from pipette.emit import host_name as _host
 from pipette.emit import node_selection as _node_selection
 from pipette.emit_frameworks import tf32_note
@@ -189,14 +198,29 @@ def launch_deepspeed(config: ParallelConfig, cluster: ClusterProfile, training: 
     lines = _header(config, cluster, script, "the deepspeed launcher", training)
     lines += _finder(("deepspeed",), "deepspeed", python)
     lines += build_tool_lines()
+    if len(blocks) > 1:
+        lines += node_rank_lines([_host(cluster, n) for n, _ in blocks])
+    # --no_ssh: each node starts its own ranks, as torchrun's and Accelerate's launches do; else the
+    # launcher asks the first host for its address over ssh and starts the nodes with pdsh
+    # (deepspeed/launcher/runner.py).
+    node = "0" if len(blocks) == 1 else '"$NODE_RANK"'
     parts = [f'"${PYTHON_VAR}" -m deepspeed.launcher.runner', '--hostfile "$HERE/hostfile"',
-             '--master_port "${MASTER_PORT:-29500}"']
-    if len(blocks) == 1:  # one node: no ssh (deepspeed/launcher/runner.py asks the host over ssh otherwise)
-        parts.append("--no_ssh --node_rank 0 --master_addr 127.0.0.1")
+             '--master_port "${MASTER_PORT:-29500}"',
+             f"--no_ssh --node_rank {node} --master_addr {shlex.quote(_master(blocks, cluster))}"]
     parts += [f"--include {shlex.quote(include)}",
               _script_part(script, training, config, "--no_python", cluster.device_spec.kind)]
     lines.append(" ".join(parts))
     return "\n".join(lines) + "\n"
+
+
+def per_node_launch_lines(out_dir: str, config: ParallelConfig, cluster: ClusterProfile, name: str) -> list[str]:
+    """Across nodes, how the launch file ``name`` runs, as ``tune`` prints it: on each host with its
+    ``NODE_RANK`` (``launch_how``); nothing for a one-node launch, which runs as it is."""
+    hosts = [_host(cluster, n) for n, _ in node_blocks(config, cluster)]
+    if len(hosts) == 1:
+        return []
+    path = shlex.quote(f"{out_dir}/{name}")
+    return launch_how(hosts, per_node_commands(hosts, f"NODE_RANK={{rank}} {path}"), out_dir)
 
 
 def _master(blocks: list[tuple[int, list[int]]], cluster: ClusterProfile) -> str:

@@ -49,7 +49,7 @@ def add_parser(sub: Any) -> None:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from pipette.clusterfile import load_cluster
-    from pipette.emit import stack_launch_command, write_launch_files
+    from pipette.emit import launch_sh_lines, stack_launch_command, write_launch_files
     from pipette.fits import memory_headroom
     from pipette.plan import DEFAULT_MARGIN, make_plan
     from pipette.stacks import get_stacks
@@ -93,7 +93,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if files:
         print(f"\nlaunch files for #1 in {args.out}/: {', '.join(sorted(files))}")
         if "launch.sh" in files:
-            print(f"launch: (cd {args.out} && ./launch.sh)")
+            print("\n".join(launch_sh_lines(args.out, plan.best.config, cluster)))
         elif MEGATRON_ARGS in files:
             print(f"launch: your Megatron-LM job with the arguments in {args.out}/{MEGATRON_ARGS} "
                   "(the parallel layout and batch; your model, data and optimizer arguments besides)")

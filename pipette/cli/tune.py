@@ -532,6 +532,8 @@ class Progress:
 
 
 def _print_result(result: Any, out: str, files: dict[str, str]) -> None:
+    from pipette.emit import launch_sh_lines
+    from pipette.emit_script import per_node_launch_lines
     from pipette.result_text import confidence_lines, placement_line, precision_line, verdict_first, what_happened
 
     print()
@@ -575,7 +577,7 @@ def _print_result(result: Any, out: str, files: dict[str, str]) -> None:
     if files:
         print(f"\nfiles in {out}/: {', '.join(sorted(Path(f).name for f in files.values()))}")
         if "launch.sh" in files:
-            print(f"launch: (cd {out} && ./launch.sh)")
+            print("\n".join(launch_sh_lines(out, result.best.config, result.plan.cluster)))
         else:
             launches = sorted(Path(f).name for f in files.values() if Path(f).name.startswith("launch-"))
             said = {"ds_config.json": "HF Trainer: --deepspeed", "fsdp_config.json": "HF Trainer: --fsdp --fsdp_config",
@@ -583,3 +585,5 @@ def _print_result(result: Any, out: str, files: dict[str, str]) -> None:
                     "accelerate_config.yaml": "accelerate launch --config_file"}
             hint = next((f"{said[n]} {out}/{n}" for n in said if any(Path(f).name == n for f in files.values())), "")
             print(f"launch your script: {' or '.join(f'{out}/{n}' for n in launches)}" + (f" ({hint})" if hint else ""))
+            for line in per_node_launch_lines(out, result.best.config, result.plan.cluster, launches[0]):
+                print(line)

@@ -232,3 +232,61 @@ def _run(files: dict[str, Path], env: dict[str, str]) -> tuple[str, str]:
             pass
     assert launcher.returncode == 0, out[-3000:] + err[-3000:]
     return out, err
+
+
+TWO_HOSTS = """name: two-hosts-on-loopback
+device: {preset: cpu, memory: 5 GiB}
+nodes: [{name: host-a, address: 127.0.0.1, devices: 1}, {name: host-b, devices: 1}]
+intra_node: {bandwidth: 2 GB/s, latency: 50 us}
+inter_node: {bandwidth: 1 GB/s, latency: 80 us}
+"""
+
+
+@pytest.mark.parametrize("stack", ["pipette", "fsdp"])
+def test_a_two_node_launch_runs_as_printed_one_command_per_host(tmp_path: Path, stack: str) -> None:
+    """Issue 43, item 14: a 2-node pick's ``launch.sh``, run as ``plan`` prints it, one command per
+    host, both on this machine (host-a at 127.0.0.1 holds the rendezvous; host-b is only a name to
+    the launchers). The placement puts rank 0 on host-b, so each node's launcher must hand its
+    process the rank the map gives it. Before, DeepSpeed's runner refused the ``--include``
+    (``ValueError: too many values to unpack``) and an fsdp plan printed one command for both."""
+    from pipette.emit import launch_sh_lines
+
+    (tmp_path / "cluster.yaml").write_text(TWO_HOSTS)
+    cluster = load_cluster(tmp_path / "cluster.yaml")
+    config = ParallelConfig(tp=1, pp=1, dp=2, mbs=2, global_batch=4, placement=(1, 0), stack=stack)
+    spec = TrialSpec(ModelSpec.preset("tiny-llama"), TrainingSpec(global_batch=4, seq_len=32, dtype="fp32"), config,
+                     warmup_steps=1, min_steps=2, max_steps=2, stack=stack)
+    options = {k: v for k, v in spec.runner_options().items() if k != "device_kind"}
+    out = tmp_path / "best"
+    write_launch_files(out, spec.model, spec.training, config, cluster, extra={"trial": options}, stack=stack)
+    printed = launch_sh_lines(str(out), config, cluster)
+    assert printed[0].startswith("launch: on each of its 2 nodes") and len(printed) == 3, printed
+    commands = {line.split(": ", 1)[0].strip(): line.split(": ", 1)[1] for line in printed[1:]}
+    assert list(commands) == ["on 127.0.0.1", "on host-b"]  # a host is named by its address, else its name
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "OMP_NUM_THREADS", "NODE_RANK")}
+    env["MASTER_PORT"] = str(_free_port())
+    nodes = [subprocess.Popen(["bash", "-c", command], cwd="/", env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, start_new_session=True)
+             for command in commands.values()]
+    outputs = []
+    try:
+        for node in nodes:
+            out_text, err = node.communicate(timeout=240)
+            assert node.returncode == 0, out_text[-3000:] + err[-3000:]
+            outputs.append(out_text)
+    finally:
+        for node in nodes:
+            try:
+                os.killpg(node.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    events = [[json.loads(line[len(EVENT_PREFIX):]) for line in text.splitlines() if line.startswith(EVENT_PREFIX)]
+              for text in outputs]
+    done = [[e for e in node if e["event"] == "done"] for node in events]
+    # node 0 (host-a, device 0) runs rank 1; node 1 (host-b, device 1) runs rank 0
+    assert [[int(e["rank"]) for e in events] for events in done] == [[1], [0]], outputs
+    assert len(done[1][0]["step_times"]) == 2
+    # the trial of the same candidate computes rank 0's losses: the same job
+    trial = run_trial(spec, timeout_s=240)
+    assert trial.status == "ok", trial.error
+    assert done[1][0]["losses"] == pytest.approx(list(trial.losses), rel=1e-5)

@@ -231,15 +231,16 @@ def test_the_native_runner_gets_a_torchrun_launch(tmp_path: Path) -> None:
     assert "-m torch.distributed.run" in launch and "-m workers.rank.fsdp" in launch and "deepspeed" not in launch
     nodes = sorted({A100S.devices[d].node for d in cfg.devices()})
     assert len(nodes) == 2  # the plan's pick spans both nodes: the one-node command is the CPU launch test's
-    assert stack_launch_command(cfg, A100S, "fsdp") == "./launch.sh on every node, with NODE_RANK=0 on node0, " \
-        "NODE_RANK=1 on node1"
+    assert stack_launch_command(cfg, A100S, "fsdp") == "on node0: NODE_RANK=0 ./launch.sh; " \
+        "on node1: NODE_RANK=1 ./launch.sh"
     assert "--nnodes 2" in launch and 'case "$NODE_RANK" in' in launch and "--master_addr node0" in launch
     assert "DS_ACCELERATOR" not in launch and "TORCH_EXTENSIONS_DIR" not in launch
     compiled = write_launch_files(tmp_path / "c", MODEL, TRAINING, cfg, A100S, stack="fsdp+compile")
     assert set(compiled) == {"hostfile", "rank_map.json", "candidate.json"}
     assert stack_launch_command(cfg, A100S, "fsdp+compile") is None
     assert stack_launch_command(cfg, A100S, "megatron") is None
-    assert "deepspeed.launcher.runner" in (stack_launch_command(cfg, A100S, "pipette") or "")
+    # across nodes the DeepSpeed runner's launch.sh runs per node too (its --no_ssh launch)
+    assert stack_launch_command(cfg, A100S, "pipette") == stack_launch_command(cfg, A100S, "fsdp")
 
 
 def test_the_native_launch_names_each_node_in_the_rank_maps_order() -> None:
@@ -278,7 +279,7 @@ def test_plan_stack_flag_is_shown_and_written(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr
     data = json.loads(r.stdout)
     # Pipette's native runner runs an fsdp pick (torchrun); with compile, which it does not run, nothing
-    assert data["stack"]["name"] == "fsdp" and data["launch_command"].startswith("./launch.sh on every node")
+    assert data["stack"]["name"] == "fsdp" and data["launch_command"].startswith("on node0: NODE_RANK=0 ./launch.sh")
     r = pipette(*PLAN, "--stack", "fsdp+compile", "--json", "--no-files")
     assert r.returncode == 0 and json.loads(r.stdout)["launch_command"] is None, r.stderr
 
