@@ -583,6 +583,10 @@ class Tuner:
         left = len(self.candidates) - len(tried)
         if left == 0:
             return f"every candidate predicted to fit was tried ({len(tried)})"
+        if not tried:  # no trial of this job: the earlier jobs' trials decided (issue 43, item 25)
+            return (f"no candidate is worth a trial: earlier trials on this cluster rule all {left} out (likely to "
+                    "run out of memory or fail as those did); start without them (pipette tune --no-memory) to try "
+                    "them anyway")
         return (f"no untried candidate is left worth a trial: {len(tried)} of {len(self.candidates)} tried; the other "
                 f"{left} ruled out by what the trials taught (likely to run out of memory or fail as tried ones did)")
 

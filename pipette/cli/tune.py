@@ -180,6 +180,9 @@ def cmd_tune(args: argparse.Namespace) -> int:
     near = f" ({unsure} next to the memory limit, tried as their chance to fit earns)" if unsure else ""
     ui.say(f"{plan.enumerated} candidates, {len(plan.ranked)} may fit, {len(tuner.candidates)} runnable by {runs}{near}"
            + (f"; learning from {len(prior)} earlier trials on this cluster" if prior else ""))
+    if prior and script is not None and store is not None:  # how to forget them (issue 43, item 25)
+        ui.say(f"  (earlier trials of this script as its files are now: {store.path}; --no-memory, or remove that "
+               "file, to start afresh)")
     for note in plan.calibration_notes:  # the trials measure; the order they come in is the model's
         ui.say(f"not calibrated here: {note}")
     runner.prepare()  # DeepSpeed's CPU op, built once here: no trial's timeout pays for it
@@ -339,9 +342,11 @@ def _warn_of_pipette_flags(words: list[str]) -> None:
 
 
 def _script_key(script: ScriptSpec) -> str:
-    import hashlib
+    """The script's records' key: its settings and its files' content, so that a fixed script
+    starts afresh (``workers.host.script_content``)."""
+    from workers.host.script_content import script_content_key
 
-    return hashlib.sha256(json.dumps(script.to_dict(), sort_keys=True).encode()).hexdigest()[:12]
+    return script_content_key(script)
 
 
 def _with_defaults(args: argparse.Namespace) -> argparse.Namespace:

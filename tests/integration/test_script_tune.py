@@ -184,3 +184,32 @@ def test_a_failure_of_the_script_itself_stops_the_search_at_its_first_trial(tmp_
     stop = next(ln for ln in done.stderr.splitlines() if ln.startswith("stopped after"))
     assert "the script failed at trial #0 in a way no layout explains" in stop and said in stop and fix in stop, stop
     assert "likely to" not in done.stderr + done.stdout
+
+
+def test_a_changed_script_starts_afresh_and_an_unchanged_one_learns_from_its_trials(tmp_path: Path) -> None:
+    """Issue 43, item 25: the records were keyed to the command line, so a fixed script kept its
+    past failures (the same command then stopped at once, every candidate "ruled out")."""
+    work = tmp_path / "work"
+    work.mkdir()
+    crash = "raise ValueError('bad batch')\n"  # a crash a layout may explain: it teaches the model
+    command = [sys.executable, "-m", "pipette.cli", "tune", "--cluster", str(ROOT / "examples/clusters/cpu-4.yaml"),
+               "--model", str(MODEL), "--global-batch", "8", "--seq-len", "64", "--dtype", "fp32", "--steps", "3",
+               "--max-trials", "1", "--retries", "0", "--retime", "0", "--home", str(tmp_path / "home"),
+               "--out", str(tmp_path / "best"), "--workdir", str(work), "--script-kind", "deepspeed",
+               "--script", "python", "train.py", "--output_dir", "out"]
+
+    def tune() -> str:
+        (work / "out").mkdir(exist_ok=True)
+        (work / "out" / f"log-{len(list((work / 'out').iterdir()))}.json").write_text("{}")  # a run's output
+        done = subprocess.run(command, capture_output=True, text=True, env=_env(), timeout=600, cwd=tmp_path)
+        assert done.returncode == 1, done.stderr[-3000:]
+        return done.stderr
+
+    (work / "train.py").write_text(crash)
+    assert "learning from" not in tune()
+    again = tune()  # the same files (its output folder apart): its trial is learned from
+    assert "learning from 1 earlier trials on this cluster" in again, again[-2000:]
+    assert "--no-memory, or remove that file, to start afresh" in again
+    (work / "train.py").write_text("# fixed\n" + crash)
+    assert "learning from" not in tune()  # the script changed: nothing of the old one is kept
+    assert len(list((tmp_path / "home" / "trials").glob("*-script-*.jsonl"))) == 2
