@@ -22,6 +22,7 @@ from service.changes import ChangeFeed
 from service.db import Database
 from service.deps import AppState, reject_unknown_query
 from service.errors import install_error_handlers
+from service.gate import AuthFirstMiddleware
 from service.limits import BodyLimitMiddleware, HeaderLimitMiddleware
 from service.metrics import LatencyMiddleware, Metrics
 from service.protocol import install_accept_log
@@ -80,6 +81,7 @@ def create_app(settings: Settings | None = None, *, database: Database | None = 
         app.include_router(module.router)
     install_docs(app)  # /docs and /redoc without a CDN
     app.include_router(dashboard.router)  # the web dashboard at / (static files)
+    app.add_middleware(AuthFirstMiddleware)  # the token before the body is read or parsed
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(LatencyMiddleware, metrics=state.metrics)
     app.add_middleware(HeaderLimitMiddleware)  # outermost: before anything reads the request
@@ -89,4 +91,7 @@ def create_app(settings: Settings | None = None, *, database: Database | None = 
 
 def app_from_env() -> FastAPI:
     """The app with settings from the environment (uvicorn's factory for several workers)."""
+    from service.logs import configure as configure_logging
+
+    configure_logging()  # each worker process is a fresh interpreter
     return create_app(Settings.from_env())

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from fastapi import Request
 from sqlalchemy import select
 from sqlalchemy.orm import Session
+from starlette.types import Scope
 
 from pipette.errors import SpecError
 from service.errors import AuthError
@@ -95,7 +96,13 @@ def verify(session: Session, secret: str) -> Principal:
 
 
 def bearer_secret(request: Request) -> str:
-    header = request.headers.get("authorization", "")
+    return bearer_secret_of(request.scope)
+
+
+def bearer_secret_of(scope: Scope) -> str:
+    """The secret of the request's ``Authorization: Bearer`` header (AuthError when there is
+    none, or it is of another scheme)."""
+    header = next((v for k, v in scope.get("headers") or () if k == b"authorization"), b"").decode("latin-1")
     scheme, _, secret = header.partition(" ")
     if not header:
         raise AuthError("no credentials", field="Authorization",

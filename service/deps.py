@@ -15,6 +15,7 @@ from service.auth import Principal, TokenCache, bearer_secret, verify
 from service.changes import ChangeFeed, ReadCache
 from service.db import Database
 from service.errors import RequestError
+from service.gate import PRINCIPAL_KEY
 from service.metrics import Metrics
 from service.rates import TenantRate
 from service.settings import Settings
@@ -75,8 +76,10 @@ async def principal(
     _declared: Annotated[HTTPAuthorizationCredentials | None, Depends(_BEARER)],
 ) -> Principal:
     # Dependencies are async so the cheap path (a cached token) costs no thread hop; the
-    # database lookup runs in the thread pool like every sync route.
-    return await authenticate(state, bearer_secret(request))
+    # database lookup runs in the thread pool like every sync route. A request with a body was
+    # authenticated before it was read (``service.gate``).
+    found: Principal | None = request.scope.get(PRINCIPAL_KEY)
+    return found if found is not None else await authenticate(state, bearer_secret(request))
 
 
 async def authenticate(state: AppState, secret: str) -> Principal:
