@@ -58,14 +58,16 @@ def test_another_processs_write_shows_in_the_next_reads(api: Api, job_body: Call
                 start_trial(session, job_id, 0, label="tp1-pp1-dp2", config={"tp": 1}, predicted_step_time=1.0)
         finally:
             other.dispose()
-        deadline = time.monotonic() + 2.0
+        # PostgreSQL notifies at once; the feed's thread may wait for a core on a loaded 2-core
+        # machine (issue 43, item 23: this failed there at 2 s, passing 6 of 6 alone)
+        deadline = time.monotonic() + 20.0
         while True:
             seen = [api.client.get(p, headers=headers).json() for p in paths]
             # the notification may land between two of these reads: wait until all three show it
             listed, one, trials = seen
             if listed["items"][0]["attempts"] == 2 and one["progress"].get("trials_done") == 5 and trials["items"]:
                 break
-            assert time.monotonic() < deadline, f"the write did not show within 2 s: {seen[1]['progress']}"
+            assert time.monotonic() < deadline, f"the write did not show within 20 s: {seen[1]['progress']}"
             time.sleep(0.01)
         assert seen[0]["items"][0]["attempts"] == 2 and seen[2]["items"][0]["label"] == "tp1-pp1-dp2"
     finally:
