@@ -706,6 +706,9 @@ class Tuner:
             return reason
         verdict = (f"pick {best.label}, {confidence:.0%} sure to be within {self.options.tolerance:.0%} "
                    "of the best tried")
+        if len(measured_means(self.study)) == 1:  # a certainty of 1 over nothing compared (issue 43, item 29)
+            verdict = (f"pick {best.label}, the only candidate that ran ok: no other measured to compare it with, "
+                       "so how close it is to the best is not known")
         if self._retimed:  # this call's rounds and the earlier calls' (a search between them)
             rounds_text = f" in {self._rounds} round(s)" if self._rounds else ""
             verdict = f"re-timed {len(self._retimed)} contenders{rounds_text}: " + verdict
