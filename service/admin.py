@@ -187,8 +187,10 @@ def _serve(args: argparse.Namespace, settings: Settings) -> int:
 
     from service.app import create_app
     from service.limits import MAX_HEADER_BYTES
+    from service.logs import configure as configure_logging
     from service.protocol import ACCEPT_BACKLOG
 
+    configure_logging()  # uvicorn sets up its own loggers only: Pipette's INFO lines were dropped
     _ensure_home(settings)
     if args.workers < 1:
         raise PipetteError(f"is {args.workers}", field="--workers", fix="give 1 or more")

@@ -50,6 +50,7 @@ from service.db import Database
 from service.errors import stored_error
 from service.leasekeeper import LeaseKeeper
 from service.models import FINAL_STATES, Cluster, Job, Profile, utcnow
+from service.outage import OUTAGE, is_unavailable
 from service.planning import plan_dict
 from service.profiling import measure
 from service.repositories import clusters as cluster_repo
@@ -64,6 +65,9 @@ log = logging.getLogger("pipette.service")
 CANCEL_POLL_S = 0.5
 #: How often the running tuning time is added to the job (seconds): what a SIGKILL may lose.
 CHARGE_EVERY_S = 2.0
+#: Jobs this process let go when the database became unreachable, with the driver's error: its
+#: resume (once the database is back) says so in the job's events, which it could not write then.
+LOST_DATABASE: dict[str, str] = {}
 
 
 class Interrupted(Exception):
@@ -99,10 +103,13 @@ class JobDriver:
         except Interrupted:
             log.info("job %s interrupted (%s); it resumes when a scheduler takes it again",
                      self.job_id, self.interrupt_reason)
-        except SQLAlchemyError:
+        except SQLAlchemyError as e:
             # The database went away: nothing can be recorded, not even a failure. The lease
             # expires and the job resumes from what was stored.
-            log.exception("job %s: database error; leaving it to resume", self.job_id)
+            if not is_unavailable(e):
+                log.exception("job %s: database error; leaving it to resume", self.job_id)
+            else:
+                self._lost_database(e)
         except PipetteError as e:
             self._finish("failed", error=stored_error(e), stop_reason="error")
         except Exception as e:
@@ -114,6 +121,15 @@ class JobDriver:
             from service.scripts import remove_job_files
 
             remove_job_files(self.settings.home, self.job_id)
+
+    def _lost_database(self, error: SQLAlchemyError) -> None:
+        """One line, no traceback: the database is unreachable, so the job is let go (its lease
+        expires) and resumed from what was stored once it is back."""
+        reason = str(getattr(error, "orig", None) or error).strip().splitlines()[0][:200]
+        LOST_DATABASE[self.job_id] = reason
+        OUTAGE.failed(error, f"job {self.job_id}")
+        log.warning("job %s: the database became unreachable (%s); it resumes from what was stored once the "
+                    "database is back", self.job_id, reason)
 
     def _run(self) -> None:
         with self.db.write() as session:
@@ -130,9 +146,11 @@ class JobDriver:
             if self.resumed:
                 # The dead holder's trial never got its end: say it was interrupted, so its step
                 # events in the stream are closed the way a graceful stop closes them.
+                lost = LOST_DATABASE.pop(job.id, None)
+                reason = (f"the database was unreachable mid-trial ({lost}); rerun on resume" if lost else
+                          "its service stopped mid-trial; rerun on resume")
                 for number in rerun:
-                    events.add_event(session, job.id, "trial_interrupted",
-                                     {"reason": "its service stopped mid-trial; rerun on resume"}, trial=number)
+                    events.add_event(session, job.id, "trial_interrupted", {"reason": reason}, trial=number)
                 # every trial to rerun: a dead holder's, and those a graceful stop interrupted
                 events.add_event(session, job.id, "resumed", {
                     "attempt": job.attempts, "interrupted_trials": trials.interrupted_numbers(session, job.id)})

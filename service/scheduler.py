@@ -26,6 +26,7 @@ from service.db import Database
 from service.driver import JobDriver, record_profile
 from service.errors import stored_error
 from service.leasekeeper import LeaseKeeper
+from service.logs import configure as configure_logging
 from service.models import Cluster, Profile, utcnow
 from service.outage import OUTAGE, is_unavailable
 from service.profiling import measure
@@ -148,7 +149,7 @@ class Scheduler:
 def run_worker(settings: Settings) -> None:
     """This process as a scheduler without the API (``pipette-admin worker``), until SIGTERM or
     Ctrl-C stops it gracefully."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging()
     db = Database(settings.database_url)
     scheduler = Scheduler(db, settings)
     done = threading.Event()

@@ -5,13 +5,16 @@ The real PostgreSQL is reached through a TCP relay the test stops and starts aga
 
 from __future__ import annotations
 
+import json
 import logging
 import socket
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 
@@ -21,7 +24,8 @@ from service.db import Database
 from service.migrations import upgrade
 from service.scheduler import MAX_BACKOFF_S, Scheduler
 from service.settings import Settings
-from tests.service.conftest import throwaway_pg_database
+from tests.service.conftest import JOB_BODY, remember_profile, seed_profile, throwaway_pg_database
+from tests.service.processes import ServiceProcess, admin_token, wait_for
 
 
 class Relay:
@@ -121,3 +125,53 @@ def test_a_database_outage_answers_503_logs_once_and_recovers(
             back.stop()
     db.dispose()
     logging.getLogger("pipette.service").handlers.clear()
+
+
+def _events(c: httpx.Client, url: str) -> list[dict[str, Any]]:
+    r = c.get(f"{url}/events", params={"follow": "false"})
+    if r.status_code != 200:  # 503 while the database is away
+        return []
+    return [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_the_database_lost_mid_trial_under_serve_is_said_in_one_line(
+        relayed: tuple[str, Relay], tmp_path: Path, deepspeed_ready: None) -> None:
+    """Issue 43, item 7: a real ``pipette-admin serve`` loses its database in the middle of a
+    trial. Its log has the INFO lines (``reachable again``; only ``worker`` set up logging) and no
+    traceback, and the rerun trial's event says the database was unreachable, not that the
+    service stopped."""
+    url, relay = relayed
+    headers = admin_token(url, tmp_path, "outage-serve")
+    service = ServiceProcess(url, tmp_path, PIPETTE_LEASE_TTL_S="3")
+    try:
+        service.start()
+        c = httpx.Client(base_url=service.base, headers=headers, timeout=30)
+        cluster = c.post("/v1/clusters", json={"name": "local", "devices": 2}).json()
+        db = Database(url)
+        seed_profile(db, cluster["id"])
+        body = {**JOB_BODY, "training": {**JOB_BODY["training"], "global_batch": 8, "seq_len": 256},
+                "budget": {"max_trials": 1, "steps": 8, "stop_probability": 0, "prune": False, "retries": 0,
+                           "trial_timeout_s": 480}}
+        job = c.post("/v1/jobs", json=body).json()
+        wait_for(lambda: (r := c.get(f"{job['url']}/trials/0")).status_code == 200 and r.json()["steps"], 900,
+                 "trial 0 to be mid-run", service, every_s=0.1)
+        relay.stop()
+        time.sleep(8)  # past the lease's 3 s: the scheduler lets the job go
+        back = Relay(relay.port)
+        try:
+            reasons = wait_for(lambda: [e["data"]["reason"] for e in _events(c, job["url"])
+                                        if e["kind"] == "trial_interrupted"], 300,
+                               "the resumed job's trial_interrupted event", service)
+            remember_profile(db, cluster["id"])
+            db.dispose()
+        finally:
+            back.stop()
+    finally:
+        service.stop()
+    log = service.log.read_text(errors="replace")
+    assert "the database is reachable again" in log, service.tail()
+    assert "Traceback" not in log, service.tail(120)
+    assert len(reasons) == 1 and reasons[0].startswith("the database was unreachable"), reasons
+    assert "service stopped" not in reasons[0]
