@@ -185,7 +185,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
                "file, to start afresh)")
     for note in plan.calibration_notes:  # the trials measure; the order they come in is the model's
         ui.say(f"not calibrated here: {note}")
-    runner.prepare()  # DeepSpeed's CPU op, built once here: no trial's timeout pays for it
+    runner.prepare()  # DeepSpeed's CPU op where the job's stack uses it, outside any trial's timeout
     ui.header()
     terminate_like_interrupt()  # ensure_ray installed Ray's handler (exit 15, silently)
     from pipette.cli.interference import Interference

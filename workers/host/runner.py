@@ -96,11 +96,11 @@ class RayTrialRunner:
         return refusals_for(self.model, self.training, config, self.device_kind, self.script, nodes,
                             config.stack or self.stack)
 
-    def prepare(self, force: bool = False) -> None:
-        """Build DeepSpeed's CPU op on every node once, before the first trial of either kind
-        (Pipette's runner or the user's script), outside any trial's timeout: built inside one,
-        it timed out trial after trial on a fresh environment, charged to the candidates."""
-        if (self._prepared and not force) or self.device_kind != "cpu":
+    def prepare(self, force: bool = False, config: ParallelConfig | None = None) -> None:
+        """Build DeepSpeed's CPU op on every node once, before the first trial that runs DeepSpeed
+        (``needs_deepspeed_op``), outside any trial's timeout: built inside one, it timed out trial
+        after trial on a fresh environment, charged to the candidates."""
+        if (self._prepared and not force) or not self.needs_deepspeed_op(config):
             return
         from workers.host.node_ops import build_on_nodes
         from workers.host.ray_cluster import ensure_ray, ray_node_ips
@@ -109,6 +109,18 @@ class RayTrialRunner:
         build_on_nodes(ray_node_ips(self.cluster), self.env, self.on_note or _log, force=force)
         self._prepared = True
 
+    def needs_deepspeed_op(self, config: ParallelConfig | None = None) -> bool:
+        """Whether a trial of ``config`` (None: of the job's own stack) runs DeepSpeed on CPU
+        devices: a DeepSpeed script, or Pipette's DeepSpeed runner. An FSDP script and the
+        PyTorch-native runner never load it (an FSDP-only job built it for 147 s first: issue
+        43, item 28)."""
+        if self.device_kind != "cpu":
+            return False
+        if self.script is not None:
+            return not self.script.fsdp
+        stack = (config.stack if config is not None else None) or self.stack
+        return stack.split("+", 1)[0] == "pipette"
+
     def __call__(self, config: ParallelConfig, on_step: OnStep) -> Measurement:
         from workers.host.executor import StepReport, run_trial
 
@@ -116,7 +128,7 @@ class RayTrialRunner:
         if not self.wait_for_nodes():
             return Measurement("pruned", tokens_per_step=spec.tokens_per_step,
                                error="cancelled while waiting for lost nodes")
-        self.prepare()
+        self.prepare(config=config)
 
         def relay(report: StepReport) -> bool:
             return bool(on_step(StepProgress(report.step, report.time, report.warmup, report.loss)))
@@ -127,7 +139,7 @@ class RayTrialRunner:
         if m.status in ("failed", "timeout") and m.details.stopped_in == "ops" and self.device_kind == "cpu":
             # Caught building the op after all (the environment changed under the job): the
             # environment's failure, not the candidate's. Build it outside the trial, run again.
-            self.prepare(force=True)
+            self.prepare(force=True, config=config)
             m = run_trial(spec, self.cluster, timeout_s=self.timeout_s, on_step=relay, env=self.env,
                           ship_workdir=self.ship_workdir, should_stop=self.should_stop, on_phase=self.on_phase)
             if m.status in ("failed", "timeout") and m.details.stopped_in == "ops":
