@@ -27,7 +27,7 @@ from typing import Any
 
 from pipette.cluster import ClusterProfile
 from pipette.config import ParallelConfig
-from pipette.contract import FSDP_ENTRY, RANK_ENV, TRAIN_ENTRY, extensions_dir
+from pipette.contract import FSDP_ENTRY, RANK_ENV, TRAIN_ENTRY, build_environment
 from pipette.emit_frameworks import MEGATRON_ARGS, NANOTRON_CONFIG, megatron_args_file, nanotron_config
 from pipette.memory import trainable_params
 from pipette.model import ModelSpec
@@ -190,8 +190,10 @@ def build_tool_lines() -> list[str]:
     """Shell lines (after ``$PIPETTE_PYTHON`` is found) that give a launch's ranks the op-build
     cache and tools the trials' ranks had: the cache their op was built into, and the
     environment's ``bin`` (its ninja) first on PATH; else a launch rebuilt the op on first use
-    (162 s against the trials' 45 s, issue 32)."""
-    cache = re.sub(r'(["$`\\])', r"\\\1", extensions_dir())
+    (162 s against the trials' 45 s, issue 32). The cache is the trials' own
+    (``build_environment``: a ``TORCH_EXTENSIONS_DIR`` set when tuning, else the environment's
+    default): the default alone sent a launch to rebuild what the trials had built elsewhere."""
+    cache = re.sub(r'(["$`\\])', r"\\\1", build_environment()["TORCH_EXTENSIONS_DIR"])
     return [
         "# DeepSpeed's JIT-built ops: the cache the trials built them into, with the same ninja.",
         f'export TORCH_EXTENSIONS_DIR="${{TORCH_EXTENSIONS_DIR:-{cache}}}"',
