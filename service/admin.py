@@ -231,12 +231,10 @@ def _protocol(http: str, settings: Settings) -> object:
             "--http httptools: the slow-client deadlines and connection caps are h11's; put a reverse proxy "
             "that applies them in front (docs/deployment.md)")
         return http
-    from service.protocol import ConnectionLimits, guarded_protocol, raise_fd_limit
+    from service.protocol import connection_limits, guarded_protocol, raise_fd_limit
 
     raise_fd_limit()
-    return guarded_protocol(ConnectionLimits(
-        header_timeout_s=settings.header_timeout_s, body_timeout_s=settings.body_timeout_s,
-        max_connections=settings.max_connections, max_connections_per_client=settings.max_connections_per_client))
+    return guarded_protocol(connection_limits(settings))
 
 
 def _worker(_args: argparse.Namespace, settings: Settings) -> int:

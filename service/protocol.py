@@ -27,13 +27,16 @@ import resource
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from service.errors import error_body
 from service.limits import MAX_HEADER_BYTES, too_large_headers_body
+
+if TYPE_CHECKING:
+    from service.settings import Settings
 
 log = logging.getLogger("pipette.service")
 
@@ -116,11 +119,19 @@ class HeaderLimitH11Protocol(H11Protocol):
     (the server's ``h11_max_incomplete_event_size`` must be that limit), deadlines for a
     request's headers and body, and caps on connections (``guarded_protocol`` sets them)."""
 
-    limits = ConnectionLimits()
+    #: set by ``guarded_protocol``; a process uvicorn spawned for ``--workers N`` reads them from
+    #: the environment, as its app does
+    limits: ConnectionLimits | None = None
     _refused = False
     _header_timer: asyncio.TimerHandle | None = None
     _body_timer: asyncio.TimerHandle | None = None
     _counted: str | None = None
+
+    @property
+    def _limits(self) -> ConnectionLimits:
+        if HeaderLimitH11Protocol.limits is None:
+            HeaderLimitH11Protocol.limits = limits_from_env()
+        return HeaderLimitH11Protocol.limits
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -172,7 +183,7 @@ class HeaderLimitH11Protocol(H11Protocol):
     def _over_cap(self) -> bool:
         """Refuse this connection (503) when the service holds as many as it takes, in all or
         from this client's address."""
-        total_cap = self.limits.total_cap()
+        total_cap = self._limits.total_cap()
         if len(self.connections) > total_cap:
             _once("connections", f"refusing connections: {len(self.connections) - 1} open, the cap is {total_cap} "
                   "(PIPETTE_MAX_CONNECTIONS, and the file-descriptor limit less a reserve)")
@@ -181,7 +192,7 @@ class HeaderLimitH11Protocol(H11Protocol):
             return True
         host = self.client[0] if self.client else "?"
         per_client = _per_client(self.server_state)
-        cap = self.limits.max_connections_per_client
+        cap = self._limits.max_connections_per_client
         if cap and per_client[host] >= cap:
             _once(f"client {host}", f"refusing connections from {host}: it holds {per_client[host]}, the cap is "
                   f"{cap} (PIPETTE_MAX_CONNECTIONS_PER_CLIENT; 0 behind a reverse proxy that caps them)")
@@ -213,12 +224,12 @@ class HeaderLimitH11Protocol(H11Protocol):
     # the deadlines
 
     def _arm_header_timer(self) -> None:
-        self._header_timer = self.loop.call_later(self.limits.header_timeout_s, self._headers_too_slow)
+        self._header_timer = self.loop.call_later(self._limits.header_timeout_s, self._headers_too_slow)
 
     def _arm_body_timer(self) -> None:
         declared = dict(self.headers or ()).get(b"content-length", b"")
         size = int(declared) if declared.isdigit() else 1024 * 1024
-        deadline = self.limits.body_timeout_s + size / MIN_BODY_RATE
+        deadline = self._limits.body_timeout_s + size / MIN_BODY_RATE
         self._body_timer = self.loop.call_later(deadline, self._body_too_slow)
 
     def _cancel_timers(self) -> None:
@@ -232,9 +243,9 @@ class HeaderLimitH11Protocol(H11Protocol):
         if self.transport.is_closing() or (self.cycle is not None and not self.cycle.response_complete):
             return
         _once("header timeout", "closed connections whose request headers took over "
-              f"{self.limits.header_timeout_s:g} s (PIPETTE_HEADER_TIMEOUT_S)")
+              f"{self._limits.header_timeout_s:g} s (PIPETTE_HEADER_TIMEOUT_S)")
         self._refuse_now(408, "Request Timeout",
-                         f"the request's headers did not arrive within {self.limits.header_timeout_s:g} s",
+                         f"the request's headers did not arrive within {self._limits.header_timeout_s:g} s",
                          "send the whole request at once")
 
     def _body_too_slow(self) -> None:
@@ -242,7 +253,7 @@ class HeaderLimitH11Protocol(H11Protocol):
         if self.transport.is_closing() or self.cycle is None or not self.cycle.more_body:
             return
         _once("body timeout", "closed connections whose request body came slower than "
-              f"{self.limits.body_timeout_s:g} s plus {MIN_BODY_RATE // 1024} KiB/s (PIPETTE_BODY_TIMEOUT_S)")
+              f"{self._limits.body_timeout_s:g} s plus {MIN_BODY_RATE // 1024} KiB/s (PIPETTE_BODY_TIMEOUT_S)")
         self.transport.close()  # the app reading the body gets a disconnect
 
 
@@ -256,8 +267,22 @@ def _per_client(server_state: Any) -> Counter[str]:
 
 
 def guarded_protocol(limits: ConnectionLimits) -> type[HeaderLimitH11Protocol]:
-    """The h11 protocol with these limits (uvicorn builds one protocol object per connection)."""
-    return type("GuardedH11Protocol", (HeaderLimitH11Protocol,), {"limits": limits})
+    """The h11 protocol with these limits (uvicorn builds one protocol object per connection;
+    the class itself is what it pickles for ``--workers N``)."""
+    HeaderLimitH11Protocol.limits = limits
+    return HeaderLimitH11Protocol
+
+
+def limits_from_env() -> ConnectionLimits:
+    from service.settings import Settings
+
+    return connection_limits(Settings.from_env())
+
+
+def connection_limits(settings: Settings) -> ConnectionLimits:
+    return ConnectionLimits(header_timeout_s=settings.header_timeout_s, body_timeout_s=settings.body_timeout_s,
+                            max_connections=settings.max_connections,
+                            max_connections_per_client=settings.max_connections_per_client)
 
 
 def install_accept_log(loop: asyncio.AbstractEventLoop) -> None:
