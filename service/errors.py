@@ -20,6 +20,11 @@ from starlette.routing import Match
 
 from pipette.errors import PipetteError
 from service.outage import OUTAGE, RETRY_AFTER_S, is_unavailable
+from service.settings import MAX_BODY_BYTES_CEILING
+
+#: what a 413 tells the client to do: the limit is the operator's setting (``service.settings``)
+BODY_FIX = ("send a smaller body (a script's working folder: leave data and checkpoints out of it), or ask the "
+            f"service's operator to raise PIPETTE_MAX_BODY_BYTES (at most {MAX_BODY_BYTES_CEILING // 1024**2} MiB)")
 
 log = logging.getLogger("pipette.service")
 
@@ -125,7 +130,7 @@ def install_error_handlers(app: FastAPI) -> None:
             return pipette_error_response(RequestError(
                 f"the body cannot be read as JSON ({exc.detail})", field="body", fix="send a valid UTF-8 JSON body"))
         fixes = {404: "check the URL (the API is under /v1; see /docs)", 405: "check the HTTP method (see /docs)",
-                 413: "send a smaller body"}
+                 413: BODY_FIX}
         field = "body" if exc.status_code in (400, 413) else None
         response = JSONResponse(error_body(str(exc.detail), field, fixes.get(exc.status_code)),
                                 status_code=exc.status_code)

@@ -14,7 +14,7 @@ import json
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.errors import error_body
+from service.errors import BODY_FIX, error_body
 
 #: the largest header block taken (request line and headers), in bytes
 MAX_HEADER_BYTES = 64 * 1024
@@ -72,7 +72,7 @@ class BodyLimitMiddleware:
                 if int(declared) <= DRAIN_BYTES:
                     await _drain(receive)
                 await self._refuse(send, 413, f"the request body is larger than {self.max_bytes} bytes",
-                                   "send a smaller body")
+                                   BODY_FIX)
                 return
         received = 0
         started = False
@@ -97,7 +97,7 @@ class BodyLimitMiddleware:
         except _TooLarge:
             if not started:
                 await self._refuse(send, 413, f"the request body is larger than {self.max_bytes} bytes",
-                                   "send a smaller body")
+                                   BODY_FIX)
 
     async def _refuse(self, send: Send, status: int, message: str, fix: str) -> None:
         body = json.dumps(error_body(message, "body", fix)).encode()

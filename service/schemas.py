@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, create_model
 
 from pipette.model import MODEL_PRESETS
 from pipette.options import OPTIONS, Option, Scope, Value, describe, options_for
+from service.settings import MAX_BODY_BYTES_CEILING
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$"
 #: ids are UUIDs; anything else cannot name a row (and never reaches the database)
@@ -196,9 +197,12 @@ class ScriptIn(StrictTypes):
     pipeline: bool = False
     base_config: dict[str, Any] | None = Field(None, description="the user's DeepSpeed config, which Pipette's keys "
                                                "overlay")
-    files: str = Field(default="", max_length=64 * 1024**2,
+    # The request body bounds it first (PIPETTE_MAX_BODY_BYTES); this bound is that setting's ceiling.
+    files: str = Field(default="", max_length=MAX_BODY_BYTES_CEILING,
                        description="the working directory the script runs in, zipped and base64-encoded "
-                       "(`pipette submit` sends it); empty: the script must be on every node already")
+                       "(`pipette submit` sends it); empty: the script must be on every node already. The "
+                       "whole request body, this included, is bounded by the service's PIPETTE_MAX_BODY_BYTES "
+                       "(1 MiB by default, at most 64 MiB; GET /v1/limits says the value in force)")
 
 
 #: A stack name with its options, or several separated by commas (pipette.stacks.get_stacks says
@@ -370,6 +374,15 @@ class PlanOut(BaseModel):
 
 class Health(BaseModel):
     status: Literal["ok"]
+
+
+class Limits(BaseModel):
+    """What this service takes, for a client to check before it sends."""
+
+    max_body_bytes: int = Field(description="the largest request body taken (413 above it), a script's working "
+                                "folder included (base64: 4/3 of its zip)")
+    setting: Literal["PIPETTE_MAX_BODY_BYTES"] = Field(
+        default="PIPETTE_MAX_BODY_BYTES", description="the operator's setting that raises it (at most 64 MiB)")
 
 
 class Readiness(BaseModel):

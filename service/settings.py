@@ -18,6 +18,11 @@ from pipette.errors import SpecError
 from pipette.options import TRIAL_TIMEOUT_S
 
 MiB = 1024**2
+#: The request-body limit (``PIPETTE_MAX_BODY_BYTES``) by default, and the most it may be set to.
+#: It is the one bound on what a client may send, a script's zipped working folder (``script.files``,
+#: whose schema bound is the ceiling) included; ``GET /v1/limits`` tells a client the value in force.
+DEFAULT_MAX_BODY_BYTES = 1 * MiB
+MAX_BODY_BYTES_CEILING = 64 * MiB
 
 
 @dataclass(frozen=True)
@@ -29,7 +34,7 @@ class Settings:
     #: run the scheduler thread inside the API process (else run ``python -m service.worker``)
     scheduler: bool = True
     #: largest request body accepted, in bytes (413 above it)
-    max_body_bytes: int = 1 * MiB
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     #: a lease not renewed for this long is free again (its holder is presumed dead)
     lease_ttl_s: float = 30.0
     #: how often an idle scheduler looks for work
@@ -85,7 +90,8 @@ class Settings:
             home=home,
             ray_address=_ray_address(env),
             scheduler=_flag(env, "PIPETTE_SCHEDULER", True),
-            max_body_bytes=int(_number(env, "PIPETTE_MAX_BODY_BYTES", 1 * MiB, minimum=1024)),
+            max_body_bytes=int(_number(env, "PIPETTE_MAX_BODY_BYTES", DEFAULT_MAX_BODY_BYTES, minimum=1024,
+                                       maximum=MAX_BODY_BYTES_CEILING)),
             lease_ttl_s=_number(env, "PIPETTE_LEASE_TTL_S", 30.0, minimum=1.0),
             poll_s=_number(env, "PIPETTE_POLL_S", 1.0, minimum=0.05),
             trial_timeout_s=_number(env, "PIPETTE_TRIAL_TIMEOUT_S", TRIAL_TIMEOUT_S, minimum=1.0),
@@ -176,7 +182,8 @@ def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
     raise SpecError(f"is {raw!r}", field=name, fix="use 1 or 0")
 
 
-def _number(env: Mapping[str, str], name: str, default: float, minimum: float) -> float:
+def _number(env: Mapping[str, str], name: str, default: float, minimum: float,
+            maximum: float | None = None) -> float:
     raw = env.get(name)
     if raw is None or raw == "":
         return default
@@ -186,4 +193,7 @@ def _number(env: Mapping[str, str], name: str, default: float, minimum: float) -
         raise SpecError(f"is {raw!r}, not a number", field=name, fix=f"give a number of at least {minimum:g}") from None
     if not value >= minimum:
         raise SpecError(f"is {raw}", field=name, fix=f"give a number of at least {minimum:g}")
+    if maximum is not None and value > maximum:
+        raise SpecError(f"is {raw}, more than the most it may be ({maximum:.15g})", field=name,
+                        fix=f"give a number from {minimum:.15g} to {maximum:.15g}")
     return value

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import stat
 import sys
@@ -31,6 +32,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     if given and isinstance(body.get("budget", {}), dict):  # else the service names the file's budget
         body["budget"] = {**body.get("budget", {}), **given}
     api = client()
+    check_body_size(api, body)
     accepted = api.post("/v1/jobs", body)
     if args.json and not args.watch:
         out.print_json(accepted)
@@ -44,6 +46,27 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
     sys.stdout.flush()
     return watch(api, accepted["id"], as_json=args.json)
+
+
+def check_body_size(api: Client, body: dict[str, Any]) -> None:
+    """Refuse, before sending, a job whose body is over the service's request limit: a script's
+    working folder travels zipped and base64-encoded in it, and a body over the limit was sent
+    whole only to be answered 413 (or, over 16 MiB, a connection reset)."""
+    script = body.get("script")
+    if not isinstance(script, dict) or not script.get("files"):
+        return
+    size = len(json.dumps(body).encode())  # as Client._open encodes it
+    limits = api.get("/v1/limits")
+    limit = int(limits["max_body_bytes"])
+    if size <= limit:
+        return
+    encoded = len(str(script["files"]))
+    fits = max(0, limit - (size - encoded)) * 3 // 4  # the zip that would fit beside the rest of the job
+    raise ApiError(f"the job is {size:,} bytes to send, more than the service's request limit of {limit:,} bytes: "
+                   f"its working folder is {out.size(encoded * 3 // 4)} zipped, sent as base64; up to about "
+                   f"{out.size(fits)} zipped fits", field="script.workdir",
+                   fix="leave data, checkpoints and environments out of the working folder (the script can read "
+                       f"them from a path on the nodes), or ask the service's operator to raise {limits['setting']}")
 
 
 # ---- jobs -----------------------------------------------------------------------------

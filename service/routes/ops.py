@@ -13,11 +13,11 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from pipette.errors import SpecError
 from service.auth import bearer_secret
-from service.deps import State
+from service.deps import Caller, State
 from service.errors import ForbiddenError
 from service.migrations import current_revision, head_revision
-from service.routes import json_errors
-from service.schemas import Health, Readiness
+from service.routes import AUTHED, errors, json_errors
+from service.schemas import Health, Limits, Readiness
 from service.settings import Settings, split_ray_address
 
 router = APIRouter(tags=["operations"])
@@ -26,6 +26,13 @@ router = APIRouter(tags=["operations"])
 @router.get("/healthz", response_model=Health)
 async def healthz() -> Health:
     return Health(status="ok")
+
+
+@router.get("/v1/limits", response_model=Limits, responses=errors(*AUTHED))
+async def limits(state: State, caller: Caller) -> Limits:
+    """The request-body limit in force, so a client says it before sending a body over it
+    (``pipette submit`` with a working folder)."""
+    return Limits(max_body_bytes=state.settings.max_body_bytes)
 
 
 @router.get("/readyz", response_model=Readiness, responses={503: {"model": Readiness, "description": "Not ready"}})
