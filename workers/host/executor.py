@@ -79,6 +79,9 @@ def run_trial(
             m.extra["output_tail"] = (watched.exit_tail or transport.output_tail(0))[-OUTPUT_TAIL_CHARS:]
         return m
     except ray.exceptions.RayError as e:
+        refused = pipette_error(e)
+        if refused is not None:  # the node refused on purpose (an unsafe runtime file): one line, the fix
+            raise refused from None
         # A node lost while the ranks start (the monitor names the rank of one lost later).
         return Measurement("failed", tokens_per_step=trial.tokens_per_step,
                            error=f"Ray lost a rank's node: {type(e).__name__}: {e}",
@@ -86,6 +89,20 @@ def run_trial(
                            lost_nodes=tuple(_missing(cluster)))
     finally:
         transport.close()
+
+
+def pipette_error(error: BaseException) -> PipetteError | None:
+    """The PipetteError a Ray task raised, through any tasks that awaited it (a rank's actor
+    waits on its node's zygote host), else None. Ray wraps it in a ``RayTaskError`` whose text
+    is the remote traceback; its ``cause`` is the error itself."""
+    for _ in range(8):
+        if not isinstance(error, ray.exceptions.RayTaskError):
+            return error if isinstance(error, PipetteError) else None
+        cause = error.cause
+        if cause is None or cause is error:
+            return None
+        error = cause
+    return None
 
 
 def _missing(cluster: ClusterProfile | None) -> list[str]:
