@@ -136,3 +136,64 @@ def test_sigterm_of_tune_json_prints_the_best_so_far_and_exits_143(tmp_path: Pat
     assert result["trials"] and result["trials"][0]["number"] == 0
     time.sleep(2)
     assert _no_rank_left()
+
+
+def test_sigterm_to_the_process_group_of_tune_json_still_prints_the_json_and_exits_143(tmp_path: Path) -> None:
+    """Issue 43, item 13: ``timeout``, systemd and Slurm send SIGTERM to the whole process group.
+    With its own local Ray (no RAY_ADDRESS), the tuner's GCS and raylet were in that group and died
+    with it: the tuner waited 60 s for the GCS ("Failed to connect to GCS within 60 seconds") and
+    died without the JSON. Ray's processes now live in a session of their own."""
+    env = {k: v for k, v in _env().items() if k != "RAY_ADDRESS"}  # it starts a local Ray of its own
+    proc = subprocess.Popen(_tune(tmp_path, "--max-trials", "8", "--stop-probability", "0", "--json"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)  # its own process group, as under `timeout`
+    assert proc.stderr is not None
+    lines: list[str] = []
+    try:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            line = proc.stderr.readline()
+            if not line:
+                break
+            lines.append(line)
+            if line.strip().startswith("#0"):  # the first trial ended; the second is starting
+                time.sleep(8)
+                ray_processes = _descendants(proc.pid)
+                assert any(os.getpgid(p) != proc.pid for p in ray_processes)  # out of the tuner's group
+                os.killpg(proc.pid, signal.SIGTERM)
+                break
+        killed_at = time.monotonic()
+        out, err = proc.communicate(timeout=120)
+        text = "".join(lines) + err
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert proc.returncode == 143, text[-3000:]
+    assert time.monotonic() - killed_at < 45, text[-3000:]  # no 60 s wait for a dead GCS
+    assert "Failed to connect to GCS" not in text
+    result = json.loads(out)
+    assert result["interrupted"] and result["stop_reason"].startswith("interrupted (SIGTERM)")
+    assert result["trials"] and result["trials"][0]["number"] == 0 and result["best"] is not None
+    time.sleep(2)
+    assert _no_rank_left()
+    assert not [p for p in ray_processes if Path(f"/proc/{p}").exists()]  # its Ray ended with it
+
+
+def _descendants(pid: int) -> list[int]:
+    """The processes under ``pid`` (children, their children, ...)."""
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        parents[int(stat.parent.name)] = int(text[text.rindex(")") + 2:].split()[1])
+    found, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        children = [p for p, pp in parents.items() if pp == parent]
+        found += children
+        todo += children
+    return found

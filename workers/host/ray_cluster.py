@@ -73,7 +73,7 @@ def start_local_ray(num_cpus: int | None = None) -> None:
 
 
 def _init_local(num_cpus: int | None) -> None:
-    with _single_host_mode(), _quiet_token_notice():
+    with _single_host_mode(), _quiet_token_notice(), _out_of_the_callers_group():
         ray.init(
             address="local",
             num_cpus=num_cpus or max(8, os.cpu_count() or 1),
@@ -145,6 +145,30 @@ def _quiet_token_notice() -> Iterator[None]:
         yield
     finally:
         logger.removeFilter(_drop_token_notice)
+
+
+@contextlib.contextmanager
+def _out_of_the_callers_group() -> Iterator[None]:
+    """Start the Ray processes ``ray.init`` starts inside (GCS, raylet, monitors; the raylet's
+    agents and workers follow their raylet) each in a session of its own. ``timeout``, systemd and
+    Slurm send SIGTERM to the whole process group: in the caller's group, the GCS and raylet died
+    with it while the tuner was still stopping its trial, which then waited 60 s for the GCS and
+    died without its result (issue 43 item 13). They still end with the driver: Ray starts them with
+    ``PR_SET_PDEATHSIG`` (see ``RayParent``), and ``stop_local_ray`` ends them."""
+    from ray._private import services
+
+    popen = services.ConsolePopen
+
+    class SessionPopen(popen):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            kwargs.setdefault("start_new_session", True)
+            super().__init__(*args, **kwargs)
+
+    services.ConsolePopen = SessionPopen  # type: ignore[misc]
+    try:
+        yield
+    finally:
+        services.ConsolePopen = popen  # type: ignore[misc]
 
 
 @contextlib.contextmanager
