@@ -109,6 +109,16 @@ class Plan:
         return self.ranked[0]
 
     @property
+    def launch_pick(self) -> Planned:
+        """The candidate ``plan`` writes launch files for: the fastest (predicted step time) of
+        those sure to fit (a chance of ``SURE_TO_FIT`` or more), else the likeliest to fit. The
+        best-ranked one may be a riskier, faster bet, which a trial settles and a launch cannot."""
+        sure = [p for p in self.ranked if p.sure_to_fit]
+        if sure:
+            return min(sure, key=lambda p: p.perf.step_time)
+        return max(self.ranked, key=lambda p: (p.chance_to_fit, -p.perf.step_time))
+
+    @property
     def all_stacks(self) -> tuple[Stack, ...]:
         return self.stacks or (self.stack,)
 

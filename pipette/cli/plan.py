@@ -65,14 +65,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     plan = make_plan(model, training, cluster, margin=margin, stack=stacks)
     elapsed = time.perf_counter() - start
-    stack = plan.stack_of(plan.best.config)  # with several stacks: the one that runs the best
+    pick = plan.launch_pick  # the fastest sure to fit: a launch cannot retry after running out of memory
+    stack = plan.stack_of(pick.config)  # with several stacks: the one that runs it
     files: dict[str, str] = {}
     if not args.no_files:
         try:
             written = write_launch_files(
-                args.out, model, training, plan.best.config, cluster, stack=stack,
-                extra={"predicted": plan.best.to_dict(),
-                       "memory_headroom": memory_headroom(plan.best.memory, plan.fits_prior or stack.fits_prior(
+                args.out, model, training, pick.config, cluster, stack=stack,
+                extra={"predicted": pick.to_dict(),
+                       "memory_headroom": memory_headroom(pick.memory, plan.fits_prior or stack.fits_prior(
                            plan.cluster.device_spec.kind))},
             )
         except OSError as e:
@@ -84,16 +85,20 @@ def cmd_plan(args: argparse.Namespace) -> int:
         out = plan.to_dict(top=top)
         out["planning_seconds"] = elapsed
         out["files"] = files
+        out["launch_pick"] = {"rank": plan.ranked.index(pick) + 1, "label": pick.config.label,
+                              "chance_to_fit": pick.chance_to_fit, "sure_to_fit": pick.sure_to_fit}
         # a stack Pipette writes no launcher for (megatron, an option its runner does not run): None
-        out["launch_command"] = stack_launch_command(plan.best.config, cluster, stack, args.out)
+        out["launch_command"] = stack_launch_command(pick.config, cluster, stack, args.out)
         json.dump(out, sys.stdout, indent=2)
         sys.stdout.write("\n")
         return EXIT_OK
     _print_plan(plan, top, elapsed)
     if files:
-        print(f"\nlaunch files for #1 in {args.out}/: {', '.join(sorted(files))}")
+        print(f"\nlaunch files for {pick_words(plan)} in {args.out}/: {', '.join(sorted(files))}")
+        for line in riskier_lines(plan):
+            print(f"  {line}")
         if "launch.sh" in files:
-            print("\n".join(launch_sh_lines(args.out, plan.best.config, cluster)))
+            print("\n".join(launch_sh_lines(args.out, pick.config, cluster)))
         elif MEGATRON_ARGS in files:
             print(f"launch: your Megatron-LM job with the arguments in {args.out}/{MEGATRON_ARGS} "
                   "(the parallel layout and batch; your model, data and optimizer arguments besides)")
@@ -103,6 +108,36 @@ def cmd_plan(args: argparse.Namespace) -> int:
             print(f"launch: with {stack.frameworks}, from the candidate in {args.out}/candidate.json "
                   "(Pipette writes no launcher for this stack yet)")
     return EXIT_OK
+
+
+def pick_words(plan: Any) -> str:
+    """Which candidate the launch files are for, and why (``Plan.launch_pick``)."""
+    from pipette.fits import SURE_TO_FIT
+
+    pick = plan.launch_pick
+    rank = plan.ranked.index(pick) + 1
+    if rank == 1 and (pick.sure_to_fit or plan.fits_prior is None):
+        return "#1"
+    if pick.sure_to_fit:
+        return (f"#{rank} {pick.config.label}, the fastest sure to fit ({_chance(pick.chance_to_fit)} chance to fit; "
+                f"sure means {SURE_TO_FIT:.0%} or more)")
+    return (f"#{rank} {pick.config.label}, the likeliest to fit ({_chance(pick.chance_to_fit)}; none is sure to "
+            f"fit, {SURE_TO_FIT:.0%} or more): a trial (`pipette tune`) tells whether it runs")
+
+
+def riskier_lines(plan: Any) -> list[str]:
+    """The faster candidates the launch files are not for: the best-ranked of them with its speed-up
+    and its chance to fit, and how many more there are."""
+    pick = plan.launch_pick
+    faster = [p for p in plan.ranked if p.perf.step_time < pick.perf.step_time]
+    if not faster:
+        return []
+    first = faster[0]
+    gain = 1 - first.perf.step_time / pick.perf.step_time
+    more = f" ({len(faster) - 1} more faster and riskier)" if len(faster) > 1 else ""
+    return [f"faster but riskier: #{plan.ranked.index(first) + 1} {first.config.label}, predicted {gain:.0%} faster "
+            f"({first.perf.step_time:.3f} s a step against {pick.perf.step_time:.3f} s) with a "
+            f"{_chance(first.chance_to_fit)} chance to fit{more}; `pipette tune` tries it and keeps it if it runs"]
 
 
 def fits_sentence(planned: Any, prior: Any) -> str:

@@ -288,3 +288,29 @@ def test_a_failed_trials_whole_reason_and_output_are_shown() -> None:
     # a CPU script trial has no tensor peak: its peak RSS stands in, marked as such
     assert _peak_text(Measurement("ok", extra={"peak_rss_bytes": [600 * 2**20, 812 * 2**20]})) == "812 RSS"
     assert _peak_text(Measurement("ok", peak_memory=(2**20 * 40,))) == "40"
+
+
+def test_plan_writes_launch_files_for_the_fastest_candidate_sure_to_fit(tmp_path: Path) -> None:
+    """Issue 43, item 19: llama3-8b's best-ranked candidate needs 83.0 of 80 GiB (43% chance to fit);
+    its launch files were written for it. A launch cannot retry after running out of memory, so
+    the files are for the fastest candidate sure to fit, with the faster, riskier one named beside it."""
+    from pipette.fits import SURE_TO_FIT
+
+    args = ("plan", "--model", "llama3-8b", "--cluster", str(CLUSTERS / "a100-2x8.yaml"),
+            "--recipe", str(RECIPES / "llama2-7b-lora.yaml"))
+    r = pipette(*args, "--out", str(tmp_path / "o"))
+    assert r.returncode == 0, r.stderr
+    data = json.loads(pipette(*args, "--json", "--no-files").stdout)
+    best, ranked = data["ranked"][0], data["ranked"]
+    assert not best["sure_to_fit"]  # the riskier bet ranks first
+    sure = [p for p in ranked if p["chance_to_fit"] >= SURE_TO_FIT]
+    fastest_sure = min(sure, key=lambda p: p["perf"]["step_time"])
+    assert data["launch_pick"]["label"] == fastest_sure["label"] and data["launch_pick"]["sure_to_fit"]
+    written = json.loads((tmp_path / "o" / "candidate.json").read_text())["config"]
+    assert written == fastest_sure["config"]
+    rank = data["launch_pick"]["rank"]
+    assert f"launch files for #{rank} {fastest_sure['label']}, the fastest sure to fit" in r.stdout
+    assert "sure means 90% or more" in r.stdout
+    riskier = next(line for line in r.stdout.splitlines() if "faster but riskier" in line)
+    assert f"#1 {best['label']}" in riskier and "43% chance to fit" in riskier
+    assert fastest_sure["label"] in (tmp_path / "o" / "launch.sh").read_text().splitlines()[1]
