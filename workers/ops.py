@@ -26,6 +26,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -40,6 +41,8 @@ CPU_OPS = ("deepspeed_shm_comm",)
 BUILD_TIMEOUT_S = 1800.0
 #: how long a builder waits for a live build beside it (orphaned compilers, a launch's ranks) to end
 LIVE_BUILD_WAIT_S = 1800.0
+#: how often a build's process is looked at (seconds): how soon a cancel reaches it
+WAIT_POLL_S = 0.2
 #: the line ``python -m workers.ops`` prints its result on
 RESULT_PREFIX = "@@pipette-ops "
 #: what the build is, in the lines users read
@@ -175,23 +178,36 @@ def build_ops(device_kind: str, env: dict[str, str] | None = None,
     # the ranks' ninja and cache (a caller's TORCH_EXTENSIONS_DIR in ``env`` wins)
     full = {**os.environ, **build_environment(), **(env or {}), "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""}
     start = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "workers.ops"], env=full, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        kill_session(proc.pid)
-        out, _ = proc.communicate()
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "workers.ops"], env=full, stdout=log,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        try:
+            timed_out = not _wait(proc, timeout_s)
+        finally:
+            kill_session(proc.pid)  # nothing of the build outlives it (nor a cancel: KeyboardInterrupt)
+            proc.wait()
+        log.seek(0)
+        out = log.read()
+    if timed_out:
         raise OpsBuildError(f"building {WHAT} ran past {timeout_s:.0f} s:\n{_tail(out)}", field="environment",
-                            fix="run it alone once (python -m workers.ops) and look at its output") from None
-    finally:
-        kill_session(proc.pid)  # nothing of the build outlives it
+                            fix="run it alone once (python -m workers.ops) and look at its output")
     results = [json.loads(line[len(RESULT_PREFIX):]) for line in out.splitlines() if line.startswith(RESULT_PREFIX)]
     if proc.returncode != 0 or not results:
         raise OpsBuildError(f"building {WHAT} failed (exit status {proc.returncode}):\n{_tail(out)}",
                             field="environment", fix="install a C++ compiler and ninja (the build's output "
                                                      "above says what is missing), then run again")
     return {**results[-1], "wall_s": time.monotonic() - start}
+
+
+def _wait(proc: subprocess.Popen[str], timeout_s: float) -> bool:
+    """Whether ``proc`` ended within ``timeout_s``. Polls rather than blocks, so that a cancel
+    of the Ray task that builds (``ray.cancel``: a KeyboardInterrupt here) ends it at once."""
+    deadline = time.monotonic() + timeout_s
+    while proc.poll() is None:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(WAIT_POLL_S)
+    return True
 
 
 def _built_at(cache: Path) -> list[float | None]:

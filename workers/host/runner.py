@@ -96,18 +96,22 @@ class RayTrialRunner:
         return refusals_for(self.model, self.training, config, self.device_kind, self.script, nodes,
                             config.stack or self.stack)
 
-    def prepare(self, force: bool = False, config: ParallelConfig | None = None) -> None:
+    def prepare(self, force: bool = False, config: ParallelConfig | None = None) -> bool:
         """Build DeepSpeed's CPU op on every node once, before the first trial that runs DeepSpeed
         (``needs_deepspeed_op``), outside any trial's timeout: built inside one, it timed out trial
-        after trial on a fresh environment, charged to the candidates."""
+        after trial on a fresh environment, charged to the candidates. False when ``should_stop``
+        stopped the build (it is built again next time)."""
         if (self._prepared and not force) or not self.needs_deepspeed_op(config):
-            return
+            return True
         from workers.host.node_ops import build_on_nodes
         from workers.host.ray_cluster import ensure_ray, ray_node_ips
 
         ensure_ray()
-        build_on_nodes(ray_node_ips(self.cluster), self.env, self.on_note or _log, force=force)
+        if build_on_nodes(ray_node_ips(self.cluster), self.env, self.on_note or _log, force=force,
+                          should_stop=self.should_stop) is None:
+            return False
         self._prepared = True
+        return True
 
     def needs_deepspeed_op(self, config: ParallelConfig | None = None) -> bool:
         """Whether a trial of ``config`` (None: of the job's own stack) runs DeepSpeed on CPU
@@ -128,7 +132,8 @@ class RayTrialRunner:
         if not self.wait_for_nodes():
             return Measurement("pruned", tokens_per_step=spec.tokens_per_step,
                                error="cancelled while waiting for lost nodes")
-        self.prepare(config=config)
+        if not self.prepare(config=config):
+            return _stopped_building(spec)
 
         def relay(report: StepReport) -> bool:
             return bool(on_step(StepProgress(report.step, report.time, report.warmup, report.loss)))
@@ -139,7 +144,8 @@ class RayTrialRunner:
         if m.status in ("failed", "timeout") and m.details.stopped_in == "ops" and self.device_kind == "cpu":
             # Caught building the op after all (the environment changed under the job): the
             # environment's failure, not the candidate's. Build it outside the trial, run again.
-            self.prepare(force=True, config=config)
+            if not self.prepare(force=True, config=config):
+                return _stopped_building(spec)
             m = run_trial(spec, self.cluster, timeout_s=self.timeout_s, on_step=relay, env=self.env,
                           ship_workdir=self.ship_workdir, should_stop=self.should_stop, on_phase=self.on_phase)
             if m.status in ("failed", "timeout") and m.details.stopped_in == "ops":
@@ -196,6 +202,13 @@ class RayTrialRunner:
         if self.script is not None:
             out["script"] = self.script.to_dict()
         return out
+
+
+def _stopped_building(spec: TrialSpec) -> Measurement:
+    """The trial that was waiting for the op build, when the job was told to stop during it."""
+    from workers.ops import WHAT
+
+    return Measurement("pruned", tokens_per_step=spec.tokens_per_step, error=f"cancelled while building {WHAT}")
 
 
 def _log(line: str) -> None:
