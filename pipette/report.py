@@ -78,12 +78,14 @@ class Reporter:
         samples: int | None = None,
         step_time: float | None = None,
         peak_memory_bytes: int | None = None,
+        micro_batch: int | None = None,
     ) -> bool:
         """Report one optimizer step; returns True when the script should stop.
 
         ``samples``: sequences this step trained over all ranks (the global batch); Pipette
-        checks it against the candidate's. ``step_time``: seconds, when the script times its
-        steps itself (else the wall time since the last call)."""
+        checks it against the candidate's, and ``micro_batch`` (sequences a rank runs through
+        forward and backward at once) against the candidate's micro-batch. ``step_time``:
+        seconds, when the script times its steps itself (else the wall time since the last call)."""
         now = self.clock()
         elapsed = float(step_time) if step_time is not None else now - self.last
         self.last = now
@@ -100,6 +102,8 @@ class Reporter:
                                  "loss": None if loss is None else float(loss), "warmup": warm, "source": "reporter"}
         if samples is not None:
             event["samples"] = int(samples)
+        if micro_batch is not None:
+            event["micro_batch"] = int(micro_batch)
         if peak_memory_bytes is not None:
             event["peak_memory_bytes"] = int(peak_memory_bytes)
         self._emit(event)
@@ -176,7 +180,7 @@ class HFCallback:
         world = getattr(args, "world_size", None)
         if batch and accum and world:
             samples = int(batch) * int(accum) * int(world)
-        if self.reporter.step(samples=samples):
+        if self.reporter.step(samples=samples, micro_batch=int(batch) if batch else None):
             control.should_training_stop = True
         return control
 

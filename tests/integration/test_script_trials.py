@@ -26,9 +26,9 @@ ROOT = HERE.parents[1]
 pytestmark = pytest.mark.slow
 
 
-def _trial(argv: list[str], mbs: int = 2, zero: int = 1, **knobs: str) -> TrialSpec:
+def _trial(argv: list[str], mbs: int = 2, zero: int = 1, recompute: str = "none", **knobs: str) -> TrialSpec:
     training = TrainingSpec(global_batch=8, seq_len=32, dtype="fp32")
-    config = ParallelConfig(tp=1, pp=1, dp=2, mbs=mbs, global_batch=8, zero_stage=zero, recompute="none")
+    config = ParallelConfig(tp=1, pp=1, dp=2, mbs=mbs, global_batch=8, zero_stage=zero, recompute=recompute)
     script = ScriptSpec(argv=tuple(argv), kind="deepspeed", knobs=knobs, workdir=str(SCRIPTS))
     return TrialSpec(ModelSpec.preset("tiny-llama"), training, config, warmup_steps=2, min_steps=3, max_steps=3,
                      script=script)
@@ -96,6 +96,30 @@ def test_a_script_that_ignores_the_zero_stage_fails_with_one_line_saying_so(flag
     m = run_trial(_trial(["python", "ds_tiny.py", *flags]), timeout_s=240)
     assert m.status == "failed"
     assert re.match(said, m.error), m.error
+
+
+@pytest.mark.parametrize(("flags", "recompute", "said"), [
+    (["--ignore-checkpointing"], "full", "the script ignores the candidate's activation checkpointing: rank [01] "
+                                         "stepped without recomputing"),
+    (["--always-checkpoint"], "none", "the script ignores the candidate's recompute none: rank [01] recomputed "
+                                      "activations \\(called torch.utils.checkpoint\\)"),
+    (["--own-micro-batch", "4"], "none", "the script ignores the candidate's micro-batch: rank [01] ran "
+                                         "micro-batches of 4, the candidate's is 2"),
+    ([], "full", None),  # it does what the candidate asks: the trial runs
+], ids=["checkpointing-ignored", "checkpointing-unasked", "another-micro-batch", "as-asked"])
+def test_a_script_that_ignores_the_recomputation_or_micro_batch_fails_with_one_line_saying_so(
+        flags: list[str], recompute: str, said: str | None) -> None:
+    """Issue 43, item 30: only the batch, the ZeRO stage and the FSDP sharding were checked; a
+    script that drops the checkpointing knob (or splits the batch its own way) measured another
+    configuration, and the tuner learned its time as the candidate's."""
+    m = run_trial(_trial(["python", "ds_tiny.py", *flags], recompute=recompute, checkpointing="--checkpointing"),
+                  timeout_s=240)
+    if said is None:
+        assert m.status == "ok", m.error
+        return
+    assert m.status == "failed"
+    assert re.match(said, m.error), m.error
+    assert m.details.script_fault  # the script's own: the search stops there (item 26)
 
 
 def test_a_script_that_exits_before_its_first_step_fails_naming_its_error() -> None:

@@ -71,6 +71,11 @@ class ScriptEvents:
     #: an FSDP script's candidate: FSDP2's ``reshard_after_forward`` it must build (True: ZeRO-3-like
     #: FULL_SHARD, False: SHARD_GRAD_OP), checked against its ``fully_shard`` calls (None: unchecked)
     reshard_after_forward: bool | None = None
+    #: whether the candidate recomputes activations, checked against the script's checkpoint
+    #: calls (``recompute`` events; None: unchecked)
+    recompute: bool | None = None
+    #: the candidate's micro-batch, checked against what the script says it ran (None: unchecked)
+    micro_batch: int | None = None
     #: the last step index of rank 0 passed on to the caller (a step can come from both sources)
     relayed: int = -1
 
@@ -85,7 +90,47 @@ class ScriptEvents:
     def ignored_config(self) -> str | None:
         """One line when a rank trains another global batch than the candidate's, or (once it
         stepped) with another ZeRO stage or no DeepSpeed engine at all."""
-        return self._ignored_batch() or self._ignored_stage() or self._ignored_fsdp()
+        return (self._ignored_batch() or self._ignored_micro_batch() or self._ignored_stage()
+                or self._ignored_fsdp() or self._ignored_recompute())
+
+    def _stepped(self) -> list[tuple[int, list[dict[str, Any]]]]:
+        """(rank, its events) of each rank that reported a step: what it built is known by then."""
+        return [(rank, events) for rank, events in sorted(self.by_rank.items())
+                if any(e.get("event") in ("step", "ds_step") for e in events)]
+
+    def _ignored_recompute(self) -> str | None:
+        """A rank that stepped without the activation checkpointing the candidate asks (no
+        checkpoint call before its first step), or with it where the candidate asks none: its
+        step time is another configuration's (issue 43, item 30)."""
+        want = self.recompute
+        if want is None:
+            return None
+        for rank, events in self._stepped():
+            did = any(e.get("event") == "recompute" for e in events)
+            if want and not did:
+                return (f"the script ignores the candidate's activation checkpointing: rank {rank} stepped without "
+                        "recomputing (no torch.utils.checkpoint call) (turn it on when Pipette passes the "
+                        "checkpointing knob, e.g. model.gradient_checkpointing_enable(), or clear the knob: "
+                        "--script-knob checkpointing=)")
+            if did and not want:
+                return (f"the script ignores the candidate's recompute none: rank {rank} recomputed activations "
+                        "(called torch.utils.checkpoint) (checkpoint only when Pipette passes the checkpointing "
+                        "knob)")
+        return None
+
+    def _ignored_micro_batch(self) -> str | None:
+        """A rank that says it ran another micro-batch than the candidate's (its reports'
+        ``micro_batch``, its DeepSpeed engine's): the same global batch split otherwise."""
+        if self.micro_batch is None:
+            return None
+        for rank, events in self._stepped():
+            said = [e.get("micro_batch") for e in events if e.get("event") in ("step", "ds_engine")]
+            ran = next((int(m) for m in said if m), None)
+            if ran is not None and ran != self.micro_batch:
+                return (f"the script ignores the candidate's micro-batch: rank {rank} ran micro-batches of {ran}, "
+                        f"the candidate's is {self.micro_batch} (give the script's micro_batch knob, or have it "
+                        "read train_micro_batch_size_per_gpu from the config)")
+        return None
 
     def _ignored_fsdp(self) -> str | None:
         """An FSDP script that stepped without ``fully_shard`` (Accelerate on CPU drops its FSDP
@@ -164,12 +209,13 @@ class ScriptEvents:
 def script_events(trial: TrialSpec) -> ScriptEvents:
     """The events of ``trial``'s ranks, checked against what its candidate asks: a DeepSpeed
     script's ZeRO stage, an FSDP script's sharding (a replicated FSDP candidate, zero_stage 0, is
-    DDP: nothing to check)."""
+    DDP: nothing to check), and every script's recomputation and micro-batch."""
     script, config = trial.script, trial.config
+    checks: dict[str, Any] = {"recompute": config.recompute != "none", "micro_batch": config.mbs}
     if script is not None and script.fsdp:
         return ScriptEvents(config.world, trial.training.global_batch,
-                            reshard_after_forward=config.zero_stage == 3 if sharded(config) else None)
-    return ScriptEvents(config.world, trial.training.global_batch, zero_stage=config.zero_stage)
+                            reshard_after_forward=config.zero_stage == 3 if sharded(config) else None, **checks)
+    return ScriptEvents(config.world, trial.training.global_batch, zero_stage=config.zero_stage, **checks)
 
 
 def steps_across_ranks(per_rank: list[list[float]]) -> tuple[float, ...]:

@@ -15,6 +15,10 @@
 --own-zero: builds its engine with ZeRO stage S, whatever the config says;
 --no-engine: trains with plain torch, no DeepSpeed engine (as Accelerate on CPU with use_cpu does),
   its steps reported with the config's batch.
+--checkpointing: recomputes its hidden layer's activations (torch.utils.checkpoint);
+--ignore-checkpointing: takes --checkpointing and recomputes nothing;
+--always-checkpoint: recomputes whatever it is given;
+--own-micro-batch: runs micro-batches of B (the global batch kept: fewer or more accumulations).
 """
 
 from __future__ import annotations
@@ -42,6 +46,10 @@ parser.add_argument("--linger-after-done", type=int, default=None)
 parser.add_argument("--report-late", type=int, default=None)
 parser.add_argument("--own-zero", type=int, default=None)
 parser.add_argument("--no-engine", action="store_true")
+parser.add_argument("--checkpointing", action="store_true")
+parser.add_argument("--ignore-checkpointing", action="store_true")
+parser.add_argument("--always-checkpoint", action="store_true")
+parser.add_argument("--own-micro-batch", type=int, default=None)
 parser.add_argument("--local_rank", type=int, default=-1)
 args = parser.parse_args()
 
@@ -53,10 +61,31 @@ if args.own_batch:
     world = torch.distributed.get_world_size()
     config |= {"train_batch_size": args.own_batch * world, "train_micro_batch_size_per_gpu": args.own_batch,
                "gradient_accumulation_steps": 1}
+if args.own_micro_batch:
+    world = torch.distributed.get_world_size()
+    config |= {"train_micro_batch_size_per_gpu": args.own_micro_batch,
+               "gradient_accumulation_steps": config["train_batch_size"] // (args.own_micro_batch * world)}
 if args.own_zero is not None:
     config["zero_optimization"] = {"stage": args.own_zero}
 torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))
+
+
+class _Recomputed(torch.nn.Module):
+    """Its inner layers' activations recomputed in backward (activation checkpointing)."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self.inner, x, use_reentrant=False)
+
+
+hidden = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU())
+recompute = (args.checkpointing and not args.ignore_checkpointing) or args.always_checkpoint
+model = torch.nn.Sequential(_Recomputed(hidden) if recompute else hidden, torch.nn.Linear(256, 64))
 if args.no_engine:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     reporter = Reporter()
