@@ -107,14 +107,38 @@ def confidence_lines(result: TuneResult) -> list[str]:
     else:
         lines = [f"among the {tried} candidates that ran ok: {result.confidence:.0%} sure the pick is within {tol} "
                  f"of the fastest ({noise_text})"]
+    untried = untried_line(result)
+    return lines + ([untried] if untried else [])
+
+
+def untried_line(result: TuneResult) -> str | None:
+    """The candidates never tried, as the learned model predicts them: what that means and what to
+    do. The tuner's own stop rule sets the tone: when the untried ones together are under its
+    ``stop_probability`` to beat the pick, they are said to be unlikely; else how many more trials
+    would settle it. When the measured candidates decided, the pick stands among them: the untried
+    ones are a lead to follow, not an alarm (it read "the pick is 0% sure" at the end of every run)."""
     untried = _runnable(result) - len({t.label for t in result.trials})
-    if result.confidence_overall is not None and untried > 0:
-        beaten = 1.0 - result.confidence_overall / result.confidence if result.confidence > 0 else 1.0
-        lines.append(f"{_n(untried, 'candidate')} never tried, so not measured: the learned model gives one of them "
-                     f"a {beaten:.0%} chance to be more than {tol} faster, so with them the pick is "
-                     f"{result.confidence_overall:.0%} sure"
-                     + (" (a prediction, not a measurement: more trials would tell)" if beaten >= 0.05 else ""))
-    return lines
+    if result.confidence is None or result.confidence_overall is None or untried <= 0:
+        return None
+    tol = f"{result.tolerance:.0%}"
+    beaten = 1.0 - result.confidence_overall / result.confidence if result.confidence > 0 else 1.0
+    tried = len({t.label for t in result.trials})
+    head = f"{_n(untried, 'candidate')} never tried, predicted by the learned model from {_n(tried, 'candidate')} tried"
+    more = result.untried_to_try
+    if more == 0:
+        return (f"{head}: a {beaten:.0%} chance together that one is more than {tol} faster than the pick, "
+                "none worth a trial")
+    likeliest = (f" (the likeliest, {result.untried_likeliest[0]}, {result.untried_likeliest[1]:.0%})"
+                 if result.untried_likeliest else "")
+    meaning = (f": each has some chance to be more than {tol} faster than the pick{likeliest}, which adds up to "
+               f"{beaten:.0%} that one of them is")
+    todo = ("to settle it, give the search more trials (--max-trials): it tries the likeliest first and stops once "
+            "the rest are unlikely" + (f": about {_n(more, 'more trial')} if none of the likeliest turns out faster"
+                                       if more else ""))
+    if result.decided:
+        return f"{head}{meaning}; a prediction, not a measurement: the pick stands among those measured; {todo}"
+    return (f"{head}{meaning}, so with them the pick is {result.confidence_overall:.0%} sure (a prediction, not a "
+            f"measurement); {todo}")
 
 
 def interference_words(interference: dict[str, Any]) -> str:
@@ -138,15 +162,22 @@ def interference_words(interference: dict[str, Any]) -> str:
     return text
 
 
+#: the placement sentence names each rank's device up to this many ranks (rank_map.json has them all)
+LISTED_RANKS = 8
+
+
 def placement_line(config: ParallelConfig) -> str:
+    """Where each rank runs, every rank named (the ones that stay on their own device too: it once
+    read "rank 2 on device 0;" for 4 ranks, the last one left out), up to ``LISTED_RANKS``."""
     devices = list(config.devices())
-    moved = [f"rank {r} on device {d}" for r, d in enumerate(devices) if r != d]
-    if not moved:
+    if devices == list(range(len(devices))):
         return f"placement {devices}: rank i runs on device i"
+    listed = ", ".join(f"rank {r} on device {d}" for r, d in enumerate(devices[:LISTED_RANKS]))
+    rest = f", ... (all {len(devices)} in rank_map.json)" if len(devices) > LISTED_RANKS else ""
     groups = f" (tp groups are {config.tp} consecutive ranks)" if config.tp > 1 else ""
-    return (f"placement {devices}: rank i runs on device placement[i], here {', '.join(moved[:4])}"
-            + (" ..." if len(moved) > 4 else "") + f"{groups}; the planner placed the ranks that talk most "
-            "on the fastest links it measured; launch.sh and rank_map.json keep this order")
+    return (f"placement {devices}: rank i runs on device placement[i], here {listed}{rest}{groups}; the planner "
+            "placed the ranks that talk most on the fastest links it measured; launch.sh and rank_map.json keep "
+            "this order")
 
 
 def precision_line(result: TuneResult) -> str | None:

@@ -260,6 +260,11 @@ class TuneResult:
     interference: dict[str, Any] = field(default_factory=dict)
     #: the candidates the trial backend (or the script) can run: those the search chose from
     runnable: int = 0
+    #: how many of the likeliest untried candidates to try before the rest together have less than
+    #: ``stop_probability`` chance to beat the pick (``Tuner.untried_to_try``); None before an ok trial
+    untried_to_try: int | None = None
+    #: the untried candidate likeliest to beat the pick by more than the tolerance, and that chance
+    untried_likeliest: tuple[str, float] | None = None
 
     @property
     def decided(self) -> bool:
@@ -292,6 +297,9 @@ class TuneResult:
             "candidates": len(self.plan.ranked), "enumerated": self.plan.enumerated,
             "unrunnable": dict(self.unrunnable), "confidence": self.confidence,
             "confidence_overall": self.confidence_overall, "tolerance": self.tolerance,
+            "untried_to_try": self.untried_to_try,
+            "untried_likeliest": None if self.untried_likeliest is None else
+            {"label": self.untried_likeliest[0], "chance": self.untried_likeliest[1]},
             "learned": dict(self.learned),
             "retimed": sum(1 for t in self.trials if t.purpose == "retime"),
             "best": best, "trials": [t.to_dict() for t in self.trials],
@@ -490,6 +498,26 @@ class Tuner:
             return None
         return chance_any_beats([s.p_beat for s in self.ranking()])
 
+    def untried_to_try(self) -> int | None:
+        """How many more trials, of the untried candidates likeliest to beat the pick, would leave the
+        others together under ``stop_probability`` (the stop rule's "converged") if none of them did
+        beat it; each trial also teaches the model, so this is what to plan for, not a promise."""
+        if self.best is None:
+            return None
+        chances = sorted((s.p_beat for s in self.ranking()), reverse=True)
+        k = 0
+        while k < len(chances) and chance_any_beats(chances[k:]) >= self.options.stop_probability:
+            k += 1
+        return k
+
+    def untried_likeliest(self) -> tuple[str, float] | None:
+        """The untried candidate likeliest to beat the pick by more than the tolerance, and that chance."""
+        ranked = self.ranking() if self.best is not None else []
+        if not ranked:
+            return None
+        top = max(ranked, key=lambda s: s.p_beat)
+        return top.planned.config.label, top.p_beat
+
     def confidence_overall(self) -> float | None:
         """Probability that the pick is within the tolerance of the best candidate, tried or
         not: ``confidence`` (the tried ones, measured) times the chance that no untried one
@@ -597,7 +625,8 @@ class Tuner:
                           self.confidence(), self.confidence_overall(), self.sampler.learned(self.study).summary(),
                           self.options.tolerance, self.options.confidence,
                           math.exp(mean[0]) if mean else None, mean[1] if mean else 0, self.trials_to_decide(),
-                          runnable=len(self.candidates))
+                          runnable=len(self.candidates), untried_to_try=self.untried_to_try(),
+                          untried_likeliest=self.untried_likeliest())
 
     def trials_to_decide(self) -> dict[str, int | None]:
         """Per tried candidate the pick is not yet ``confidence`` sure to be within the tolerance

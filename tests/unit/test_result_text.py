@@ -59,8 +59,8 @@ def test_the_two_confidences_are_said_in_words_that_do_not_contradict(cpu_plan: 
     lines = summary_lines(result)
     tried = next(x for x in lines if x.startswith("among the 2 candidates that ran ok"))
     assert "sure the pick is within 2% of the fastest" in tried
-    untried = next(x for x in lines if "never tried, so not measured" in x)
-    assert "the learned model gives one of them" in untried and "a prediction, not a measurement" in untried
+    untried = next(x for x in lines if "never tried, predicted by the learned model" in x)
+    assert "a prediction, not a measurement" in untried
     assert not any("sure to be within 2% of every candidate" in x for x in lines)
     alone = summary_lines(_run(cpu_plan, ["ok"]))  # one candidate measured: nothing to be sure of among them
     assert any(x.startswith("only the pick ran ok: no measured candidate to compare it with") for x in alone), alone
@@ -73,8 +73,60 @@ def test_a_placement_permutation_is_explained(cpu_plan: Plan) -> None:
     if config is None:
         pytest.skip("the best candidate does not use 4 devices")
     line = placement_line(config)
-    assert "rank i runs on device placement[i], here rank 1 on device 2, rank 2 on device 1" in line, line
+    assert "rank i runs on device placement[i], here rank 0 on device 0, rank 1 on device 2, rank 2 on device 1, " \
+           "rank 3 on device 3;" in line, line
     assert "launch.sh and rank_map.json keep this order" in line
+
+
+def test_the_placement_sentence_names_every_rank(cpu_plan: Plan) -> None:
+    """Issue 43, item 18: "here rank 0 on device 1, rank 1 on device 2, rank 2 on device 0;" for 4
+    ranks: the last rank, which stayed on its own device, was left out."""
+    from pipette.config import ParallelConfig
+    from pipette.result_text import LISTED_RANKS, placement_line
+
+    line = placement_line(cpu_plan.best.config.with_placement([1, 2, 0, 3]))
+    assert "here rank 0 on device 1, rank 1 on device 2, rank 2 on device 0, rank 3 on device 3;" in line, line
+    many = ParallelConfig(tp=2, pp=1, dp=8, mbs=1, global_batch=16, placement=tuple(reversed(range(16))))
+    line = placement_line(many)
+    assert f"rank {LISTED_RANKS - 1} on device {16 - LISTED_RANKS}, ... (all 16 in rank_map.json)" in line, line
+    assert "(tp groups are 2 consecutive ranks)" in line
+
+
+def _tuner_run(plan: Plan, times: dict[int, float], trials: int, stop: float) -> tuple[Tuner, TuneResult]:
+    calls = iter(range(trials))
+
+    def runner(config: object, on_step: object) -> Measurement:
+        i = next(calls)
+        t = times.get(i, 1.3 + 0.01 * i)
+        return Measurement("ok", (t, t, t), plan.training.tokens_per_step, (40 * 2**20,) * 4)
+
+    tuner = Tuner(plan, TuneOptions(max_trials=trials, retries=0, retime=0, stop_probability=stop))
+    return tuner, tuner.run(runner)
+
+
+def test_the_untried_candidates_are_said_without_alarm_when_the_tried_ones_decided(cpu_plan: Plan) -> None:
+    """Issue 43, item 18: "the pick is 0% sure ... 100% chance to be more than 2% faster" ended every
+    run, good ones too. Now: what it means (many small chances adding up, the likeliest named), what
+    to do (more trials: about how many), and no verdict on the pick when the measured ones decided."""
+    from pipette.tuner import chance_any_beats
+
+    tuner, result = _tuner_run(cpu_plan, {0: 1.0, 1: 2.0, 2: 1.5, 3: 1.8}, 4, 0.1)
+    assert result.decided and result.untried_to_try
+    chances = sorted((s.p_beat for s in tuner.ranking()), reverse=True)
+    k = result.untried_to_try  # the fewest of the likeliest whose trying leaves the rest under stop_probability
+    assert chance_any_beats(chances[k:]) < 0.1 <= chance_any_beats(chances[k - 1:])
+    line = next(x for x in summary_lines(result) if "never tried" in x)
+    assert "% sure" not in line and "the pick stands among those measured" in line, line
+    assert f"(the likeliest, {result.untried_likeliest[0]}," in line if result.untried_likeliest else False
+    assert "give the search more trials (--max-trials)" in line and f"about {k} more trials" in line, line
+    assert result.to_dict()["untried_to_try"] == k
+
+
+def test_untried_candidates_under_the_stop_rule_are_called_unlikely(cpu_plan: Plan) -> None:
+    _, result = _tuner_run(cpu_plan, {0: 1.0, 1: 2.0, 2: 1.5, 3: 1.8}, 60, 0.1)
+    assert result.stop_reason.startswith("converged") and result.untried_to_try == 0
+    line = next(x for x in summary_lines(result) if "never tried" in x)
+    assert line.endswith("none worth a trial") and "more trials" not in line, line
 
 
 def test_peak_memory_compares_tensors_with_tensors_in_the_json(cpu_plan: Plan) -> None:
