@@ -8,6 +8,7 @@ import ipaddress
 import logging
 import os
 import signal
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -73,6 +74,10 @@ def start_local_ray(num_cpus: int | None = None) -> None:
 
 
 def _init_local(num_cpus: int | None) -> None:
+    global _REAPER
+    from workers.host import ray_reaper
+
+    _REAPER = _REAPER or ray_reaper.start()  # ends this Ray if the driver dies unstopped (SIGKILL)
     with _single_host_mode(), _quiet_token_notice(), _out_of_the_callers_group():
         ray.init(
             address="local",
@@ -123,6 +128,8 @@ class RayParent:
 
 #: The thread that started the local Ray, when a thread other than the main one asked for it.
 _PARENT: RayParent | None = None
+#: The local Ray's reaper (``workers.host.ray_reaper``) while this process has one running.
+_REAPER: subprocess.Popen[bytes] | None = None
 
 
 #: Ray's logger of its token set-up, and the start of the notice it gives at every new local cluster
@@ -208,7 +215,7 @@ def stop_local_ray(grace_s: float = 1.0) -> None:
     processes is sent SIGTERM at once, and SIGKILL after ``grace_s`` (Ray's own wait for each
     of its processes); Ray's loop then only reaps them. This needs the GCS and the raylet alive
     until then: see ``RayParent`` for what ended them early under ``serve``."""
-    global _STARTED_LOCAL, _PARENT
+    global _STARTED_LOCAL, _PARENT, _REAPER
     if _STARTED_LOCAL and ray.is_initialized():
         tree = _ray_process_tree()
         node = getattr(ray._private.worker, "_global_node", None)
@@ -225,6 +232,11 @@ def stop_local_ray(grace_s: float = 1.0) -> None:
     if _PARENT is not None:
         _PARENT.release()
         _PARENT = None
+    if _REAPER is not None:
+        from workers.host import ray_reaper
+
+        ray_reaper.stop(_REAPER)
+        _REAPER = None
     _STARTED_LOCAL = False
 
 
