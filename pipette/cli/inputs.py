@@ -9,6 +9,7 @@ flag and the fix (a ``SpecError``), the wrong type included.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -90,10 +91,40 @@ def _metavar(option: Option) -> str:
 
 # ---- the recipe ---------------------------------------------------------------------
 
+def spec_default(cls: type, name: str) -> Any:
+    """The default of field ``name`` of the dataclass ``cls`` (``TrainingSpec``, ``LoraSpec``): what
+    the help texts say, read from where it is defined."""
+    return next(f.default for f in dataclasses.fields(cls) if f.name == name)
+
+
+def recipe_default(name: str) -> str:
+    """A recipe flag's default where no ``--recipe`` gives it, in words, from ``TrainingSpec`` and
+    ``LoraSpec`` (the one place it is defined)."""
+    from pipette.training import LoraSpec, TrainingSpec
+
+    if name.startswith("lora_"):
+        value = spec_default(LoraSpec, name.removeprefix("lora_"))
+        value = ",".join(value) if isinstance(value, tuple) else f"{value:g}"
+    else:
+        value = spec_default(TrainingSpec, name)
+    return f"default: the recipe's, else {value}"
+
+
+def stack_help() -> str:
+    """``--stack``'s help: the stacks by name from their registry, the default marked, and the
+    forms a value takes (an option with ``+``, several with ``,``)."""
+    from pipette.stacks import STACKS, get_stack
+
+    default = get_stack(None).name
+    names = ", ".join(f"{n} (default)" if n == default else n for n in STACKS)
+    return (f"the software that runs the job: {names}; an option with +: fsdp+compile, megatron+fp8; several, "
+            "comma-separated, to rank their candidates side by side: pipette,fsdp (docs/stacks.md)")
+
+
 def add_recipe_flags(p: argparse.ArgumentParser, defaults: dict[str, str] | None = None) -> None:
     """The training recipe's flags (``plan`` and ``tune``); they override ``--recipe``. Errors of
     these commands name the flag (``as_flags``). ``defaults``: the command's own default per
-    flag, said in its help instead of "required"."""
+    flag, said in its help instead of "required" or the recipe's defaults (``recipe_default``)."""
     said = defaults or {}
     p.set_defaults(recipe_flags=True)
     p.add_argument("--recipe", help="a training recipe file (YAML or JSON); flags override it "
@@ -104,21 +135,22 @@ def add_recipe_flags(p: argparse.ArgumentParser, defaults: dict[str, str] | None
                    + said.get("seq_len", "required, here or in --recipe") + ")")
     p.add_argument("--dtype", choices=list(DTYPES),
                    help="training precision: bf16, fp16 (mixed), fp32, or tf32 (fp32 with TF32 tensor-core "
-                        "matmuls) (" + said.get("dtype", "default: the recipe's, else bf16") + ")")
-    p.add_argument("--optimizer", choices=["adamw", "adam", "sgd"], help="default: the recipe's, else adamw")
+                        "matmuls) (" + said.get("dtype", recipe_default("dtype")) + ")")
+    p.add_argument("--optimizer", choices=["adamw", "adam", "sgd"], help=recipe_default("optimizer"))
     p.add_argument("--method", choices=["full", "lora"],
-                   help="fine-tuning method (" + said.get("method", "default: the recipe's, else full") + ")")
-    p.add_argument("--lora-rank", type=int, help="LoRA rank (default: the recipe's, else 16)")
-    p.add_argument("--lora-alpha", type=float, help="LoRA alpha (default: the recipe's, else 32)")
-    p.add_argument("--lora-targets", help="comma-separated module names (q_proj,v_proj,...; default: the recipe's, "
-                   "else q_proj,k_proj,v_proj,o_proj)")
+                   help="fine-tuning method (" + said.get("method", recipe_default("method")) + ")")
+    p.add_argument("--lora-rank", type=int, help="LoRA rank (" + said.get("lora_rank", recipe_default("lora_rank"))
+                   + ")")
+    p.add_argument("--lora-alpha", type=float, help="LoRA alpha (" + said.get("lora_alpha",
+                   recipe_default("lora_alpha")) + ")")
+    p.add_argument("--lora-targets", help="comma-separated module names (q_proj,v_proj,...; "
+                   + recipe_default("lora_targets") + ")")
     p.add_argument("--recompute", help="allowed modes, comma-separated: none,selective,full (default: all)")
     p.add_argument("--zero", help="allowed ZeRO stages, comma-separated: 0,1,2,3 (default: all)")
     p.add_argument("--schedules", help="allowed pipeline schedules: 1f1b,interleaved (default: all)")
     p.add_argument("--micro-batches", help="allowed micro-batch sizes, comma-separated (default: every power of "
                    "two up to the batch per replica)")
-    p.add_argument("--stack", help="the software that runs the job: pipette (default), hf-deepspeed, megatron, "
-                   "nanotron, fsdp; an option with +: fsdp+compile, megatron+fp8 (docs/stacks.md)")
+    p.add_argument("--stack", help=stack_help())
 
 
 def load_model(value: str) -> Any:

@@ -53,13 +53,29 @@ examples:
 """
 
 
-#: What ``tune`` takes where neither a --recipe nor a flag says (``tune._with_defaults``); ``plan``
-#: has no such defaults: its help says "required" where tune's gives the default.
-TUNE_RECIPE_DEFAULTS = {
-    "global_batch": "default 16 without --recipe", "seq_len": "default 128 without --recipe",
-    "dtype": "default: the recipe's, else bf16; fp32 on the embedded CPU cluster (no --cluster)",
-    "method": "default: the recipe's, else lora with --lora-rank 8 --lora-alpha 16",
-}
+#: What ``tune`` takes where no --recipe is given and no flag says (``_with_defaults``; the help
+#: texts are written from it); ``plan`` has none: its help says "required" or the recipe's defaults.
+TUNE_DEFAULTS: dict[str, Any] = {"global_batch": 16, "seq_len": 128, "method": "lora", "lora_rank": 8,
+                                 "lora_alpha": 16.0, "cpu_dtype": "fp32"}
+
+
+def tune_recipe_help() -> dict[str, str]:
+    """Each recipe flag's default under ``tune``, in words, from ``TUNE_DEFAULTS`` and the recipe's."""
+    from pipette.cli.inputs import recipe_default
+
+    d = TUNE_DEFAULTS
+    return {
+        "global_batch": f"default {d['global_batch']} without --recipe",
+        "seq_len": f"default {d['seq_len']} without --recipe",
+        "dtype": f"default {d['cpu_dtype']} without --recipe on the embedded CPU cluster (no --cluster); "
+                 f"else {recipe_default('dtype').removeprefix('default: ')}",
+        "method": f"default {d['method']} without --recipe; with one, "
+                  + recipe_default("method").removeprefix("default: "),
+        "lora_rank": f"default {d['lora_rank']} without --recipe; with one, "
+                     + recipe_default("lora_rank").removeprefix("default: "),
+        "lora_alpha": f"default {d['lora_alpha']:g} without --recipe; with one, "
+                      + recipe_default("lora_alpha").removeprefix("default: "),
+    }
 
 
 def add_parser(sub: Any) -> None:
@@ -76,7 +92,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--cluster", help="a cluster file; default: measure the local machine as --devices CPU devices")
     p.add_argument("--devices", type=int, default=4, help="CPU devices of the embedded cluster (default 4)")
     p.add_argument("--reprofile", action="store_true", help="measure the cluster even if a fresh profile exists")
-    add_recipe_flags(p, TUNE_RECIPE_DEFAULTS)
+    add_recipe_flags(p, tune_recipe_help())
     add_option_flags(p, "tune")
     p.add_argument("--data", help="a local JSONL of prompt/response pairs, tokenised as raw UTF-8 bytes (modulo "
                    "the vocabulary), not by the model's tokenizer: the shapes and step times are those of real "
@@ -354,12 +370,15 @@ def _with_defaults(args: argparse.Namespace) -> argparse.Namespace:
     if args.recipe:
         return args
     args = argparse.Namespace(**vars(args))
-    args.global_batch = args.global_batch or 16
-    args.seq_len = args.seq_len or 128
-    if args.method is None and args.lora_rank is None:
-        args.method, args.lora_rank, args.lora_alpha = "lora", 8, args.lora_alpha or 16.0
+    d = TUNE_DEFAULTS
+    args.global_batch = args.global_batch or d["global_batch"]
+    args.seq_len = args.seq_len or d["seq_len"]
+    args.method = args.method or d["method"]
+    if args.method == "lora":  # one default rank and alpha, whether LoRA was asked for or defaulted
+        args.lora_rank = args.lora_rank or d["lora_rank"]
+        args.lora_alpha = args.lora_alpha or d["lora_alpha"]
     if args.dtype is None and not args.cluster:
-        args.dtype = "fp32"  # CPU devices: bf16 matmuls are emulated and slower there
+        args.dtype = d["cpu_dtype"]  # CPU devices: bf16 matmuls are emulated and slower there
     return args
 
 
