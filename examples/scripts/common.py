@@ -68,6 +68,30 @@ def deepspeed_on_cpu() -> dict[str, bool]:
     return {"use_configured_state": True}
 
 
+def trainer_on_cpu(stack: str, accelerator_config: Path) -> list[str]:
+    """On a machine without a GPU, the flags an HF Trainer run needs for ``stack``
+    (``deepspeed``, ``fsdp``: the Trainer's ``--fsdp``, or ``ddp``: neither), with Accelerate's
+    state set up first where that stack needs it; none on a GPU or outside a launch.
+
+    DeepSpeed (``deepspeed_on_cpu``) and FSDP (``fsdp_on_cpu``) need the state set up before
+    ``TrainingArguments`` and the Trainer told to keep it (``--accelerator_config`` with
+    ``use_configured_state: true``): otherwise the Trainer resets it, and on CPU Accelerate finds
+    no accelerator (``DistributedType.NO``): each rank trains alone, without DeepSpeed or FSDP.
+    DDP is Accelerate's own ``MULTI_CPU`` (``--use_cpu``)."""
+    import os
+
+    if torch.cuda.is_available() or "LOCAL_RANK" not in os.environ:
+        return []
+    if stack == "ddp":
+        return ["--use_cpu"]
+    if stack == "deepspeed":
+        deepspeed_on_cpu()
+    else:
+        os.environ["ACCELERATE_USE_FSDP"] = "true"  # what TrainingArguments set for --fsdp, read by fsdp_on_cpu
+        fsdp_on_cpu()
+    return ["--accelerator_config", str(accelerator_config)]
+
+
 def fsdp_on_cpu() -> None:
     """On a machine without a GPU, set up Accelerate's state so that its FSDP plugin shards
     the model over gloo, as on GPUs; a no-op on a GPU and outside a launch.

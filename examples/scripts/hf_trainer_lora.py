@@ -20,7 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
-from common import CONFIG, HERE, Corpus, deepspeed_on_cpu, tiny_llama
+from common import CONFIG, HERE, Corpus, tiny_llama, trainer_on_cpu
 from peft import LoraConfig, get_peft_model
 from transformers import HfArgumentParser, Trainer, TrainingArguments
 
@@ -38,8 +38,10 @@ class ScriptArguments:
 
 def main() -> None:
     argv = sys.argv[1:]
-    if deepspeed_on_cpu():  # before TrainingArguments, which set up the processes
-        argv += ["--accelerator_config", str(HERE / "cpu_accelerator_config.json")]
+    # On CPU, Accelerate's state is set up before TrainingArguments (which set up the processes),
+    # for the stack the run uses, and the Trainer told to use it (use_configured_state)
+    stack = "fsdp" if "--fsdp" in argv else "deepspeed" if "--deepspeed" in argv else "ddp"
+    argv += trainer_on_cpu(stack, HERE / "cpu_accelerator_config.json")
     script, args = HfArgumentParser((ScriptArguments, TrainingArguments)).parse_args_into_dataclasses(argv)
     model = tiny_llama(script.model_config, seed=args.seed)
     model = get_peft_model(model, LoraConfig(r=script.lora_rank, lora_alpha=script.lora_alpha,

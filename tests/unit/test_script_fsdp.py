@@ -214,3 +214,25 @@ def test_an_fsdp_script_that_builds_no_fsdp_or_the_other_sharding_is_caught_once
     assert script_events(trial).reshard_after_forward is False and script_events(trial).zero_stage is None
     ddp = TrialSpec(MODEL, FP32, _config(zero_stage=0), script=TRAINER)
     assert script_events(ddp).reshard_after_forward is None  # DDP: nothing to check
+
+
+@pytest.mark.parametrize("zero_stage", [3, 0])
+def test_an_fsdp_script_whose_ranks_train_alone_is_told_so_in_fsdps_words(zero_stage: int) -> None:
+    """Issue 43, item 27: Accelerate on CPU dropped FSDP (DistributedType.NO), each rank trained
+    alone, and the trial said the script "ignores the DeepSpeed config" (it has none)."""
+    from workers.host.script_trial import script_events
+    from workers.spec import TrialSpec
+
+    events = script_events(TrialSpec(MODEL, FP32, _config(zero_stage=zero_stage), script=ACCEL if zero_stage else
+                                     TRAINER))
+    alone = events.global_batch // events.world  # what one rank trains by itself
+    events.add(0, {"event": "step", "step": 0, "time": 0.1, "samples": alone})
+    said = events.ignored_config() or ""
+    assert "DeepSpeed" not in said, said
+    if zero_stage:  # a sharded candidate: no fully_shard call is the cause, said first
+        assert said.startswith("the script trains without FSDP: rank 0 stepped but never called fully_shard"), said
+    else:  # DDP (NO_SHARD): the batch gives it away
+        assert said.startswith(f"the script ignores the candidate's global batch: rank 0 trained {alone} sequences "
+                               f"per step, the candidate's is {events.global_batch}: each rank trained alone "
+                               "(Accelerate on CPU finds no accelerator, DistributedType.NO"), said
+        assert "use_configured_state" in said

@@ -76,6 +76,10 @@ class ScriptEvents:
     recompute: bool | None = None
     #: the candidate's micro-batch, checked against what the script says it ran (None: unchecked)
     micro_batch: int | None = None
+    #: the script shards with FSDP (the fsdp stack): its faults are said in FSDP's words, not
+    #: DeepSpeed's (issue 43, item 27: an Accelerate FSDP script was told it "ignores the
+    #: DeepSpeed config" it never had)
+    fsdp: bool = False
     #: the last step index of rank 0 passed on to the caller (a step can come from both sources)
     relayed: int = -1
 
@@ -90,6 +94,9 @@ class ScriptEvents:
     def ignored_config(self) -> str | None:
         """One line when a rank trains another global batch than the candidate's, or (once it
         stepped) with another ZeRO stage or no DeepSpeed engine at all."""
+        if self.fsdp:  # no FSDP at all explains the batch too (each rank alone): said first
+            return self._ignored_fsdp() or self._ignored_batch() or self._ignored_micro_batch() or \
+                self._ignored_recompute()
         return (self._ignored_batch() or self._ignored_micro_batch() or self._ignored_stage()
                 or self._ignored_fsdp() or self._ignored_recompute())
 
@@ -181,10 +188,25 @@ class ScriptEvents:
             for e in events:
                 samples = e.get("samples")
                 if e.get("event") in ("step", "ds_step") and samples and int(samples) != self.global_batch:
+                    if self.fsdp:
+                        return self._fsdp_batch(rank, int(samples))
                     return (f"the script ignores the DeepSpeed config: rank {rank} trained {samples} sequences per "
                             f"step, the candidate's global batch is {self.global_batch} (give its micro_batch and "
                             "grad_accum knobs, or have it read the config's batch sizes)")
         return None
+
+    def _fsdp_batch(self, rank: int, samples: int) -> str:
+        """An FSDP script's other batch, by its cause: a rank that trained alone (Accelerate on
+        CPU finds no accelerator, ``DistributedType.NO``: no process group, no FSDP) or knobs
+        it does not take."""
+        head = (f"the script ignores the candidate's global batch: rank {rank} trained {samples} sequences per step, "
+                f"the candidate's is {self.global_batch}")
+        if samples * self.world == self.global_batch:
+            return (f"{head}: each rank trained alone (Accelerate on CPU finds no accelerator, DistributedType.NO, "
+                    "and drops the process group and FSDP: set its state up before the Accelerator or the "
+                    "TrainingArguments as examples/scripts/common.py's fsdp_on_cpu does, and give an HF Trainer "
+                    "--accelerator_config '{\"use_configured_state\": true}'; on GPUs none of this is needed)")
+        return f"{head} (give its micro_batch and grad_accum knobs, or have it read them from its flags)"
 
     def of(self, rank: int, kind: str) -> list[dict[str, Any]]:
         return [e for e in self.by_rank.get(rank, []) if e.get("event") == kind]
@@ -213,7 +235,7 @@ def script_events(trial: TrialSpec) -> ScriptEvents:
     script, config = trial.script, trial.config
     checks: dict[str, Any] = {"recompute": config.recompute != "none", "micro_batch": config.mbs}
     if script is not None and script.fsdp:
-        return ScriptEvents(config.world, trial.training.global_batch,
+        return ScriptEvents(config.world, trial.training.global_batch, fsdp=True,
                             reshard_after_forward=config.zero_stage == 3 if sharded(config) else None, **checks)
     return ScriptEvents(config.world, trial.training.global_batch, zero_stage=config.zero_stage, **checks)
 
