@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 STATUS_WORDS = {
     "ok": "ran ok", "timeout": "timed out", "failed": "failed", "oom": "ran out of memory",
     "pruned": "stopped early (slower than the best)",
+    "interrupted": "interrupted before its end (Ctrl-C, SIGTERM or a cancel: not for its speed)",
 }
 
 
@@ -28,7 +29,7 @@ def result_dict(result: TuneResult) -> dict[str, Any]:
 
 
 def summary_lines(result: TuneResult) -> list[str]:
-    lines = verdict_first(result)
+    lines = interrupted_first(result) + verdict_first(result)
     lines.append(what_happened(result))
     lines += confidence_lines(result)
     if result.best is not None:
@@ -37,6 +38,13 @@ def summary_lines(result: TuneResult) -> list[str]:
     if precision:
         lines.append(precision)
     return lines
+
+
+def interrupted_first(result: TuneResult) -> list[str]:
+    """An interrupted run says so before its result, which is the best so far, not a search's end."""
+    if not result.interrupted:
+        return []
+    return [f"INTERRUPTED: {result.stop_reason}; what follows is the best so far, not the end of the search"]
 
 
 def verdict_first(result: TuneResult) -> list[str]:

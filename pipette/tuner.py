@@ -331,13 +331,26 @@ class TuneResult:
         return memory_headroom(self.best.memory, prior, measured_need(self.best.memory, self.best.measurement))
 
 
+#: The error of a trial the tuner stopped because it was told to (``should_stop``: Ctrl-C, SIGTERM,
+#: a job's cancel); its status is ``pruned``, as Optuna counts it.
+STOPPED = "cancelled"
+
+
+def how_it_ended(m: Measurement) -> str:
+    """A trial's status as said to a user: ``interrupted`` for one stopped from outside, which says
+    nothing of its speed (it read "pruned", counted "stopped early (slower than the best)"); else
+    its status."""
+    return "interrupted" if m.status == "pruned" and m.error == STOPPED else m.status
+
+
 def trial_outcomes(trials: Sequence[TrialRecord]) -> dict[str, int]:
-    """Trials by how they ended (the last attempt of each), re-timing trials apart."""
+    """Trials by how they ended (the last attempt of each; ``how_it_ended``), re-timing trials apart."""
     last: dict[int, TrialRecord] = {}
     for r in trials:
         if r.number not in last or r.attempt >= last[r.number].attempt:
             last[r.number] = r
-    counts = Counter(("retime " if r.purpose == "retime" else "") + r.measurement.status for r in last.values())
+    counts = Counter(("retime " if r.purpose == "retime" else "") + how_it_ended(r.measurement)
+                     for r in last.values())
     return dict(sorted(counts.items()))
 
 
@@ -844,7 +857,7 @@ class Tuner:
                 m = runner(planned.config, on_step)
                 cancelled = cancelled or _stopped_by(m, should_stop)
                 if cancelled:
-                    m = replace(m, status="pruned", error="cancelled")
+                    m = replace(m, status="pruned", error=STOPPED)
                 crashed = not cancelled and m.status in ("failed", "timeout")
                 lost = crashed and bool(m.lost_nodes) and lost_left > 0
                 retry = crashed and not lost and retries_left > 0

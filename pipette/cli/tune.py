@@ -516,9 +516,12 @@ class Progress:
         self._bar()
 
     def end(self, r: TrialRecord) -> None:
+        from pipette.tuner import how_it_ended
+
         m = r.measurement
-        status = m.status
-        colour = {"ok": "32", "oom": "31", "failed": "31", "timeout": "33", "pruned": "33"}.get(status, "0")
+        status = how_it_ended(m)  # "interrupted", not "pruned", for a trial a signal stopped
+        colour = {"ok": "32", "oom": "31", "failed": "31", "timeout": "33", "pruned": "33",
+                  "interrupted": "33"}.get(status, "0")
         measured = f"{m.step_time:.3f} s" if m.step_time else "-"
         error = f"{r.error_pct:+.0f}%" if r.error_pct is not None else ""
         peak = _peak_text(m)
@@ -529,7 +532,7 @@ class Progress:
                  + (" (re-time)" if r.purpose == "retime" else ""))
         self.say(f"{'#' + str(r.number):>5}  {label:<38} {self._c(f'{status:<8}', colour)} "
                  f"{r.predicted_step_time:>8.3f} s {measured:>10} {error:>7} {peak:>9}")
-        if status not in ("ok", "pruned") and m.error:
+        if status not in ("ok", "pruned", "interrupted") and m.error:
             for line in _reason_lines(m):
                 self.say(f"       {line}")
         not_retried = r.details.not_retried
@@ -558,19 +561,26 @@ class Progress:
 def _print_result(result: Any, out: str, files: dict[str, str]) -> None:
     from pipette.emit import launch_sh_lines
     from pipette.emit_script import per_node_launch_lines
-    from pipette.result_text import confidence_lines, placement_line, precision_line, verdict_first, what_happened
+    from pipette.result_text import (
+        confidence_lines,
+        interrupted_first,
+        placement_line,
+        precision_line,
+        verdict_first,
+        what_happened,
+    )
 
     print()
     if result.best is None:
         print(f"no configuration succeeded ({result.stop_reason}); see the trials' errors above")
         print(f"  {what_happened(result)}")
         return
-    for line in verdict_first(result):  # an undecided verdict first: it must not read like a result
+    for line in interrupted_first(result) + verdict_first(result):  # before anything that reads like a result
         print(line)
     b = result.best
     m = b.measurement
     cfg = b.config
-    print(f"{'best so far' if not result.decided else 'best'}: {b.label}")
+    print(f"{'best so far' if not result.decided or result.interrupted else 'best'}: {b.label}")
     print(f"  tp={cfg.tp} pp={cfg.pp} dp={cfg.dp} micro-batch={cfg.mbs} grad-accum={cfg.grad_accum} "
           f"ZeRO-{cfg.zero_stage} recompute={cfg.recompute} schedule={cfg.schedule}")
     print(f"  {placement_line(cfg)}")

@@ -81,9 +81,14 @@ def test_tune_runs_real_trials_and_writes_the_best(tmp_path: Path) -> None:
 def test_ctrl_c_stops_the_running_trial_and_keeps_what_was_measured(tmp_path: Path) -> None:
     proc = subprocess.Popen(_tune(tmp_path, "--max-trials", "8", "--stop-probability", "0"),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
-    _, text = _signal_during_the_second_trial(proc, signal.SIGINT)
+    out, text = _signal_during_the_second_trial(proc, signal.SIGINT)
     assert proc.returncode == 130, text[-3000:]
     assert "interrupted" in text
+    # issue 43, item 15: stdout says so first, and the stopped trial reads interrupted, not pruned
+    assert out.lstrip().startswith("INTERRUPTED: interrupted (Ctrl-C)"), out[:2000]
+    trial_lines = [line for line in text.splitlines() if line.strip().startswith("#")]
+    assert " interrupted " in trial_lines[-1], text[-3000:]
+    assert "interrupted before its end" in out and "best so far: " in out, out
     store = list((tmp_path / "home" / "trials").glob("*.jsonl"))
     kept = JsonlTrialStore(store[0]).records()
     assert kept and kept[0].number == 0

@@ -273,3 +273,44 @@ def test_other_processes_on_the_gpus_are_named_beside_the_noise(monkeypatch: pyt
             p.wait()
     quiet = {"cores": 2, "others_cores": [0.1], "gpu_others": [0, 0]}
     assert "GPUs" not in interference_words(quiet)
+
+
+def test_a_trial_stopped_by_a_signal_is_interrupted_not_pruned(cpu_plan: Plan,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 43, item 15: a trial stopped by Ctrl-C or SIGTERM showed as `pruned` and was counted
+    "stopped early (slower than the best)", and after Ctrl-C stdout never said the run was
+    interrupted. The tuner stops the second trial at its first step, as a signal makes it."""
+    from pipette.cli.tune import Progress, _print_result
+    from pipette.tuner import StepProgress, how_it_ended
+
+    stop = {"now": False}
+    calls = iter(range(3))
+
+    def runner(config: object, on_step: object) -> Measurement:
+        i = next(calls)
+        if i == 1:
+            stop["now"] = True  # the signal arrives while trial #1 runs
+        for step in range(3):
+            if on_step(StepProgress(step, 1.0, False)):  # type: ignore[operator]
+                return Measurement("pruned", (1.0,) * (step + 1), cpu_plan.training.tokens_per_step)
+        return Measurement("ok", (1.0, 1.0, 1.0), cpu_plan.training.tokens_per_step, (40 * 2**20,) * 4)
+
+    result = Tuner(cpu_plan, TuneOptions(max_trials=3, retries=0, retime=0, stop_probability=0.0)).run(
+        runner, should_stop=lambda: stop["now"])
+    result.interrupted, result.stop_reason = True, "interrupted (Ctrl-C); the running trial was stopped"
+    stopped = result.trials[-1]
+    assert how_it_ended(stopped.measurement) == "interrupted" and result.to_dict()["outcomes"] == {
+        "ok": 1, "interrupted": 1}
+    text = "\n".join(summary_lines(result))
+    assert "1 interrupted before its end (Ctrl-C, SIGTERM or a cancel: not for its speed)" in text, text
+    assert "stopped early" not in text
+    _print_result(result, "out", {})
+    out = capsys.readouterr().out.splitlines()
+    first = next(line for line in out if line.strip())
+    assert first.startswith("INTERRUPTED: interrupted (Ctrl-C)") and "best so far" in first, out
+    assert any(line.startswith("best so far: ") for line in out), out
+    import io
+
+    stream = io.StringIO()
+    Progress(total=3, stream=stream).end(stopped)  # the trial's line on stderr
+    assert "interrupted" in stream.getvalue() and "pruned" not in stream.getvalue(), stream.getvalue()
