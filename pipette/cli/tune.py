@@ -17,6 +17,7 @@ import argparse
 import contextlib
 import json
 import os
+import shlex
 import signal
 import sys
 import threading
@@ -121,6 +122,9 @@ def add_parser(sub: Any) -> None:
                    "torchtitan job config (TOML): Pipette's keys overlay it "
                    "(default: Pipette's keys alone)")
     s.add_argument("--workdir", help="where the script runs (default: the current directory)")
+    s.add_argument("--script-shares-flags", action="store_true", help="the script takes some of Pipette's flag "
+                   "names itself (--seed, ...): pass them after --script to it (default: such a flag after --script "
+                   "stops the tune before measuring)")
     s.add_argument("--script", nargs=argparse.REMAINDER, metavar="COMMAND",
                    help="the command that trains, as words, after every other flag: "
                    "--script python train.py --output_dir out (default: Pipette's own runner)")
@@ -292,7 +296,7 @@ def _script(args: argparse.Namespace) -> ScriptSpec | None:
         return None
     if not args.script:
         raise SpecError("is empty", field="--script", fix="give the command that trains: --script python train.py")
-    _warn_of_pipette_flags(args.script)
+    _refuse_pipette_flags(args.script, args.script_shares_flags)
     knobs: dict[str, str] = {}
     for item in args.script_knob:
         name, sep, flag = item.partition("=")
@@ -337,24 +341,39 @@ def _stack(args: argparse.Namespace, script: ScriptSpec | None) -> Any:
                           field="--stack")
 
 
-def pipette_flags_in(words: list[str]) -> list[str]:
-    """The words after ``--script`` that are ``pipette tune``'s own flags (``--flag`` or
-    ``--flag=value``): they go to the script, not to Pipette."""
+def pipette_flags_in(words: list[str]) -> tuple[list[str], list[str]]:
+    """The words after ``--script`` split into ``pipette tune``'s own flags (``--flag``, with its
+    value when it takes one, or ``--flag=value``) and the rest, the script's command."""
     sub = argparse.ArgumentParser().add_subparsers()
     add_parser(sub)
-    ours = set(sub.choices["tune"]._option_string_actions) - {"-h", "--help"}
-    return [w for w in words if w.split("=", 1)[0] in ours]
+    actions = sub.choices["tune"]._option_string_actions
+    ours: list[str] = []
+    rest: list[str] = []
+    i = 0
+    while i < len(words):
+        word = words[i]
+        action = actions.get(word.split("=", 1)[0]) if word not in ("-h", "--help") else None
+        takes = 0 if action is None or "=" in word or action.nargs == 0 else 1
+        (ours if action is not None else rest).extend(words[i:i + 1 + takes])
+        i += 1 + takes
+    return ours, rest
 
 
-def _warn_of_pipette_flags(words: list[str]) -> None:
-    """Pipette's flags written after ``--script`` went silently to the script: a job of 7.6
-    minutes on the defaults, every trial failed (issue 32, item 10). A script may take a flag
-    of the same name (--seed), so this warns, and says how to give them to Pipette."""
-    found = pipette_flags_in(words)
-    if found:
-        print(f"pipette: warning: {', '.join(found)} after --script go to your script, not to Pipette "
-              "(everything after --script is the script's command); if they are Pipette's, put them before "
-              "--script", file=sys.stderr, flush=True)
+def _refuse_pipette_flags(words: list[str], shared: bool) -> None:
+    """Pipette's flags written after ``--script`` go to the script: first they went silently (a job
+    of 7.6 minutes on the defaults, every trial failed: issue 32, item 10), then with a warning and
+    the tune still ran (210 s of trials ending in the script's own argument error: issue 43, item 16).
+    So the tune stops before measuring, with the command as it should read; a script that takes a
+    flag of the same name itself (--seed) says so with ``--script-shares-flags``."""
+    ours, rest = pipette_flags_in(words)
+    if not ours or shared:
+        return
+    flags = [w.split("=", 1)[0] for w in ours if w.startswith("-")]
+    raise SpecError(
+        f"is followed by Pipette's own {', '.join(flags)}, which would go to your script, not to Pipette "
+        "(everything after --script is the script's command)", field="--script",
+        fix=f"put them before --script: pipette tune ... {shlex.join(ours)} --script {shlex.join(rest)}; if your "
+            "script takes them itself, add --script-shares-flags before --script")
 
 
 def _script_key(script: ScriptSpec) -> str:

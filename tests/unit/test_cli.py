@@ -258,15 +258,36 @@ def test_data_help_says_it_is_tokenised_as_bytes() -> None:
     assert "tokenised as raw UTF-8 bytes" in " ".join(r.stdout.split())
 
 
-def test_pipettes_flags_after_script_are_warned_of(tmp_path: Path) -> None:
-    """Issue 32, item 10: `--global-batch 16 --devices 2 --script-kind deepspeed` after --script
-    went silently to the script (7.6 minutes on the defaults, every trial failed)."""
-    r = pipette("tune", "--home", str(tmp_path), "--script", "python", "nothere.py", "--global-batch", "16",
+def test_pipettes_flags_after_script_stop_the_tune_before_measuring(tmp_path: Path) -> None:
+    """Issue 32, item 10: `--global-batch 16 --devices 2 --script-kind deepspeed` after --script went
+    silently to the script (7.6 minutes, every trial failed); issue 43, item 16: then with a warning,
+    and the tune still ran (210 s of trials ending in the script's own argument error). Now it stops
+    before measuring (no profile written), with the command as it should read."""
+    script = tmp_path / "train.py"
+    script.write_text("import sys\nsys.exit(0)\n")
+    r = pipette("tune", "--home", str(tmp_path / "home"), "--script", "python", str(script), "--global-batch", "16",
                 "--devices=2", "--script-kind", "deepspeed", "--lr", "3e-4", cwd=tmp_path)
-    assert "pipette: warning: --global-batch, --devices=2, --script-kind after --script go to your script" in r.stderr
-    assert "put them before --script" in r.stderr and "--lr" not in r.stderr.split("warning:")[1].split("\n")[0]
-    r = pipette("tune", "--home", str(tmp_path), "--script", "python", "nothere.py", "--lr", "3e-4", cwd=tmp_path)
-    assert "warning" not in r.stderr
+    assert r.returncode == 1, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "--script: is followed by Pipette's own --global-batch, --devices, --script-kind" in lines[0], lines[0]
+    fixed = f"put them before --script: pipette tune ... --global-batch 16 --devices=2 --script-kind deepspeed " \
+            f"--script python {script} --lr 3e-4"
+    assert fixed in lines[0] and "--script-shares-flags" in lines[0], lines[0]
+    assert not (tmp_path / "home").exists()  # nothing measured, nothing kept
+    r = pipette("tune", "--home", str(tmp_path / "home"), "--script", "python", "nothere.py", "--lr", "3e-4",
+                cwd=tmp_path)
+    assert "Pipette's own" not in r.stderr
+
+
+def test_a_script_that_shares_a_flag_name_says_so() -> None:
+    from pipette.cli.tune import _refuse_pipette_flags, pipette_flags_in
+
+    assert pipette_flags_in(["python", "t.py", "--seed", "3", "--json", "--lr", "1"]) == (
+        ["--seed", "3", "--json"], ["python", "t.py", "--lr", "1"])
+    _refuse_pipette_flags(["python", "t.py", "--seed", "3"], shared=True)  # the script's own --seed: goes on
+    with pytest.raises(Exception, match="--seed"):
+        _refuse_pipette_flags(["python", "t.py", "--seed", "3"], shared=False)
 
 
 def test_a_failed_trials_whole_reason_and_output_are_shown() -> None:
