@@ -84,6 +84,9 @@ class ScriptSpec:
     #: the script shards with PyTorch FSDP (the ``fsdp`` stack's candidates): set by the kinds
     #: ``accelerate-fsdp`` and ``torchtitan``, and by ``bind_stack`` for an ``hf-trainer`` script
     fsdp: bool = False
+    #: the OS user the service starts the ranks as (``workers.host.script_user``), not the
+    #: service's own; None: the caller's user (the CLI). How it runs, not what it is: not in ``to_dict``
+    run_as: str | None = None
 
     def __post_init__(self) -> None:
         argv = self.argv
@@ -220,6 +223,7 @@ class ScriptSpec:
         out["argv"] = list(self.argv)
         if not self.fsdp:  # written only when set: a DeepSpeed script's dict (and its trials' key) is unchanged
             del out["fsdp"]
+        del out["run_as"]
         return out
 
     @classmethod

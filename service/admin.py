@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from types import FrameType
@@ -271,8 +272,12 @@ def check_database(settings: Settings) -> None:
 
 
 def _ensure_home(settings: Settings) -> None:
-    if settings.database_url.startswith("sqlite"):
-        settings.home.mkdir(parents=True, exist_ok=True)
+    """The service's home (its SQLite database, the jobs' unpacked folders) is its user's alone
+    (0700): a tenant's script, run as another user (``workers.host.script_user``), reads none of it."""
+    home = settings.home
+    home.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if home.stat().st_uid == os.geteuid():
+        home.chmod(0o700)
 
 
 def _redacted(url: str) -> str:

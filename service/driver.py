@@ -53,6 +53,7 @@ from service.models import FINAL_STATES, Cluster, Job, Profile, utcnow
 from service.outage import OUTAGE, is_unavailable
 from service.planning import plan_dict
 from service.profiling import measure
+from service.redact import Redactor, service_secrets
 from service.repositories import clusters as cluster_repo
 from service.repositories import events, trials
 from service.repositories.jobs import set_state
@@ -165,7 +166,8 @@ class JobDriver:
             if job.script is not None:
                 from service.scripts import unpack_for_job
 
-                script = unpack_for_job(job.script, job.script_files, self.settings.home, job.id)
+                script = unpack_for_job(job.script, job.script_files, self.settings.home, job.id,
+                                        self.settings.script_user)
         cluster, profile_id = self._cluster(cluster_row, profile_id)
         self._check_interrupt()
 
@@ -222,6 +224,12 @@ class JobDriver:
     def on_event(self, event: Any) -> None:
         """A ``TuneEvent``: store it (and the trial it concerns) at once."""
         kind, number, data = event.kind, event.trial, dict(event.data or {})
+        record = event.record if kind == "trial_ended" else None
+        if kind != "trial_step":  # a trial's output and errors: no secret of the service's stored
+            secrets = self._secrets()
+            data = secrets.data(data)
+            if record is not None and secrets.found(record.to_dict()):
+                record = TrialRecord.from_dict(secrets.data(record.to_dict()))
         with self.db.write() as session:
             job = self._job(session)
             if kind == "trial_started" and number is not None:
@@ -233,7 +241,7 @@ class JobDriver:
             elif kind == "trial_step" and number is not None:
                 trials.add_step(session, job.id, number, {k: data.get(k) for k in ("step", "time", "warmup", "loss")})
             elif kind == "trial_ended" and number is not None:
-                record = event.record or TrialRecord.from_dict(data)
+                record = record or TrialRecord.from_dict(data)
                 if self.interrupt_reason is not None and _cancel_prune(record):
                     trials.interrupt_trial(session, job.id, number)
                     events.add_event(session, job.id, "trial_interrupted", {"reason": self.interrupt_reason},
@@ -312,7 +320,12 @@ class JobDriver:
         if self.interrupt_reason is not None:
             raise Interrupted(self.interrupt_reason)
 
+    def _secrets(self) -> Redactor:
+        """Built anew each time: Ray's token file is written when Ray starts, after the job did."""
+        return service_secrets(self.settings.database_url, self.settings.metrics_token)
+
     def _finish(self, state: str, **fields: Any) -> None:
+        fields = self._secrets().data(fields)
         with self.db.write() as session:
             job = self._job(session)
             if job.state in FINAL_STATES:

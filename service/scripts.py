@@ -4,8 +4,8 @@ unpacked for the driver.
 The script runs as the user's code on the cluster's nodes. So a tenant's job may name one only
 on a cluster whose operator enabled scripts for that tenant (``pipette-admin cluster
 allow-scripts``; a 403 naming the tenant and the cluster otherwise), it runs as an argument list
-(never through a shell), and its ranks get none of the service's credentials
-(``workers.host.script_env``).
+(never through a shell), as another OS user (``workers.host.script_user``), and its ranks get none
+of the service's credentials (``workers.host.script_env``).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import binascii
 import io
 import shutil
 import zipfile
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -67,14 +68,18 @@ def stored(spec: ScriptSpec) -> dict[str, Any]:
     return out
 
 
-def unpack_for_job(script: dict[str, Any], files: bytes | None, home: Path, job_id: str) -> ScriptSpec:
-    """The job's ``ScriptSpec``, its working directory unpacked under the service's home."""
+def unpack_for_job(script: dict[str, Any], files: bytes | None, home: Path, job_id: str,
+                   configured_user: str | None) -> ScriptSpec:
+    """The job's ``ScriptSpec``, its working directory unpacked under the service's home, run as
+    the script user (``workers.host.script_user``: refused here when the service cannot switch)."""
+    from workers.host.script_user import service_script_user
     from workers.host.workdir import unpack
 
+    run_as = service_script_user(configured_user)
     workdir = None
     if files is not None:
         workdir = unpack(files, home / "jobs" / job_id / "workdir")
-    return ScriptSpec.from_dict({**script, "workdir": workdir})
+    return replace(ScriptSpec.from_dict({**script, "workdir": workdir}), run_as=run_as)
 
 
 def remove_job_files(home: Path, job_id: str) -> None:

@@ -65,6 +65,9 @@ class Settings:
     stream_idle_s: float = 300.0
     #: answer the polled reads from memory until PostgreSQL notifies a change (``service.changes``)
     read_cache: bool = True
+    #: the OS user tenants' scripts run as (``workers.host.script_user``); None: ``nobody`` when
+    #: the service runs as root, else a script job fails at once saying how to set one
+    script_user: str | None = None
     #: a request's headers must arrive within this long (408), its body within this long plus
     #: its size at 64 KiB/s (closed): slow clients cannot hold connections (``service.protocol``)
     header_timeout_s: float = 10.0
@@ -105,6 +108,7 @@ class Settings:
             max_clusters_per_tenant=int(_number(env, "PIPETTE_MAX_CLUSTERS_PER_TENANT", 50, minimum=1)),
             stream_idle_s=_number(env, "PIPETTE_STREAM_IDLE_S", 300.0, minimum=1.0),
             read_cache=_flag(env, "PIPETTE_READ_CACHE", True),
+            script_user=env.get("PIPETTE_SCRIPT_USER") or None,
             header_timeout_s=_number(env, "PIPETTE_HEADER_TIMEOUT_S", 10.0, minimum=0.5),
             body_timeout_s=_number(env, "PIPETTE_BODY_TIMEOUT_S", 30.0, minimum=1.0),
             max_connections=int(_number(env, "PIPETTE_MAX_CONNECTIONS", 0, minimum=0)),

@@ -25,6 +25,7 @@ from service.models import Job, Trial
 from service.repositories import trials
 from service.settings import Settings
 from tests.service.conftest import JOB_BODY, Api, make_api
+from tests.service.script_access import python_open_to_others
 from tests.service.test_service_scripts import _allow
 from workers.host.workdir import MAX_MEMBERS, unpack
 
@@ -142,7 +143,8 @@ def test_a_job_whose_zip_lies_fails_with_its_folder_removed(api: Api, tmp_path: 
     job_id = r.json()["id"]
     settings = Settings(database_url=str(api.db.engine.url), home=tmp_path)
     keeper = LeaseKeeper(api.db, "local:test", "test-holder", 30.0)
-    JobDriver(api.db, settings, job_id, keeper, threading.Event()).run()
+    with python_open_to_others():  # the script user is checked before the folder is unpacked
+        JobDriver(api.db, settings, job_id, keeper, threading.Event()).run()
     with api.db.read() as session:
         job = session.get(Job, job_id)
         assert job is not None and job.state == "failed"

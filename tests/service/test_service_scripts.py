@@ -6,6 +6,7 @@ service's credentials in its environment."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import os
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from service.db import Database
 from service.migrations import upgrade
 from tests.service.conftest import JOB_BODY, METRICS_TOKEN, Api, remember_profile, seed_profile
 from tests.service.processes import ROOT, ServiceProcess, admin_token, wait_for
+from tests.service.script_access import python_open_to_others
 from workers.host.workdir import pack
 
 SCRIPTS = ROOT / "tests" / "integration" / "scripts"
@@ -103,7 +105,9 @@ def test_a_script_job_runs_without_the_services_credentials(tmp_path: Path, deep
     service = ServiceProcess(url, tmp_path, log_name="api", PIPETTE_METRICS_TOKEN=METRICS_TOKEN,
                              PIPETTE_TEST_SECRET="s3cret")
     db = Database(url)
+    stack = contextlib.ExitStack()
     try:
+        stack.enter_context(python_open_to_others())  # the service runs the script as nobody
         service.start()
         c = httpx.Client(base_url=service.base, headers=headers, timeout=30)
         cluster = c.post("/v1/clusters", json={"name": "local", "devices": 2}).json()
@@ -130,3 +134,4 @@ def test_a_script_job_runs_without_the_services_credentials(tmp_path: Path, deep
     finally:
         db.dispose()
         service.stop()
+        stack.close()

@@ -35,6 +35,7 @@ from tests.service.processes import (
     session_processes,
     wait_for,
 )
+from tests.service.script_access import python_open_to_others
 from tests.service.test_service_scripts import _allow
 from workers.host.ray_cluster import alive, descendants
 from workers.host.workdir import pack
@@ -75,7 +76,8 @@ def setup(tmp_path: Path, deepspeed_ready: None) -> Iterator[Setup]:
     url = f"sqlite:///{tmp_path / 'stop.db'}"
     upgrade(url)
     db = Database(url)
-    yield Setup(url, tmp_path, db, admin_token(url, tmp_path, TENANT))
+    with python_open_to_others():  # the service runs the script as nobody
+        yield Setup(url, tmp_path, db, admin_token(url, tmp_path, TENANT))
     db.dispose()
 
 

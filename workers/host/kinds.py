@@ -106,7 +106,8 @@ class ScriptTrial:
         cwds: tuple[str | None, ...] = (workdir,) * self.world
         if self.ship and workdir is not None:
             cwds = tuple(transport.ship(pack(workdir)))
-        return Launch(files, argv, env, cwds, clean_env=True)
+        return Launch(files, argv, env, cwds, clean_env=True, run_as=self.trial.script.run_as if self.trial.script
+                      else None)
 
     def take(self, rank: int, event: dict[str, Any]) -> dict[str, Any] | None:
         return self.events.add(rank, event)

@@ -11,6 +11,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from pipette.errors import PipetteError
 from workers.host.rank_output import RankOutput
 from workers.host.transport import Launch, Polled, process_env, rank_argv
 from workers.ops import kill_session
@@ -48,6 +49,9 @@ class LocalTransport:
         return not should_stop()
 
     def start(self, rank: int, launch: Launch, env: dict[str, str]) -> int:
+        if launch.run_as is not None:  # only the service runs a tenant's script, on Ray (RankProcess)
+            raise PipetteError(f"cannot start a script as user {launch.run_as!r} without Ray", field="script",
+                               fix="run the job through the service on Ray")
         rank_dir = self.work / f"rank{rank}"
         rank_dir.mkdir(parents=True, exist_ok=True)
         for name, text in launch.files.items():

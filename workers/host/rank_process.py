@@ -20,6 +20,7 @@ import ray
 
 from workers.cpu_isa import cpu_isa_env
 from workers.host.rank_output import RankOutput
+from workers.host.script_user import as_user_env, extensions_copy, give_to, protect_ray_files, resolve, user_home
 from workers.host.transport import process_env, rank_argv
 from workers.host.zygote import ZygoteChild, ensure_zygote
 from workers.ops import kill_session
@@ -58,15 +59,17 @@ class RankProcess:
             ensure_zygote(cpu_isa_env())
 
     def start(self, files: dict[str, str], argv: list[str], env: dict[str, str], cwd: str | None = None,
-              clean_env: bool = False) -> int:
+              clean_env: bool = False, run_as: str | None = None) -> int:
         """Start the rank: ``files`` go to its own folder (``$PIPETTE_RANK_DIR`` in ``argv``); it
         runs in ``cwd`` (default that folder). ``clean_env``: a user's script, which gets only
         ``workers.host.script_env.script_environment`` of this process's environment (no service
-        credentials), never a shell."""
+        credentials), never a shell; ``run_as``: as that OS user, its folder handed to it."""
         for name, text in files.items():
             Path(self.workdir, name).write_text(text)
         argv = rank_argv(argv, self.workdir)
         full_env = process_env(env, clean_env, self.workdir)
+        if run_as is not None:
+            return self._start_as(run_as, argv, full_env, cwd)
         if _warm_start(argv, full_env):
             # A CPU rank forks from the node's warm zygote (workers.host.zygote): same fresh
             # process per rank and trial, without ~8 CPU-seconds of imports.
@@ -76,6 +79,26 @@ class RankProcess:
         self.proc = subprocess.Popen(
             argv, cwd=cwd or self.workdir, env=full_env, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True, preexec_fn=_die_with_parent,
+        )
+        if self.proc.stdout is None:
+            raise RuntimeError("no stdout pipe")
+        self.output.follow(self.proc.stdout)
+        return self.proc.pid
+
+    def _start_as(self, name: str, argv: list[str], env: dict[str, str], cwd: str | None) -> int:
+        """Start a tenant's script as the user ``name`` (``workers.host.script_user``): it owns
+        its folder and a copy of the op cache, and reads nothing of the service's."""
+        user = resolve(name)
+        protect_ray_files()
+        home = user_home(user)
+        env = as_user_env(env, user, home)
+        if "TORCH_EXTENSIONS_DIR" in env:
+            env["TORCH_EXTENSIONS_DIR"] = extensions_copy(user, env["TORCH_EXTENSIONS_DIR"])
+        give_to(self.workdir, user)
+        self.proc = subprocess.Popen(
+            argv, cwd=cwd or self.workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            bufsize=1, start_new_session=True, preexec_fn=_die_with_parent, user=user.uid, group=user.gid,
+            extra_groups=[],
         )
         if self.proc.stdout is None:
             raise RuntimeError("no stdout pipe")

@@ -84,7 +84,8 @@ class RayTransport:
     def start(self, rank: int, launch: Launch, env: dict[str, str]) -> int:
         if not self.zygote:
             env = env | {"PIPETTE_ZYGOTE": "0"}
-        ref = self.actors[rank].start.remote(launch.files, launch.argv, env, launch.cwd(rank), launch.clean_env)
+        ref = self.actors[rank].start.remote(launch.files, launch.argv, env, launch.cwd(rank), launch.clean_env,
+                                             launch.run_as)
         return int(ray.get(ref, timeout=60))
 
     def poll(self) -> tuple[Polled, dict[int, str]]:

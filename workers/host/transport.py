@@ -26,13 +26,15 @@ Polled = list[tuple[list[str], int | None]]
 class Launch:
     """What every rank of one run starts with: ``files`` written to its own folder (named in
     ``argv`` as ``$PIPETTE_RANK_DIR``), ``argv``, ``env`` over the rank's own, the folder each
-    rank runs in (None: its own), and ``clean_env`` for a user's script (no credentials)."""
+    rank runs in (None: its own), and ``clean_env`` for a user's script (no credentials), started
+    as the OS user ``run_as`` where the service says (``workers.host.script_user``)."""
 
     files: dict[str, str]
     argv: list[str]
     env: dict[str, str] = field(default_factory=dict)
     cwds: tuple[str | None, ...] = ()
     clean_env: bool = False
+    run_as: str | None = None
 
     def cwd(self, rank: int) -> str | None:
         return self.cwds[rank] if rank < len(self.cwds) else None
