@@ -25,6 +25,8 @@ from service.errors import AuthError
 from service.models import Token, utcnow
 
 PREFIX = "pip_"
+#: the scope key under which ``service.gate`` hands the authenticated principal to the routes
+PRINCIPAL_KEY = "pipette.principal"
 TENANT_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 
 

@@ -11,11 +11,10 @@ from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.concurrency import run_in_threadpool
 
-from service.auth import Principal, TokenCache, bearer_secret, verify
+from service.auth import PRINCIPAL_KEY, Principal, TokenCache, bearer_secret, verify
 from service.changes import ChangeFeed, ReadCache
 from service.db import Database
 from service.errors import RequestError
-from service.gate import PRINCIPAL_KEY
 from service.metrics import Metrics
 from service.rates import TenantRate
 from service.settings import Settings

@@ -16,14 +16,13 @@ import json
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pipette.errors import PipetteError
-from service.auth import bearer_secret_of
+from service.auth import PRINCIPAL_KEY, bearer_secret_of
+from service.deps import authenticate
 from service.errors import RequestError, error_body
 
 #: objects and arrays a JSON body may hold; the largest real ones (a cluster file of a few
 #: hundred nodes, a job with a config.json) hold a few thousand
 MAX_CONTAINERS = 20_000
-#: the scope key under which the authenticated principal reaches ``service.deps.principal``
-PRINCIPAL_KEY = "pipette.principal"
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 
 
@@ -35,8 +34,6 @@ class AuthFirstMiddleware:
         if scope["type"] != "http" or scope["method"] not in _BODY_METHODS or not scope["path"].startswith("/v1/"):
             await self.app(scope, receive, send)
             return
-        from service.deps import authenticate  # deps reads PRINCIPAL_KEY from here
-
         try:
             principal = await authenticate(scope["app"].state.pipette, bearer_secret_of(scope))
         except PipetteError as e:

@@ -15,6 +15,7 @@ from typing import Any
 
 from pipette.contract import FSDP_ENTRY, TRAIN_ENTRY
 from pipette.measurement import Measurement, last_error_line
+from pipette.script import ScriptSpec
 from workers.host.monitor import Finished, Watched, exit_text
 from workers.host.outcome import Outcome, measurement
 from workers.host.script_trial import script_events, script_launch, script_measurement
@@ -152,6 +153,14 @@ class ScriptTrial:
 
 
 TrialKind = RunnerTrial | ScriptTrial
+
+
+def runs_deepspeed(script: ScriptSpec | None, stack: str) -> bool:
+    """Whether a trial loads DeepSpeed: a DeepSpeed script, or Pipette's DeepSpeed runner (the
+    ``pipette`` stack); an FSDP script and the PyTorch-native runner never do."""
+    if script is not None:
+        return not script.fsdp
+    return stack.split("+", 1)[0] == "pipette"
 
 
 def trial_kind(trial: TrialSpec, ship_workdir: bool = False) -> TrialKind:

@@ -118,12 +118,10 @@ class RayTrialRunner:
         devices: a DeepSpeed script, or Pipette's DeepSpeed runner. An FSDP script and the
         PyTorch-native runner never load it (an FSDP-only job built it for 147 s first: issue
         43, item 28)."""
-        if self.device_kind != "cpu":
-            return False
-        if self.script is not None:
-            return not self.script.fsdp
+        from workers.host.kinds import runs_deepspeed
+
         stack = (config.stack if config is not None else None) or self.stack
-        return stack.split("+", 1)[0] == "pipette"
+        return self.device_kind == "cpu" and runs_deepspeed(self.script, stack)
 
     def __call__(self, config: ParallelConfig, on_step: OnStep) -> Measurement:
         from workers.host.executor import StepReport, run_trial
