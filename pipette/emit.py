@@ -313,6 +313,21 @@ def stack_launch_command(config: ParallelConfig, cluster: ClusterProfile, stack:
     return native_command(config, cluster) if chosen.native_rules else launch_command(config, cluster, out_dir)
 
 
+#: What a launch's log is called: ``launch.log``, across nodes ``launch-node<N>.log`` (a shared folder holds them all).
+LOG_NAME = 'launch${NODE_RANK:+-node$NODE_RANK}.log'
+
+
+def shown_output(command: str) -> list[str]:
+    """``command`` with its output (stdout and stderr) through ``workers.launch_output``: all of it
+    into the log, what a person reads on the terminal, and a closing line of step time and tokens/s."""
+    return [
+        "# Every line of the output goes to the log; the terminal gets the ranks' phases and steps, warnings,",
+        "# errors, and at the end the step time and tokens/s (workers/launch_output.py).",
+        f'LOG="{LOG_NAME}"',
+        f'{command} 2>&1 | "${PYTHON_VAR}" -m workers.launch_output --candidate candidate.json --log "$LOG"',
+    ]
+
+
 def file_header(config: ParallelConfig, cluster: ClusterProfile, stack: Stack) -> str:
     """The first line of every emitted text file: the candidate, where it runs, its stack."""
     return (f"Pipette: {config.label} on {cluster.world} x {cluster.device_spec.name} ({cluster.name}), "
@@ -340,6 +355,7 @@ def launch_script(config: ParallelConfig, cluster: ClusterProfile, python: str |
                           f"e.g. {PYTHON_VAR}=/path/to/.venv/bin/python ./launch.sh")
     run = native_lines(config, cluster) if native else [*build_tool_lines(), *deepspeed_node_lines(config, cluster),
                                                         launch_command(config, cluster, ".")]
+    run[-1:] = shown_output(run[-1])
     return "\n".join([
         "#!/usr/bin/env bash",
         f"# {file_header(config, cluster, chosen)}",

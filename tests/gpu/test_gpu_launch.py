@@ -39,7 +39,9 @@ def test_emitted_launch_runs_on_one_gpu(tmp_path: Path) -> None:
     done = subprocess.run(["bash", "-c", f"cd {out} && ./launch.sh"], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-    events = [json.loads(x[len(EVENT_PREFIX):]) for x in done.stdout.splitlines() if x.startswith(EVENT_PREFIX)]
+    log = (out / "launch.log").read_text()  # every line of the launch's output; the terminal gets a summary
+    events = [json.loads(x[len(EVENT_PREFIX):]) for x in log.splitlines() if x.startswith(EVENT_PREFIX)]
+    assert done.stdout.strip().splitlines()[-1].startswith(f"launch of {config.label}: 4 timed steps on 1 rank here")
     rank = next(e for e in events if e["event"] == "rank")
     assert rank["device_kind"] == "gpu" and rank["master_port"] == str(port)
     finished = next(e for e in events if e["event"] == "done")

@@ -53,7 +53,7 @@ def test_emitted_launch_runs_the_trials_job(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "OMP_NUM_THREADS", "VIRTUAL_ENV", "PYTHONPATH")}
     env |= {"PATH": path, "MASTER_PORT": str(port)}
     assert subprocess.run(["bash", "-c", "command -v deepspeed"], env=env, capture_output=True).returncode != 0
-    out, _ = _run(files, env)
+    out, shown = _run(files, env)
     events = [json.loads(line[len(EVENT_PREFIX):]) for line in out.splitlines() if line.startswith(EVENT_PREFIX)]
 
     ranks = {int(e["launcher_rank"]): e for e in events if e["event"] == "rank"}
@@ -63,6 +63,15 @@ def test_emitted_launch_runs_the_trials_job(tmp_path: Path) -> None:
     assert set(finished) == {0, 1}
     assert finished[0]["backend"] == "deepspeed+engine+zero0+megatron-tp"
     assert len(finished[0]["step_times"]) == 3 and len(finished[0]["losses"]) == 5
+    # issue 43, item 20: the terminal gets no raw events nor the launcher's INFO lines (they are in
+    # launch.log), and the launch ends with its step time and tokens/s
+    assert EVENT_PREFIX not in shown and "[INFO]" not in shown and "ranks: timed steps" in shown, shown[-3000:]
+    step = statistics.median(max(a, b) for a, b in zip(finished[0]["step_times"], finished[1]["step_times"],
+                                                       strict=True))
+    last = shown.strip().splitlines()[-1]
+    assert last.startswith(f"launch of {config.label}: 3 timed steps on 2 ranks here: step time {step:.4f} s "
+                           f"(median), {spec.training.tokens_per_step / step:,.0f} tokens/s"), last
+    assert last.endswith("(full output: launch.log)"), last
 
     # The trial runner on Ray, with the same candidate, computes the same losses.
     trial = run_trial(spec, timeout_s=240)
@@ -122,7 +131,8 @@ def _launch(files: dict[str, Path], env: dict[str, str]) -> list[float]:
         except ProcessLookupError:
             pass
     assert launcher.returncode == 0, out[-3000:] + err[-3000:]
-    done = [json.loads(line[len(EVENT_PREFIX):]) for line in out.splitlines() if line.startswith(EVENT_PREFIX)]
+    log = (files["launch.sh"].parent / "launch.log").read_text()  # every line of the launch's output
+    done = [json.loads(line[len(EVENT_PREFIX):]) for line in log.splitlines() if line.startswith(EVENT_PREFIX)]
     times = [e["step_times"] for e in done if e["event"] == "done"]
     return [max(ts) for ts in zip(*times, strict=True)]
 
@@ -188,10 +198,11 @@ def test_the_native_runners_launch_runs_the_fsdp_trials_job(tmp_path: Path) -> N
     env |= {"PATH": path, "MASTER_PORT": str(_free_port())}
     assert subprocess.run(["bash", "-c", "command -v torchrun"], env=env, capture_output=True).returncode != 0
 
-    out, err = _run(files, env)
+    out, shown = _run(files, env)
     # rank 0 joins the store torchrun's agent serves on MASTER_PORT; before, it found the port taken
     # and fell back to torch's own server, which failed to bind too (torch logged it and went on)
-    assert "rendezvous store cannot listen" not in err, err[-2000:]
+    assert "rendezvous store cannot listen" not in out, out[-2000:]
+    assert shown.strip().splitlines()[-1].startswith(f"launch of {config.label}: 3 timed steps on 4 ranks"), shown
     events = [json.loads(line[len(EVENT_PREFIX):]) for line in out.splitlines() if line.startswith(EVENT_PREFIX)]
     ranks = {int(e["launcher_rank"]): e for e in events if e["event"] == "rank"}
     assert sorted(ranks) == [0, 1, 2, 3] and {v["master_port"] for v in ranks.values()} == {env["MASTER_PORT"]}
@@ -216,7 +227,8 @@ def test_the_native_runners_launch_runs_the_fsdp_trials_job(tmp_path: Path) -> N
 
 
 def _run(files: dict[str, Path], env: dict[str, str]) -> tuple[str, str]:
-    """``launch.sh`` run as a user does (from another folder); its standard output and error."""
+    """``launch.sh`` run as a user does (from another folder): its log (every line of the launch's
+    output, the ranks' events among them) and what it showed on the terminal (stdout and stderr)."""
     launcher = subprocess.Popen(["bash", "-c", f"(cd {files['launch.sh'].parent} && ./launch.sh)"], cwd="/", env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
@@ -231,7 +243,7 @@ def _run(files: dict[str, Path], env: dict[str, str]) -> tuple[str, str]:
         except ProcessLookupError:
             pass
     assert launcher.returncode == 0, out[-3000:] + err[-3000:]
-    return out, err
+    return (files["launch.sh"].parent / "launch.log").read_text(), out + err
 
 
 TWO_HOSTS = """name: two-hosts-on-loopback
@@ -280,8 +292,11 @@ def test_a_two_node_launch_runs_as_printed_one_command_per_host(tmp_path: Path, 
                 os.killpg(node.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+    logs = [(out / f"launch-node{i}.log").read_text() for i in range(2)]  # each node's own log
     events = [[json.loads(line[len(EVENT_PREFIX):]) for line in text.splitlines() if line.startswith(EVENT_PREFIX)]
-              for text in outputs]
+              for text in logs]
+    assert all(text.strip().splitlines()[-1].startswith(f"launch of {config.label}: 2 timed steps on 1 rank here")
+               for text in outputs), outputs
     done = [[e for e in node if e["event"] == "done"] for node in events]
     # node 0 (host-a, device 0) runs rank 1; node 1 (host-b, device 1) runs rank 0
     assert [[int(e["rank"]) for e in events] for events in done] == [[1], [0]], outputs

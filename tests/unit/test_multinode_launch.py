@@ -31,10 +31,13 @@ A100 = load_cluster(ROOT / "examples" / "clusters" / "a100-2x8.yaml")
 HOSTS = ["node0", "node1"]
 PER_NODE = re.compile(r"^  on (\S+): (.+)$")
 
-#: A stand-in Python: passes launch.sh's checks (``-c``), and as a launcher records its arguments
-#: and the devices it was shown, one JSON line per call.
+#: A stand-in Python: passes launch.sh's checks (``-c``), reads the launch's output as the filter
+#: launch.sh pipes it through, and as a launcher records its arguments and the devices it was shown.
 FAKE = """import json, os, sys
 if sys.argv[1] == "-c":
+    sys.exit(0)
+if sys.argv[1:3] == ["-m", "workers.launch_output"]:  # what launch.sh shows of the launch: not a launcher
+    sys.stdin.read()
     sys.exit(0)
 with open(os.environ["RECORD"], "a") as f:
     f.write(json.dumps({"argv": sys.argv[1:], "cwd": os.getcwd(),
