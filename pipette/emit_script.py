@@ -17,7 +17,9 @@
 An FSDP script (``ScriptSpec.fsdp``) gets its own stack's files instead (``pipette.script_fsdp``):
 ``accelerate_config.yaml`` with ``distributed_type: FSDP`` and ``launch-accelerate.sh``
 (``accelerate-fsdp``); ``fsdp_config.json`` and ``launch-torchrun.sh`` (the HF Trainer's
-``--fsdp``); ``torchtitan.toml`` and ``launch-torchrun.sh`` (torchtitan). No DeepSpeed config.
+``--fsdp``); ``launch-torchrun.sh`` with the candidate as torchtitan's own flags (torchtitan 0.3:
+``--module``/``--config`` from the user, ``--parallelism.*``/``--training.*`` and the
+``activation-checkpoint:`` subcommand from Pipette). No DeepSpeed config.
 """
 
 from __future__ import annotations
@@ -47,10 +49,9 @@ from pipette.emit_frameworks import tf32_note
 from pipette.model import ModelSpec
 from pipette.script import ScriptSpec, script_ds_config, sharded
 from pipette.script_fsdp import (
-    TORCHTITAN_CONFIG,
     TRAINER_FSDP_CONFIG,
     accelerate_fsdp_yaml,
-    torchtitan_toml,
+    fsdp_script_args,
     trainer_fsdp_config,
 )
 from pipette.training import TrainingSpec
@@ -106,21 +107,21 @@ def _finder(modules: tuple[str, ...], launcher: str, python: str | None) -> list
 
 def _fsdp_config_file(script: ScriptSpec, config: ParallelConfig) -> str | None:
     """The file an FSDP script's ``fsdp_config`` knob names (None: none for this candidate)."""
-    if not script.fsdp:
+    if not script.fsdp or script.kind == "torchtitan":  # torchtitan: all on its command line
         return None
-    if script.kind == "torchtitan":
-        return TORCHTITAN_CONFIG
     return TRAINER_FSDP_CONFIG if sharded(config) else None
 
 
 def _script_part(script: ScriptSpec, training: TrainingSpec, config: ParallelConfig, no_python: str,
-                 device_kind: str) -> str:
+                 device_kind: str, model: ModelSpec | None = None) -> str:
     """The program and its arguments after the launcher's own flags (the files beside the
-    launch as ``"$HERE/NAME"``)."""
+    launch as ``"$HERE/NAME"``; torchtitan's settings as its flags, which need ``model``)."""
     q = shlex.quote
     named = _fsdp_config_file(script, config)
     argv = script.command(training, config, "$HERE/ds_config.json", steps=LAUNCH_STEPS,
                           fsdp_config_path=f"$HERE/{named}" if named else None, device_kind=device_kind)
+    if model is not None:
+        argv += fsdp_script_args(training, config, model, script)
     args = argv[2:] if script.is_python else argv[1:]
     head = [] if script.is_python else [no_python]
     return " ".join([*head, q(script.program)] + [f'"{a}"' if _beside(a) else q(a) for a in args])
@@ -160,7 +161,7 @@ def _header(config: ParallelConfig, cluster: ClusterProfile, script: ScriptSpec,
 
 
 def launch_torchrun(config: ParallelConfig, cluster: ClusterProfile, training: TrainingSpec,
-                    script: ScriptSpec, python: str | None = None) -> str:
+                    script: ScriptSpec, python: str | None = None, model: ModelSpec | None = None) -> str:
     blocks = node_blocks(config, cluster)
     lines = _header(config, cluster, script, "torchrun", training) + _finder(("torch",), "torch", python)
     lines += build_tool_lines()
@@ -169,7 +170,7 @@ def launch_torchrun(config: ParallelConfig, cluster: ClusterProfile, training: T
         f'"${PYTHON_VAR}" -m torch.distributed.run --nnodes {len(blocks)} --nproc_per_node "$NPROC" '
         f'--node_rank "$NODE_RANK" --master_addr {shlex.quote(_master(blocks, cluster))} '
         '--master_port "${MASTER_PORT:-29500}" '
-        + _script_part(script, training, config, "--no-python", cluster.device_spec.kind))
+        + _script_part(script, training, config, "--no-python", cluster.device_spec.kind, model))
     return "\n".join(lines) + "\n"
 
 
@@ -277,11 +278,9 @@ def fsdp_script_files(model: ModelSpec, training: TrainingSpec, config: Parallel
                                                                use_cpu=cluster.device_spec.kind == "cpu")
         files["launch-accelerate.sh"] = launch_accelerate(config, cluster, training, script)
         return files
-    if script.kind == "torchtitan":
-        files[TORCHTITAN_CONFIG] = torchtitan_toml(training, config, model, script)
-    elif sharded(config):
+    if script.kind != "torchtitan" and sharded(config):
         files[TRAINER_FSDP_CONFIG] = json.dumps(trainer_fsdp_config(training, config, model), indent=2) + "\n"
-    files["launch-torchrun.sh"] = launch_torchrun(config, cluster, training, script)
+    files["launch-torchrun.sh"] = launch_torchrun(config, cluster, training, script, model=model)
     return files
 
 

@@ -125,6 +125,8 @@ class Details:
     #: the fix of a failure of the user's script that no layout explains ("" for any other):
     #: the search stops at it (``pipette.script_faults``)
     script_fault: str = ""
+    #: the fix when the user's script said it cannot run the candidate (not retried)
+    unsupported: str = ""
 
     @classmethod
     def of(cls, m: Measurement) -> Details:
@@ -137,7 +139,7 @@ class Details:
             allocator=Allocator(**{name: _ints(x.get(name)) for name in Allocator.__dataclass_fields__}),
             peak_rss_bytes=_ints(x.get("peak_rss_bytes")),
             output_tail=str(x.get("output_tail") or ""), not_retried=str(x.get("not_retried") or ""),
-            script_fault=str(x.get("script_fault") or ""),
+            script_fault=str(x.get("script_fault") or ""), unsupported=str(x.get("unsupported") or ""),
         )
 
 

@@ -16,7 +16,7 @@ top of the user's own (``script_ds_config``), and appends the knobs to the argum
 ``bf16`` / ``fp16``   flags present when training in that precision (HF Trainer's ``--bf16``)
 ``fsdp``              a flag present when the candidate shards with FSDP (HF Trainer's ``--fsdp``)
 ``fsdp_config``       the flag taking the FSDP config file Pipette writes (HF Trainer's
-                      ``--fsdp_config`` JSON; torchtitan's ``--job.config_file`` TOML)
+                      ``--fsdp_config`` JSON)
 
 ``kind`` fills the usual knobs of a known stack (``hf-trainer``, ``deepspeed``,
 ``accelerate-fsdp``, ``torchtitan``); any knob can be set or cleared on top. A script that shards
@@ -58,9 +58,14 @@ KINDS: dict[str, dict[str, str]] = {
         "micro_batch": "--per_device_train_batch_size", "grad_accum": "--gradient_accumulation_steps",
         "steps": "--max_steps",
     },
-    # torchtitan's train entry (torchtitan/train.py): everything in the TOML, the step count on top
-    "torchtitan": {"fsdp_config": "--job.config_file", "steps": "--training.steps"},
+    # torchtitan's train entry (0.3.0 torchtitan/train.py): the candidate as --section.field flags
+    # (pipette.script_fsdp.torchtitan_args), the step count among them
+    "torchtitan": {"steps": "--training.steps"},
 }
+#: What a user can say their script cannot run (``ScriptSpec.unsupported``), in words.
+UNSUPPORTED = {"tp": "tensor parallelism (tp > 1)", "pp": "pipeline parallelism (pp > 1)",
+               "selective": "selective recomputation", "full": "full recomputation",
+               "hsdp": "HSDP (dp_shard)", "offload": "CPU offload"}
 #: The kinds whose script shards with FSDP whatever the stack (an ``hf-trainer`` script does
 #: when tuned with the ``fsdp`` stack).
 FSDP_KINDS = ("accelerate-fsdp", "torchtitan")
@@ -87,6 +92,9 @@ class ScriptSpec:
     #: the OS user the service starts the ranks as (``workers.host.script_user``), not the
     #: service's own; None: the caller's user (the CLI). How it runs, not what it is: not in ``to_dict``
     run_as: str | None = None
+    #: what the script cannot run, said by the user (``--script-unsupported tp,pp,selective``):
+    #: its candidates are never tried (``UNSUPPORTED`` names each)
+    unsupported: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         argv = self.argv
@@ -124,6 +132,12 @@ class ScriptSpec:
             raise SpecError("is not a JSON object", field="script.base_config", fix="give a DeepSpeed config")
         if not isinstance(self.fsdp, bool):
             raise SpecError(f"is {self.fsdp!r}", field="script.fsdp", fix="use true or false")
+        features: list[str] = [self.unsupported] if isinstance(self.unsupported, str) else list(self.unsupported)
+        bad_features = [u for u in features if u not in UNSUPPORTED]
+        if isinstance(self.unsupported, str) or bad_features:
+            raise SpecError(f"holds {(bad_features or features)[0]!r}", field="script.unsupported",
+                            fix=f"name what the script cannot run among {', '.join(UNSUPPORTED)}, as a list")
+        object.__setattr__(self, "unsupported", tuple(sorted(set(self.unsupported))))
         if self.kind in FSDP_KINDS:
             object.__setattr__(self, "fsdp", True)
         if self.fsdp:
@@ -147,9 +161,10 @@ class ScriptSpec:
     def refusals(self, training: TrainingSpec, config: ParallelConfig, nodes: list[int] | None = None) -> list[str]:
         """Why this script cannot run ``config``; empty when it can. ``nodes``: the node of each
         device, to check that launchers which number ranks node by node can place it."""
+        said = self._unsupported_refusals(config)
         if self.fsdp:
-            return fsdp_script_refusals(self, config) + self._node_refusals(config, nodes)
-        out = []
+            return said + fsdp_script_refusals(self, config) + self._node_refusals(config, nodes)
+        out = said
         if config.dp_shard is not None or config.offload:
             out.append("HSDP (dp_shard) and CPU offload are FSDP options: a DeepSpeed script has neither")
         if config.pp > 1 and not self.pipeline:
@@ -167,6 +182,13 @@ class ScriptSpec:
         if not self.micro_batch_settable() and config.mbs != 1 and "deepspeed_config" not in self.knobs:
             out.append(f"mbs={config.mbs}: the script takes neither a DeepSpeed config nor a micro-batch knob")
         return out + self._node_refusals(config, nodes)
+
+    def _unsupported_refusals(self, config: ParallelConfig) -> list[str]:
+        """What the user said the script cannot run (``unsupported``), that ``config`` uses."""
+        uses = {"tp": config.tp > 1, "pp": config.pp > 1, "selective": config.recompute == "selective",
+                "full": config.recompute == "full", "hsdp": config.dp_shard is not None, "offload": config.offload}
+        return [f"{UNSUPPORTED[u]}: the script does not run it (--script-unsupported {u})"
+                for u in self.unsupported if uses[u]]
 
     @staticmethod
     def _node_refusals(config: ParallelConfig, nodes: list[int] | None) -> list[str]:
@@ -224,6 +246,10 @@ class ScriptSpec:
         if not self.fsdp:  # written only when set: a DeepSpeed script's dict (and its trials' key) is unchanged
             del out["fsdp"]
         del out["run_as"]
+        if not self.unsupported:  # likewise: written only when said
+            del out["unsupported"]
+        else:
+            out["unsupported"] = list(self.unsupported)
         return out
 
     @classmethod
@@ -286,13 +312,41 @@ def _check_fsdp_script(script: ScriptSpec) -> None:
             raise SpecError(f"is set, but {what} is DeepSpeed's and the script shards with FSDP",
                             field=f"script.{name}", fix=f"drop --script-{name}: the FSDP candidates' tp and pp come "
                             "from the stack (torchtitan runs them)")
-    if script.base_config is not None and script.kind != "torchtitan":
+    if script.base_config is not None and script.kind == "torchtitan":
+        raise SpecError("is a job config file, but torchtitan (0.3) takes its job from --module and --config",
+                        field="script.base_config", fix="drop --script-config: give --module/--config and your "
+                                                        "own --section.field overrides in the command")
+    if script.base_config is not None:
         raise SpecError("is a DeepSpeed config, but the script shards with FSDP", field="script.base_config",
                         fix="drop --script-config: Pipette writes the FSDP settings (Accelerate config, "
-                            "--fsdp_config); only a torchtitan script takes one (its job TOML)")
+                            "--fsdp_config)")
+    if script.kind == "torchtitan":
+        check_torchtitan_argv(script)
     if "deepspeed_config" in script.knobs and script.kind != "hf-trainer":
         raise SpecError("is set, but the script shards with FSDP", field="script.knobs.deepspeed_config",
                         fix="clear it (--script-knob deepspeed_config=)")
+
+
+#: the command line torchtitan 0.3.0's ``torchtitan.train`` requires (``ConfigManager._load_config``)
+TORCHTITAN_REQUIRED = ("--module", "--config")
+
+
+def check_torchtitan_argv(script: ScriptSpec) -> None:
+    """torchtitan's own entry (``python -m torchtitan.train``) needs ``--module`` and
+    ``--config`` (0.3.0: "--module is required"), and leaves the activation checkpointing to
+    Pipette; one line when not (``SpecError``)."""
+    if script.argv[1:3] != ("-m", "torchtitan.train"):
+        return  # the user's own entry: its command line is its own
+    given = {a.split("=", 1)[0] for a in script.argv}
+    missing = [flag for flag in TORCHTITAN_REQUIRED if flag not in given]
+    if missing:
+        raise SpecError(f"lacks {' and '.join(missing)}: torchtitan (0.3) takes its model and job from them",
+                        field="script.argv", fix="give them after --script, e.g. --script python -m torchtitan.train "
+                                                 "--module llama3 --config llama3_8b")
+    chosen = [a for a in script.argv if a.startswith("activation-checkpoint:")]
+    if chosen:
+        raise SpecError(f"holds {chosen[0]}", field="script.argv",
+                        fix="drop it: Pipette chooses each candidate's activation checkpointing")
 
 
 def bind_stack(script: ScriptSpec, stack: str) -> ScriptSpec:

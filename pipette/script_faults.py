@@ -102,3 +102,21 @@ def _unknown_flags_fix(flags: list[str], script: ScriptSpec | None) -> str:
         parts.append(f"drop {' '.join(theirs)} from the command after --script (Pipette's own flags go before "
                      "--script)")
     return "; ".join(parts) or "give the script only the flags it takes"
+
+
+#: an error that says the script cannot run what it was given (not a crash of the machine)
+_UNSUPPORTED = re.compile(r"NotImplementedError|not (?:yet )?supported|unsupported|does not support|"
+                          r"is not implemented", re.I)
+
+
+def unsupported_hint(error: str, output: str, uses: list[str]) -> str | None:
+    """When a failed trial's error says the script does not support what it was given (its
+    exception line: ``NotImplementedError``, "... not supported"), the fix naming what of the
+    candidate it may be (``uses``: among ``pipette.script.UNSUPPORTED``'s names); None otherwise.
+    Such a failure is the candidate's in this script: a retry repeats it."""
+    line = last_error_line(f"{output}\n{error}")
+    if not _UNSUPPORTED.search(line):
+        return None
+    said = ",".join(uses) if uses else "WHAT"
+    return (f"the script says it cannot run this candidate ({line[:200]}): if it cannot run {' or '.join(uses) or 'it'}"
+            f", tune with --script-unsupported {said} so that no such candidate is tried")

@@ -19,7 +19,6 @@
 
 from __future__ import annotations
 
-import copy
 import json
 from typing import Any
 
@@ -34,7 +33,6 @@ from pipette.training import TrainingSpec
 DECODER_LAYER = {"llama": "LlamaDecoderLayer"}
 #: Files an FSDP script's trial writes beside its ranks (the flag takes the path).
 TRAINER_FSDP_CONFIG = "fsdp_config.json"
-TORCHTITAN_CONFIG = "torchtitan.toml"
 
 
 def _shard_degrees(config: ParallelConfig) -> tuple[int, int]:
@@ -170,8 +168,15 @@ def trainer_fsdp_config(training: TrainingSpec, config: ParallelConfig, model: M
 TORCHTITAN_SCHEDULES = {"1f1b": "1F1B", "interleaved": "Interleaved1F1B"}
 
 
+#: torchtitan's ``activation_checkpoint`` choice (a subcommand of its command line, 0.3.0:
+#: ``ActivationCheckpointing`` configs ``none``, ``full``, ``selective`` per-op SAC)
+TORCHTITAN_AC = {"none": "activation-checkpoint:none", "full": "activation-checkpoint:full",
+                 "selective": "activation-checkpoint:selective"}
+
+
 def torchtitan_settings(training: TrainingSpec, config: ParallelConfig, model: ModelSpec) -> dict[str, dict[str, Any]]:
-    """The sections of torchtitan's job config that the candidate sets (``JobConfig`` field names)."""
+    """The fields of torchtitan's config (0.3.0: ``torchtitan/config/configs.py``'s
+    ``ParallelismConfig`` and ``TrainingConfig``) that the candidate sets, by section."""
     c = config
     replicate, shard = _shard_degrees(c)
     parallelism: dict[str, Any] = {
@@ -187,74 +192,42 @@ def torchtitan_settings(training: TrainingSpec, config: ParallelConfig, model: M
     if c.pp > 1:
         parallelism["pipeline_parallel_schedule"] = TORCHTITAN_SCHEDULES[c.schedule]
         parallelism["pipeline_parallel_microbatch_size"] = c.mbs
+        # the decoder layers alone split over the stages, the first ``layers % stages`` one
+        # heavier, as priced (torchtitan counts the embedding and the head as a layer each unless
+        # told not to: ``_generate_llm_fqn_per_model_part``)
+        parallelism["pipeline_parallel_first_stage_less_layers"] = 0
+        parallelism["pipeline_parallel_last_stage_less_layers"] = 0
         stages = c.pp * (c.virtual_stages if c.schedule == "interleaved" else 1)
-        if model.layers % stages == 0:
-            parallelism["pipeline_parallel_layers_per_stage"] = model.layers // stages
-        else:  # uneven: the split priced and Pipette's runner trains, the heavier stages first
-            parallelism["pipeline_parallel_split_points"] = split_points(model.layers, stages)
-    ac: dict[str, Any] = {"mode": c.recompute}
-    if c.recompute == "selective":
-        ac["selective_ac_option"] = "op"  # per-op, as Pipette's own fsdp runner (torchtitan's apply_ac)
+        per_stage = -(-model.layers // stages)  # torchtitan derives the stages as ceil(layers / this)
+        if c.schedule == "interleaved" and -(-model.layers // per_stage) == stages:
+            parallelism["pipeline_parallel_layers_per_stage"] = per_stage  # its stages per rank
     return {
         "parallelism": parallelism,
-        "activation_checkpoint": ac,
         "training": {
             "local_batch_size": local,
             "global_batch_size": c.global_batch,
             "seq_len": training.seq_len,
             "enable_cpu_offload": c.offload,
             "mixed_precision_param": "bfloat16" if training.dtype == "bf16" else "float32",
+            # torchtitan 0.3.0 refuses CUDA graphs with pipeline parallelism
+            "disable_cuda_graphs": c.pp > 1,
         },
     }
 
 
-def split_points(layers: int, stages: int) -> list[str]:
-    """torchtitan's ``pipeline_parallel_split_points`` for ``layers`` over ``stages`` (virtual) stages,
-    the first ``layers % stages`` one layer heavier (``workers.rank.fsdp_model.stage_layers``): the
-    first layer of every stage but the first ("layers.N" begins a stage; a looped schedule takes
-    stages - 1 of them)."""
-    base, extra = divmod(layers, stages)
-    starts = [s * base + min(s, extra) for s in range(1, stages)]
-    return [f"layers.{n}" for n in starts]
-
-
-def torchtitan_toml(training: TrainingSpec, config: ParallelConfig, model: ModelSpec, script: ScriptSpec) -> str:
-    """torchtitan's job TOML: the user's own (``script.base_config``, read from their TOML) with
-    the candidate's sections on top."""
-    merged = copy.deepcopy(script.base_config or {})
+def torchtitan_args(training: TrainingSpec, config: ParallelConfig, model: ModelSpec) -> list[str]:
+    """The candidate as torchtitan 0.3.0's command line takes it (its ``tyro`` parser, after the
+    user's ``--module``/``--config``): ``--section.field value`` (a switch ``--section.field`` or
+    ``--section.no-field``), then the activation checkpointing subcommand, which comes last."""
+    out: list[str] = []
     for section, values in torchtitan_settings(training, config, model).items():
-        merged[section] = dict(merged.get(section) or {}) | values
-    return f"# Pipette: torchtitan job config for {config.label}\n" + toml_text(merged)
-
-
-def toml_text(data: dict[str, Any]) -> str:
-    """TOML for a job config: top-level scalars, then one table per section (nested tables as
-    dotted headers); values are strings, booleans, numbers and lists of them."""
-    lines: list[str] = []
-
-    def table(prefix: str, body: dict[str, Any]) -> None:
-        scalars = {k: v for k, v in body.items() if not isinstance(v, dict)}
-        if prefix and (scalars or not body):
-            lines.append(f"\n[{prefix}]")
-        lines.extend(f"{k} = {_toml_value(v)}" for k, v in scalars.items())
-        for k, v in body.items():
-            if isinstance(v, dict):
-                table(f"{prefix}.{k}" if prefix else k, v)
-
-    table("", data)
-    return "\n".join(lines).lstrip("\n") + "\n"
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, str):
-        return json.dumps(value)  # a TOML basic string is JSON's escaping
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    raise TypeError(f"no TOML for {type(value).__name__}")
+        for key, value in values.items():
+            flag = f"--{section}.{key.replace('_', '-')}"
+            if isinstance(value, bool):
+                out.append(flag if value else f"--{section}.no-{key.replace('_', '-')}")
+            else:
+                out += [flag, str(value)]
+    return [*out, TORCHTITAN_AC[config.recompute]]
 
 
 # ---- one trial's files and environment -----------------------------------------------------
@@ -266,8 +239,14 @@ def fsdp_trial_parts(training: TrainingSpec, config: ParallelConfig, model: Mode
     if script.kind == "accelerate-fsdp":
         return {}, None, accelerate_fsdp_env(training, config, model)
     if script.kind == "torchtitan":
-        return {TORCHTITAN_CONFIG: torchtitan_toml(training, config, model, script)}, TORCHTITAN_CONFIG, {}
+        return {}, None, {}  # all on its command line (``fsdp_script_args``)
     if sharded(config):
         text = json.dumps(trainer_fsdp_config(training, config, model), indent=2) + "\n"
         return {TRAINER_FSDP_CONFIG: text}, TRAINER_FSDP_CONFIG, {}
     return {}, None, {}  # the Trainer without --fsdp: DDP
+
+
+def fsdp_script_args(training: TrainingSpec, config: ParallelConfig, model: ModelSpec, script: ScriptSpec) -> list[str]:
+    """What an FSDP script's command takes after its knobs for ``config``: torchtitan's settings
+    (``torchtitan_args``, the subcommand last); nothing for the others (their files and environment)."""
+    return torchtitan_args(training, config, model) if script.kind == "torchtitan" else []

@@ -864,10 +864,12 @@ class Tuner:
                 record = TrialRecord(trial.number, planned.config, m, planned.perf, planned.memory,
                                      prediction.step_time, prediction.sd, attempt, self.job_key,
                                      stack=self.stack_of(planned.config), started_at=started, ended_at=_now())
-                if retry and m.details.script_fault:  # the script's own: a retry repeats it
+                if retry and (m.details.script_fault or m.details.unsupported):  # a retry repeats it
                     retry = False
+                    why = ("the script's own failure, which no layout explains" if m.details.script_fault else
+                           "the script says it cannot run this candidate")
                     record = replace(record, measurement=replace(m, extra={**m.extra, "not_retried": (
-                        "the script's own failure, which no layout explains: a retry would repeat it")}))
+                        f"{why}: a retry would repeat it")}))
                 if retry:
                     kind = crash_kind(m)
                     chance = retry_chance([*self.records, record], kind)

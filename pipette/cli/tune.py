@@ -111,15 +111,18 @@ def add_parser(sub: Any) -> None:
     s.add_argument("--script-kind", choices=sorted(KINDS), help="the stack the script uses: fills its knobs "
                    "(hf-trainer: --deepspeed, or --fsdp/--fsdp_config with --stack fsdp, "
                    "--per_device_train_batch_size, ...; deepspeed: --deepspeed_config; accelerate-fsdp: Accelerate's "
-                   "FSDP2 plugin (stack fsdp); torchtitan: --job.config_file (stack fsdp); "
+                   "FSDP2 plugin (stack fsdp); torchtitan: --parallelism.* and --training.* flags (stack fsdp); "
                    "default: none, each knob by --script-knob)")
     s.add_argument("--script-knob", action="append", default=[], metavar="KNOB=FLAG",
                    help=f"the script's flag for a knob ({', '.join(KNOBS)}); KNOB= clears one; repeatable (default: "
                    "--script-kind's)")
     s.add_argument("--script-autotp", action="store_true", help="the script runs DeepSpeed AutoTP (tp > 1)")
     s.add_argument("--script-pipeline", action="store_true", help="the script builds a PipelineModule (pp > 1)")
-    s.add_argument("--script-config", help="your DeepSpeed config (JSON), or with --script-kind torchtitan your "
-                   "torchtitan job config (TOML): Pipette's keys overlay it "
+    s.add_argument("--script-unsupported", metavar="WHAT", default="",
+                   help="what the script cannot run, comma-separated among tp, pp, selective, full, hsdp, offload: "
+                   "no candidate using it is tried (default: what its kind cannot run)")
+    s.add_argument("--script-config", help="your DeepSpeed config (JSON): Pipette's keys overlay it (torchtitan "
+                   "takes none: its --module/--config and flags go in the command) "
                    "(default: Pipette's keys alone)")
     s.add_argument("--workdir", help="where the script runs (default: the current directory)")
     s.add_argument("--script-shares-flags", action="store_true", help="the script takes some of Pipette's flag "
@@ -288,7 +291,7 @@ def _script(args: argparse.Namespace) -> ScriptSpec | None:
     """The user's script from the flags (None: Pipette's runner); bad flags are refused here."""
     given = [n for n in ("script_kind", "script_config", "workdir") if getattr(args, n)] + \
         (["script_knob"] if args.script_knob else []) + \
-        [n for n in ("script_autotp", "script_pipeline") if getattr(args, n)]
+        [n for n in ("script_autotp", "script_pipeline", "script_unsupported") if getattr(args, n)]
     if args.script is None:
         if given:
             raise SpecError("needs --script", field="--" + given[0].replace("_", "-"),
@@ -315,8 +318,9 @@ def _script(args: argparse.Namespace) -> ScriptSpec | None:
             raise SpecError(f"{args.script_config} is not JSON ({e.msg} at line {e.lineno})",
                             field="--script-config", fix="give a DeepSpeed config file (JSON)") from None
     workdir = str(Path(args.workdir or ".").resolve())
+    unsupported = tuple(w.strip() for w in args.script_unsupported.split(",") if w.strip())
     return ScriptSpec(argv=tuple(args.script), knobs=knobs, autotp=args.script_autotp, pipeline=args.script_pipeline,
-                      base_config=base, workdir=workdir, kind=args.script_kind)
+                      base_config=base, workdir=workdir, kind=args.script_kind, unsupported=unsupported)
 
 
 def _torchtitan_toml(path: str) -> dict[str, Any]:

@@ -2,13 +2,12 @@
 installed Accelerate's launcher on the emitted config YAML exports what a trial's ranks get
 (``pipette.script_fsdp.accelerate_fsdp_env``); the installed transformers' ``TrainingArguments``
 turn the emitted ``--fsdp --fsdp_config`` into the candidate's FSDP plugin; every key of the
-emitted torchtitan TOML is a field of torchtitan's ``JobConfig``, whose section the value's type
-fits. Neither Ray nor a process group: seconds."""
+torchtitan flags are fields of torchtitan 0.3.0's config, and where torchtitan is installed its own
+parser reads them. Neither Ray nor a process group: seconds."""
 
 from __future__ import annotations
 
 import json
-import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +16,7 @@ import pytest
 from pipette.config import ParallelConfig
 from pipette.model import ModelSpec
 from pipette.script import ScriptSpec
-from pipette.script_fsdp import accelerate_fsdp_env, accelerate_fsdp_yaml, torchtitan_toml, trainer_fsdp_config
+from pipette.script_fsdp import accelerate_fsdp_env, accelerate_fsdp_yaml, trainer_fsdp_config
 from pipette.training import TrainingSpec
 
 MODEL = ModelSpec.preset("tiny-llama")
@@ -69,54 +68,94 @@ def test_the_trainer_reads_the_emitted_fsdp_flags_into_the_candidates_plugin(tmp
     assert args.per_device_train_batch_size == config.mbs and args.gradient_accumulation_steps == config.grad_accum
 
 
-#: torchtitan's ``JobConfig`` (pytorch/torchtitan, torchtitan/config/job_config.py at commit
-#: 000204a4a8bf3d0f31adc44fc29855fbb6ea13d8): the fields of the sections Pipette writes, with
-#: their types, copied from the dataclasses ``Parallelism``, ``Training`` and ``ActivationCheckpoint``.
-JOB_CONFIG: dict[str, dict[str, Any]] = {
+#: torchtitan 0.3.0's config (PyPI torchtitan==0.3.0, torchtitan/config/configs.py): the fields of
+#: the sections Pipette sets, with their types (``ParallelismConfig``, ``TrainingConfig``), and the
+#: activation checkpointing subcommands its ``tyro`` parser takes (``torchtitan.train --help``).
+CONFIG_0_3: dict[str, dict[str, Any]] = {
     "parallelism": {
-        "data_parallel_replicate_degree": int, "enable_compiled_autograd": bool, "data_parallel_shard_degree": int,
+        "data_parallel_replicate_degree": int, "data_parallel_shard_degree": int,
         "fsdp_reshard_after_forward": ("default", "always", "never"), "tensor_parallel_degree": int,
-        "disable_loss_parallel": bool, "enable_async_tensor_parallel": bool, "pipeline_parallel_degree": int,
-        "pipeline_parallel_split_points": list, "pipeline_parallel_layers_per_stage": int,
-        "pipeline_parallel_schedule": str, "pipeline_parallel_schedule_csv": str,
-        "pipeline_parallel_microbatch_size": int, "context_parallel_degree": int,
-        "context_parallel_rotate_method": ("allgather", "alltoall"), "expert_parallel_degree": int,
+        "pipeline_parallel_degree": int, "pipeline_parallel_first_stage_less_layers": int,
+        "pipeline_parallel_last_stage_less_layers": int, "pipeline_parallel_layers_per_stage": int,
+        "pipeline_parallel_schedule": str, "pipeline_parallel_microbatch_size": int, "context_parallel_degree": int,
+        "expert_parallel_degree": int,
     },
     "training": {
-        "dataset": str, "dataset_path": str, "local_batch_size": int, "global_batch_size": int, "seq_len": int,
-        "max_norm": float, "steps": int, "enable_cpu_offload": bool,
-        "mixed_precision_param": ("bfloat16", "float32"), "mixed_precision_reduce": ("float32",), "compile": bool,
-        "gc_freq": int, "gc_debug": bool, "seed": int, "deterministic": bool,
-    },
-    "activation_checkpoint": {
-        "mode": ("selective", "full", "none"), "selective_ac_option": str,
-        "per_op_sac_force_recompute_mm_shapes_by_fqns": list,
+        "local_batch_size": int, "global_batch_size": int, "seq_len": int, "max_norm": float, "steps": int,
+        "enable_cpu_offload": bool, "disable_cuda_graphs": bool, "dtype": ("bfloat16", "float32"),
+        "mixed_precision_param": ("bfloat16", "float32"), "mixed_precision_reduce": ("float32",),
     },
 }
+AC_SUBCOMMANDS = {"activation-checkpoint:selective", "activation-checkpoint:full",
+                  "activation-checkpoint:memory-budget", "activation-checkpoint:none"}
 #: torch.distributed.pipelining's schedule names torchtitan takes (``get_schedule_class``)
 SCHEDULES = {"1F1B", "Interleaved1F1B", "GPipe", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble"}
-
-
-@pytest.mark.parametrize("config", [
+TITAN = ScriptSpec(argv=("python", "-m", "torchtitan.train", "--module", "llama3", "--config", "llama3_debugmodel"),
+                   kind="torchtitan")
+TITAN_CANDIDATES = [
     *CANDIDATES,
     ParallelConfig(tp=2, pp=2, dp=1, mbs=2, global_batch=16, zero_stage=3, recompute="selective"),
     ParallelConfig(tp=1, pp=2, dp=2, mbs=1, global_batch=16, zero_stage=2, schedule="interleaved", virtual_stages=2),
     ParallelConfig(tp=1, pp=1, dp=4, mbs=2, global_batch=16, zero_stage=0),
-], ids=[*IDS, "tp2-pp2-sac", "pp2-interleaved", "ddp"])
-def test_every_key_of_the_torchtitan_toml_is_a_job_config_field(config: ParallelConfig) -> None:
+]
+TITAN_IDS = [*IDS, "tp2-pp2-sac", "pp2-interleaved", "ddp"]
+
+
+def _flags(args: list[str]) -> dict[str, Any]:
+    """``--section.field value`` / ``--section.field`` / ``--section.no-field`` as {(section, field): value}."""
+    out: dict[str, Any] = {}
+    i = 0
+    while i < len(args) and args[i].startswith("--"):
+        section, _, name = args[i][2:].partition(".")
+        name = name.replace("-", "_")
+        if i + 1 < len(args) and not args[i + 1].startswith("--") and not args[i + 1].startswith("activation-"):
+            out[(section, name)] = args[i + 1]
+            i += 2
+        else:
+            out[(section, name.removeprefix("no_"))] = not name.startswith("no_")
+            i += 1
+    assert args[i:] == [args[-1]], f"only the subcommand follows the options: {args[i:]}"
+    return out
+
+
+@pytest.mark.parametrize("config", TITAN_CANDIDATES, ids=TITAN_IDS)
+def test_every_flag_of_a_torchtitan_trial_is_a_0_3_config_field(config: ParallelConfig) -> None:
+    """Issue 43, item 31: the emitted ``--job.config_file`` was refused by torchtitan 0.3.0 ("--module
+    is required"); 0.3 takes ``--module``/``--config`` and ``--section.field`` flags."""
+    from pipette.script_fsdp import torchtitan_args
+
     training = TrainingSpec(global_batch=16, seq_len=64, dtype="bf16")
-    script = ScriptSpec(argv=("python", "-m", "torchtitan.train"), kind="torchtitan")
-    toml = tomllib.loads(torchtitan_toml(training, config, MODEL, script))
-    assert set(toml) <= set(JOB_CONFIG)
-    for section, values in toml.items():
-        for key, value in values.items():
-            kind = JOB_CONFIG[section].get(key)
-            assert kind is not None, f"[{section}] {key} is not a torchtitan JobConfig field"
-            if isinstance(kind, tuple):
-                assert value in kind, (section, key, value)
-            else:
-                assert isinstance(value, kind) and not (kind is int and isinstance(value, bool)), (section, key)
-    p = toml["parallelism"]
+    args = torchtitan_args(training, config, MODEL)
+    assert args[-1] in AC_SUBCOMMANDS
+    flags = _flags(args)
+    for (section, name), value in flags.items():
+        kind = CONFIG_0_3[section].get(name)
+        assert kind is not None, f"--{section}.{name} is not a torchtitan 0.3.0 config field"
+        if isinstance(kind, tuple):
+            assert value in kind, (section, name, value)
+        elif kind is bool:
+            assert isinstance(value, bool), (section, name, value)
+        else:
+            kind(value)  # parses as its type
+    p = {name: int(v) for (section, name), v in flags.items() if section == "parallelism" and name.endswith("degree")}
     assert p["data_parallel_replicate_degree"] * p["data_parallel_shard_degree"] * p["tensor_parallel_degree"] \
         * p["pipeline_parallel_degree"] == config.world
-    assert p.get("pipeline_parallel_schedule", "1F1B") in SCHEDULES
+    assert flags.get(("parallelism", "pipeline_parallel_schedule"), "1F1B") in SCHEDULES
+
+
+@pytest.mark.parametrize("config", TITAN_CANDIDATES, ids=TITAN_IDS)
+def test_torchtitans_own_parser_reads_the_command_a_trial_runs(config: ParallelConfig) -> None:
+    """Where torchtitan is installed: its ``ConfigManager`` (what ``python -m torchtitan.train``
+    parses with) reads the trial's command into the candidate's config."""
+    pytest.importorskip("torchtitan")
+    from torchtitan.config import ConfigManager
+
+    from pipette.script_fsdp import torchtitan_args
+
+    training = TrainingSpec(global_batch=16, seq_len=64, dtype="bf16")
+    argv = [*TITAN.command(training, config, "", steps=5), *torchtitan_args(training, config, MODEL)]
+    job = ConfigManager().parse_args(argv[3:])
+    assert job.training.steps == 5 and job.training.global_batch_size == 16
+    assert job.parallelism.tensor_parallel_degree == config.tp and job.parallelism.pipeline_parallel_degree == config.pp
+    assert type(job.activation_checkpoint).__qualname__.split(".")[0] == \
+        {"none": "NoneType", "full": "FullAC", "selective": "SelectiveAC"}[config.recompute]

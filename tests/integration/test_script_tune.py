@@ -96,6 +96,9 @@ def test_bad_scripts_are_refused_before_profiling(tmp_path: Path) -> None:
         (["--script-kind", "hf-trainer"], "--script-kind: needs --script"),
         (["--script-knob", "steps", "--script", "python", "x.py"], "--script-knob: is 'steps'"),
         (["--script-knob", "epochs=--epochs", "--script", "python", "x.py"], "unknown knob 'epochs'"),
+        (["--script-unsupported", "pp,pipeline", "--script", "python", "x.py"], "script.unsupported: holds 'pipeline'"),
+        (["--script-kind", "torchtitan", "--script", "python", "-m", "torchtitan.train"],
+         "script.argv: lacks --module and --config: torchtitan (0.3)"),
     ]
     for extra, expected in cases:
         done = subprocess.run(base + extra, capture_output=True, text=True, timeout=120, cwd=tmp_path)

@@ -7,7 +7,6 @@ tests/fsdp/test_script_configs.py."""
 from __future__ import annotations
 
 import json
-import tomllib
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,7 @@ from pipette.emit_script import write_script_launch_files
 from pipette.errors import SpecError
 from pipette.model import ModelSpec
 from pipette.script import ScriptSpec, bind_stack
-from pipette.script_fsdp import accelerate_fsdp_env, toml_text, torchtitan_settings, trainer_fsdp_config
+from pipette.script_fsdp import accelerate_fsdp_env, torchtitan_args, torchtitan_settings, trainer_fsdp_config
 from pipette.stacks import stack_to_tune
 from pipette.training import TrainingSpec
 
@@ -28,7 +27,8 @@ MODEL = ModelSpec.preset("tiny-llama")
 FP32 = TrainingSpec(global_batch=16, seq_len=64, dtype="fp32")
 ACCEL = ScriptSpec(argv=("python", "accelerate_fsdp.py"), kind="accelerate-fsdp")
 TRAINER = ScriptSpec(argv=("python", "train.py"), kind="hf-trainer", fsdp=True)
-TITAN = ScriptSpec(argv=("python", "-m", "torchtitan.train"), kind="torchtitan")
+TITAN = ScriptSpec(argv=("python", "-m", "torchtitan.train", "--module", "llama3", "--config", "llama3_8b"),
+                   kind="torchtitan")
 
 
 def _config(**kw: object) -> ParallelConfig:
@@ -75,8 +75,8 @@ def test_the_trainer_gets_fsdp_and_its_config_instead_of_deepspeed() -> None:
     ddp = TRAINER.command(FP32, _config(zero_stage=0, recompute="full"), "ds.json", steps=5,
                           fsdp_config_path="f.json")
     assert "--fsdp" not in ddp and "--fsdp_config" not in ddp and "--gradient_checkpointing" in ddp
-    titan = TITAN.command(FP32, _config(), "", steps=7, fsdp_config_path="t.toml")
-    assert titan == ["python", "-m", "torchtitan.train", "--job.config_file", "t.toml", "--training.steps", "7"]
+    titan = TITAN.command(FP32, _config(), "", steps=7)
+    assert titan == [*TITAN.argv, "--training.steps", "7"]  # the candidate's flags follow (torchtitan_args)
 
 
 def test_a_script_kind_that_does_not_match_its_stack_is_one_line() -> None:
@@ -128,7 +128,8 @@ def test_the_trainers_fsdp_config() -> None:
     # pp 2 x dp 2, 16 / (2 x 2) = 4 micro-batches of 2: local batch 8, pipelined in micro-batches of 2
     ({"pp": 2, "dp": 2, "schedule": "interleaved", "virtual_stages": 2},
      {"pipeline_parallel_degree": 2, "pipeline_parallel_schedule": "Interleaved1F1B",
-      "pipeline_parallel_microbatch_size": 2, "pipeline_parallel_layers_per_stage": 1}, 8),
+      "pipeline_parallel_microbatch_size": 2, "pipeline_parallel_layers_per_stage": 1,
+      "pipeline_parallel_first_stage_less_layers": 0, "pipeline_parallel_last_stage_less_layers": 0}, 8),
 ])
 def test_torchtitans_sections(kw: dict[str, object], parallelism: dict[str, object], local: int) -> None:
     config = _config(**kw)
@@ -140,10 +141,18 @@ def test_torchtitans_sections(kw: dict[str, object], parallelism: dict[str, obje
     assert steps * (local // config.mbs if config.pp > 1 else 1) == config.grad_accum
 
 
+def _torchtitan_split(layers: int, stages: int) -> list[int]:
+    """Layers per stage as torchtitan 0.3.0 splits them with no weight for the embedding and the
+    head (``_generate_llm_fqn_per_model_part``, first/last_stage_less_layers 0): even, the
+    first ``layers % stages`` stages one heavier."""
+    return [layers // stages + (i < layers % stages) for i in range(stages)]
+
+
 @pytest.mark.parametrize(("pp", "schedule", "v"), [(8, "interleaved", 2), (8, "1f1b", 1), (4, "interleaved", 3)])
-def test_an_uneven_split_is_written_as_the_split_pipette_priced(pp: int, schedule: str, v: int) -> None:
-    """126 layers (Llama 3.1 405B) over stages they do not fill evenly: torchtitan gets the split points
-    of the split the plan priced and Pipette's runner trains (``stage_layers``), heavier stages first."""
+def test_an_uneven_split_is_the_split_pipette_priced(pp: int, schedule: str, v: int) -> None:
+    """126 layers (Llama 3.1 405B) over stages they do not fill evenly: torchtitan 0.3.0 derives
+    the stages (1 a rank for 1F1B, else ceil(layers / layers_per_stage)) and splits the decoder
+    layers as the plan priced and Pipette's runner trains (``stage_layers``), heavier stages first."""
     from workers.rank.fsdp_model import stage_layers
 
     model = ModelSpec(name="llama3.1-405b", layers=126, hidden=16384, heads=128, kv_heads=8, ffn_hidden=53248,
@@ -151,17 +160,19 @@ def test_an_uneven_split_is_written_as_the_split_pipette_priced(pp: int, schedul
     config = ParallelConfig(tp=1, pp=pp, dp=1, mbs=1, global_batch=8 * pp, zero_stage=3, schedule=schedule,
                             virtual_stages=v)
     got = torchtitan_settings(FP32, config, model)["parallelism"]
-    assert "pipeline_parallel_layers_per_stage" not in got
-    stages = stage_layers(126, pp * v)
-    assert got["pipeline_parallel_split_points"] == [f"layers.{r.start}" for r in stages[1:]]
-    assert len(got["pipeline_parallel_split_points"]) == pp * v - 1
+    assert got["pipeline_parallel_first_stage_less_layers"] == got["pipeline_parallel_last_stage_less_layers"] == 0
+    per_stage = got.get("pipeline_parallel_layers_per_stage")
+    stages = pp if per_stage is None else -(-126 // per_stage)
+    assert stages == pp * v
+    assert _torchtitan_split(126, stages) == [len(r) for r in stage_layers(126, pp * v)]
 
 
-def test_the_toml_writer_round_trips() -> None:
-    data = {"job": {"description": 'a "quoted" job'}, "model": {"name": "llama3", "converters": ["float8"]},
-            "parallelism": {"tensor_parallel_degree": 2, "fsdp_reshard_after_forward": "never"},
-            "training": {"enable_cpu_offload": False, "max_norm": 1.0}, "a": {"b": {"c": 1}}}
-    assert tomllib.loads(toml_text(data)) == data
+def test_torchtitans_command_line_ends_with_its_activation_checkpointing() -> None:
+    args = torchtitan_args(FP32, _config(recompute="selective", offload=True), MODEL)
+    assert args[-1] == "activation-checkpoint:selective"  # a tyro subcommand: after every option
+    assert "--training.enable-cpu-offload" in args and "--training.no-disable-cuda-graphs" in args
+    assert args[args.index("--parallelism.data-parallel-shard-degree") + 1] == "4"
+    assert torchtitan_args(FP32, _config(), MODEL)[-1] == "activation-checkpoint:none"
 
 
 def test_the_launch_files_of_each_fsdp_kind(tmp_path: Path) -> None:
@@ -181,15 +192,11 @@ def test_the_launch_files_of_each_fsdp_kind(tmp_path: Path) -> None:
     ddp = write_script_launch_files(tmp_path / "d", MODEL, FP32, _config(zero_stage=0), cluster, TRAINER)
     assert "fsdp_config.json" not in ddp and "--fsdp" not in ddp["launch-torchrun.sh"].read_text()
 
-    base = {"model": {"name": "llama3", "flavor": "debugmodel"}, "training": {"steps": 10, "seq_len": 2048}}
-    titan_script = ScriptSpec(argv=TITAN.argv, kind="torchtitan", base_config=base)
-    titan = write_script_launch_files(tmp_path / "tt", MODEL, FP32, _config(tp=2, dp=2), cluster, titan_script)
-    assert sorted(titan) == ["candidate.json", "launch-torchrun.sh", "rank_map.json", "torchtitan.toml"]
-    toml = tomllib.loads(titan["torchtitan.toml"].read_text())
-    assert toml["model"] == base["model"] and toml["training"]["steps"] == 10  # the user's, kept
-    assert toml["training"]["seq_len"] == 64 and toml["parallelism"]["tensor_parallel_degree"] == 2
+    titan = write_script_launch_files(tmp_path / "tt", MODEL, FP32, _config(tp=2, dp=2), cluster, TITAN)
+    assert sorted(titan) == ["candidate.json", "launch-torchrun.sh", "rank_map.json"]  # all on its command line
     line = titan["launch-torchrun.sh"].read_text().splitlines()[-1]
-    assert line.endswith('-m torchtitan.train --job.config_file "$HERE/torchtitan.toml" --training.steps 50'), line
+    assert "-m torchtitan.train --module llama3 --config llama3_8b --training.steps 50 " in line, line
+    assert "--parallelism.tensor-parallel-degree 2 " in line and line.endswith(" activation-checkpoint:none"), line
 
 
 def test_an_fsdp_script_that_builds_no_fsdp_or_the_other_sharding_is_caught_once_it_steps() -> None:

@@ -25,8 +25,8 @@ from pipette.contract import RANK_ENV, build_environment
 from pipette.errors import SpecError
 from pipette.measurement import Measurement, last_error_line
 from pipette.script import ScriptSpec, script_ds_config, sharded
-from pipette.script_faults import OWN_WORDS, script_fault
-from pipette.script_fsdp import fsdp_trial_parts
+from pipette.script_faults import OWN_WORDS, script_fault, unsupported_hint
+from pipette.script_fsdp import fsdp_script_args, fsdp_trial_parts
 from workers.host.outcome import Outcome
 from workers.host.script_env import script_path
 from workers.spec import TrialSpec
@@ -46,6 +46,7 @@ def script_launch(trial: TrialSpec) -> tuple[dict[str, str], list[str], dict[str
         argv = script.command(trial.training, trial.config, "", steps=steps,
                               fsdp_config_path=f"$PIPETTE_RANK_DIR/{named}" if named else None,
                               device_kind=trial.device_kind)
+        argv += fsdp_script_args(trial.training, trial.config, trial.model, script)  # torchtitan's flags
     else:
         files = {DS_CONFIG: json.dumps(script_ds_config(trial.ds_config(), script), indent=2)}
         argv = script.command(trial.training, trial.config, f"$PIPETTE_RANK_DIR/{DS_CONFIG}", steps=steps,
@@ -276,7 +277,7 @@ def script_measurement(trial: TrialSpec, outcome: Outcome, events: ScriptEvents,
         if outcome.status == "failed" and not events.any_step() and exit_tail:
             error = f"the script stopped before its first step: {last_error_line(exit_tail)}\n{error}"
         if outcome.status == "failed":
-            error = _mark_fault(extra, error, exit_tail, trial.script)
+            error = _mark_fault(extra, error, exit_tail, trial.script, _features(trial))
         return Measurement(outcome.status, step_times=timed, tokens_per_step=trial.tokens_per_step,
                            losses=losses, error=error, extra=extra)
     dones = reported if source == "reporter" else hooked
@@ -317,11 +318,17 @@ def script_measurement(trial: TrialSpec, outcome: Outcome, events: ScriptEvents,
     return m
 
 
-def _mark_fault(extra: dict[str, Any], error: str, output: str, script: ScriptSpec | None) -> str:
+def _mark_fault(extra: dict[str, Any], error: str, output: str, script: ScriptSpec | None,
+                uses: list[str] | None = None) -> str:
     """A failure no layout explains (``pipette.script_faults``): its fix in ``extra["script_fault"]``,
     which stops the search, and on the error's second line; other errors are returned as they are."""
     fault = script_fault(error, output, script, python=sys.executable)
     if fault is None:
+        hint = unsupported_hint(error, output, uses) if uses is not None else None
+        if hint is not None:  # the candidate's in this script: not retried (pipette.tuner)
+            extra["unsupported"] = hint
+            first, _, rest = error.partition("\n")
+            return "\n".join(x for x in (first, f"fix: {hint}", rest) if x)
         return error
     extra["script_fault"] = fault.fix
     if error.startswith(OWN_WORDS):
@@ -330,6 +337,14 @@ def _mark_fault(extra: dict[str, Any], error: str, output: str, script: ScriptSp
     if fault.what not in first:  # the first line names it (the tuner's stop reason quotes that line)
         first = f"{first}: {fault.what}"
     return "\n".join(x for x in (first, f"fix: {fault.fix}", rest) if x)
+
+
+def _features(trial: TrialSpec) -> list[str]:
+    """What of ``pipette.script.UNSUPPORTED`` the trial's candidate uses."""
+    c = trial.config
+    uses = {"tp": c.tp > 1, "pp": c.pp > 1, "selective": c.recompute == "selective", "full": c.recompute == "full",
+            "hsdp": c.dp_shard is not None, "offload": c.offload}
+    return [name for name, used in uses.items() if used]
 
 
 def check_script(script: ScriptSpec) -> None:
