@@ -8,6 +8,7 @@ at the speed of its slowest link, so one slow link shows up wherever it is used.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -109,6 +110,37 @@ class ClusterProfile:
     @property
     def node_of(self) -> npt.NDArray[np.int64]:
         return np.array([d.node for d in self.devices], dtype=np.int64)
+
+    @cached_property
+    def link_domain_of(self) -> npt.NDArray[np.int64]:
+        """Each device's link domain: its node, with nodes merged whose every cross link is as fast as
+        the slower of the two nodes' slowest link inside (an NVLink switch domain spanning nodes, as
+        the 72 GPUs of a GB200/GB300 NVL72 rack in 18 trays of 4). Collectives inside a domain run on
+        its links, not through NICs (``pipette.comm.channel_links``)."""
+        node = self.node_of
+        count = len(self.nodes)
+        inside = np.full(count, np.inf)
+        for k in range(count):
+            members = np.flatnonzero(node == k)
+            if members.size > 1:
+                sub = self.bandwidth[np.ix_(members, members)]
+                inside[k] = sub[~np.eye(members.size, dtype=bool)].min()
+        parent = list(range(count))
+
+        def root(k: int) -> int:
+            while parent[k] != k:
+                k = parent[k]
+            return k
+
+        for a in range(count):
+            for b in range(a + 1, count):
+                floor = min(inside[a], inside[b])
+                if not np.isfinite(floor):
+                    continue
+                cross = self.bandwidth[np.ix_(node == a, node == b)].min()
+                if cross >= floor:
+                    parent[root(b)] = root(a)
+        return np.array([root(int(k)) for k in node], dtype=np.int64)
 
     def devices_on(self, node: int) -> list[int]:
         return [d.index for d in self.devices if d.node == node]

@@ -3,7 +3,8 @@
 Two forms, documented with examples in docs/inputs.md and ``examples/clusters/``:
 
 * **nodes x devices**: ``nodes``, ``devices_per_node``, ``intra_node`` and ``inter_node``
-  link figures, and optional ``slow_links`` that degrade chosen node or device pairs;
+  link figures, an optional ``nvlink_domain`` (consecutive nodes sharing one NVLink switch domain:
+  an NVL72 rack), and optional ``slow_links`` that degrade chosen node or device pairs;
 * **measured matrix**: ``links.bandwidth`` and ``links.latency`` as full n x n matrices,
   one row per device, as the probe writes them.
 
@@ -41,7 +42,7 @@ _QUANTITY = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([^\s0-9].*
 
 _TOP_KEYS = {
     "name", "device", "nodes", "devices_per_node", "intra_node", "inter_node",
-    "slow_links", "links", "devices", "measured_at", "method", "host_memory",
+    "slow_links", "links", "devices", "measured_at", "method", "host_memory", "nvlink_domain",
 }
 
 
@@ -125,6 +126,7 @@ def cluster_from_dict(data: Any, default_name: str = "cluster") -> ClusterProfil
         bw, lat = _matrices(data["links"], n)
     else:
         bw, lat = _two_level(data, devices)
+        _apply_nvlink_domain(data.get("nvlink_domain"), devices, bw, lat)
         _apply_slow_links(data.get("slow_links") or [], devices, len(nodes[0]), bw, lat)
     return ClusterProfile(
         name=name, nodes=nodes[0], devices=devices, bandwidth=bw, latency=lat,
@@ -220,6 +222,31 @@ def _two_level(data: dict[str, Any], devices: tuple[Device, ...]) -> tuple[np.nd
     bw = np.where(same, intra[0], inter[0]).astype(np.float64)
     lat = np.where(same, intra[1], inter[1]).astype(np.float64)
     return bw, lat
+
+
+def _apply_nvlink_domain(raw: Any, devices: tuple[Device, ...], bw: np.ndarray, lat: np.ndarray) -> None:
+    """``nvlink_domain: {devices: 72, bandwidth: 900 GB/s, latency: 2 us}``: consecutive nodes making up
+    ``devices`` GPUs share one NVLink switch domain (a GB200/GB300 NVL72 rack: 18 trays of 4 GPUs), so
+    their devices reach each other at its bandwidth, not through the inter-node network."""
+    if raw is None:
+        return
+    where = "cluster.nvlink_domain"
+    if not isinstance(raw, dict) or "devices" not in raw or "bandwidth" not in raw:
+        raise ClusterFileError("needs devices and bandwidth", field=where,
+                               fix="e.g. nvlink_domain: {devices: 72, bandwidth: 900 GB/s, latency: 2 us}")
+    size = raw["devices"]
+    if not isinstance(size, int) or isinstance(size, bool) or size < 2:
+        raise ClusterFileError(f"devices is {size!r}", field=f"{where}.devices",
+                               fix="give the GPUs of one NVLink domain, e.g. 72 for an NVL72 rack")
+    node = np.array([d.node for d in devices])
+    domain = np.arange(len(devices)) // size
+    split = [k for k in np.unique(node) if len(np.unique(domain[node == k])) > 1]
+    if split:
+        raise ClusterFileError(f"a domain of {size} devices splits node {int(split[0])}", field=f"{where}.devices",
+                               fix="make the domain a whole number of nodes (devices_per_node divides it)")
+    figure = (bandwidth(raw["bandwidth"], f"{where}.bandwidth"), latency(raw.get("latency", 0.0), f"{where}.latency"))
+    across = (domain[:, None] == domain[None, :]) & (node[:, None] != node[None, :])
+    bw[across], lat[across] = figure
 
 
 def _apply_slow_links(

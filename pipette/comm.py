@@ -22,7 +22,8 @@ Jeaugey, NCCL, GTC 2019). A group with ``k`` members on a node therefore moves d
                    min over nodes N of  k_N * min_{i in N, j not in N} b_ij )
 
 The slowest member of a node sets its node's rate (``k_N`` channels each as slow as it),
-so a slow link still slows every group that uses it.
+so a slow link still slows every group that uses it. Nodes joined by links as fast as their own
+(an NVLink switch domain across nodes: ``ClusterProfile.link_domain_of``) count as one.
 """
 
 from __future__ import annotations
@@ -108,7 +109,8 @@ def channel_links(
         return np.full(g, np.inf), np.zeros(g)
     sub_bw = cluster.bandwidth[groups[:, :, None], groups[:, None, :]]  # (g, n, n)
     sub_lat = cluster.latency[groups[:, :, None], groups[:, None, :]]
-    node = cluster.node_of[groups]  # (g, n)
+    # an NVLink domain spanning nodes (NVL72) is crossed on its switch links, not through NICs
+    node = cluster.link_domain_of[groups]  # (g, n)
     same = node[:, :, None] == node[:, None, :]  # diagonal included: b_ii is inf
     intra = np.where(same, sub_bw, np.inf).min(axis=(1, 2))
     # Each member's slowest link off its node, then the slowest member of each node.

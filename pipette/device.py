@@ -131,12 +131,14 @@ def cpu_device(memory_bytes: int, flops: float = 50e9, memory_bandwidth: float =
 
 
 def _gpu(name: str, mem: float, bf16: float | None, fp16: float, fp32: float, bw: float,
-         fp8: float | None = None, tf32: float | None = None) -> DeviceSpec:
+         fp8: float | None = None, tf32: float | None = None, fp4: float | None = None) -> DeviceSpec:
     peaks = {"fp16": fp16 * TFLOPS, "fp32": fp32 * TFLOPS}
     if bf16 is not None:
         peaks["bf16"] = bf16 * TFLOPS
     if fp8 is not None:
         peaks["fp8"] = fp8 * TFLOPS
+    if fp4 is not None:
+        peaks["fp4"] = fp4 * TFLOPS
     if tf32 is not None:
         peaks["tf32"] = tf32 * TFLOPS
     return DeviceSpec(name, int(mem), peaks, bw * 1e12, "gpu")
@@ -153,6 +155,20 @@ def _gpu(name: str, mem: float, bf16: float | None, fp16: float, fp32: float, bw
 # TF32 tensor cores (dense; the sheets print twice these with sparsity): A100 156 TFLOPS; H100 SXM,
 # H200 SXM and GH200 494.5 (989 with sparsity); HGX B200 1,100 per GPU (2.2 PFLOPS with sparsity).
 # Volta (V100) and Turing (T4) have none: there ``tf32`` falls back to the fp32 peak.
+# FP4 (NVFP4 / MXFP4 tensor cores, Blackwell only), dense: HGX B200 144 PFLOPS with sparsity for 8 GPUs
+# = 9 PFLOPS per GPU.
+# The devices of 2026 (per GPU; NVIDIA's data sheets print the rack or the 8-GPU board, with sparsity:
+# dense = half, per GPU = the total over 72 or 8):
+# GB200: GB200 NVL72 data sheet: FP4 1,440 PFLOPS, FP8/FP6 720, FP16/BF16 360, TF32 180 (sparse), FP32
+#   5,760 TFLOPS, 13.4 TB HBM3e at 576 TB/s, NVLink 130 TB/s for 72 GPUs: per GPU dense FP4 10,000, FP8
+#   5,000, BF16 2,500, TF32 1,250, FP32 80 TFLOPS, 186 GB at 8 TB/s, NVLink 1.8 TB/s (900 GB/s a direction).
+# GB300: GB300 NVL72 data sheet: FP4 1,440 | 1,080 PFLOPS (sparse | dense), FP8/FP6 720, FP16/BF16 360,
+#   TF32 180 (sparse), FP32 6 PFLOPS, up to 21 TB HBM3e at 576 TB/s, NVLink 130 TB/s: per GPU dense FP4
+#   15,000, FP8 5,000, BF16 2,500, TF32 1,250, FP32 80 TFLOPS (6,000 / 72, rounded down as the GPU sheet), 288 GB at
+#   8 TB/s, NVLink 1.8 TB/s.
+# B300: HGX B300 data sheet (8 GPUs): FP4 144 | 108 PFLOPS (sparse | dense), FP8/FP6 72, FP16/BF16 36,
+#   TF32 18 (sparse), FP32 600 TFLOPS, 2.3 TB HBM3e at 64 TB/s, NVLink 14.4 TB/s: per GPU dense FP4
+#   13,500, FP8 4,500, BF16 2,250, TF32 1,125, FP32 75 TFLOPS, 288 GB at 8 TB/s, NVLink 1.8 TB/s.
 DEVICE_PRESETS: dict[str, DeviceSpec] = {
     d.name.lower(): d
     for d in [
@@ -160,7 +176,10 @@ DEVICE_PRESETS: dict[str, DeviceSpec] = {
         _gpu("A100-80GB", 80 * GiB, 312, 312, 19.5, 2.039, tf32=156),
         _gpu("H100-80GB", 80 * GiB, 989, 989, 67, 3.35, fp8=1979, tf32=494.5),
         _gpu("H200-141GB", 141 * GB, 989, 989, 67, 4.8, fp8=1979, tf32=494.5),
-        _gpu("B200-180GB", 180 * GB, 2250, 2250, 75, 8.0, fp8=4500, tf32=1100),
+        _gpu("B200-180GB", 180 * GB, 2250, 2250, 75, 8.0, fp8=4500, tf32=1100, fp4=9000),
+        _gpu("B300-288GB", 288 * GB, 2250, 2250, 75, 8.0, fp8=4500, tf32=1125, fp4=13500),
+        _gpu("GB200-186GB", 186 * GB, 2500, 2500, 80, 8.0, fp8=5000, tf32=1250, fp4=10000),
+        _gpu("GB300-288GB", 288 * GB, 2500, 2500, 80, 8.0, fp8=5000, tf32=1250, fp4=15000),
         _gpu("GH200-96GB", 96 * GB, 989, 989, 67, 4.0, fp8=1979, tf32=494.5),
         _gpu("GH200-144GB", 144 * GB, 989, 989, 67, 4.9, fp8=1979, tf32=494.5),
         _gpu("V100-32GB", 32 * GiB, None, 125, 15.7, 0.9),

@@ -95,8 +95,8 @@ H100_MEASURED_BF16: tuple[tuple[float, float], ...] = (
 
 
 def family(device: DeviceSpec) -> str:
-    """The calibrated device family: ``a100``, ``h100`` (H100 and H200: same SMs), ``b200``,
-    ``cpu`` or ``other``."""
+    """The calibrated device family: ``a100``, ``h100`` (H100 and H200: same SMs), ``b200`` (B200, GB200,
+    B300, GB300), ``cpu`` or ``other``."""
     if device.kind == "cpu":
         return "cpu"
     if device.kind != "gpu":
@@ -106,7 +106,9 @@ def family(device: DeviceSpec) -> str:
         return "a100"
     if "H100" in name or "H200" in name or "GH200" in name:
         return "h100"
-    if "B200" in name:
+    if "B200" in name or "B300" in name:
+        # GB200, B300 and GB300 are Blackwell too (the same SM and 5th-generation tensor cores; the B300
+        # differs in FP4 rate and memory): the B200's curve is the nearest measured one
         return "b200"
     return "other"
 
