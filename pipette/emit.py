@@ -318,13 +318,13 @@ LOG_NAME = 'launch${NODE_RANK:+-node$NODE_RANK}.log'
 
 
 def shown_output(command: str) -> list[str]:
-    """``command`` with its output (stdout and stderr) through ``workers.launch_output``: all of it
+    """``command`` with its output (stdout and stderr) through ``workers.host.launch_output``: all of it
     into the log, what a person reads on the terminal, and a closing line of step time and tokens/s."""
     return [
         "# Every line of the output goes to the log; the terminal gets the ranks' phases and steps, warnings,",
-        "# errors, and at the end the step time and tokens/s (workers/launch_output.py).",
+        "# errors, and at the end the step time and tokens/s (workers/host/launch_output.py).",
         f'LOG="{LOG_NAME}"',
-        f'{command} 2>&1 | "${PYTHON_VAR}" -m workers.launch_output --candidate candidate.json --log "$LOG"',
+        f'{command} 2>&1 | "${PYTHON_VAR}" -m workers.host.launch_output --candidate candidate.json --log "$LOG"',
     ]
 
 

@@ -36,7 +36,7 @@ PER_NODE = re.compile(r"^  on (\S+): (.+)$")
 FAKE = """import json, os, sys
 if sys.argv[1] == "-c":
     sys.exit(0)
-if sys.argv[1:3] == ["-m", "workers.launch_output"]:  # what launch.sh shows of the launch: not a launcher
+if sys.argv[1:3] == ["-m", "workers.host.launch_output"]:  # what launch.sh shows of the launch: not a launcher
     sys.stdin.read()
     sys.exit(0)
 with open(os.environ["RECORD"], "a") as f:

@@ -122,7 +122,7 @@ def show(stream: IO[str], log: IO[str], out: IO[str], candidate: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="workers.launch_output")
+    parser = argparse.ArgumentParser(prog="workers.host.launch_output")
     parser.add_argument("--candidate", required=True, help="the launch's candidate.json")
     parser.add_argument("--log", required=True, help="where every line of the launch's output goes")
     args = parser.parse_args(argv)
