@@ -93,8 +93,8 @@ class PerfModel:
         self.device = _slowest_device(cluster, training.dtype)
         self.peak = self.device.peak(training.dtype)
         #: the linear layers' peak: FP8 where the stack runs them so and the device has it
-        self.fp8 = self.k.fp8_gemms and "fp8" in self.device.peak_flops
-        self.linear_peak = self.device.peak_flops["fp8"] if self.fp8 else self.peak
+        self.fp8 = self.k.fp8_gemms and self.k.low_precision_peak in self.device.peak_flops
+        self.linear_peak = self.device.peak_flops[self.k.low_precision_peak] if self.fp8 else self.peak
         self.curve = _curve(self.k, self.device)
         #: the GEMM sizes at which the curve is read: scaled to the duration of the bf16 GEMM it was
         #: calibrated on (see ``_curve_scale``)
@@ -154,6 +154,18 @@ class PerfModel:
         cast_elements = tokens * fan_in / (tp if self.k.sequence_parallel else 1) + fan_in * fan_out / tp
         return gemm + FP8_CAST_BYTES * cast_elements / self.device.memory_bandwidth
 
+    def _adapter_time(self, tokens: float, rank: int, fan_in: int, fan_out: int) -> float:
+        """One LoRA adapter's forward (``x A`` then ``(x A) B``), or with ``thin_gemm_roofline`` the
+        roofline of it: its FLOPs at the curve's large-GEMM efficiency or its bytes (``x`` read, the
+        rank-wide product written and read, the output added to; weights negligible) at the memory
+        bandwidth, whichever is longer (Williams et al. 2009)."""
+        tp, work = self.config.tp, 2.0 * tokens * rank * (fan_in + fan_out) / self.config.tp
+        if not self.k.thin_gemm_roofline:
+            return self._gemm_time(work, 1)
+        b = self.training.dtype_bytes
+        nbytes = b * tokens * (fan_in / tp + 2.0 * rank + 2.0 * fan_out / tp)
+        return max(work / (self.peak * float(self.curve(1e15))), nbytes / self.device.memory_bandwidth)
+
     def _compute_times(self) -> _Compute:
         model, cfg, tr = self.model, self.config, self.training
         t, tp, s = float(self.tokens), cfg.tp, tr.seq_len
@@ -168,7 +180,7 @@ class PerfModel:
             lin_b += g if lora is not None else 2.0 * g
             if lora is not None and name in targets:
                 # Adapter B A x (Hu et al. 2021): two thin GEMMs, forward and 2x backward.
-                a = self._gemm_time(2.0 * t * lora.rank * (i + o) / tp, 1)
+                a = self._adapter_time(t, lora.rank, i, o)
                 lin_f += a
                 lin_b += 2.0 * a
         # Attention core QK^T and softmax x V: 2 x 2 T s h / tp FLOPs, causal half skipped
@@ -276,7 +288,8 @@ class PerfModel:
             pipes = comm.pp_groups(grid).reshape(dp, tp, p)
             nxt = np.roll(pipes, -1, axis=2)
             bw_n, lat_n = comm.pair_links(self.cluster, pipes, nxt)
-            hop = comm.p2p_time(self.act_bytes, bw_n * frac, lat_n).max(axis=1).T  # (p, dp)
+            p2p_bytes = self.act_bytes / tp if k.p2p_sequence_sharded else self.act_bytes
+            hop = comm.p2p_time(p2p_bytes, bw_n * frac, lat_n).max(axis=1).T  # (p, dp)
             hop = hop + (k.collective_overhead_s if k.p2p_overhead_s is None else k.p2p_overhead_s)
             if v == 1:
                 hop[-1] = 0.0  # no wrap-around for plain 1F1B

@@ -175,6 +175,19 @@ class PerfConstants:
     #: Memory pressure near capacity (None: off, as on every stack unless ``megatron+alloc-pressure``
     #: is named): see ``MemoryPressure``.
     memory_pressure: MemoryPressure | None = None
+    #: The device peak ``fp8_gemms`` runs the linear layers at: ``fp8`` (per-tensor and blockwise MXFP8
+    #: recipes) or ``fp4`` (NVFP4: Transformer Engine's ``NVFP4BlockScaling`` recipe).
+    low_precision_peak: str = "fp8"
+    #: LoRA's adapter GEMMs (``T x in`` by ``in x r``, r of 8-64) priced on the roofline: the longer of
+    #: their FLOPs at the curve's large-GEMM efficiency and the bytes they read and write at the memory
+    #: bandwidth (Williams et al. 2009). False: at the curve's efficiency for their FLOPs, which the
+    #: curves (fitted on square-ish GEMMs) put at 2-3% of the peak for a rank-16 adapter.
+    thin_gemm_roofline: bool = False
+    #: A pipeline hop carries the sequence-parallel shard (``[s/t, b, h]`` per tensor-parallel rank):
+    #: Megatron-Core sends the stage's output as it is under ``--sequence-parallel``
+    #: (megatron/core/pipeline_parallel/schedules.py, ``get_tensor_shapes``: seq_length // tp when
+    #: sequence_parallel). False: every rank sends the whole activation.
+    p2p_sequence_sharded: bool = False
 
 
 @dataclass(frozen=True)
@@ -208,8 +221,9 @@ class MemoryPressure:
         return self.stall_s * min(max(share, 0.0), 1.0)
 
 
-#: The constants above: Megatron-LM (vTrain) and nanotron (Ultra-Scale) runs, fused kernels.
-MEGATRON_CONSTANTS = PerfConstants()
+#: The constants above: Megatron-LM (vTrain) and nanotron (Ultra-Scale) runs, fused kernels; LoRA's
+#: adapters on the roofline (no LoRA run in those sets; Megatron-Bridge's LoRA runs check it).
+MEGATRON_CONSTANTS = PerfConstants(thin_gemm_roofline=True)
 
 # ---- Pipette's own stack: Hugging Face Llama under DeepSpeed (workers.rank.train) -------------
 # What Pipette's trials and launch files run: HF's eager Llama (RMSNorm upcast to fp32,

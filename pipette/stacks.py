@@ -58,6 +58,10 @@ OPTIONS: dict[str, str] = {
                    "float8.recipe_name = \"rowwise\") instead of one per tensor",
     "async-tp": "asynchronous tensor parallelism (torchtitan's async TP: the sequence-parallel all-gathers and "
                 "reduce-scatters micro-pipelined with the matmuls over symmetric memory)",
+    "mxfp8": "FP8 GEMMs with one scale per block of 32 (Transformer Engine's MXFP8BlockScaling recipe on "
+             "Blackwell; Megatron-Bridge's FP8-MX / MXFP8)",
+    "nvfp4": "FP4 GEMMs with block scales (Transformer Engine's NVFP4BlockScaling recipe on Blackwell; "
+             "Megatron-Bridge's NVFP4)",
     "alloc-pressure": "price a stall per micro-batch as the estimated peak nears capacity (the caching allocator's "
                       "flush and retry; pipette.perf.MemoryPressure, fitted on the Ultra-Scale set; off by default: "
                       "docs/stacks.md)",
@@ -66,7 +70,9 @@ OPTIONS: dict[str, str] = {
 OPTION_NOT_MODELLED = "not modelled yet: predicted as the stack without it"
 #: Options the performance model prices (``PerfConstants.fp8_gemms``); the others are shown and
 #: kept with the trials only.
-MODELLED_OPTIONS = ("fp8", "fp8-rowwise", "async-tp", "alloc-pressure")
+MODELLED_OPTIONS = ("fp8", "fp8-rowwise", "mxfp8", "nvfp4", "async-tp", "alloc-pressure")
+#: The low-precision recipes of the linear layers: one at most per stack key
+LOW_PRECISION_RECIPES = ("fp8", "fp8-rowwise", "mxfp8", "nvfp4")
 
 
 @dataclass(frozen=True)
@@ -152,6 +158,9 @@ class Stack:
     #: ``PerfConstants.fp8_efficiency`` under the ``fp8-rowwise`` option (the ``fp8`` option's terms
     #: otherwise)
     fp8_rowwise_efficiency: float | None = None
+    #: per recipe option (``mxfp8``, ``nvfp4``): the ``fp8`` option's constants with this
+    #: ``PerfConstants.fp8_efficiency`` (and the ``fp4`` peak under ``nvfp4``)
+    recipe_efficiencies: tuple[tuple[str, float], ...] = ()
     #: ``PerfConstants.memory_pressure`` under the ``alloc-pressure`` option, priced on the memory
     #: estimate of the chosen options (None: the stack does not offer it)
     memory_pressure: MemoryPressure | None = None
@@ -295,6 +304,18 @@ HF_DEEPSPEED = replace(
 MEGATRON_PRESSURE_STALL_S = 1.057
 MEGATRON_PRESSURE_ONSET = 0.627
 MEGATRON_PRESSURE = MemoryPressure(MEGATRON_PRESSURE_STALL_S, MEGATRON_PRESSURE_ONSET, MEGATRON_OPTIONS)
+#: ``megatron+fp8`` / ``+mxfp8`` / ``+nvfp4``: the recipe's GEMM throughput relative to the bf16 curve
+#: at the recipe's peak (``PerfConstants.fp8_efficiency``). Fitted (tests/benchmarks/crossval_problems.py,
+#: ``megatron-bridge``; rows and sets: ``pipette.constant_sources``) on Megatron-Bridge's dense Llama runs.
+MEGATRON_FP8_EFFICIENCY = 1.059  # per-tensor (FP8, FP8-CS): 27 rows
+MEGATRON_MXFP8_EFFICIENCY = 1.045  # blockwise MXFP8 (MXFP8, FP8-MX): 22 rows
+MEGATRON_NVFP4_EFFICIENCY = 0.817  # NVFP4, at the FP4 peak: 18 rows
+#: Megatron-Core's Transformer Engine FP8 as Megatron-Bridge and MLPerf run it: fused attention, casts
+#: fused into the norms and activations (FP8 weights), the userbuffer TP overlap, sequence parallelism
+#: (norms and residuals on the 1/t shard, pipeline hops carrying it), LoRA adapters on the roofline.
+MEGATRON_FP8_CONSTANTS = replace(MEGATRON_CONSTANTS, fp8_gemms=True, flash_attention=True, fp8_casts_fused=True,
+                                 tp_overlap=1.0, sequence_parallel=True, p2p_sequence_sharded=True,
+                                 fp8_efficiency=MEGATRON_FP8_EFFICIENCY)
 #: Megatron-LM and NeMo: fused kernels, vocab-parallel loss, the distributed optimizer (ZeRO-1),
 #: fp32 gradient buffers. Constants fitted on vTrain (Megatron-DeepSpeed) and the Ultra-Scale set
 #: (nanotron, whose kernels and schedule are Megatron's); the memory options and the prior on
@@ -306,14 +327,14 @@ MEGATRON = Stack(
     constants=MEGATRON_CONSTANTS, memory_options=MEGATRON_OPTIONS, gpu_fits_prior=MEGATRON_GPU,
     tensor_parallel=True, pipeline_parallel=True, zero_stages=(0, 1), schedules=("1f1b", "interleaved"),
     recompute=("none", "selective", "full"), launch_files=(*CANDIDATE_FILES, "megatron_args.txt"),
-    available_options=("fp8", "alloc-pressure"), memory_pressure=MEGATRON_PRESSURE,
+    available_options=("fp8", "mxfp8", "nvfp4", "alloc-pressure"), memory_pressure=MEGATRON_PRESSURE,
+    recipe_efficiencies=(("mxfp8", MEGATRON_MXFP8_EFFICIENCY), ("nvfp4", MEGATRON_NVFP4_EFFICIENCY)),
     #: Megatron-LM / NeMo FP8 is Transformer Engine's: its fused attention (cuDNN / flash, not the
     #: unfused one the bf16 constants were fitted with on vTrain), the casts fused into the norm and
     #: activation kernels, its userbuffer TP overlap, and (NeMo ``fp8_params``) FP8 weights: MLPerf's
     #: Llama-2-70B LoRA reference (NVTE_FUSED_ATTN=1, TP_COMM_OVERLAP=True, FP8=True sets fp8 and
-    #: fp8_params; docs/stacks.md). Counted, not fitted: no Megatron FP8 run in the shared data.
-    fp8_constants=replace(MEGATRON_CONSTANTS, fp8_gemms=True, flash_attention=True, fp8_casts_fused=True,
-                          tp_overlap=1.0),
+    #: fp8_params; docs/stacks.md); its efficiency fitted on Megatron-Bridge's runs (above).
+    fp8_constants=MEGATRON_FP8_CONSTANTS,
     fp8_memory_options=replace(MEGATRON_OPTIONS, fp8_weights=True),
     calibrated_on=(("a100", "vTrain"), ("h100", "Ultra-Scale's nanotron runs; MLPerf's Llama-2-70B LoRA"),
                    ("b200", "SimuMax")),
@@ -458,13 +479,18 @@ def get_stack(stack: str | Stack | None, *, field: str = "stack") -> Stack:
                             fix=f"use {name} alone or one of its options ({offered})")
     chosen = tuple(sorted(set(options)))
     rowwise = "fp8-rowwise" in chosen
-    if rowwise and "fp8" in chosen:
-        raise SpecError(f"{stack!r} names two FP8 recipes", field=field,
-                        fix=f"use {name}+fp8 (tensorwise scaling) or {name}+fp8-rowwise, not both")
+    recipes = [o for o in chosen if o in LOW_PRECISION_RECIPES]
+    if len(recipes) > 1:
+        raise SpecError(f"{stack!r} names two FP8 recipes ({', '.join(recipes)})", field=field,
+                        fix=f"use one of {', '.join(f'{name}+{o}' for o in recipes)}, not several")
     constants, memory = found.constants, found.memory_options
-    if "fp8" in chosen or rowwise:
+    if recipes:
         constants = found.fp8_constants or replace(found.constants, fp8_gemms=True)
         memory = found.fp8_memory_options or found.memory_options
+        efficiency = dict(found.recipe_efficiencies).get(recipes[0])
+        if efficiency is not None:
+            constants = replace(constants, fp8_efficiency=efficiency,
+                                low_precision_peak="fp4" if recipes[0] == "nvfp4" else "fp8")
     if "compile" in chosen and found.compiled is not None:
         constants, memory = found.compiled.apply(constants, memory)
     if rowwise and found.fp8_rowwise_efficiency is not None:

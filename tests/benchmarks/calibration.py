@@ -46,7 +46,8 @@ DATA_DIR = Path(__file__).resolve().parents[2] / "data" / "calibration"
 
 #: Every file the loaders below read: the project carries exactly these
 DATA_FILES = ("vtrain_a100_single_node.csv", "ultrascale_h100_1b_3b_8b.csv", "h100_single_gpu.csv",
-              "llmfoundry_h100_fsdp.csv", "torchtitan_h100_fsdp2.csv", "simumax_b200_megatron.csv")
+              "llmfoundry_h100_fsdp.csv", "torchtitan_h100_fsdp2.csv", "simumax_b200_megatron.csv",
+              "megatron_bridge_moe_dense.csv")
 
 
 def calibration_dir() -> Path:
@@ -358,4 +359,88 @@ def load_stack_set(directory: Path, name: str) -> StackSet:
                 out.rows.append(_stack_row(out.name, base, r))
             except (PipetteError, ValueError) as e:
                 out.skipped[str(e).split("(")[0].strip()] += 1
+    return out
+
+
+# ---- megatron_bridge_moe_dense.csv: Megatron-Core at scale (NVIDIA's Megatron-Bridge performance summaries) ----
+#: the set's GPU names -> Pipette's presets
+BRIDGE_GPUS = {"H100-80GB": "H100-80GB", "B200-180GB": "B200-180GB", "GB200": "GB200-186GB", "GB300": "GB300-288GB"}
+#: the recipe's precision -> the megatron stack's option that prices it (per-tensor current scaling is
+#: ``fp8``; blockwise MXFP8 ``mxfp8``; NVFP4 ``nvfp4``)
+BRIDGE_RECIPES = {"FP8": "fp8", "FP8-CS": "fp8", "MXFP8": "mxfp8", "FP8-MX": "mxfp8", "NVFP4": "nvfp4", "BF16": ""}
+#: Megatron-Bridge's LoRA (docs/training/peft.md of NVIDIA-NeMo/Megatron-Bridge: ``LoRA(target_modules=
+#: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"], dim=16, alpha=32)``): every linear layer
+BRIDGE_LORA_RANK = 16
+BRIDGE_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+#: NVLink per GPU and direction: NVLink 5 on B200, GB200 and GB300 (900 GB/s; the NVL72 racks' trays of 4 in
+#: one 72-GPU domain), NVLink 4 on H100; between DGX nodes 400 Gbit/s per GPU
+BRIDGE_NVLINK = {"H100-80GB": H100_NVLINK, "B200-180GB": 900e9, "GB200": 900e9, "GB300": 900e9}
+
+
+def _bridge_cluster(gpu: str, nodes: int, per_node: int) -> ClusterProfile:
+    key = (f"bridge-{gpu}", nodes * per_node)
+    if key not in _STACK_CLUSTERS:
+        nvlink = BRIDGE_NVLINK[gpu]
+        # an NVL72 rack is one NVLink domain: trays of 4 reach each other at NVLink speed (up to 72 GPUs;
+        # the set's GB runs of more than 72 GPUs cross racks on the 400 Gbit/s NICs)
+        domain = 72 if gpu.startswith("GB") else per_node
+        data = {"name": f"{gpu}-{nodes}x{per_node}", "device": BRIDGE_GPUS[gpu], "nodes": nodes,
+                "devices_per_node": per_node, "intra_node": {"bandwidth": nvlink, "latency": 3e-6},
+                "inter_node": {"bandwidth": H100_NODE_NIC_PER_GPU, "latency": 10e-6}}
+        if domain > per_node and nodes * per_node > per_node:
+            data["nvlink_domain"] = {"devices": min(domain, nodes * per_node), "bandwidth": nvlink, "latency": 3e-6}
+        from pipette.clusterfile import cluster_from_dict
+
+        _STACK_CLUSTERS[key] = cluster_from_dict(data)
+    return _STACK_CLUSTERS[key]
+
+
+def _bridge_row(r: dict[str, str]) -> Row:
+    """One dense Megatron-Bridge row as Pipette specs (bf16 training; the recipe is the stack's option)."""
+    from pipette.training import LoraSpec
+
+    seq, gb = int(r["seq"]), int(r["global_batch"])
+    tp, pp, dp, mbs, vp = (int(r[k]) for k in ("tp", "pp", "dp", "mbs", "vp"))
+    model = ModelSpec(name=r["model"].lower(), layers=int(r["layers"]), hidden=int(r["hidden"]), heads=int(r["heads"]),
+                      kv_heads=int(r["kv_heads"]), ffn_hidden=int(r["ffn"]), vocab=int(r["vocab"]), max_seq=seq,
+                      tied_embeddings=False, arch="llama")
+    lora = LoraSpec(BRIDGE_LORA_RANK, 2.0 * BRIDGE_LORA_RANK, BRIDGE_LORA_TARGETS) if r["method"] == "lora" else None
+    schedule = "interleaved" if vp > 1 else "1f1b"
+    training = TrainingSpec(global_batch=gb, seq_len=seq, dtype="bf16", optimizer="adamw", recompute=("none",),
+                            zero_stages=(1,), schedules=(schedule,), method="lora" if lora else "full",
+                            lora=lora)
+    config = ParallelConfig(tp=tp, pp=pp, dp=dp, mbs=mbs, global_batch=gb, zero_stage=1, recompute="none",
+                            schedule=schedule, virtual_stages=vp)
+    if r["grad_accum"] and config.grad_accum != int(r["grad_accum"]):
+        raise ValueError("grad_accum disagrees with global_batch / (dp x mbs)")
+    recipe = BRIDGE_RECIPES[r["precision"]]
+    stack = "megatron" + (f"+{recipe}" if recipe else "")
+    world = int(r["world"])
+    return Row(source="megatron_bridge", group=(r["model"], r["task"], r["gpu"], str(world), r["precision"]),
+               model=model, training=training, config=config,
+               cluster=_bridge_cluster(r["gpu"], int(r["nodes"]), int(r["gpus_per_node"])), ok=True,
+               step_time=float(r["meas_step_s"]), tokens_per_s_per_gpu=float(r["tps_per_gpu"]), stack=stack,
+               row_id=r["row_id"])
+
+
+def load_megatron_bridge(directory: Path) -> StackSet:
+    """The dense rows of ``megatron_bridge_moe_dense.csv`` Pipette can express: MoE models (no shapes),
+    context parallelism, Megatron FSDP and partial recomputation are skipped and counted by reason; so
+    is a layout Pipette's rules refuse (its message)."""
+    out = StackSet("megatron_bridge", "megatron", [])
+    with open(directory / "megatron_bridge_moe_dense.csv", newline="") as f:
+        for r in csv.DictReader(f):
+            if not r["layers"]:
+                out.skipped["MoE (no shape in the set)"] += 1
+            elif int(r["cp"]) > 1:
+                out.skipped["context parallel (cp>1)"] += 1
+            elif int(r["fsdp"]) > 0:
+                out.skipped["Megatron FSDP"] += 1
+            elif r["recompute"] not in ("", "none"):
+                out.skipped["partial recomputation"] += 1
+            else:
+                try:
+                    out.rows.append(_bridge_row(r))
+                except (PipetteError, ValueError) as e:
+                    out.skipped[str(e).split("(")[0].strip()] += 1
     return out

@@ -90,6 +90,8 @@ class Problem:
     shipped: Callable[[Row], float] | None = None
     #: where the shipped values came from, said under the table
     note: str = ""
+    #: subsets reported apart (label, which rows), e.g. a problem's LoRA runs
+    subsets: tuple[tuple[str, Callable[[Sample], bool]], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -258,6 +260,12 @@ def report(names: Sequence[str] | None = None, folds: int | None = None) -> list
     print(HEADER)
     for r in results:
         print("\n".join(table_lines(r)))
+    for r in results:
+        for label, member in r.problem.subsets:
+            idx = [i for i, s in enumerate(r.problem.samples) if member(s)]
+            sc = scores([r.problem.samples[i] for i in idx], r.predicted[idx])
+            print(f"  {r.problem.name}, {label}: {sc.n} rows, cross-validated median predicted/measured "
+                  f"{_num(sc.median_ratio)}, MAPE {_pct(sc.mape)}")
     for r in results:
         note = f" {r.problem.note}" if r.problem.note else ""
         fitted = sorted({len(f.fitted) for f in r.folds})

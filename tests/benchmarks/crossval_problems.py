@@ -244,3 +244,37 @@ def problems(names: Sequence[str] | None = None) -> list[Problem]:
     if unknown:
         raise SystemExit(f"unknown problem {', '.join(unknown)}: use one of {', '.join(PROBLEMS)}")
     return [PROBLEMS[n]() for n in chosen]
+
+
+# ---- megatron on Megatron-Bridge: the recipes' GEMM efficiencies ---------------------------------
+BRIDGE_PARAMS = (Param("fp8_efficiency", 1.0, 0.3, 2.0), Param("mxfp8_efficiency", 1.0, 0.3, 2.0),
+                 Param("nvfp4_efficiency", 1.0, 0.1, 2.0))
+#: the parameter each recipe option reads
+_RECIPE_PARAM = {"fp8": 0, "mxfp8": 1, "nvfp4": 2}
+
+
+def _bridge_predict(x: np.ndarray, row: Row) -> float:
+    recipe = row.stack.split("+")[1] if "+" in row.stack else ""
+    k = get_stack(row.stack).constants
+    if recipe in _RECIPE_PARAM:
+        k = replace(k, fp8_efficiency=float(x[_RECIPE_PARAM[recipe]]))
+    return _step(row, k)
+
+
+def megatron_bridge_problem() -> Problem:
+    from tests.benchmarks.calibration import load_megatron_bridge
+
+    rows = load_megatron_bridge(calibration_dir()).rows
+    return Problem(
+        name="megatron-bridge", samples=_samples("megatron_bridge", rows), params=BRIDGE_PARAMS,
+        predict=_bridge_predict, job=lambda s: "/".join(s.row.group[:4]),
+        shipped=lambda r: _step(r, get_stack(r.stack).constants),
+        note="Jobs: model, task, GPU, GPU count (a layout's releases and recipes are held out together). Shipped: "
+             "MEGATRON_*_EFFICIENCY of pipette/stacks.py (this fit on all rows: in-sample).",
+        subsets=(("LoRA runs", lambda s: s.row.training.method == "lora"),
+                 ("FP8 runs (per-tensor and MXFP8)", lambda s: s.row.stack in ("megatron+fp8", "megatron+mxfp8")),
+                 ("NVFP4 runs", lambda s: s.row.stack == "megatron+nvfp4")),
+    )
+
+
+PROBLEMS["megatron-bridge"] = megatron_bridge_problem
