@@ -20,15 +20,23 @@ from torch import nn
 from workers.fsdp_spec import FsdpPlan
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+#: a stage's (input, output) tensor, by stage index: given, the stage skips the exchange of shapes
+#: with its neighbours at the first step (a memory trace's fake process group carries no objects)
+StageShapes = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
 
 
 def pipeline_schedule(modules: list[nn.Module], stage_ids: list[int], plan: FsdpPlan, device: torch.device,
-                      group: Any, loss_fn: LossFn) -> Any:
+                      group: Any, loss_fn: LossFn, shapes: StageShapes | None = None) -> Any:
     """The schedule that runs this rank's stages (``modules``, ``stage_ids``) of ``plan``."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-    pairs = zip(modules, stage_ids, strict=True)
-    stages: list[Any] = [PipelineStage(m, s, plan.stages, device, group=group) for m, s in pairs]
+    def stage(module: nn.Module, index: int) -> Any:
+        if shapes is None:
+            return PipelineStage(module, index, plan.stages, device, group=group)
+        inputs, outputs = shapes(index)
+        return PipelineStage(module, index, plan.stages, device, input_args=inputs, output_args=outputs, group=group)
+
+    stages: list[Any] = [stage(m, s) for m, s in zip(modules, stage_ids, strict=True)]
     if plan.schedule == "interleaved":
         return ScheduleInterleaved1F1B(stages, n_microbatches=plan.microbatches, loss_fn=loss_fn)
     single = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[plan.schedule]

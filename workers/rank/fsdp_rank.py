@@ -37,9 +37,17 @@ from workers.rank.devices import (
     set_matmul_precision,
 )
 from workers.rank.fsdp_data import GlobalBatches, micro_batches
-from workers.rank.fsdp_model import build_stages, held_param_bytes, lm_loss, materialize, meta_model, parameter_names
+from workers.rank.fsdp_model import (
+    MetaModel,
+    build_stages,
+    held_param_bytes,
+    lm_loss,
+    materialize,
+    meta_model,
+    parameter_names,
+)
 from workers.rank.fsdp_parallel import parallelize
-from workers.rank.fsdp_pipeline import pipeline_schedule, pipeline_step
+from workers.rank.fsdp_pipeline import StageShapes, pipeline_schedule, pipeline_step
 from workers.rank.memory import (
     PeakTensorBytes,
     allocator_record,
@@ -116,7 +124,12 @@ def rank_devices(device_kind: str, offload: bool) -> RankDevices:
 class FsdpRank:
     """This rank's share of the model, its optimizer and pipeline schedule, and one step."""
 
-    def __init__(self, trial: TrialSpec, plan: FsdpPlan, rank: int, phases: Phases | None = None):
+    def __init__(self, trial: TrialSpec, plan: FsdpPlan, rank: int, phases: Phases | None = None,
+                 mesh: Any = None, stage_shapes: StageShapes | None = None, meta: MetaModel | None = None):
+        """``mesh`` and ``meta`` (the model on the meta device): made here when None (a memory trace,
+        ``workers.rank.fsdp_trace``, makes them outside its fake tensor mode); ``stage_shapes``: the
+        pipeline stages' input and output tensors, which the schedule otherwise learns from its
+        neighbours at the first step."""
         from torch.distributed.device_mesh import init_device_mesh
 
         t = trial.training
@@ -124,12 +137,13 @@ class FsdpRank:
         self.devices = rank_devices(trial.device_kind, plan.offload)
         self.device = self.devices.compute
         set_matmul_precision(t.dtype, self.device)
-        self.mesh = init_device_mesh(self.device.type, plan.mesh_shape, mesh_dim_names=MESH_DIMS)
+        self.mesh = mesh if mesh is not None else init_device_mesh(self.device.type, plan.mesh_shape,
+                                                                   mesh_dim_names=MESH_DIMS)
         coords = plan.coords(rank)
         dp_index = coords["dp_replicate"] * plan.dp_shard + coords["dp_shard"]
         self.batches = GlobalBatches(trial.model.vocab, t.seq_len, t.global_batch, plan.dp, dp_index, trial.seed,
                                      trial.data)
-        meta = meta_model(trial.model, t)
+        meta = meta if meta is not None else meta_model(trial.model, t)
         self.stage_ids = plan.stage_ids(coords["pp"])
         self.stages = build_stages(meta, self.stage_ids, plan.stages, t.seq_len)
         for stage in self.stages:
@@ -147,7 +161,7 @@ class FsdpRank:
         self.grad_norm = 0.0
         if plan.pp > 1:
             self.schedule = pipeline_schedule(list(self.stages), self.stage_ids, plan, self.device, self.pp_group,
-                                              lm_loss)
+                                              lm_loss, stage_shapes)
         if phases is not None:
             phases.mark("engine")
 
@@ -157,6 +171,19 @@ class FsdpRank:
         gradient's norm before clipping (``grad_norm``): AdamW with clipping hides a gradient
         scaled by a constant from the losses, not from the norm."""
         ids, labels = (t.to(self.device) for t in self.batches.next())
+        mine, norm = self.train_step(ids, labels)
+        # the last stage's ranks hold the loss; each of their dp x tp ranks adds its replica's
+        held = mine.detach() if mine is not None else torch.zeros(())
+        # under CPU offload the norm of the (host) gradients is on the host, the loss on the GPU
+        out = torch.stack([t.float().to(self.devices.collective) for t in (held, norm.detach())])
+        dist.all_reduce(out)
+        self.grad_norm = float(out[1]) / self.plan.world  # every rank holds the whole norm
+        return float(out[0]) / (self.plan.dp * self.plan.tp)
+
+    def train_step(self, ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """The step's forward, backward, clipping and optimizer update on the replica's rows, with
+        no read of a value (so a fake tensor mode can trace it): (this rank's mean micro-batch loss,
+        None off the last pipeline stage; the gradient's norm before clipping)."""
         if self.schedule is not None:
             mine = pipeline_step(self.schedule, self.stage_ids, self.plan, ids, labels)
         else:
@@ -169,13 +196,7 @@ class FsdpRank:
         norm = clip_grad_norm(self.params, GRAD_CLIP, self.pp_group)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        # the last stage's ranks hold the loss; each of their dp x tp ranks adds its replica's
-        held = mine.detach() if mine is not None else torch.zeros(())
-        # under CPU offload the norm of the (host) gradients is on the host, the loss on the GPU
-        out = torch.stack([t.float().to(self.devices.collective) for t in (held, norm.detach())])
-        dist.all_reduce(out)
-        self.grad_norm = float(out[1]) / self.plan.world  # every rank holds the whole norm
-        return float(out[0]) / (self.plan.dp * self.plan.tp)
+        return mine, norm
 
 
 def _sync(device: torch.device) -> None:
