@@ -57,8 +57,10 @@ def main() -> int:
                      if (c.config.tp, c.config.pp, c.config.dp, c.config.mbs, c.config.recompute)
                      == (tp, 1, 8 // tp, 1, "none")), None)
         parts = ", ".join(f"{k} {v / GiB:.1f}" for k, v in mem.breakdown.items() if v)
-        against = f" ({rate / PUBLISHED_SAMPLES_PER_S - 1:+.1%} against {PUBLISHED_SAMPLES_PER_S})" \
-            if device == "H100-80GB" else ""
+        # megatron+fp8's tp_overlap was kept because this figure matched (pipette.constant_sources): a
+        # calibration row, not a verdict; the cross-validated ones are tests/benchmarks/crossval.py's
+        against = f" ({rate / PUBLISHED_SAMPLES_PER_S - 1:+.1%} against {PUBLISHED_SAMPLES_PER_S}, the figure " \
+            "megatron+fp8 was calibrated on: not a verdict)" if device == "H100-80GB" else ""
         print(f"{device} x8, MLPerf layout {layout.label} with {stack.key}: memory {mem.peak_bytes / GiB:.1f} GiB "
               f"({parts}); step {perf.step_time:.2f} s = {rate:.3f} samples/s{against}; "
               f"plan rank {rank if rank else 'dropped'} of {len(labels)}; top 5: {', '.join(labels[:5])}")

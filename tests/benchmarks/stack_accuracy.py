@@ -1,20 +1,21 @@
-"""Accuracy per calibration set and stack (issue 28): each set predicted with the default stack
-(``pipette``: what every plan used before stacks) and with the stack that ran it.
+"""Accuracy per calibration set and stack (issues 28 and 45): the step time cross-validated
+(tests/benchmarks/crossval.py: every verdict from fits that never saw the row's job), then the memory
+estimate and the plan's drops with the shipped estimator, labelled as such.
 
 Run from the repository root (``./dev bench accuracy`` prints it too)::
 
     .venv/bin/python tests/benchmarks/stack_accuracy.py
 
-Per (set, stack) it prints: the rows, the step-time MAPE, Spearman's rho of predicted and measured
-step time per group (min and median over the groups of 3 or more), the top-1 regret per group
-(how much slower the measured time of the predicted best is than the measured best), the
-memory MAPE of the estimate against the set's figures (where it measured them): the live estimate
-(``MemoryEstimate.live_bytes``) against a peak allocated, the reserved one (``reserved_bytes``)
-against a peak reserved or a figure of unknown kind (Ultra-Scale's "GPU memory"; the reserved
-estimate is what its constants were fitted on), and how many configurations
-that ran the plan would drop (the stack does not run it, a validity rule, or under a 2% chance
-to fit: counted apart, a row may be in more than one). Nothing is fitted here: the constants are
-the shipped ones.
+The step-time table is crossval.py's (per (set, stack): rows, MAPE, median predicted/measured,
+Spearman per job, top-1 regret per job, and the shipped constants' in-sample MAPE in a column of its
+own). The memory table gives, per (set, stack), the memory MAPE of the estimate against the set's
+figures (where it measured them): the live estimate (``MemoryEstimate.live_bytes``) against a peak
+allocated, the reserved one (``reserved_bytes``) against a peak reserved or a figure of unknown kind
+(Ultra-Scale's "GPU memory"; the reserved estimate is what its constants were fitted on), and how
+many configurations that ran the plan would drop (the stack does not run it, a validity rule, or
+under a 2% chance to fit: counted apart, a row may be in more than one). The memory figures are
+in-sample where the estimator's terms were fitted on the set (its fragmentation factors and fits
+priors: pipette/fits.py and pipette/memory_options.py name the rows).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from tests.benchmarks.calibration import (  # noqa: E402
     as_run,
     calibration_dir,
     load_h100_single_gpu,
+    load_megatron_bridge,
     load_stack_set,
     load_ultrascale,
     load_vtrain,
@@ -77,6 +79,9 @@ def sets(directory: Path) -> list[CalibrationSet]:
             s = load_stack_set(directory, name)
             skipped = ", ".join(f"{n} {why}" for why, n in s.skipped.items())
             out.append(CalibrationSet(s.name, s.stack, s.rows, skipped))
+    if (directory / "megatron_bridge_moe_dense.csv").exists():
+        b = load_megatron_bridge(directory)
+        out.append(CalibrationSet(b.name, b.stack, b.rows, ", ".join(f"{n} {why}" for why, n in b.skipped.items())))
     return out
 
 
@@ -156,41 +161,45 @@ def _rho(x: float) -> str:
     return "-" if np.isnan(x) else f"{x:.2f}"
 
 
-def line(set_name: str, stack_key: str, predicted_with: str, m: dict[str, float]) -> str:
+MEMORY_HEADER = ("| set | rows' stack | predicted with | rows | memory MAPE live / reserved (rows) | "
+                 "ran, dropped by memory / stack / rule |\n|---|---|---|---|---|---|")
+
+
+def memory_line(set_name: str, stack_key: str, m: dict[str, float]) -> str:
     mem = " / ".join(f"{_pct(m[k + '_mape'])} ({int(m[k + '_n'])})" if m[k + "_n"] else "-"
                      for k in ("live", "reserved"))
-    return (f"| {set_name} | {stack_key} | {predicted_with} | {int(m['n'])} | {_pct(m['mape'])} | "
-            f"{_rho(m['spearman_min'])} / {_rho(m['spearman_median'])} ({int(m['rho_groups'])}) | "
-            f"{_pct(m['regret_median'])} / {_pct(m['regret_max'])} | {mem} | "
+    return (f"| {set_name} | {stack_key} | {stack_key} | {int(m['n'])} | {mem} | "
             f"{int(m['dropped_memory'])} / {int(m['dropped_stack'])} / {int(m['dropped_rule'])} |")
 
 
-HEADER = ("| set | rows' stack | predicted with | rows | step MAPE | Spearman min / med (groups) | "
-          "top-1 regret med / max | memory MAPE live / reserved (rows) | ran, dropped by memory / stack / rule |\n"
-          "|---|---|---|---|---|---|---|---|---|")
-
-
-def report(directory: Path) -> None:
-    print("per calibration set and stack: before = the default stack (pipette) for every set; after = its stack")
-    print(HEADER)
+def memory_report(directory: Path) -> None:
+    """Memory and the plan's drops per (set, stack), the shipped estimator (in-sample where fitted)."""
+    print("memory and the plan's drops, shipped estimator (in-sample where its terms were fitted on the set):")
+    print(MEMORY_HEADER)
     for s in sets(directory):
-        keys = sorted({r.stack or s.stack for r in s.rows})
-        for key in keys:
+        for key in sorted({r.stack or s.stack for r in s.rows}):
             rows = [r for r in s.rows if (r.stack or s.stack) == key]
-            own = get_stack(key)
-            for label, stack in (("before: pipette", get_stack("pipette")), (f"after: {own.key}", own)):
-                if label.endswith(": pipette") and label.startswith("after"):
-                    continue
-                print(line(s.name, key, label, metrics(rows, stack)))
+            print(memory_line(s.name, key, metrics(rows, get_stack(key))))
         if s.skipped:
-            print(f"|   {s.name}: skipped {s.skipped} | | | | | | | | |")
-    print("(fp8, fp8-rowwise and async-tp are priced; compile is priced on fsdp only (CompileTerms), elsewhere "
-          "predicted as the stack without it)")
+            print(f"|   {s.name}: skipped {s.skipped} | | | | | |")
+
+
+def report(directory: Path, problems: Sequence[str] | None = None) -> list[object]:
+    """The cross-validated step-time table, then the memory table. Returns crossval's results."""
+    from tests.benchmarks import crossval
+
+    results: list[object] = list(crossval.report(problems))
+    memory_report(directory)
+    return results
 
 
 def main() -> int:
-    directory = calibration_dir()
-    report(directory)
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--problem", action="append", help="cross-validate only this problem (crossval.py's names)")
+    args = ap.parse_args()
+    report(calibration_dir(), args.problem)
     return 0
 
 

@@ -59,3 +59,17 @@ def test_a_fit_starts_from_the_neutral_start_not_the_shipped_constants() -> None
     x = fit_least_squares(problem.samples[:4], problem)
     assert x.shape == (len(problem.params),)
     assert [p.start for p in problem.params] == [20.0, 5.0, 2e-4]  # not HF_DEEPSPEED_CONSTANTS' 71.4, 13.4, 8.64e-4
+
+
+def test_the_accuracy_report_prints_cross_validated_step_verdicts_and_labels_the_rest(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from tests.benchmarks.calibration import calibration_dir
+    from tests.benchmarks.stack_accuracy import report
+
+    report(calibration_dir(), ["pipette"])
+    out = capsys.readouterr().out
+    step, memory = out.split("memory and the plan's drops")
+    assert "cross-validated step time" in step
+    assert "| h100_single_gpu | pipette | pipette (leave-one-job-out, 3)" in step
+    assert "in-sample" in step.splitlines()[0] and "in-sample" in memory.splitlines()[0]
+    assert "step MAPE" not in memory and "before: pipette" not in out  # no step verdict on fitted rows
