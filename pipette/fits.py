@@ -97,9 +97,11 @@ MEGATRON_GPU = FitsPrior("megatron-gpu", mu=-0.002, sd=0.044,
 #: estimate (was mu -0.273, sd 0.600; then mu -0.142, sd 0.241), refitted again (2026-11-27, branch
 #: stack28b) with the compiled loss, fp32 no-sync gradients under PP, DTensor TP's gathered
 #: inputs and loss_parallel's copies and the fsdp stack's own fragmentation on reserved bytes (whose
-#: two factors were fitted on 4 of these 14 runs: the sd is partly in-sample).
-FSDP_GPU = FitsPrior("fsdp-gpu", mu=0.027, sd=0.046,
-                     source="torchtitan_h100_fsdp2.csv, 14 runs (stack28b terms, reserved, 2026-11-27)")
+#: two factors were fitted on 4 of these 14 runs: the sd is partly in-sample); refitted (2026-12-04,
+#: issue 46: mu +0.027, sd 0.046 before) when a trace of the runner showed no gradient at the peak of
+#: a step of one micro-batch without a pipeline (``pipette.memory.stage_breakdowns``).
+FSDP_GPU = FitsPrior("fsdp-gpu", mu=0.046, sd=0.043,
+                     source="torchtitan_h100_fsdp2.csv, 14 runs (traced gradient term, reserved, 2026-12-04)")
 #: CPU devices: no calibration runs (the runner's RSS is recorded by every CPU trial); the
 #: learned memory model's default prior (``pipette.feasibility``), centred.
 CPU = FitsPrior("cpu", mu=0.0, sd=0.226, source="no calibration runs: the learned model's default prior")

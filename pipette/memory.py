@@ -201,6 +201,13 @@ def stage_breakdowns(
                 config, training, layers_i, layer_psi + lora_psi, root, psi, trainable,
                 lora_psi if not trainable_full else layer_psi + lora_psi, offload=config.offload and gpu,
             )
+            if p == 1 and m == 1:
+                # One micro-batch and no pipeline: the peak is the loss's backward, before any layer's
+                # gradient is reduce-scattered (the previous step's were freed by zero_grad), so the
+                # sharded gradients count only where they outgrow the transient bytes freed by the time
+                # they are whole (a trace of the runner, workers.rank.fsdp_trace: Llama 3 8B dp 8, 0
+                # gradient bytes at the peak; docs/results.md, "Traced memory")
+                gradients = max(0.0, gradients - activations - stage_logits)
         if gpu:
             overhead = GPU_OVERHEAD_BYTES + (options.fragmentation - 1.0) * (activations + stage_logits)
         else:

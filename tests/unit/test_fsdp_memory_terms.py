@@ -84,3 +84,19 @@ def test_fsdp_compile_fuses_the_loss_and_uses_its_own_fragmentation() -> None:
     assert sum(_last(cfg, compiled).values()) < sum(_last(cfg, plain).values()) - GB // 4
     # other stacks' compile changes nothing in memory
     assert get_stack("hf-deepspeed+compile").memory_options == get_stack("hf-deepspeed").memory_options
+
+
+def test_one_micro_batch_without_a_pipeline_has_no_gradient_at_its_peak() -> None:
+    """A trace of the runner (workers.rank.fsdp_trace, Llama 3 8B over 8 ranks, one micro-batch):
+    the peak is the loss's backward, before any sharded gradient exists. With a second micro-batch
+    the first one's reduced gradients are there during the second's backward."""
+    from pipette.model import MODEL_PRESETS
+
+    model = MODEL_PRESETS["llama3-8b"]
+    train = TrainingSpec(global_batch=8, seq_len=8192, dtype="bf16", optimizer="adamw")
+    one = ParallelConfig(tp=1, pp=1, dp=8, mbs=1, global_batch=8, zero_stage=3, recompute="selective")
+    assert stage_breakdowns(model, train, one, options=FSDP_OPTIONS)[0]["gradients"] == 0
+    two = replace(one, global_batch=16)
+    sharded = 4 * model.total_params() / 8
+    assert stage_breakdowns(model, replace(train, global_batch=16), two,
+                            options=FSDP_OPTIONS)[0]["gradients"] == pytest.approx(sharded, rel=0.01)
