@@ -105,6 +105,7 @@ from pipette.memory import MEGATRON_OPTIONS, NANOTRON_OPTIONS, estimate_memory  
 from pipette.model import ModelSpec  # noqa: E402
 from pipette.perf import MEGATRON_CONSTANTS  # noqa: E402
 from pipette.plan import Plan, make_plan  # noqa: E402
+from pipette.retiming import RetimeBudget  # noqa: E402
 from pipette.search import PARAMS, candidate_params, params_key  # noqa: E402
 from pipette.training import TrainingSpec  # noqa: E402
 from pipette.tuner import OnStep, StepProgress, TuneOptions, Tuner  # noqa: E402
@@ -367,7 +368,7 @@ def run_tuner(group: Group, seed: int, budget: int, peak_memory: bool = True) ->
 
     # the curve: the search alone, to the whole budget
     tuner = Tuner(group.plan, TuneOptions(max_trials=budget, seed=seed, retime=0), runnable=runnable)
-    reserve = TuneOptions(max_trials=budget).reserve_for(group.plan.cluster.device_spec.kind)
+    reserve = RetimeBudget(TuneOptions(max_trials=budget), group.plan.cluster.device_spec.kind).reserve
     while len(trace.keys) < budget:
         reason = tuner.stop_reason()
         if trace.would_stop is None:

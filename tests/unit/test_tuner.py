@@ -25,12 +25,21 @@ from pipette.learned import HYPER_MASS, NOISE_FLOOR_SD, LearnedModel, Observatio
 from pipette.measurement import Measurement
 from pipette.model import ModelSpec
 from pipette.plan import Plan, Planned, make_plan
+from pipette.retiming import RetimeBudget
 from pipette.search import candidate_params, score, search_space
 from pipette.stacks import PIPETTE
 from pipette.training import LoraSpec, TrainingSpec
 from pipette.tuner import StepProgress, TrialRecord, TuneEvent, TuneOptions, Tuner
+from pipette.verdict import Tried
 
 _WITH_INTERLEAVED = replace(PIPETTE, schedules=("1f1b", "interleaved"))
+
+
+def _tried(tuner: Tuner) -> Tried:
+    """The tried candidates against the tuner's pick (it has one)."""
+    tried = tuner.tried()
+    assert tried is not None
+    return tried
 
 
 @pytest.fixture(scope="module")
@@ -240,7 +249,7 @@ def test_tuner_finds_the_true_best_in_few_trials_and_says_why_it_stopped(plan: P
     assert result.best is not None
     assert world.truth(result.best.config) <= world.truth(true_best.config) * 1.02
     searched = [t for t in result.trials if t.purpose == "search"]
-    assert len(searched) < 16 - TuneOptions(max_trials=16).retime_reserve, result.stop_reason
+    assert len(searched) < 16 - RetimeBudget(TuneOptions(max_trials=16), "gpu").default_reserve, result.stop_reason
     assert result.stop_reason.startswith("converged")
     assert "sure to be within 2% of the best tried" in result.stop_reason
     assert result.confidence is not None and 0.0 < result.confidence <= 1.0
@@ -440,7 +449,7 @@ def test_a_crash_whose_retry_crashed_too_is_not_retried_again(plan: Plan) -> Non
     # and `pipette tune` prints it under the trial's line
     import io
 
-    from pipette.cli.tune import Progress
+    from cli.tune import Progress
 
     out = io.StringIO()
     Progress(10, out).end(later[0])
@@ -456,7 +465,7 @@ def test_a_crash_whose_retry_crashed_too_is_not_retried_again(plan: Plan) -> Non
 
 
 def test_retry_chance_counts_this_jobs_retries_of_the_same_kind(plan: Plan) -> None:
-    from pipette.tuner import crash_kind, retry_chance
+    from pipette.retry import crash_kind, retry_chance
 
     config = plan.ranked[0].config
     crash = Measurement("failed", error="Traceback (most recent call last):\n  File \"x.py\", line 3\n"
@@ -509,7 +518,7 @@ def test_a_rerun_after_a_lost_node_is_not_pruned(plan: Plan) -> None:
 
 
 def test_lost_nodes_are_rerun_a_bounded_number_of_times(plan: Plan) -> None:
-    from pipette.tuner import LOST_NODE_RETRIES
+    from pipette.retry import LOST_NODE_RETRIES
 
     top = plan.ranked[0].config.label
     world = World(plan, lose_node={top: 99})
@@ -653,7 +662,7 @@ def test_noisy_repeats_reopen_the_search_and_lower_the_confidence(plan: Plan) ->
 def test_a_regime_the_model_gets_wrong_is_learned_from_few_trials(plan: Plan) -> None:
     """The analytic model wrong by a factor per regime (tp 2 here 3x slow): trials at tp 2 move
     every tp-2 candidate, however far its other features are; tp-1 candidates far less. Since the
-    regime term's pairwise interactions (``learned.REGIME_INTERACTION``, half of its variance) the
+    regime term's pairwise interactions (``gp.REGIME_INTERACTION``, half of its variance) the
     tp-1 candidates drift to 1.34x at the median (the shared offset and the (pp, ZeRO) pairs they
     share with the tp-2 runs take a part of the 3x; 0.93x with main effects alone) and the tp-2
     ones reach 2.3x (2.75x): four runs, each in another pp, cannot tell a tp-wide factor from
@@ -686,7 +695,7 @@ def test_a_regime_the_model_gets_wrong_is_learned_from_few_trials(plan: Plan) ->
 
 
 def test_no_convergence_before_four_candidates_ran_ok(plan: Plan) -> None:
-    from pipette.tuner import MIN_OK_TO_CONVERGE
+    from pipette.stop_rule import MIN_OK_TO_CONVERGE
 
     # every candidate but the analytic top-1 crashes: the rule may not call one ok trial converged
     world = World(plan, crash={p.config.label for p in plan.ranked[1:]})
@@ -705,7 +714,7 @@ def test_a_small_reserve_still_retimes_the_pick(plan: Plan) -> None:
                for i, (p, t) in enumerate(zip(close, (1.00, 1.01, 1.02), strict=True))]
     world = World(plan, trial_noise=0.0, offset=1.0 / close[0].perf.step_time, tp_penalty=0.0)
     options = TuneOptions(max_trials=5, stop_probability=0.0)
-    assert options.retime_reserve == 2
+    assert RetimeBudget(options, "gpu").default_reserve == 2
     result = Tuner(plan, options, history=history).run(world)
     retimed = [t.label for t in result.trials if t.purpose == "retime"]
     assert retimed == [close[0].config.label, close[1].config.label], result.stop_reason
@@ -743,7 +752,7 @@ def test_a_candidate_timed_once_and_slow_is_retimed_before_one_timed_twice(plan:
     history = [replace(r, number=i) for i, r in enumerate(history)]
     tuner = Tuner(plan, TuneOptions(max_trials=30), history=history)
     assert tuner.best is not None and tuner.best.config.label == labels["pick"]
-    sure = tuner._pairwise()
+    sure = _tried(tuner).within()
     assert sure[labels["B"]] < sure[labels["A"]]  # same mean, one trial against two
     assert tuner.contenders() == [labels["pick"], labels["C"], labels["B"]]
 
@@ -751,18 +760,19 @@ def test_a_candidate_timed_once_and_slow_is_retimed_before_one_timed_twice(plan:
 def test_the_reserve_is_one_round_or_as_given(plan: Plan) -> None:
     """A quarter of the budget, at least 2, at most one round; none without re-timing;
     ``for_search`` puts every round on top of the search's trials."""
-    assert [TuneOptions(max_trials=m).retime_reserve for m in (3, 4, 12, 20, 100)] == [0, 2, 3, 3, 3]
-    assert TuneOptions(max_trials=20, retime_rounds=0).retime_reserve == 0
-    assert TuneOptions(max_trials=20, retime=1).retime_reserve == 0
-    assert TuneOptions(max_trials=20, reserve=7).retime_reserve == 7
+    assert [RetimeBudget(TuneOptions(max_trials=m), "gpu").default_reserve
+            for m in (3, 4, 12, 20, 100)] == [0, 2, 3, 3, 3]
+    assert RetimeBudget(TuneOptions(max_trials=20, retime_rounds=0), "gpu").default_reserve == 0
+    assert RetimeBudget(TuneOptions(max_trials=20, retime=1), "gpu").default_reserve == 0
+    assert RetimeBudget(TuneOptions(max_trials=20, reserve=7), "gpu").default_reserve == 7
     options = TuneOptions.for_search(18, seed=4)
-    assert (options.max_trials, options.retime_reserve, options.seed) == (27, 9, 4)
+    assert (options.max_trials, RetimeBudget(options, "gpu").default_reserve, options.seed) == (27, 9, 4)
     assert TuneOptions.for_search(18, retime=0).max_trials == 18
     with pytest.raises(SpecError, match="budget.reserve"):
         TuneOptions(reserve=-1)
     with pytest.raises(SpecError, match=r"budget.reserve: is 10 of max_trials 10.*keep 0 to 9 trials"):
         TuneOptions(max_trials=10, reserve=10)
-    assert TuneOptions(max_trials=10, reserve=9).retime_reserve == 9
+    assert RetimeBudget(TuneOptions(max_trials=10, reserve=9), "gpu").default_reserve == 9
 
 
 def test_the_rounds_use_the_reserve_to_decide(plan: Plan) -> None:
@@ -800,7 +810,7 @@ def test_an_undecided_pick_is_re_timed_while_the_budget_has_room_and_says_so_fir
 def test_the_stop_rule_counts_every_untried_candidates_chance_together() -> None:
     """Forty candidates at 4% each are not "converged" at a 5% stop probability: one of them
     beats the pick with probability ~80% (the old rule looked at the likeliest alone)."""
-    from pipette.tuner import chance_any_beats
+    from pipette.stop_rule import chance_any_beats
 
     assert chance_any_beats([0.04] * 40) == pytest.approx(1 - 0.96**40)
     assert chance_any_beats([0.04] * 40) > 0.8
@@ -850,8 +860,8 @@ def test_a_contender_that_may_be_faster_than_the_pick_is_retimed(plan: Plan) -> 
                            by_label[k].memory, 0.1) for k, ts in times.items() for t in ts]
     tuner = Tuner(plan, TuneOptions(max_trials=30), history=[replace(r, number=i) for i, r in enumerate(history)])
     assert tuner.best is not None and tuner.best.config.label == pick
-    assert tuner._pairwise()[other] > 0.99  # sure to be within the tolerance
-    assert 0.1 < tuner._faster_chance()[other] < 0.5
+    assert _tried(tuner).within()[other] > 0.99  # sure to be within the tolerance
+    assert 0.1 < _tried(tuner).faster()[other] < 0.5
     assert tuner.contenders() == [pick, other]
 
 
@@ -897,16 +907,17 @@ def test_a_cpu_job_keeps_whole_rounds_for_re_timing() -> None:
     rounds of 2 in up to half of it; a given reserve is kept as given. A tuner on a CPU plan
     searches 15 of 24 trials, then re-times (on the old reserve it searched 21 and re-timed one
     round); with 8 trials it searches 4 and re-times in rounds of 2."""
-    assert [TuneOptions(max_trials=m).reserve_for("cpu") for m in (3, 6, 8, 10, 12, 16, 20, 24, 100)] \
+    assert [RetimeBudget(TuneOptions(max_trials=m), "cpu").reserve for m in (3, 6, 8, 10, 12, 16, 20, 24, 100)] \
         == [0, 2, 4, 4, 6, 6, 6, 9, 9]
-    assert [TuneOptions(max_trials=m).round_size("cpu") for m in (6, 8, 12, 16, 24)] == [3, 2, 2, 3, 3]
-    assert [TuneOptions(max_trials=m).reserve_for("gpu") for m in (3, 8, 12, 16, 20, 24, 100)] == [0, 2, 3, 3, 3, 3, 3]
-    assert TuneOptions(max_trials=8).round_size("gpu") == 3
-    assert TuneOptions(max_trials=24, reserve=4).reserve_for("cpu") == 4
-    assert TuneOptions(max_trials=8, reserve=4).round_size("cpu") == 3
-    assert TuneOptions(max_trials=24, retime=0).reserve_for("cpu") == 0
-    assert TuneOptions(max_trials=24, retime_rounds=1).reserve_for("cpu") == 3
-    assert TuneOptions(max_trials=8, retime_rounds=1).reserve_for("cpu") == 2
+    assert [RetimeBudget(TuneOptions(max_trials=m), "cpu").round_size for m in (6, 8, 12, 16, 24)] == [3, 2, 2, 3, 3]
+    assert [RetimeBudget(TuneOptions(max_trials=m), "gpu").reserve
+            for m in (3, 8, 12, 16, 20, 24, 100)] == [0, 2, 3, 3, 3, 3, 3]
+    assert RetimeBudget(TuneOptions(max_trials=8), "gpu").round_size == 3
+    assert RetimeBudget(TuneOptions(max_trials=24, reserve=4), "cpu").reserve == 4
+    assert RetimeBudget(TuneOptions(max_trials=8, reserve=4), "cpu").round_size == 3
+    assert RetimeBudget(TuneOptions(max_trials=24, retime=0), "cpu").reserve == 0
+    assert RetimeBudget(TuneOptions(max_trials=24, retime_rounds=1), "cpu").reserve == 3
+    assert RetimeBudget(TuneOptions(max_trials=8, retime_rounds=1), "cpu").reserve == 2
 
     cluster = homogeneous_cluster("cpu", nodes=1, devices_per_node=4, intra_bandwidth=2e9, inter_bandwidth=2e9)
     cpu_plan = make_plan(ModelSpec.preset("tiny-llama"), TrainingSpec(global_batch=16, seq_len=128, dtype="fp32"),
