@@ -3,7 +3,7 @@
 Each ``Option`` is one knob of a tuning job (the trial budget, the stop rule, the re-timing,
 the trials' length) or of a plan, with its type, default, help and bounds. Everything else is
 generated from ``OPTIONS``: the flags of ``pipette tune``, ``pipette plan`` and ``pipette
-submit`` (``pipette.cli.inputs``), the API's ``budget`` and plan fields (``service.schemas``),
+submit`` (``cli.inputs``), the API's ``budget`` and plan fields (``service.schemas``),
 and the defaults and checks of ``pipette.tuner.TuneOptions``. An option's ``scopes`` say where
 it applies: ``tune`` (a tuning job: ``pipette tune``, a job's ``budget``) and ``plan`` (``pipette
 plan``, ``POST /v1/plan``).

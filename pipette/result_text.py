@@ -152,7 +152,7 @@ def untried_line(result: TuneResult) -> str | None:
 def interference_words(interference: dict[str, Any]) -> str:
     """The machine's other work during the trials, beside the noise it causes: the cores that
     processes other than this job's ranks kept busy, and other processes on the GPUs
-    (``pipette.cli.interference``)."""
+    (``cli.interference``)."""
     others = interference.get("others_cores") or []
     cores = interference.get("cores")
     if not others or not cores:

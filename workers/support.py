@@ -14,6 +14,7 @@ backend runs before it measures anything; ``refusals``/``check_runnable`` take a
 from __future__ import annotations
 
 from pipette.config import ParallelConfig
+from pipette.datafiles import check_checkpoint, jsonl_token_ids
 from pipette.errors import InfeasibleError
 from pipette.model import ModelSpec
 from pipette.script import ScriptSpec
@@ -124,13 +125,9 @@ def check_inputs(trial: TrialSpec) -> None:
     unreadable or not this model's (the first mismatching tensor and both shapes). Each is
     read once per process."""
     if trial.data is not None and (trial.data, str(trial.training.seq_len)) not in _CHECKED:
-        from workers.rank.data import jsonl_token_ids
-
         jsonl_token_ids(trial.data, trial.model.vocab, trial.training.seq_len)
         _CHECKED.add((trial.data, str(trial.training.seq_len)))
     if trial.checkpoint is None or (trial.checkpoint, trial.model.name) in _CHECKED:
         return
-    from workers.rank.checkpoint import check_checkpoint
-
     check_checkpoint(trial.model, trial.checkpoint)
     _CHECKED.add((trial.checkpoint, trial.model.name))

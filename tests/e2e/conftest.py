@@ -63,7 +63,7 @@ class Service:
     def cli(self, *args: str, env: dict[str, str] | None = None, stdin: str | None = None,
             timeout: float = 120) -> subprocess.CompletedProcess[str]:
         """Run ``pipette ARGS`` as a person would (a subprocess, the service's env)."""
-        return subprocess.run([sys.executable, "-m", "pipette.cli", *args], capture_output=True, text=True,
+        return subprocess.run([sys.executable, "-m", "cli", *args], capture_output=True, text=True,
                               env={**self.env, **(env or {})}, input=stdin, timeout=timeout, cwd=ROOT)
 
     def api(self, path: str) -> Any:
@@ -91,7 +91,7 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
     })
     log = home / "serve.log"
     with log.open("wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "pipette.cli", "serve", "--port", str(port)], env=env,
+        proc = subprocess.Popen([sys.executable, "-m", "cli", "serve", "--port", str(port)], env=env,
                                 stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
     svc = Service(f"http://127.0.0.1:{port}", home, env, log)
     try:
@@ -247,7 +247,7 @@ def job_run(logged_in: Service, cluster: dict[str, Any], browser: Browser, tmp_p
     login(browser, svc, job_tab)
     job_tab.evaluate("window.__pipetteNoReload = true")
 
-    proc = subprocess.Popen([sys.executable, "-m", "pipette.cli", "submit", str(job_file), "--watch"],
+    proc = subprocess.Popen([sys.executable, "-m", "cli", "submit", str(job_file), "--watch"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=svc.env, cwd=ROOT)
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)  # type: ignore[union-attr]

@@ -242,7 +242,7 @@ def test_colour_only_on_a_terminal(logged_in: Service, job_run: JobRun) -> None:
     def on_tty(extra: dict[str, str]) -> str:
         leader, follower = pty.openpty()
         env = {k: v for k, v in logged_in.env.items() if k != "NO_COLOR"}
-        proc = subprocess.run([sys.executable, "-m", "pipette.cli", "watch", job_run.id], stdout=follower,
+        proc = subprocess.run([sys.executable, "-m", "cli", "watch", job_run.id], stdout=follower,
                               stderr=follower, env={**env, **extra, "TERM": "xterm"}, timeout=120)
         os.close(follower)
         chunks = []

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from pipette.cli.client_cluster import slow_links
+from cli.client_cluster import slow_links
 from pipette.clusterfile import load_cluster
 from tests.e2e.conftest import ROOT, TINY_JOB, Browser, JobRun, Service, login
 

@@ -79,7 +79,7 @@ def _launch(path: Path) -> tuple[list[float], list[float], float]:
 
 def _launch_once(path: Path) -> tuple[list[float], list[float], float] | None:
     """``_launch`` once; None where the launch printed its 50 steps and then aborted at exit."""
-    from pipette.cli.interference import cpu_seconds_by_pid
+    from cli.interference import cpu_seconds_by_pid
 
     env = {"PATH": "/usr/bin:/bin", "HOME": os.environ.get("HOME", "/root"), "MASTER_PORT": str(_port()),
            "PIPETTE_PYTHON": sys.executable, "PYTHONPATH": str(ROOT)}
@@ -107,7 +107,7 @@ def _tune(tmp_path: Path, name: str, *args: str) -> tuple[dict[str, Any], str]:
     cluster.write_text("name: local-cpu-2\ndevice: {preset: cpu, memory: 5 GiB}\nnodes: 1\ndevices_per_node: 2\n"
                        "intra_node: {bandwidth: 2 GB/s, latency: 50 us}\n")
     done = subprocess.run(
-        [sys.executable, "-m", "pipette.cli", "tune", "--cluster", str(cluster), "--model", str(MODEL),
+        [sys.executable, "-m", "cli", "tune", "--cluster", str(cluster), "--model", str(MODEL),
          "--global-batch", "8", "--seq-len", "64", "--dtype", "fp32", "--steps", str(STEPS), *args,
          "--retime", "0", "--home", str(tmp_path / f"home-{name}"), "--out", str(tmp_path / name), "--json",
          "--workdir", str(ROOT / "examples" / "scripts"), "--script-kind", "accelerate-fsdp",
@@ -118,7 +118,7 @@ def _tune(tmp_path: Path, name: str, *args: str) -> tuple[dict[str, Any], str]:
 
 
 def _others_in(result: dict[str, Any], label: str) -> float:
-    """The cores other processes kept busy during the trial ``label`` (``pipette.cli.interference``:
+    """The cores other processes kept busy during the trial ``label`` (``cli.interference``:
     one figure per trial, in the trials' order)."""
     cores = result.get("interference", {}).get("others_cores") or []
     index = [t["label"] for t in result["trials"]].index(label)

@@ -13,13 +13,14 @@ import torch
 from torch import nn
 
 from pipette.config import ParallelConfig
+from pipette.datafiles import check_checkpoint, llama_tensor_shapes
 from pipette.errors import SpecError
 from pipette.memory import stage_breakdowns
 from pipette.model import ModelSpec
 from pipette.training import LoraSpec, TrainingSpec
 from workers.host.executor import run_trial
 from workers.rank.build import build_rank_model, held_modules, materialize, prepare
-from workers.rank.checkpoint import Checkpoint, check_checkpoint
+from workers.rank.checkpoint import Checkpoint
 from workers.rank.hf_model import build_llama
 from workers.spec import TrialSpec
 
@@ -150,6 +151,15 @@ def test_running_out_of_host_memory_while_building_ends_oom() -> None:
     assert "ran out of host memory during build" in m.error
 
 
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-llama-gqa", "llama3.2-1b"])
+def test_the_torch_free_tensor_list_is_hugging_faces(name: str) -> None:
+    """``pipette.datafiles`` names the model's tensors without torch: the same names, order and
+    shapes as the Llama model Hugging Face builds (on the meta device)."""
+    model = ModelSpec.preset(name)
+    built = {n: tuple(p.shape) for n, p in build_llama(model, device="meta").named_parameters()}
+    assert list(llama_tensor_shapes(model).items()) == list(built.items())
+
+
 def test_the_checkpoint_index_of_a_sharded_save_is_read(tmp_path: Path) -> None:
     hf = build_llama(ModelSpec.preset("tiny-llama"))
     hf.save_pretrained(tmp_path, safe_serialization=True, max_shard_size="200KB")
@@ -179,7 +189,7 @@ def test_tune_refuses_a_missing_checkpoint_before_measuring_anything(tmp_path: P
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-m", "pipette.cli", "tune", "--checkpoint", str(tmp_path / "nowhere"),
+    done = subprocess.run([sys.executable, "-m", "cli", "tune", "--checkpoint", str(tmp_path / "nowhere"),
                            "--home", str(tmp_path / "home")], capture_output=True, text=True, timeout=120)
     assert done.returncode == 1
     assert done.stderr.strip().splitlines() == [

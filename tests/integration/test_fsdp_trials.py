@@ -72,7 +72,7 @@ def test_tune_over_both_families_runs_trials_of_each_and_picks_one(tmp_path: Pat
     rule held off, so six trials must reach the FSDP family: on CPU the fsdp stack is priced by its
     own CPU terms, which rank its candidates after DeepSpeed's."""
     cluster = Path(__file__).resolve().parents[2] / "examples" / "clusters" / "cpu-4.yaml"
-    argv = [sys.executable, "-m", "pipette.cli", "tune", "--cluster", str(cluster), "--dtype", "fp32",
+    argv = [sys.executable, "-m", "cli", "tune", "--cluster", str(cluster), "--dtype", "fp32",
             "--stack", "pipette,fsdp", "--zero", "3", "--micro-batches", "4", "--recompute", "none",
             "--schedules", "1f1b", "--stop-probability", "0.0001", "--max-trials", "6", "--steps", "3",
             "--home", str(tmp_path / "home"),

@@ -191,7 +191,7 @@ def test_tune_refuses_a_gpu_cluster_file_without_gpus_before_any_trial(tmp_path:
     """Was: the trial header, then nothing for ~10 minutes (issue 12)."""
     start = time.monotonic()
     done = subprocess.run(
-        [sys.executable, "-m", "pipette.cli", "tune", "--model", "llama2-7b", "--method", "lora",
+        [sys.executable, "-m", "cli", "tune", "--model", "llama2-7b", "--method", "lora",
          "--global-batch", "16", "--seq-len", "512", "--cluster", "examples/clusters/a100-2x8.yaml",
          "--home", str(tmp_path)],
         capture_output=True, text=True, timeout=240, cwd=ROOT, env=_without_ray_address(),

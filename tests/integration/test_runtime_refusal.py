@@ -29,7 +29,7 @@ def test_a_planted_lock_symlink_is_one_line_naming_it() -> None:
         victim.write_text("keep")
         os.symlink(victim, lock)
         done = subprocess.run(
-            [sys.executable, "-m", "pipette.cli", "tune", "--cluster", str(ROOT / "examples/clusters/cpu-4.yaml"),
+            [sys.executable, "-m", "cli", "tune", "--cluster", str(ROOT / "examples/clusters/cpu-4.yaml"),
              "--max-trials", "2", "--steps", "3", "--home", str(Path(tmp, "home")), "--out", str(Path(tmp, "best"))],
             env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
         assert victim.read_text() == "keep"

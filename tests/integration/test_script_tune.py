@@ -29,7 +29,7 @@ def _env() -> dict[str, str]:
 
 def _tune(tmp: Path, *script: str, kind: str, trials: int = 4) -> dict:
     done = subprocess.run(
-        [sys.executable, "-m", "pipette.cli", "tune", "--cluster", str(ROOT / "examples/clusters/cpu-4.yaml"),
+        [sys.executable, "-m", "cli", "tune", "--cluster", str(ROOT / "examples/clusters/cpu-4.yaml"),
          "--model", str(MODEL), "--global-batch", "8", "--seq-len", "64", "--dtype", "fp32", "--steps", "3",
          "--max-trials", str(trials), "--retime", "0", "--home", str(tmp / "home"), "--out", str(tmp / "best"),
          "--json", "--workdir", str(ROOT / "examples" / "scripts"), "--script-kind", kind, "--script", *script],
@@ -87,7 +87,7 @@ def test_the_plain_deepspeed_loop_is_tuned_and_launched(tmp_path: Path) -> None:
 
 
 def test_bad_scripts_are_refused_before_profiling(tmp_path: Path) -> None:
-    base = [sys.executable, "-m", "pipette.cli", "tune", "--home", str(tmp_path / "home"), "--workdir", str(tmp_path)]
+    base = [sys.executable, "-m", "cli", "tune", "--home", str(tmp_path / "home"), "--workdir", str(tmp_path)]
     (tmp_path / "train.sh").write_text("#!/bin/sh\n")
     cases = [
         (["--script", "python", "missing.py"], "script.argv: no such file"),
@@ -109,7 +109,7 @@ def test_bad_scripts_are_refused_before_profiling(tmp_path: Path) -> None:
 
 
 def _hung_tune(tmp: Path, timeout_s: int) -> list[str]:
-    return [sys.executable, "-m", "pipette.cli", "tune", "--cluster", str(ROOT / "examples/clusters/cpu-4.yaml"),
+    return [sys.executable, "-m", "cli", "tune", "--cluster", str(ROOT / "examples/clusters/cpu-4.yaml"),
             "--model", str(MODEL), "--global-batch", "8", "--seq-len", "64", "--dtype", "fp32", "--steps", "3",
             "--max-trials", "1", "--retime", "0", "--trial-timeout", str(timeout_s), "--home", str(tmp / "home"),
             "--out", str(tmp / "best"), "--workdir", str(ROOT / "tests" / "integration" / "scripts"),
@@ -176,7 +176,7 @@ def test_a_failure_of_the_script_itself_stops_the_search_at_its_first_trial(tmp_
     source, said, fix = SCRIPT_FAULTS[case]
     (tmp_path / "train.py").write_text(source)
     done = subprocess.run(
-        [sys.executable, "-m", "pipette.cli", "tune", "--cluster", str(ROOT / "examples/clusters/cpu-4.yaml"),
+        [sys.executable, "-m", "cli", "tune", "--cluster", str(ROOT / "examples/clusters/cpu-4.yaml"),
          "--model", str(MODEL), "--global-batch", "8", "--seq-len", "64", "--dtype", "fp32", "--steps", "3",
          "--max-trials", "4", "--retries", "1", "--home", str(tmp_path / "home"), "--out", str(tmp_path / "best"),
          "--workdir", str(tmp_path), "--script-kind", "deepspeed", "--script", "python", "train.py"],
@@ -195,7 +195,7 @@ def test_a_changed_script_starts_afresh_and_an_unchanged_one_learns_from_its_tri
     work = tmp_path / "work"
     work.mkdir()
     crash = "raise ValueError('bad batch')\n"  # a crash a layout may explain: it teaches the model
-    command = [sys.executable, "-m", "pipette.cli", "tune", "--cluster", str(ROOT / "examples/clusters/cpu-4.yaml"),
+    command = [sys.executable, "-m", "cli", "tune", "--cluster", str(ROOT / "examples/clusters/cpu-4.yaml"),
                "--model", str(MODEL), "--global-batch", "8", "--seq-len", "64", "--dtype", "fp32", "--steps", "3",
                "--max-trials", "1", "--retries", "0", "--retime", "0", "--home", str(tmp_path / "home"),
                "--out", str(tmp_path / "best"), "--workdir", str(work), "--script-kind", "deepspeed",

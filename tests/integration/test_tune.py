@@ -31,7 +31,7 @@ def _env() -> dict[str, str]:
 
 
 def _tune(tmp: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "pipette.cli", "tune", "--devices", "2", "--steps", "3",
+    return [sys.executable, "-m", "cli", "tune", "--devices", "2", "--steps", "3",
             "--home", str(tmp / "home"), "--out", str(tmp / "best"), *extra]
 
 
@@ -118,7 +118,7 @@ def _signal_during_the_second_trial(proc: subprocess.Popen[str], signum: int) ->
 def test_a_model_that_fits_nowhere_ends_at_planning(tmp_path: Path) -> None:
     start = time.monotonic()
     done = subprocess.run(
-        [sys.executable, "-m", "pipette.cli", "tune", "--model", "llama2-70b", "--method", "full",
+        [sys.executable, "-m", "cli", "tune", "--model", "llama2-70b", "--method", "full",
          "--cluster", "examples/clusters/cpu-4.yaml", "--home", str(tmp_path)],
         capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[2],
     )

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def tune(tmp: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "pipette.cli", "tune", "--home", str(tmp / "home"), *args],
+    return subprocess.run([sys.executable, "-m", "cli", "tune", "--home", str(tmp / "home"), *args],
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
 
 
@@ -106,7 +106,7 @@ def test_the_embedded_tune_leaves_no_process_behind(tmp_path: Path) -> None:
     marker = f"PIPETTE_LEAK_MARK={tmp_path.name}"
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {
         "TMPDIR": str(tmp), "PIPETTE_LEAK_MARK": tmp_path.name}
-    done = subprocess.run([sys.executable, "-m", "pipette.cli", "tune", "--devices", "2", "--max-trials", "1",
+    done = subprocess.run([sys.executable, "-m", "cli", "tune", "--devices", "2", "--max-trials", "1",
                            "--steps", "2", "--home", str(tmp_path / "home"), "--out", str(tmp_path / "best")],
                           capture_output=True, text=True, timeout=540, cwd=ROOT, env=env)
     assert done.returncode == 0, done.stderr[-3000:]

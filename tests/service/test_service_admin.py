@@ -89,7 +89,7 @@ def test_serve_exits_130_at_ctrl_c_and_143_at_sigterm_like_tune(tmp_path: Path) 
         port = free_port()
         env = {**os.environ, "PIPETTE_HOME": str(tmp_path), "PYTHONPATH": str(ROOT), "PIPETTE_SCHEDULER": "0",
                "PIPETTE_DATABASE_URL": f"sqlite:///{tmp_path / 'serve.db'}"}
-        proc = subprocess.Popen([sys.executable, "-m", "pipette.cli", "serve", "--port", str(port)], env=env,
+        proc = subprocess.Popen([sys.executable, "-m", "cli", "serve", "--port", str(port)], env=env,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and proc.poll() is None:

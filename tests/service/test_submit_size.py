@@ -73,7 +73,7 @@ def _job_file(tmp_path: Path, payload: int) -> Path:
 def _submit(service: ServiceProcess, token: str, job: Path) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PIPETTE_URL": service.base, "PIPETTE_TOKEN": token, "PYTHONPATH": str(ROOT),
            "PIPETTE_CONFIG": str(job.parent / "cli.json"), "NO_COLOR": "1"}
-    return subprocess.run([sys.executable, "-m", "pipette.cli", "submit", str(job)], env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "cli", "submit", str(job)], env=env, capture_output=True,
                           text=True, timeout=120, cwd=ROOT)
 
 

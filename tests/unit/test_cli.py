@@ -20,7 +20,7 @@ RECIPES = ROOT / "examples" / "recipes"
 
 def pipette(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "pipette.cli", *args], capture_output=True, text=True,
+        [sys.executable, "-m", "cli", *args], capture_output=True, text=True,
         cwd=cwd or ROOT, timeout=60,
     )
 
@@ -163,7 +163,7 @@ def test_a_model_folder_holding_config_json_is_read(tmp_path: Path) -> None:
 
 
 def test_a_reader_that_leaves_early_gets_no_traceback() -> None:
-    proc = subprocess.Popen([sys.executable, "-m", "pipette.cli", "plan", "--model", "llama2-7b", "--cluster",
+    proc = subprocess.Popen([sys.executable, "-m", "cli", "plan", "--model", "llama2-7b", "--cluster",
                              str(CLUSTERS / "a100-2x8.yaml"), "--global-batch", "16", "--seq-len", "4096",
                              "--no-files", "--top", "50"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert proc.stdout is not None
@@ -200,7 +200,7 @@ def test_a_signal_ends_a_command_with_the_shells_code_and_a_word(tmp_path: Path,
     # `login --with-token` waits on stdin: a command blocked where the user might stop it
     # SIGINT restored in the child: under a shell's background job (`pytest ... &`) it is
     # ignored, and Python keeps an ignored SIGINT ignored
-    proc = subprocess.Popen([sys.executable, "-m", "pipette.cli", "login", "--with-token"], stdin=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", "cli", "login", "--with-token"], stdin=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     # wait until it blocks reading stdin (a fixed sleep raced the imports on a loaded machine)
@@ -214,7 +214,7 @@ def test_a_signal_ends_a_command_with_the_shells_code_and_a_word(tmp_path: Path,
 
 
 def _tune_parser() -> argparse.ArgumentParser:
-    from pipette.cli import _parser
+    from cli import _parser
 
     sub = next(a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction))
     parser: argparse.ArgumentParser = sub.choices["tune"]
@@ -239,7 +239,7 @@ def test_tune_help_examples_are_whole_command_lines() -> None:
     commands. Each example is read back as one command line by tune's own parser."""
     import shlex
 
-    from pipette.cli.tune import TUNE_EXAMPLES
+    from cli.tune import TUNE_EXAMPLES
 
     shown = TUNE_EXAMPLES.split("examples:\n", 1)[1]
     for physical in shown.splitlines():  # was: "hf-trainer       --script ...", 150 characters
@@ -281,7 +281,7 @@ def test_pipettes_flags_after_script_stop_the_tune_before_measuring(tmp_path: Pa
 
 
 def test_a_script_that_shares_a_flag_name_says_so() -> None:
-    from pipette.cli.tune import _refuse_pipette_flags, pipette_flags_in
+    from cli.tune import _refuse_pipette_flags, pipette_flags_in
 
     assert pipette_flags_in(["python", "t.py", "--seed", "3", "--json", "--lr", "1"]) == (
         ["--seed", "3", "--json"], ["python", "t.py", "--lr", "1"])
@@ -293,7 +293,7 @@ def test_a_script_that_shares_a_flag_name_says_so() -> None:
 def test_a_failed_trials_whole_reason_and_output_are_shown() -> None:
     """Issue 32, item 10: trial lines were cut at 160 characters and to their first line, and a
     timed-out script's output was not kept."""
-    from pipette.cli.tune import _peak_text, _reason_lines
+    from cli.tune import _peak_text, _reason_lines
     from pipette.measurement import Measurement
 
     long = "RuntimeError: " + "x" * 300

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from pipette.cli import _parser
-from pipette.cli.inputs import load_recipe
-from pipette.cli.tune import _with_defaults
+from cli import _parser
+from cli.inputs import load_recipe
+from cli.tune import _with_defaults
 from pipette.training import TrainingSpec
 
 ROOT = Path(__file__).resolve().parents[2]

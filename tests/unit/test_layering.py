@@ -1,10 +1,12 @@
 """The import rules of DESIGN.md, checked on the source so they cannot rot.
 
-pipette/ is pure: numpy/scipy/optuna/pydantic/yaml and the stdlib. Only pipette/cli/ may
-reach workers/ and service/ (and their heavy stack), and only inside a function (lazily).
-workers/ may import pipette; service/ may import pipette and workers; nobody imports service
-but the CLI and alembic. No module of pipette/, service/ or workers/ imports itself back
-through others (``test_no_import_cycles``).
+pipette/ is the ground floor: numpy/scipy/optuna/pydantic/yaml and the stdlib, and nothing of
+workers/, service/ or cli/, not even lazily. cli/ (the ``pipette`` command) is the composition
+root: it may import pipette at the top, and workers/, the service's own pieces and the heavy
+stack only inside a command's function (lazily), so ``pipette plan`` runs with the core alone.
+workers/ may import pipette; service/ may import pipette and workers; nobody imports cli/, and
+nobody imports service but the CLI and alembic. No module of pipette/, service/, workers/ or
+cli/ imports itself back through others (``test_no_import_cycles``).
 """
 
 from __future__ import annotations
@@ -43,13 +45,48 @@ def _files(package: str) -> list[Path]:
     return sorted((ROOT / package).rglob("*.py"))
 
 
+def _import_nodes(path: Path) -> list[tuple[str, bool]]:
+    """(dotted module, at module level?) for every absolute import in ``path``: ``from a import
+    b`` reads as ``a.b``, so a rule can name a module or a package."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    top_level = set(map(id, tree.body))
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(a.name, id(node) in top_level) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found += [(f"{node.module}.{a.name}", id(node) in top_level) for a in node.names]
+    return found
+
+
 @pytest.mark.parametrize("path", _files("pipette"), ids=lambda p: str(p.relative_to(ROOT)))
 def test_core_is_pure(path: Path) -> None:
-    for module, at_top in _imports(path):
-        if "cli" in path.relative_to(ROOT).parts[:2] and not at_top:
-            continue  # the CLI reaches the edges lazily, per command
+    """No arrow from pipette/ back up to workers/, service/ or cli/, at any level."""
+    for module, _ in _imports(path):
         allowed = module in STDLIB or module in CORE_THIRD_PARTY or module == "pipette"
         assert allowed, f"{path.relative_to(ROOT)} imports {module!r}, which the core may not"
+
+
+#: What the CLI's commands that run the service here (``serve``, ``token``) import of it.
+CLI_SERVICE = ("service.admin", "service.settings", "service.auth.create_token", "service.db.Database")
+
+
+@pytest.mark.parametrize("path", _files("cli"), ids=lambda p: str(p.relative_to(ROOT)))
+def test_the_cli_reaches_the_edges_lazily(path: Path) -> None:
+    for module, at_top in _import_nodes(path):
+        top = module.split(".")[0]
+        where = f"{path.relative_to(ROOT)} imports {module!r}"
+        if at_top:
+            assert top in STDLIB or top in CORE_THIRD_PARTY or top in {"pipette", "cli"}, \
+                f"{where} at the top: import it inside the command that needs it"
+        if top == "service":
+            assert module.startswith(CLI_SERVICE), f"{where}: the CLI reaches only {', '.join(CLI_SERVICE)}"
+
+
+@pytest.mark.parametrize("path", [*_files("pipette"), *_files("workers"), *_files("service")],
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_nothing_imports_the_cli(path: Path) -> None:
+    assert all(m != "cli" for m, _ in _imports(path)), f"{path.relative_to(ROOT)} imports cli/, the top floor"
 
 
 @pytest.mark.parametrize("path", _files("workers"), ids=lambda p: str(p.relative_to(ROOT)))
@@ -74,7 +111,7 @@ def test_checker_catches_a_violation(tmp_path: Path) -> None:
 
 # ---- import cycles ----------------------------------------------------------------------
 
-CYCLE_PACKAGES = ("pipette", "service", "workers")
+CYCLE_PACKAGES = ("pipette", "service", "workers", "cli")
 
 
 def _module_name(path: Path, root: Path) -> str:
@@ -147,7 +184,7 @@ def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def test_no_import_cycles() -> None:
-    """Issue 30: the CLI package (``pipette.cli`` <-> ``tune``, ``client_jobs`` <-> ``client_watch``),
+    """Issue 30: the CLI package (``cli`` <-> ``tune``, ``client_jobs`` <-> ``client_watch``),
     ``service.admin`` <-> ``service.worker``, ``service.errors`` <-> ``service.outage``,
     ``pipette.tuner`` <-> ``result_text`` and ``pipette.memory``/``perf`` <-> ``stacks`` imported
     each other (7 cycles in 6 groups, all through lazy imports); each shared piece now lives
@@ -159,13 +196,14 @@ def test_no_import_cycles() -> None:
 
 def test_the_cycle_checker_sees_a_lazy_or_typing_import(tmp_path: Path) -> None:
     pkg = tmp_path / "pipette"
-    (pkg / "cli").mkdir(parents=True)
+    (tmp_path / "cli").mkdir()
+    pkg.mkdir()
     (pkg / "__init__.py").write_text("")
-    (pkg / "cli" / "__init__.py").write_text("from pipette.cli import tune\n")
-    (pkg / "cli" / "tune.py").write_text("def f():\n    from pipette.cli import load\n")
+    (tmp_path / "cli" / "__init__.py").write_text("from cli import tune\n")
+    (tmp_path / "cli" / "tune.py").write_text("def f():\n    from cli import load\n")
     (pkg / "a.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import b\n")
     (pkg / "b.py").write_text("from .a import x\n")
     (pkg / "c.py").write_text("import pipette.a\n")
-    graph = import_graph(tmp_path, ("pipette",))
-    assert graph["pipette.cli"] == {"pipette.cli.tune"} and graph["pipette.b"] == {"pipette.a"}
-    assert import_cycles(graph) == [["pipette.a", "pipette.b"], ["pipette.cli", "pipette.cli.tune"]]
+    graph = import_graph(tmp_path, ("pipette", "cli"))
+    assert graph["cli"] == {"cli.tune"} and graph["pipette.b"] == {"pipette.a"}
+    assert import_cycles(graph) == [["cli", "cli.tune"], ["pipette.a", "pipette.b"]]

@@ -111,7 +111,7 @@ def test_plans_two_node_launch_runs_on_each_host_as_printed(tmp_path: Path, fake
     ``--include`` (hosts joined with ``,``: ``ValueError: too many values to unpack``), and an fsdp plan
     printed one ``./launch.sh`` that stopped with "set NODE_RANK"."""
     out = tmp_path / "plan-out"
-    done = subprocess.run([sys.executable, "-m", "pipette.cli", "plan", "--model", "llama2-7b", "--cluster",
+    done = subprocess.run([sys.executable, "-m", "cli", "plan", "--model", "llama2-7b", "--cluster",
                            str(ROOT / "examples" / "clusters" / "a100-2x8.yaml"), "--recipe",
                            str(ROOT / "examples" / "recipes" / "llama2-7b-lora.yaml"), "--stack", stack,
                            "--out", "plan-out"], cwd=tmp_path, capture_output=True, text=True, timeout=120)

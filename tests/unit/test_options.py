@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from pipette.cli import _parser, main
+from cli import _parser, main
 from pipette.errors import SpecError
 from pipette.options import OPTIONS, TRIAL_TIMEOUT_S, Scope, defaults, options_for
 from pipette.tuner import TuneOptions

@@ -8,7 +8,7 @@ import json
 import subprocess
 import sys
 
-from pipette.cli.tune import Progress
+from cli.tune import Progress
 from pipette.contract import EVENT_PREFIX
 from workers.phases import earliest, script_timeout_text, timeout_text
 

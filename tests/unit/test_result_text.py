@@ -167,7 +167,7 @@ def test_the_cli_says_an_undecided_verdict_before_the_best(cpu_plan: Plan, capsy
     """Issue 32, item 9: "23% sure" came on the second-to-last line, below a result that read as one."""
     from dataclasses import replace
 
-    from pipette.cli.tune import _print_result
+    from cli.tune import _print_result
 
     result = _run(cpu_plan, ["ok", "ok", "ok"], {0: 1.0, 1: 1.01, 2: 1.3})
     undecided = replace(result, confidence=0.23, to_decide={result.trials[1].label: 4},
@@ -189,7 +189,7 @@ def test_interference_counts_other_processes_cpu_not_this_jobs_ranks() -> None:
     import sys
     import time
 
-    from pipette.cli.interference import Interference, cpu_seconds_by_pid, is_ours
+    from cli.interference import Interference, cpu_seconds_by_pid, is_ours
 
     burn = [sys.executable, "-c", "import time\nend = time.time() + 20\nwhile time.time() < end: pass"]
     other = subprocess.Popen(burn)
@@ -233,7 +233,7 @@ def test_other_processes_on_the_gpus_are_named_beside_the_noise(monkeypatch: pyt
     import types
     from collections import namedtuple
 
-    from pipette.cli.interference import Interference, foreign_gpu_processes
+    from cli.interference import Interference, foreign_gpu_processes
     from pipette.result_text import interference_words
 
     assert foreign_gpu_processes("t") is None  # this machine: NVML not found, nothing said
@@ -280,7 +280,7 @@ def test_a_trial_stopped_by_a_signal_is_interrupted_not_pruned(cpu_plan: Plan,
     """Issue 43, item 15: a trial stopped by Ctrl-C or SIGTERM showed as `pruned` and was counted
     "stopped early (slower than the best)", and after Ctrl-C stdout never said the run was
     interrupted. The tuner stops the second trial at its first step, as a signal makes it."""
-    from pipette.cli.tune import Progress, _print_result
+    from cli.tune import Progress, _print_result
     from pipette.tuner import StepProgress, how_it_ended
 
     stop = {"now": False}

@@ -260,7 +260,7 @@ def test_the_native_launch_names_each_node_in_the_rank_maps_order() -> None:
 # ---- the command line -------------------------------------------------------------------
 
 def pipette(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "pipette.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "cli", *args], capture_output=True, text=True,
                           cwd=ROOT, timeout=120)
 
 
@@ -306,7 +306,7 @@ def test_tune_without_a_script_refuses_a_stack_its_runner_does_not_run(stack: st
 
 
 def test_a_job_file_carries_its_stack_to_the_api(tmp_path: Path) -> None:
-    from pipette.cli.client_jobfile import load_job_file
+    from cli.client_jobfile import load_job_file
 
     job = tmp_path / "job.yaml"
     job.write_text("cluster: local\nmodel: tiny-llama\ntraining: {global_batch: 4, seq_len: 32}\nstack: pipette\n")

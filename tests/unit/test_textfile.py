@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from pipette.cli.client_jobfile import load_job_file
+from cli.client_jobfile import load_job_file
 from pipette.errors import SpecError
 from pipette.textfile import MAX_BYTES
 
@@ -69,7 +69,7 @@ def test_plan_refuses_an_aliased_file_in_one_line(tmp_path: Path, flag: str) -> 
             for a in args]
     if flag == "--recipe":
         args += ["--recipe", str(bad)]
-    done = subprocess.run([sys.executable, "-m", "pipette.cli", "plan", "--model", "tiny-llama", *args],
+    done = subprocess.run([sys.executable, "-m", "cli", "plan", "--model", "tiny-llama", *args],
                           capture_output=True, text=True, timeout=60, cwd=ROOT)
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 1 and len(lines) == 1, done.stderr

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("pipette", "workers", "service")
+PACKAGES = ("pipette", "workers", "service", "cli")
 #: workers/ modules both sides import: torch-free, importing neither side at module level
 SHARED = {"workers/spec.py", "workers/support.py", "workers/phases.py", "workers/ops.py", "workers/runtime.py",
           "workers/cpu_isa.py", "workers/probe_plan.py", "workers/fsdp_spec.py", "workers/train.py",

@@ -347,9 +347,12 @@ def _features(trial: TrialSpec) -> list[str]:
     return [name for name, used in uses.items() if used]
 
 
-def check_script(script: ScriptSpec) -> None:
+def check_script(script: ScriptSpec | None) -> None:
     """Refuse, before profiling, a script whose program is not there: ``python X`` needs a
-    readable ``X``, any other program an executable (a path, or a name on ``PATH``)."""
+    readable ``X``, any other program an executable (a path, or a name on ``PATH``). Nothing to
+    check for Pipette's runner (no script)."""
+    if script is None:
+        return
     workdir = Path(script.workdir or ".")
     if not workdir.is_dir():
         raise SpecError(f"{str(workdir)!r} is not a folder", field="script.workdir",

@@ -2,9 +2,8 @@
 or columns of them, that it holds (``safetensors``' ``get_slice`` reads just those bytes).
 
 A checkpoint is a folder with ``model.safetensors``, or shards listed by
-``model.safetensors.index.json`` (what ``save_pretrained`` writes). ``check_checkpoint``
-compares every tensor's shape with the model spec from the files' headers alone, before any
-rank starts.
+``model.safetensors.index.json`` (what ``save_pretrained`` writes). Whether its tensors are
+the model's is checked before any rank starts, without torch (``pipette.datafiles``).
 """
 
 from __future__ import annotations
@@ -15,11 +14,8 @@ from typing import Any
 
 import torch
 
+from pipette.datafiles import INDEX, SINGLE
 from pipette.errors import SpecError
-from pipette.model import ModelSpec
-
-INDEX = "model.safetensors.index.json"
-SINGLE = "model.safetensors"
 
 
 class Checkpoint:
@@ -76,22 +72,3 @@ class Checkpoint:
         c0, c1 = cols if cols is not None else (0, shape[1])
         out = part[r0:r1, c0:c1]
         return out
-
-
-def check_checkpoint(model: ModelSpec, path: str | Path) -> None:
-    """Refuse a checkpoint whose tensors are not the model's: the first missing tensor or the
-    first shape that differs, with both shapes. Reads the files' headers only."""
-    from workers.rank.hf_model import build_llama
-
-    ckpt = Checkpoint(path)
-    meta = build_llama(model, device="meta")
-    for name, param in meta.named_parameters():
-        if name not in ckpt:
-            raise SpecError(f"{path} has no tensor {name!r} (the model {model.name} needs it)", field="checkpoint",
-                            fix="give the checkpoint of this model, or the model spec of this checkpoint")
-        have = ckpt.shape(name)
-        if have != tuple(param.shape):
-            raise SpecError(
-                f"{path}: tensor {name!r} is {list(have)}, the model {model.name} needs {list(param.shape)}",
-                field="checkpoint", fix="give the checkpoint of this model, or the model spec of this checkpoint",
-            )

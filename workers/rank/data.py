@@ -13,13 +13,11 @@ identical data, as they must.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
-from pathlib import Path
 
 import torch
 
-from pipette.errors import SpecError
+from pipette.datafiles import jsonl_token_ids
 
 #: Length of the synthetic cycle (fewer when the vocabulary is smaller).
 PERIOD = 16
@@ -35,37 +33,6 @@ def synthetic_batch(vocab: int, seq_len: int, mbs: int, seed: int) -> torch.Tens
     cycle = synthetic_cycle(vocab)
     phase = torch.randint(0, len(cycle), (mbs, 1), generator=torch.Generator().manual_seed(seed))
     return cycle[(phase + torch.arange(seq_len + 1)) % len(cycle)]
-
-
-def jsonl_token_ids(path: str, vocab: int, seq_len: int) -> list[int]:
-    """The byte tokens of a JSONL of prompt/response pairs; refuses, in one line naming the file
-    and the line, what cannot be read or is too short for one sequence."""
-    file = Path(path)
-    if not file.is_file():
-        raise SpecError(f"no data file {path!r}", field="data", fix="give a local JSONL path")
-    try:
-        text = file.read_text()
-    except (OSError, UnicodeDecodeError) as e:
-        raise SpecError(f"cannot read {path!r} ({e})", field="data", fix="give a readable UTF-8 JSONL file") from None
-    ids: list[int] = []
-    for n, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise SpecError(f"{path} line {n} is not JSON ({e.msg})", field="data",
-                            fix="one JSON object per line") from None
-        if not isinstance(row, dict):
-            raise SpecError(f"{path} line {n} is not a JSON object", field="data",
-                            fix='write {"input": ..., "output": ...} per line')
-        text_ = str(row.get("input", row.get("prompt", ""))) + "\n" + str(row.get("output", row.get("response", "")))
-        ids.extend(b % vocab for b in text_.encode())
-        ids.append(0)
-    if len(ids) < seq_len + 1:
-        raise SpecError(f"{path} holds {len(ids)} tokens, fewer than one sequence of {seq_len + 1}", field="data",
-                        fix="give more text, or a shorter --seq-len")
-    return ids
 
 
 def packed_jsonl(path: str, vocab: int, seq_len: int) -> torch.Tensor:

@@ -12,9 +12,9 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from pipette.cli import client, plan, tune
-from pipette.cli.inputs import as_flags
-from pipette.cli.signals import Terminated, exit_code, terminate_like_interrupt
+from cli import client, plan, tune
+from cli.inputs import as_flags
+from cli.signals import Terminated, exit_code, terminate_like_interrupt
 from pipette.errors import PipetteError
 
 EXIT_OK = 0

@@ -10,7 +10,7 @@ import sys
 import time
 from typing import Any
 
-from pipette.cli.inputs import add_option_flags, add_recipe_flags, load_model, load_recipe, option_values
+from cli.inputs import add_option_flags, add_recipe_flags, load_model, load_recipe, option_values
 from pipette.emit_frameworks import MEGATRON_ARGS, NANOTRON_CONFIG
 from pipette.errors import SpecError
 

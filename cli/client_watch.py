@@ -17,8 +17,8 @@ import time
 from http.client import HTTPException
 from typing import Any, TextIO
 
-from pipette.cli import client_output as out
-from pipette.cli.client_api import (
+from cli import client_output as out
+from cli.client_api import (
     EXIT_JOB_CANCELLED,
     EXIT_JOB_FAILED,
     EXIT_OK,

@@ -28,10 +28,12 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipette.cli.inputs import add_option_flags, add_recipe_flags, load_model, load_recipe, option_values
-from pipette.cli.signals import Terminated, exit_code, signal_name, terminate_like_interrupt
+from cli.inputs import add_option_flags, add_recipe_flags, load_model, load_recipe, option_values
+from cli.signals import Terminated, exit_code, signal_name, terminate_like_interrupt
+from pipette.datafiles import check_checkpoint, jsonl_token_ids
 from pipette.errors import SpecError
 from pipette.options import TRIAL_TIMEOUT_S
+from pipette.registry import RunnerKind, TrialKind, job_kind
 from pipette.script import KINDS, KNOBS, ScriptSpec
 
 if TYPE_CHECKING:
@@ -62,7 +64,7 @@ TUNE_DEFAULTS: dict[str, Any] = {"global_batch": 16, "seq_len": 128, "method": "
 
 def tune_recipe_help() -> dict[str, str]:
     """Each recipe flag's default under ``tune``, in words, from ``TUNE_DEFAULTS`` and the recipe's."""
-    from pipette.cli.inputs import recipe_default
+    from cli.inputs import recipe_default
 
     d = TUNE_DEFAULTS
     return {
@@ -153,23 +155,15 @@ def cmd_tune(args: argparse.Namespace) -> int:
     # charge the candidates for it).
     check_recipe(model, training)
     if args.data:
-        from workers.rank.data import jsonl_token_ids
-
         jsonl_token_ids(args.data, model.vocab, training.seq_len)
     if args.checkpoint:
-        from workers.rank.checkpoint import check_checkpoint
-
         check_checkpoint(model, args.checkpoint)
-    script = _script(args)
-    stacks = _stack(args, script)
-    stack = stacks[0]
-    if script is not None:
-        from pipette.script import bind_stack
+    # Runner or script, which stacks: the registry's answer, refused here before measuring.
+    kind = job_kind(args.stack, _script(args), field="--stack")
+    stacks, script = kind.stacks, kind.script
+    from workers.host.script_trial import check_script
 
-        script = bind_stack(script, stack.key)  # an hf-trainer script under fsdp shards with FSDP
-        from workers.host.script_trial import check_script
-
-        check_script(script)
+    check_script(script)
     ui = Progress(options.max_trials, stream=sys.stderr)
 
     from workers.host.runner import RayTrialRunner
@@ -181,7 +175,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     plan = make_plan(model, training, cluster, margin=margin, seed=options.seed, stack=stacks)
     # A script's trials measure the script: they are kept apart from the runner's. Read before
     # Ray starts: a store it cannot read is refused at once.
-    suffix = f"-script-{_script_key(script)}" if script is not None else ""
+    suffix = kind.store_suffix(_script_key)
     store = None if args.no_memory else JsonlTrialStore(home / "trials" / f"{cluster_key(plan)}{suffix}.jsonl")
     prior = store.records() if store is not None else []
     from workers.host.ray_cluster import check_devices, ensure_ray
@@ -194,24 +188,24 @@ def cmd_tune(args: argparse.Namespace) -> int:
     runner = RayTrialRunner(model, training, cluster, device_kind=device_kind, timeout_s=timeout,
                             max_steps=steps, seed=options.seed, data=args.data, checkpoint=args.checkpoint,
                             script=script, ship_workdir=bool(os.environ.get("RAY_ADDRESS")),
-                            stack=stack.name if script is None else "pipette",
+                            stack=kind.runner_stack,
                             env={"PIPETTE_RANK_TAG": tag}, should_stop=stop.is_set, on_note=ui.say,
                             on_phase=ui.phase)
     tuner = Tuner(plan, options, prior=prior, runnable=runner.refusals)
-    runs = "your script" if script is not None else "the backend"
+    runs = kind.runs
     unsure = sum(not p.sure_to_fit for p in tuner.candidates)
     near = f" ({unsure} next to the memory limit, tried as their chance to fit earns)" if unsure else ""
     ui.say(f"{plan.enumerated} candidates, {len(plan.ranked)} may fit, {len(tuner.candidates)} runnable by {runs}{near}"
            + (f"; learning from {len(prior)} earlier trials on this cluster" if prior else ""))
-    if prior and script is not None and store is not None:  # how to forget them (issue 43, item 25)
-        ui.say(f"  (earlier trials of this script as its files are now: {store.path}; --no-memory, or remove that "
-               "file, to start afresh)")
+    hint = kind.forget_hint(store.path) if prior and store is not None else None
+    if hint:  # how to forget them (issue 43, item 25)
+        ui.say(hint)
     for note in plan.calibration_notes:  # the trials measure; the order they come in is the model's
         ui.say(f"not calibrated here: {note}")
     runner.prepare()  # DeepSpeed's CPU op where the job's stack uses it, outside any trial's timeout
     ui.header()
     terminate_like_interrupt()  # ensure_ray installed Ray's handler (exit 15, silently)
-    from pipette.cli.interference import Interference
+    from cli.interference import Interference
 
     interference = Interference(tag)
     with stop.installed():
@@ -227,15 +221,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     files: dict[str, str] = {}
     if result.best is not None:
         try:
-            if script is not None:
-                from pipette.emit_script import write_script_launch_files
-
-                written = write_script_launch_files(args.out, model, training, result.best.config, cluster, script,
-                                                    extra={"tuning": {"stop_reason": result.stop_reason},
-                                                           "stack": stack.to_dict()})
-                files = {k: str(v) for k, v in written.items()}
-            else:
-                files = {k: str(v) for k, v in result.launch_files(args.out).items()}
+            files = {k: str(v) for k, v in _launch_files(kind, result, args.out).items()}
         except OSError as e:
             raise SpecError(f"cannot write {args.out!r} ({e.strerror})", field="--out",
                             fix="give a writable folder") from None
@@ -336,13 +322,15 @@ def _torchtitan_toml(path: str) -> dict[str, Any]:
                         fix="give torchtitan's job config file (TOML)") from None
 
 
-def _stack(args: argparse.Namespace, script: ScriptSpec | None) -> Any:
-    """The stacks to tune for (``pipette.stacks.stacks_to_tune``: one, or several side by side),
-    refused before anything is measured."""
-    from pipette.stacks import stacks_to_tune
-
-    return stacks_to_tune(args.stack, script=script is not None, script_kind=script.kind if script else None,
-                          field="--stack")
+def _launch_files(kind: TrialKind, result: Any, out: str) -> dict[str, Path]:
+    """The best candidate's launch files: the runner's with the tuning's figures (``TuneResult``),
+    a script's from its kind (``pipette.registry``)."""
+    if isinstance(kind, RunnerKind):
+        written: dict[str, Path] = result.launch_files(out)
+        return written
+    p = result.plan
+    return kind.write_launch_files(out, p.model, p.training, result.best.config, p.cluster, kind.stack,
+                                   {"tuning": {"stop_reason": result.stop_reason}})
 
 
 def pipette_flags_in(words: list[str]) -> tuple[list[str], list[str]]:

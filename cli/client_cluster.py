@@ -8,8 +8,8 @@ import statistics
 import time
 from typing import Any
 
-from pipette.cli import client_output as out
-from pipette.cli.client_api import EXIT_ERROR, EXIT_OK, ApiError, client
+from cli import client_output as out
+from cli.client_api import EXIT_ERROR, EXIT_OK, ApiError, client
 
 NODE = re.compile(r"^(?P<name>[^=@\s]+)=(?P<devices>\d+)(?:@(?P<address>\S+))?$")
 #: A link this much slower than the median of its kind (same node / across nodes) is "slow".

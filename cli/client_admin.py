@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pipette.cli import client_output as out
-from pipette.cli.client_api import (
+from cli import client_output as out
+from cli.client_api import (
     DEFAULT_URL,
     EXIT_AUTH,
     EXIT_ERROR,
@@ -135,9 +135,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     """Start the service on embedded defaults (unless one answers), log in, register this
     machine as a 2-device cluster, submit the tiny CPU job, watch it, and print the best
     configuration and the dashboard's address."""
-    from pipette.cli.client_jobfile import load_job_file
-    from pipette.cli.client_jobs import cmd_best
-    from pipette.cli.client_watch import watch
+    from cli.client_jobfile import load_job_file
+    from cli.client_jobs import cmd_best
+    from cli.client_watch import watch
 
     url = normalize_url(os.environ.get("PIPETTE_URL") or f"http://127.0.0.1:{args.port}")
     os.environ["PIPETTE_URL"] = url
@@ -186,7 +186,7 @@ def _ensure_service(url: str, port: int) -> int | None:
     home.mkdir(parents=True, exist_ok=True)
     log = (home / "serve.log").open("ab")
     # A list of arguments, never a shell; its own session so it outlives this command.
-    proc = subprocess.Popen([sys.executable, "-m", "pipette.cli", "serve", "--port", str(port)], stdout=log,
+    proc = subprocess.Popen([sys.executable, "-m", "cli", "serve", "--port", str(port)], stdout=log,
                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
     print(f"starting the service at {url} (pid {proc.pid}, log {home / 'serve.log'}) ...", flush=True)
     deadline = time.monotonic() + 180

@@ -15,10 +15,10 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from pipette.cli import client_admin, client_cluster, client_jobs, client_watch
-from pipette.cli.client_api import EXIT_CODES_HELP, EXIT_ERROR, ApiError
-from pipette.cli.inputs import add_option_flags
-from pipette.cli.signals import Terminated, exit_code
+from cli import client_admin, client_cluster, client_jobs, client_watch
+from cli.client_api import EXIT_CODES_HELP, EXIT_ERROR, ApiError
+from cli.inputs import add_option_flags
+from cli.signals import Terminated, exit_code
 from pipette.errors import PipetteError
 
 Command = Callable[[argparse.Namespace], int]

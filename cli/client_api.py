@@ -43,7 +43,7 @@ EXIT_NOT_FOUND = 5  # no such job or cluster (404)
 EXIT_JOB_FAILED = 6  # watch: the job ended failed
 EXIT_JOB_CANCELLED = 7  # watch: the job was cancelled
 EXIT_INTERRUPTED = 130  # Ctrl-C (SIGINT)
-EXIT_TERMINATED = 143  # SIGTERM (pipette.cli.signals: the same in every command)
+EXIT_TERMINATED = 143  # SIGTERM (cli.signals: the same in every command)
 
 EXIT_CODES_HELP = """\
 exit codes:

@@ -10,10 +10,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pipette.cli import client_output as out
-from pipette.cli.client_api import EXIT_OK, ApiError, Client, client, resolve_job
-from pipette.cli.client_jobfile import load_job_file
-from pipette.cli.inputs import option_values
+from cli import client_output as out
+from cli.client_api import EXIT_OK, ApiError, Client, client, resolve_job
+from cli.client_jobfile import load_job_file
+from cli.inputs import option_values
 
 #: ``trials --sort`` keys -> the trial field (None sorts last either way)
 SORT_KEYS = {
@@ -42,7 +42,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     if not args.watch:
         print(f"  follow: pipette watch {out.short_id(accepted['id'])}")
         return EXIT_OK
-    from pipette.cli.client_watch import watch
+    from cli.client_watch import watch
 
     sys.stdout.flush()
     return watch(api, accepted["id"], as_json=args.json)
