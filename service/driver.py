@@ -42,6 +42,7 @@ from pipette.errors import PipetteError
 from pipette.model import ModelSpec
 from pipette.options import defaults
 from pipette.plan import DEFAULT_MARGIN, make_plan
+from pipette.registry import job_kind
 from pipette.result_text import result_dict
 from pipette.training import TrainingSpec
 from pipette.trials import TrialRecord
@@ -162,12 +163,11 @@ class JobDriver:
             profile_id = job.profile_id
             cluster_row = session.get(Cluster, job.cluster_id)
             assert cluster_row is not None  # a foreign key
-            script = None
-            if job.script is not None:
-                from service.scripts import unpack_for_job
+            from service.scripts import unpack_for_job
 
-                script = unpack_for_job(job.script, job.script_files, self.settings.home, job.id,
-                                        self.settings.script_user)
+            script = unpack_for_job(job.script, job.script_files, self.settings.home, job.id,
+                                    self.settings.script_user)
+            kind = job_kind(options.get("stack"), script)
         cluster, profile_id = self._cluster(cluster_row, profile_id)
         self._check_interrupt()
 
@@ -180,8 +180,8 @@ class JobDriver:
         runner = RayTrialRunner(model, training, cluster, device_kind=cluster.device_spec.kind, timeout_s=timeout,
                                 max_steps=steps, min_steps=min(3, steps), seed=int(options["seed"]),
                                 node_wait_s=self.settings.node_wait_s, on_wait=self.on_wait,
-                                script=script, ship_workdir=script is not None and script.workdir is not None,
-                                should_stop=self.should_stop, stack=_runner_stack(options.get("stack"), script))
+                                script=kind.script, ship_workdir=kind.ships_workdir,
+                                should_stop=self.should_stop, stack=kind.runner_stack)
         start = time.perf_counter()
         margin = DEFAULT_MARGIN if options["margin"] is None else float(options["margin"])
         plan = make_plan(model, training, cluster, margin=margin, seed=int(options["seed"]),
@@ -191,10 +191,9 @@ class JobDriver:
         with self.db.write() as session:
             job = self._job(session)
             history = trials.SqlTrialStore(session, job.id).records()
-            # A script's trials measure the script: other jobs' trials (of Pipette's runner or of
-            # other scripts) do not tell about it.
-            prior = [] if script is not None else trials.prior_records(session, cluster_row.resource,
-                                                                       exclude_job=job.id)
+            # Which other jobs' trials tell about this one is the trial kind's answer (pipette.registry).
+            prior = trials.prior_records(session, cluster_row.resource, exclude_job=job.id) \
+                if kind.learns_from_other_jobs else []
             used = job.tuning_s
             set_state(session, job, "running", plan=planned)
         self._check_interrupt()
@@ -438,13 +437,3 @@ def _float(value: Any) -> float | None:
         return None if value is None else float(value)
     except (TypeError, ValueError):
         return None
-
-
-def _runner_stack(stack: str | None, script: object) -> str:
-    """The stack Pipette's runner trains a job's candidates with: the job's when a runner runs it
-    (``fsdp``: the PyTorch-native runner), else DeepSpeed's (a script's trials run the script). A
-    job over several stacks: the first's, unless the candidate names its own (it always does)."""
-    from pipette.stacks import get_stacks
-
-    chosen = get_stacks(stack)[0]
-    return chosen.name if script is None and chosen.runner_runs else "pipette"

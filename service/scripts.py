@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from pipette.errors import SpecError
+from pipette.registry import TrialKind
 from pipette.script import ScriptSpec
 from service.errors import ForbiddenError
 from service.models import Cluster
@@ -27,8 +28,9 @@ from service.schemas import ScriptIn
 from workers.host.workdir import check_archive
 
 
-def check_allowed(cluster: Cluster, tenant: str) -> None:
-    if not cluster.allow_scripts:
+def check_allowed(cluster: Cluster, tenant: str, kind: TrialKind) -> None:
+    """Refuse a job whose trials run the tenant's own code on a cluster not enabled for it."""
+    if kind.runs_user_code and not cluster.allow_scripts:
         raise ForbiddenError(
             f"scripts are not enabled for tenant {tenant!r} on cluster {cluster.name!r}", field="script",
             fix=f"ask an operator to run: pipette-admin cluster allow-scripts --tenant {tenant} "
@@ -36,9 +38,11 @@ def check_allowed(cluster: Cluster, tenant: str) -> None:
         )
 
 
-def script_parts(body: ScriptIn) -> tuple[ScriptSpec, bytes | None]:
+def script_parts(body: ScriptIn | None) -> tuple[ScriptSpec | None, bytes | None]:
     """The ``ScriptSpec`` (without a working directory: the driver sets it) and the zipped
-    working directory; a bad one is a 422 naming the field."""
+    working directory; a bad one is a 422 naming the field. None for a job without a script."""
+    if body is None:
+        return None, None
     spec = ScriptSpec(argv=tuple(body.argv), knobs=dict(body.knobs), autotp=body.autotp, pipeline=body.pipeline,
                       base_config=body.base_config, kind=body.kind)
     if not body.files:
@@ -62,16 +66,22 @@ def script_parts(body: ScriptIn) -> tuple[ScriptSpec, bytes | None]:
     return spec, data
 
 
-def stored(spec: ScriptSpec) -> dict[str, Any]:
+def stored(spec: ScriptSpec | None) -> dict[str, Any] | None:
+    """The script as a job row keeps it (None: the job runs Pipette's runner)."""
+    if spec is None:
+        return None
     out = spec.to_dict()
     out.pop("workdir", None)
     return out
 
 
-def unpack_for_job(script: dict[str, Any], files: bytes | None, home: Path, job_id: str,
-                   configured_user: str | None) -> ScriptSpec:
+def unpack_for_job(script: dict[str, Any] | None, files: bytes | None, home: Path, job_id: str,
+                   configured_user: str | None) -> ScriptSpec | None:
     """The job's ``ScriptSpec``, its working directory unpacked under the service's home, run as
-    the script user (``workers.host.script_user``: refused here when the service cannot switch)."""
+    the script user (``workers.host.script_user``: refused here when the service cannot switch).
+    None for a job without a script (its row keeps none)."""
+    if script is None:
+        return None
     from workers.host.script_user import service_script_user
     from workers.host.workdir import unpack
 

@@ -15,12 +15,11 @@ from sqlalchemy.orm import Session
 
 from pipette.clusterfile import cluster_from_dict
 from pipette.config import ParallelConfig
-from pipette.emit import deepspeed_config, hostfile, rank_map, stack_launch_command, write_launch_files
-from pipette.emit_script import fsdp_script_files, write_script_launch_files
+from pipette.emit import deepspeed_config, hostfile, rank_map
 from pipette.model import ModelSpec
 from pipette.plan import check_recipe
-from pipette.script import ScriptSpec, bind_stack, script_ds_config
-from pipette.stacks import Stack, get_stacks, stacks_key, stacks_to_tune
+from pipette.registry import TrialKind, job_kind, script_from_record
+from pipette.stacks import Stack, stacks_key
 from pipette.training import TrainingSpec
 from service.deps import AppState, Caller, State
 from service.errors import NotFoundError
@@ -53,10 +52,6 @@ JobState = Literal["queued", "profiling", "planning", "running", "succeeded", "f
 FileName = Literal["ds_config.json", "hostfile", "launch.sh", "rank_map.json", "candidate.json",
                    "accelerate_config.yaml", "launch-deepspeed.sh", "launch-torchrun.sh", "launch-accelerate.sh",
                    "fsdp_config.json", "torchtitan.toml"]
-FILES: tuple[str, ...] = ("ds_config.json", "hostfile", "launch.sh", "rank_map.json", "candidate.json")
-#: A job of the user's own script: its launchers' files instead of launch.sh (pipette.emit_script)
-SCRIPT_FILES: tuple[str, ...] = ("ds_config.json", "accelerate_config.yaml", "hostfile", "rank_map.json",
-                                 "candidate.json", "launch-deepspeed.sh", "launch-torchrun.sh", "launch-accelerate.sh")
 JobId = Annotated[str, Path(max_length=36, pattern=ID_PATTERN, description="the job's id")]
 TrialNumber = Annotated[int, Path(ge=0, le=2**31 - 1)]
 
@@ -68,24 +63,20 @@ def submit_job(body: JobIn, state: State, caller: Caller, response: Response) ->
     training = training_spec(body.training)
     check_recipe(model, training)  # at submit, not when planning starts (issue 17, item 14)
     tune_options(body.budget.model_dump())  # what the schema cannot check (a reserve below max_trials)
-    script, files = script_parts(body.script) if body.script is not None else (None, None)
-    stacks = stacks_to_tune(body.stack, script=script is not None, script_kind=script.kind if script else None)
-    if script is not None:  # one stack (a script is one stack's code)
-        script = bind_stack(script, stacks[0].key)  # an hf-trainer script under fsdp shards with FSDP
+    script, files = script_parts(body.script)
+    kind = job_kind(body.stack, script)
     with state.db.write() as session:
         # First, so the cluster read next is not one a concurrent delete is taking away.
         serialize_tenant(session, caller.tenant)
         cluster = cluster_repo.get_cluster(session, caller.tenant, body.cluster)
-        if script is not None:
-            check_allowed(cluster, caller.tenant)
-        check_backends(model, training, script, _device_kind(session, cluster))
+        check_allowed(cluster, caller.tenant, kind)
+        check_backends(model, training, kind.script, _device_kind(session, cluster))
         check_room(session, caller.tenant, state.settings.max_queued_per_tenant)
         job = repo.create_job(
             session, tenant=caller.tenant, cluster=cluster, name=body.name, model=model.to_dict(),
-            training=training.to_dict(), options={**body.budget.model_dump(), "stack": stacks_key(stacks)},
+            training=training.to_dict(), options={**body.budget.model_dump(), "stack": stacks_key(kind.stacks)},
         )
-        if script is not None:
-            job.script, job.script_files = stored(script), files
+        job.script, job.script_files = stored(kind.script), files
         accepted = JobAccepted(id=job.id, url=job_url(job.id), state=job.state)
     state.kick()
     response.headers["Location"] = accepted.url
@@ -206,20 +197,13 @@ def read_best(job_id: JobId, state: State, caller: Caller) -> BestOut:
         job = repo.get_job(session, caller.tenant, job_id)
         best = _best_parts(session, job)
     url = job_url(job_id)
-    script: ScriptSpec | None = best["script"]
-    stack = _best_stack(job, best)
-    names = _file_names(best, script, stack)
+    kind: TrialKind = best["kind"]
+    stack = _best_stack(kind, best)
+    names = _file_names(best, kind, stack)
     ds: dict[str, Any] | None = None  # none for a job that runs no DeepSpeed (the fsdp stack, an FSDP script)
     if "ds_config.json" in names:
-        ds = deepspeed_config(best["training"], best["config"], model=best["model"])
-        if script is not None:
-            ds = script_ds_config(ds, script)
-    command = stack_launch_command(best["config"], best["cluster"], stack) or (
-        f"with {stack.frameworks}, from candidate.json (Pipette writes no launcher for {stack.key})")
-    if script is not None and script.fsdp:  # its FSDP settings are in its own files (pipette.script_fsdp)
-        command = " or ".join(f"./{n}" for n in names if n.startswith("launch-"))
-    elif script is not None:
-        command = "./launch-torchrun.sh (or ./launch-deepspeed.sh, ./launch-accelerate.sh)"
+        ds = kind.ds_config(deepspeed_config(best["training"], best["config"], model=best["model"]))
+    command = kind.launch_command(best["config"], best["cluster"], stack, names)
     return BestOut(
         job_id=job_id, trial=trial_out(best["trial"]), config=best["config"].to_dict(), ds_config=ds,
         launch_command=command,
@@ -228,21 +212,14 @@ def read_best(job_id: JobId, state: State, caller: Caller) -> BestOut:
     )
 
 
-def _best_stack(job: Job, best: dict[str, Any]) -> Stack:
+def _best_stack(kind: TrialKind, best: dict[str, Any]) -> Stack:
     """The stack that ran the best candidate (its own, in a job over several stacks)."""
-    stacks = get_stacks(job.options.get("stack"))
-    return next((s for s in stacks if s.key == best["config"].stack), stacks[0])
+    return next((s for s in kind.stacks if s.key == best["config"].stack), kind.stack)
 
 
-def _file_names(best: dict[str, Any], script: ScriptSpec | None, stack: Stack) -> tuple[str, ...]:
-    """The launch files of the best configuration: Pipette's runner's for its stack (DeepSpeed's,
-    or the native runner's without ``ds_config.json``), a DeepSpeed script's, or an FSDP script's
-    (which depend on its kind and the candidate)."""
-    if script is None:
-        return tuple(n for n in FILES if n in stack.launch_files)
-    if not script.fsdp:
-        return SCRIPT_FILES
-    return tuple(fsdp_script_files(best["model"], best["training"], best["config"], best["cluster"], script))
+def _file_names(best: dict[str, Any], kind: TrialKind, stack: Stack) -> tuple[str, ...]:
+    """The launch files of the best configuration (``pipette.registry``: the trial kind's)."""
+    return kind.launch_files(best["model"], best["training"], best["config"], best["cluster"], stack)
 
 
 @router.get("/{job_id}/best/files/{name}", response_class=PlainTextResponse, responses={
@@ -255,20 +232,15 @@ def download_best_file(job_id: JobId, name: FileName, state: State, caller: Call
     with state.db.read() as session:
         job = repo.get_job(session, caller.tenant, job_id)
         best = _best_parts(session, job)
-    script: ScriptSpec | None = best["script"]
-    stack = _best_stack(job, best)
-    if name not in _file_names(best, script, stack):
-        kind = "a job of its own script" if script is not None else "a job of Pipette's runner"
-        raise NotFoundError(f"{name} is not a file of {kind}", field="name",
+    kind: TrialKind = best["kind"]
+    stack = _best_stack(kind, best)
+    if name not in _file_names(best, kind, stack):
+        raise NotFoundError(f"{name} is not a file of {kind.what}", field="name",
                             fix="use a name from the files of GET /v1/jobs/{id}/best")
     extra = {"job_id": job_id, "trial": best["trial"].number}
     with tempfile.TemporaryDirectory(prefix="pipette-best-") as tmp:
-        if script is not None:
-            written = write_script_launch_files(tmp, best["model"], best["training"], best["config"],
-                                                best["cluster"], script, extra={**extra, "stack": stack.to_dict()})
-        else:
-            written = write_launch_files(tmp, best["model"], best["training"], best["config"], best["cluster"],
-                                         extra=extra, stack=stack)
+        written = kind.write_launch_files(tmp, best["model"], best["training"], best["config"], best["cluster"],
+                                          stack, extra)
         text = pathlib.Path(written[name]).read_text()
     media = "application/json" if name.endswith(".json") else "text/plain"
     return PlainTextResponse(text, media_type=media,
@@ -288,5 +260,5 @@ def _best_parts(session: Session, job: Job) -> dict[str, Any]:
         "model": ModelSpec.from_dict(job.model), "training": TrainingSpec.from_dict(job.training),
         "cluster": cluster_from_dict(profile.profile),
         # the launches run the script where the user's copy is: its working directory's name
-        "script": ScriptSpec.from_dict({**job.script, "workdir": None}) if job.script is not None else None,
+        "kind": job_kind(job.options.get("stack"), script_from_record(job.script, workdir=None)),
     }
