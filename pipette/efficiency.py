@@ -132,3 +132,29 @@ def default_curve(device: DeviceSpec) -> EfficiencyCurve:
 
 
 __all__ = ["H100_MEASURED_BF16", "EfficiencyCurve", "default_curve", "family"]
+
+
+def kernel_curve(device: DeviceSpec) -> EfficiencyCurve | None:
+    """The GEMM curve of ``device``'s family from measured kernel timings (``pipette.kernel_tables``:
+    Vidur, XLA and SimuMax GEMMs of A100, H100 and B200), or None for a family none was timed on."""
+    from pipette.kernel_tables import GEMM_EFFICIENCY
+
+    pts = GEMM_EFFICIENCY.get(family(device))
+    return EfficiencyCurve(1.0, 1.0, 1.0, pts) if pts else None
+
+
+#: the GPU whose attention timings a device uses: itself, or the same chip (B300 is GB300's Blackwell
+#: Ultra; H100 and GH200 have the H200's SMs)
+_ATTENTION_TIMED_ON = (("GB300", "GB300"), ("B300", "GB300"), ("GB200", "GB200"), ("B200", "B200"),
+                       ("H200", "H200"), ("GH200", "H200"), ("H100", "H200"))
+
+
+def kernel_attention(device: DeviceSpec) -> tuple[float, float] | None:
+    """(forward, backward) fraction of the bf16 peak of fused causal attention on ``device`` from measured
+    kernel timings (``pipette.kernel_tables``: cuDNN's), or None where none was timed on its chip."""
+    from pipette.kernel_tables import ATTENTION_EFFICIENCY
+
+    if device.kind != "gpu":
+        return None
+    name = device.name.upper()
+    return next((ATTENTION_EFFICIENCY[gpu] for token, gpu in _ATTENTION_TIMED_ON if token in name), None)

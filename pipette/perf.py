@@ -41,7 +41,7 @@ from pipette import comm, flops
 from pipette.cluster import ClusterProfile
 from pipette.config import ParallelConfig
 from pipette.device import DeviceSpec
-from pipette.efficiency import EfficiencyCurve, default_curve, family
+from pipette.efficiency import EfficiencyCurve, default_curve, family, kernel_attention, kernel_curve
 from pipette.errors import SpecError
 from pipette.estimates import TIME_PARTS, PerfEstimate
 from pipette.memory import estimate_memory
@@ -187,13 +187,19 @@ class PerfModel:
         # by fused kernels (FlashAttention; Dao et al. 2022).
         attn_gemm = 2.0 * t * s * model.hidden / tp * 0.5
         attention_efficiency = dict(self.k.attention_efficiencies).get(family(self.device), self.k.attention_efficiency)
-        if self.k.flash_attention and attention_efficiency > 0:
+        measured = kernel_attention(self.device) if self.k.kernel_tables_first and self.k.flash_attention else None
+        if measured is not None:
+            # the fused kernel's measured rates, forward and backward (pipette.kernel_tables)
+            attn_f = 2.0 * attn_gemm / (self.peak * measured[0])
+        elif self.k.flash_attention and attention_efficiency > 0:
             attn_f = 2.0 * attn_gemm / (self.peak * attention_efficiency)
         else:
             attn_f = self._gemm_time(attn_gemm, 2)
         # FlashAttention-2's backward recomputes the scores: 5 matmuls against the forward's 2
         # (Dao 2023, sec. 3.1); an unfused backward runs 4 (the gradients of both inputs).
         attn_b = (2.5 if self.k.flash_attention else 2.0) * attn_f
+        if measured is not None:
+            attn_b = 2.5 * 2.0 * attn_gemm / (self.peak * measured[1])
         # Memory-bound ops: activation passes and attention-score passes, at the device's
         # memory bandwidth (roofline: bytes / bandwidth; Williams et al. 2009). A fused
         # attention kernel never writes the scores.
@@ -472,9 +478,13 @@ def _shard_exposed(gather: FloatArray, n_gathers: float, reduce_scatter: FloatAr
 
 def _curve(k: PerfConstants, device: DeviceSpec) -> EfficiencyCurve:
     """The GEMM efficiency curve: the constants' own, else the device's measured points (the
-    probe), else the constants' curve for the device's family, else the family default."""
+    probe), else (``kernel_tables_first``) the family's measured kernel timings, else the constants' curve for
+    the device's family, else the family default."""
     if k.curve is not None:
         return k.curve
+    kernels = kernel_curve(device) if k.kernel_tables_first and not device.efficiency else None
+    if kernels is not None:
+        return kernels
     by_family = dict(k.curves)
     if not device.efficiency and family(device) in by_family:
         return by_family[family(device)]

@@ -183,6 +183,9 @@ class PerfConstants:
     #: bandwidth (Williams et al. 2009). False: at the curve's efficiency for their FLOPs, which the
     #: curves (fitted on square-ish GEMMs) put at 2-3% of the peak for a rank-16 adapter.
     thin_gemm_roofline: bool = False
+    #: The GEMM curve from the device family's measured kernel timings (``pipette.efficiency.kernel_curve``)
+    #: before the constants' fitted ``curves``: a device the probe has not measured starts from its kernels.
+    kernel_tables_first: bool = False
     #: A pipeline hop carries the sequence-parallel shard (``[s/t, b, h]`` per tensor-parallel rank):
     #: Megatron-Core sends the stage's output as it is under ``--sequence-parallel``
     #: (megatron/core/pipeline_parallel/schedules.py, ``get_tensor_shapes``: seq_length // tp when

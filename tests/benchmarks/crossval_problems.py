@@ -278,3 +278,25 @@ def megatron_bridge_problem() -> Problem:
 
 
 PROBLEMS["megatron-bridge"] = megatron_bridge_problem
+
+
+# ---- megatron with the kernels as the base: the GEMM curves measured, not fitted ----------------
+MEGATRON_KERNEL_PARAMS = MEGATRON_PARAMS[5:]
+
+
+def megatron_kernel_constants(x: np.ndarray) -> PerfConstants:
+    """The shared constants on the measured GEMM curves (``kernel_tables_first``): the other terms fitted."""
+    return replace(MEGATRON_CONSTANTS, kernel_tables_first=True, link_fraction=float(x[0]),
+                   layer_overhead_s=float(x[1]), dp_overlap=float(x[2]), collective_overhead_s=float(x[3]),
+                   elementwise_passes=float(x[4]), score_passes=float(x[5]))
+
+
+def megatron_kernels_problem() -> Problem:
+    base = megatron_problem()
+    return replace(base, name="megatron-kernels", params=MEGATRON_KERNEL_PARAMS,
+                   predict=lambda x, row: _step(row, megatron_kernel_constants(x)),
+                   note="The GEMM curves from pipette/kernel_tables.py (measured kernels), the other six terms "
+                        "fitted per fold.")
+
+
+PROBLEMS["megatron-kernels"] = megatron_kernels_problem
