@@ -111,7 +111,7 @@ def predicted_memory(r: Row, stack: Stack) -> float:
 def report(directory: Path) -> list[str]:
     lines = ["| set | stack | figure | configs measured twice or more (rows) | repeat ratio median / max | "
              "floor on those rows | implied noise sd, robust / rms -> a perfect model's MAPE | "
-             "the stack's MAPE on those rows |",
+             "the shipped stack's MAPE on those rows (in-sample where fitted there) |",
              "|---|---|---|---|---|---|---|---|"]
     for s in sets(directory):
         groups = repeats(s.rows, s.stack)
