@@ -1,6 +1,9 @@
 """The performance model's constants: the fitted and counted numbers, ``PerfConstants`` (the bundle a
 stack prices with) and ``MemoryPressure``.
 
+Which set and how many of its rows fitted each constant, or that it was counted or calibrated on one
+published figure: ``pipette.constant_sources``; their cross-validated verdicts: docs/results.md.
+
 Data only, below ``pipette.stacks`` (which bundles one set of constants per stack) and
 ``pipette.perf`` (which prices a candidate with a stack's constants): the performance model takes a
 stack by name without the stacks importing the model back.

@@ -336,8 +336,8 @@ MEGATRON = Stack(
     #: fp8_params; docs/stacks.md); its efficiency fitted on Megatron-Bridge's runs (above).
     fp8_constants=MEGATRON_FP8_CONSTANTS,
     fp8_memory_options=replace(MEGATRON_OPTIONS, fp8_weights=True),
-    calibrated_on=(("a100", "vTrain"), ("h100", "Ultra-Scale's nanotron runs; MLPerf's Llama-2-70B LoRA"),
-                   ("b200", "SimuMax")),
+    calibrated_on=(("a100", "vTrain"), ("h100", "Ultra-Scale's nanotron runs; Megatron-Bridge's FP8 runs"),
+                   ("b200", "SimuMax; Megatron-Bridge's B200, GB200 and GB300 runs")),
 )
 #: nanotron (Hugging Face's 3D-parallel trainer): Megatron's step-time constants (the Ultra-Scale
 #: set they were fitted on is nanotron's) and nanotron's own memory (``NANOTRON_OPTIONS``: fp32
