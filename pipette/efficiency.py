@@ -131,9 +131,6 @@ def default_curve(device: DeviceSpec) -> EfficiencyCurve:
     return curve
 
 
-__all__ = ["H100_MEASURED_BF16", "EfficiencyCurve", "default_curve", "family"]
-
-
 def kernel_curve(device: DeviceSpec) -> EfficiencyCurve | None:
     """The GEMM curve of ``device``'s family from measured kernel timings (``pipette.kernel_tables``:
     Vidur, XLA and SimuMax GEMMs of A100, H100 and B200), or None for a family none was timed on."""
@@ -158,3 +155,6 @@ def kernel_attention(device: DeviceSpec) -> tuple[float, float] | None:
         return None
     name = device.name.upper()
     return next((ATTENTION_EFFICIENCY[gpu] for token, gpu in _ATTENTION_TIMED_ON if token in name), None)
+
+
+__all__ = ["H100_MEASURED_BF16", "EfficiencyCurve", "default_curve", "family", "kernel_attention", "kernel_curve"]
