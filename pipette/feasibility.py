@@ -81,9 +81,8 @@ RUNS_LENGTH_SCALE = 1.0
 #: depth, however far its other features: crashes cluster by pp (Ultra-Scale set: 4 of 587
 #: rows at pp 1 crashed, 55 of 206 at pp 16, 48 of 104 at pp 32; replay benchmark, 1B on 32
 #: nodes: with the RBF alone and a retried crash counted once, 6 pp-16 candidates crashed one
-#: after another, 12 attempts, to the end of the budget). With the attempts counted, replay
-#: failed+OOM trials per run 0.47 -> 0.44 (visible), 0.51 -> 0.48 and 0.46 -> 0.44 (distorted
-#: 1, 2); the same-pp weight without the attempts changed nothing (docs/results.md, 2026-11-25).
+#: after another, 12 attempts, to the end of the budget; with the attempts counted, fewer
+#: failed+OOM trials: docs/results.md, "Evidence behind the tuner's constants").
 RUNS_SAME_PP_WEIGHT = 1.0
 
 _RECOMPUTE = {"none": 0.0, "selective": 0.5, "full": 1.0}

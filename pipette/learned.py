@@ -2,7 +2,7 @@
 
 Step time. A Gaussian process on the residual ``r = log(measured / analytic)`` (Rasmussen &
 Williams 2006, *Gaussian Processes for Machine Learning*, eq. 2.25-2.26 for the posterior
-mean and variance) with a kernel made of
+mean and variance) with a kernel (``gp.step_time_kernel``; its priors and grids are ``pipette.gp``'s) made of
 
 - a constant term ``b^2``: one offset shared by every candidate (the analytic model's
   efficiency on this cluster is off by a common factor; one trial learns it);
@@ -14,20 +14,20 @@ mean and variance) with a kernel made of
   Rasmussen 2011, "Additive Gaussian Processes"): the analytic model is often wrong by a
   factor per regime (the 80B runs were 2-7x slow at tp 8-32 and pp 2-8), so one trial at tp 8
   moves every tp-8 candidate, however far its other features are; and its term of order 2
-  (``REGIME_INTERACTION``), one factor per pair of regimes (a tp at one pp, a pp at one ZeRO
+  (``gp.REGIME_INTERACTION``), one factor per pair of regimes (a tp at one pp, a pp at one ZeRO
   stage), so a slowness of tp 4 at pp 2 only is learned as that cell's;
 - observations from another job on the same cluster (``job_key`` differs) enter the RBF
-  and regime terms scaled by ``CROSS_JOB_CORRELATION``: they inform, but less than this job's own;
+  and regime terms scaled by ``gp.CROSS_JOB_CORRELATION``: they inform, but less than this job's own;
 - a plan over several stacks (``ParallelConfig.stack``): the stack is a task of a multi-task GP
   (the intrinsic coregionalization model, Bonilla, Chai & Williams 2008, "Multi-task Gaussian
   Process Prediction", eq. 2: ``k((x, s), (x', s')) = B[s, s'] k(x, x')``) with ``B`` 1 on the
-  diagonal and ``CROSS_STACK_CORRELATION`` off it, over the whole kernel, offset included: each
+  diagonal and ``gp.CROSS_STACK_CORRELATION`` off it, over the whole kernel, offset included: each
   stack's analytic model is off by its own factor, and a DeepSpeed trial teaches an FSDP
   candidate only through that correlation. One stack: ``B = 1``, the kernel above unchanged.
 
 Hyperparameters. The residual sd ``s``, length scale ``l`` and regime sd ``a`` are not fixed
 at one value: every setting of a small grid is weighted by its posterior (the marginal
-likelihood, Rasmussen & Williams eq. 2.30, times a prior, ``REGIME_SD_PRIOR``, that holds
+likelihood, Rasmussen & Williams eq. 2.30, times a prior, ``gp.REGIME_SD_PRIOR``, that holds
 against switching the regime term off and leans to large regime factors, as the 80B runs had
 them), and the prediction is that mixture (Bayesian model averaging over the hyperparameters:
 Snoek, Larochelle & Adams 2012, "Practical Bayesian Optimization of Machine Learning
@@ -59,7 +59,6 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import combinations
 
 import numpy as np
 
@@ -71,15 +70,7 @@ from pipette.fits import CPU, FitsPrior
 from pipette.measurement import Measurement
 
 FloatArray = gp.FloatArray
-IntArray = np.typing.NDArray[np.int64]
 
-#: Prior standard deviation of the common log offset (a factor of e^1 either way).
-PRIOR_OFFSET_SD = 1.0
-#: Prior standard deviation of the candidate-specific log correction: about the analytic
-#: model's measured error (vTrain MAPE 7.5%, Ultra-Scale healthy rows 34%; docs/results.md).
-PRIOR_RESIDUAL_SD = 0.3
-#: RBF length scale over the features below (each is O(1) per doubling or per mode).
-LENGTH_SCALE = 1.5
 #: Prior of the trial-to-trial spread of one candidate in log space (load on the machine,
 #: clocks) that its own step times cannot show; measured from repeats (module docstring).
 NOISE_FLOOR_SD = 0.03
@@ -87,58 +78,15 @@ NOISE_FLOOR_SD = 0.03
 NOISE_PRIOR_DOF = 2.0
 #: A pruned trial's partial median is noisier: fewer steps, maybe still warming up.
 PRUNED_NOISE_SD = 0.15
-#: Prior standard deviation of the per-regime log correction (the regime term above).
-PRIOR_REGIME_SD = 0.5
 #: With this many timed trials, the residual sd, length scale and regime sd are learned (their
-#: posterior on the grids below: the marginal likelihood times the prior below); before, the
-#: prior values above.
+#: posterior on ``gp.hyper_grid``: the marginal likelihood times ``gp.log_hyperprior``); before,
+#: the kernel's prior values (``gp.PRIOR_RESIDUAL_SD``, ``gp.LENGTH_SCALE``, ``gp.PRIOR_REGIME_SD``).
 MIN_FOR_FIT = 3
-RESIDUAL_SD_GRID = (0.02, 0.05, 0.1, 0.2, 0.3, 0.5)
-LENGTH_SCALE_GRID = (0.75, 1.5, 3.0)
-#: The regime sd's grid values and their prior weights (relative), in the hyperparameters'
-#: posterior (Rasmussen & Williams 2006 sec. 5.2).
-#: - Against switching the regime term off (a = 0), 1 : 4. With 3-5 trials the likelihood alone
-#:   chose a = 0 whenever the trials' regimes agreed, and the model was then sure of regimes it
-#:   had not tried (replay, distorted prior, seed 1: a vTrain group stopped with 27% regret, the
-#:   best at an untried tp): regret at stop 4.19% -> 3.35% (seed 1), 4.51% -> 4.48% (seed 2),
-#:   visible 0.42% -> 0.44% (docs/results.md, 2026-11-25).
-#: - For a = 1 over a = 0.5, 8 : 1. Four regimes share a^2, so each regime's own factor has an
-#:   sd of a / 2: 0.25 at a = 0.5, a factor of 1.3, where the 80B runs were 2-7x slow per regime
-#:   (log 0.7-1.9; issue 15). With 4-5 trials whose residuals agree the likelihood prefers the
-#:   smaller sd, and the model was sure of the untried combinations of tried regimes (replay,
-#:   distorted seed 3: a vTrain group with tp 1, 2, 4 and pp 1, 2, 4 tried, all 4.1-5.0x slower
-#:   than predicted, stopped 99% sure and 8% slower than the untried tp 1 pp 1, 2.6x; it still
-#:   stops there, 97-98% sure: the gain is over the vTrain groups at large, their regret at stop
-#:   0.81 / 0.84 / 1.08 / 0.37% -> 0.05 / 0.25 / 0.50 / 0.05% on seeds 1-4).
-#:   Regret at stop, distorted seeds 1-6: 1.75 / 1.78 / 3.26 / 0.64 / 1.06 / 0.14% -> 1.07 / 1.27 /
-#:   2.76 / 0.40 / 1.06 / 0.78%; "90% sure against every candidate" right in 95.5 / 90.8 / 87.4 /
-#:   93.5 / 99.1 / 98.9% -> 98.0 / 96.2 / 92.0 / 97.6 / 98.9 / 98.9% of runs; visible 0.17 -> 0.12%.
-#:   4 : 1 did a little less (seeds 2, 3: 1.42, 2.87%); a = 1 alone (no 0.5 in the grid) worse
-#:   (3.31%, 88.1% on seed 3) (docs/results.md, 2026-11-25).
-REGIME_SD_PRIOR: dict[float, float] = {0.0: 0.25, 0.5: 1.0, 1.0: 8.0}
-REGIME_SD_GRID = tuple(REGIME_SD_PRIOR)
-#: The regime term's pairwise interactions (a (tp, pp), (tp, ZeRO), ... cell of its own), weighed
-#: against its main effects (one factor per tp, per pp, ...); the term's prior variance stays
-#: ``a^2``, shared between the two: the analytic model's errors are not all additive in log (a tp
-#: can be slow at one pp only). The replays behind the weight: docs/models.md (2026-11-27).
-REGIME_INTERACTION = 1.0
-#: The hyperparameters are averaged over their posterior on the grid, not fixed at its mode:
-#: the settings that carry this much of it (module docstring). Replay, regret of the pick at
-#: the tuner's own stop: 0.44 -> 0.17% on the visible tables, 3.35 -> 2.91% and 4.48 -> 3.95%
-#: with the prior distorted by seeds 1 and 2 (docs/results.md, 2026-11-25). At first no more than the
-#: 12 likeliest settings were kept: with a few trials the posterior is flat over the residual
-#: sd and length scale, and those 12 carried as little as 60% of it, every one with the same
-#: regime sd, so the wider regime settings were dropped. Every setting up to the mass: 2.10 ->
-#: 1.75%, 2.68 -> 1.78% (seeds 1, 2), held out 4.48 -> 3.26%, 2.22 -> 0.64% (seeds 3, 4),
-#: visible 0.16 -> 0.17%, for 7% more replay time (docs/results.md, 2026-11-25).
+#: The hyperparameters are averaged over their posterior on the grid, not fixed at its mode: every
+#: setting up to this much of it (module docstring). With a few trials the posterior is flat over
+#: the residual sd and length scale, and the 12 likeliest settings once kept carried as little as
+#: 60% of it (replays: docs/results.md, "How the tuner got here").
 HYPER_MASS = 0.99
-#: Correlation of the candidate-specific correction between two different jobs.
-CROSS_JOB_CORRELATION = 0.5
-#: Correlation of the correction (offset included) between two stacks' candidates of one plan:
-#: the off-diagonal of the coregionalization matrix (module docstring). Both stacks train the same
-#: model on the same devices (a machine slower than its profile slows both), but with other code
-#: and other constants; 0.5 lets one stack's trials move the other's predictions by half as much.
-CROSS_STACK_CORRELATION = 0.5
 
 #: A residual this far (log) above the median residual is an outlier run (a 3x slow run of a
 #: candidate whose neighbours ran at 1.1x, in the Ultra-Scale set): it is trusted less.
@@ -195,6 +143,7 @@ class LearnedModel:
         self._stacks = [o.config.stack or "" for o in timed]
         self._x = np.array([features(o.config, o.perf) for o in timed]) if timed else np.zeros((0, 0))
         self._r = np.array([regimes(o.config) for o in timed], dtype=np.int64) if timed else np.zeros((0, 0), np.int64)
+        self._inputs = gp.KernelInputs(self._x, self._r, self._keys, self._stacks)
         self.trial_noise_sd, self.noise_dof = trial_noise(timed)
         self._noise = np.array([math.hypot(_step_noise_sd(o.measurement), self.trial_noise_sd) for o in timed])
         self._y = np.array([math.log(_observed_time(o) or 1.0) - math.log(o.perf.step_time) for o in timed])
@@ -204,7 +153,7 @@ class LearnedModel:
         # so a fast surprise is a discovery.
         for i, dist in enumerate(outlier_distances([o.config for o in timed], self._y)):
             self._noise[i] = max(self._noise[i], dist)
-        self.residual_sd, self.length_scale, self.regime_sd = PRIOR_RESIDUAL_SD, LENGTH_SCALE, PRIOR_REGIME_SD
+        self.residual_sd, self.length_scale, self.regime_sd = gp.PRIOR_RESIDUAL_SD, gp.LENGTH_SCALE, gp.PRIOR_REGIME_SD
         #: (weight, (s, ell, a), the GP's factor) per hyperparameter setting averaged over
         self._mixture: list[tuple[float, tuple[float, float, float], gp.Factor]] = []
         #: the share of the hyperparameters' posterior the mixture kept (1: a single setting)
@@ -212,7 +161,7 @@ class LearnedModel:
         if timed:
             grid = [(self.residual_sd, self.length_scale, self.regime_sd)]
             if len(timed) >= MIN_FOR_FIT:
-                grid = [(s, ell, a) for s in RESIDUAL_SD_GRID for ell in LENGTH_SCALE_GRID for a in REGIME_SD_GRID]
+                grid = gp.hyper_grid()
             self._mixture = self._posterior(grid)
             self.residual_sd, self.length_scale, self.regime_sd = (
                 sum(w * h[i] for w, h, _ in self._mixture) for i in range(3))
@@ -224,8 +173,7 @@ class LearnedModel:
         self._by_stack: dict[str, tuple[MemoryModel, RunsModel]] = {}
 
     def _factor(self, s: float, ell: float, a: float) -> gp.Factor:
-        k = self._kernel(self._x, self._r, self._keys, self._x, self._r, self._keys, s, ell, a,
-                         self._stacks, self._stacks)
+        k = gp.step_time_kernel(self._inputs, self._inputs, s, ell, a)
         return gp.factor(k + np.diag(self._noise**2), self._y)
 
     def _posterior(
@@ -237,7 +185,7 @@ class LearnedModel:
         scored = []
         for h in grid:
             fit = self._factor(*h)
-            scored.append((fit.log_marginal_likelihood() + _log_hyperprior(*h), h, fit))
+            scored.append((fit.log_marginal_likelihood() + gp.log_hyperprior(*h), h, fit))
         scored.sort(key=lambda t: -t[0])  # stable: ties keep the grid's order
         weights = np.exp(np.array([t[0] for t in scored]) - scored[0][0])
         weights /= weights.sum()
@@ -254,22 +202,6 @@ class LearnedModel:
     def n_timed(self) -> int:
         return len(self._y)
 
-    def _kernel(
-        self, xa: FloatArray, ra: IntArray, ka: list[bool], xb: FloatArray, rb: IntArray, kb: list[bool],
-        s: float, ell: float, a: float, sa: list[str], sb: list[str],
-    ) -> FloatArray:
-        d2 = gp.squared_distances(xa, xb)
-        eq = ra[:, None, :] == rb[None, :, :]
-        # the regimes two candidates share, main effects and pairs (``REGIME_INTERACTION``)
-        shared = (eq.mean(-1) + REGIME_INTERACTION * _pairs_shared(eq)) / (1.0 + REGIME_INTERACTION)
-        same = np.equal.outer(np.array(ka), np.array(kb))
-        rho = np.where(same, 1.0, CROSS_JOB_CORRELATION)
-        k = PRIOR_OFFSET_SD**2 + (s**2 * np.exp(-d2 / (2 * ell**2)) + a**2 * shared) * rho
-        if len(set(sa) | set(sb)) > 1:  # the coregionalization matrix B (module docstring)
-            k = k * np.where(np.equal.outer(np.array(sa, dtype=object), np.array(sb, dtype=object)), 1.0,
-                             CROSS_STACK_CORRELATION)
-        return np.asarray(k, dtype=np.float64)
-
     def components(
         self, configs: Sequence[ParallelConfig], perfs: Sequence[PerfEstimate]
     ) -> tuple[FloatArray, FloatArray, FloatArray]:
@@ -278,17 +210,17 @@ class LearnedModel:
         and N candidates. Before any timed trial, the prior: one setting, mean 0."""
         n = len(configs)
         if self.n_timed == 0 or n == 0:
-            prior_sd = math.sqrt(PRIOR_OFFSET_SD**2 + self.residual_sd**2 + self.regime_sd**2)
+            prior_sd = math.sqrt(gp.step_time_prior_variance(self.residual_sd, self.regime_sd))
             return np.ones(1), np.zeros((1, n)), np.full((1, n), prior_sd)
         x = np.array([features(c, p) for c, p in zip(configs, perfs, strict=True)])
         r = np.array([regimes(c) for c in configs], dtype=np.int64)
+        new = gp.KernelInputs(x, r, [True] * n, [c.stack or "" for c in configs])
         weights, means, sds = [], [], []
         for w, (s, ell, a), fit in self._mixture:
-            ks = self._kernel(x, r, [True] * n, self._x, self._r, self._keys, s, ell, a,
-                              [c.stack or "" for c in configs], self._stacks)
+            ks = gp.step_time_kernel(new, self._inputs, s, ell, a)
             weights.append(w)
             means.append(fit.mean(ks))
-            sds.append(np.sqrt(fit.variance(ks, PRIOR_OFFSET_SD**2 + s**2 + a**2)))
+            sds.append(np.sqrt(fit.variance(ks, gp.step_time_prior_variance(s, a))))
         return np.array(weights), np.array(means), np.array(sds)
 
     def predict_many(self, configs: Sequence[ParallelConfig], perfs: Sequence[PerfEstimate]) -> list[Prediction]:
@@ -356,13 +288,13 @@ def outlier_distances(configs: Sequence[ParallelConfig], residuals: FloatArray) 
     Peers are the runs of its regime cell (same tp and pp, two at least); without those, the
     runs of its row and of its column (same tp at another pp, same pp at another tp, one at
     least of each), when it is slower than both by more than ``OUTLIER_LOG``: the regime term is
-    additive over tp and pp (``LearnedModel._kernel``), so a run slower than its tp-mates and
+    additive over tp and pp (``gp.step_time_kernel``), so a run slower than its tp-mates and
     its pp-mates alike is one no regime factor explains, and taken at face value it moves every
     candidate of its tp by its whole residual. Replay, Ultra-Scale 8B on 1 node: the first
     trial, tp1-pp2-dp4, ran 2.7x its prediction (its pp-mates at tp 2-4 and its tp-mate at pp 8
     near theirs); the additive fit put the tp-1 factor at +0.9 (the best, tp1-pp4-dp2, predicted
     44 s against its 17 s at sd 0.13) and the search converged with the best untried, 5.1% slower,
-    on every seed (docs/models.md, 2026-11-27). A whole tp or pp slower than predicted is what
+    on every seed (docs/models.md, "An odd run is not a regime"). A whole tp or pp slower than predicted is what
     the regime term must learn: its mates are slow too, and nothing is discounted.
 
     An odd run is one run: a slowness another run repeats is the cluster's, not a glitch, and is
@@ -371,7 +303,7 @@ def outlier_distances(configs: Sequence[ParallelConfig], residuals: FloatArray) 
     tp's factor then depends on the pp, an interaction the additive term cannot show but the
     trials must. Replay, Ultra-Scale 8B on 16 nodes: tp4-pp2 ran 2.8x the best and tp4-pp4 7.9x,
     tp 4 at pp 1 and pp 2-4 at tp 1-2 as predicted; both discounted, the search tried a third
-    tp-4 pipeline and found the best at trial 19, after its stop (docs/models.md, 2026-11-27)."""
+    tp-4 pipeline and found the best at trial 19, after its stop (docs/models.md, "Interactions of regimes")."""
     excess = [_row_column_excess(configs, residuals, i) for i in range(len(configs))]
     out = [0.0] * len(configs)
     for i, c in enumerate(configs):
@@ -423,16 +355,6 @@ def _confirmed(configs: Sequence[ParallelConfig], residuals: FloatArray,
     return False
 
 
-def _pairs_shared(eq: np.typing.NDArray[np.bool_]) -> FloatArray:
-    """The share of the pairs of regimes two candidates share both of: the additive kernel's term
-    of order 2 over the regimes (Duvenaud, Nickisch & Rasmussen 2011, "Additive Gaussian
-    Processes", sec. 2), each regime's base kernel the equality of its category; ``eq`` is
-    [A, B, D], whether candidate a and b share regime d."""
-    d = eq.shape[-1]
-    pairs = [eq[..., i] & eq[..., j] for i, j in combinations(range(d), 2)]
-    return np.mean(pairs, axis=0, dtype=np.float64) if pairs else np.zeros(eq.shape[:-1])
-
-
 def regimes(config: ParallelConfig) -> tuple[int, ...]:
     """The categorical regimes of the regime term: tp, pp, ZeRO stage, recompute mode."""
     return (config.tp, config.pp, config.zero_stage, _RECOMPUTE_CODE.get(config.recompute, len(_RECOMPUTE_CODE)))
@@ -471,9 +393,3 @@ def trial_noise(observations: Sequence[Observation]) -> tuple[float, float]:
             dof += len(logs) - 1
     var = (NOISE_PRIOR_DOF * NOISE_FLOOR_SD**2 + ss) / (NOISE_PRIOR_DOF + dof)
     return math.sqrt(var), float(dof)
-
-
-def _log_hyperprior(s: float, ell: float, a: float) -> float:
-    """The log prior of the hyperparameters, up to a constant (``REGIME_SD_PRIOR``; flat over
-    the residual sd and the length scale)."""
-    return math.log(REGIME_SD_PRIOR[a])

@@ -191,10 +191,8 @@ def score(
         # mixture's mean and variance. A mixture of Gaussians of unequal spread has heavier
         # tails than that Gaussian, and the stop rule and ``Tuner.confidence_overall`` are
         # about the tails: a candidate that beats the incumbent only if the model is far off.
-        # Replay, distorted prior, regret at the tuner's own stop: seeds 1 / 2 / 3 1.07 / 1.27 /
-        # 2.76% -> 1.07 / 1.21 / 1.71%; visible 0.12 -> 0.11% (docs/results.md, 2026-11-26). The EI
-        # (which candidate next) stays on the one Gaussian: integrated too, 19 of the 432 vTrain
-        # runs found their best one trial later, none earlier (visible regret at stop 0.12 -> 0.21%).
+        # The EI (which candidate next) stays on the one Gaussian: integrated too, it found the
+        # best later (replays of both: docs/results.md, "Evidence behind the tuner's constants").
         gap = y_star + math.log(1.0 - tolerance) - math.log(p.analytic) - means[:, i]
         p_beat = float(weights @ norm.cdf(gap / np.hypot(sds[:, i], incumbent_sd))) * taught
         out.append(Scored(c, p, ei, p_beat, p_fit, p_runs))

@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Protocol
@@ -14,6 +14,7 @@ from optuna.distributions import BaseDistribution
 from optuna.trial import FrozenTrial, TrialState
 
 from pipette.config import ParallelConfig
+from pipette.errors import SpecError
 from pipette.learned import Prediction
 from pipette.measurement import Measurement
 from pipette.plan import Planned
@@ -80,6 +81,15 @@ def run_attempt(
     return m, cancelled or stopped, started
 
 
+def attempt_record(
+    number: int, planned: Planned, prediction: Prediction, m: Measurement, attempt: int, job_key: str, stack: str,
+    started: datetime, purpose: str = "search",
+) -> TrialRecord:
+    """The record of one ended attempt (its end: now)."""
+    return TrialRecord(number, planned.config, m, planned.perf, planned.memory, prediction.step_time,
+                       prediction.sd, attempt, job_key, purpose, stack, started, now())
+
+
 class Reporter:
     """Reports a trial's timed steps to Optuna (tokens/s, numbered across its attempts) and asks
     its pruner; a rerun after a lost node is measured in full (its first steps follow the node's
@@ -118,6 +128,24 @@ def finished_trial(record: TrialRecord, space: dict[str, BaseDistribution]) -> F
         user_attrs={RECORD_ATTR: record.to_dict()}, constraints=constraints,
         intermediate_values={i: m.tokens_per_step / t for i, t in enumerate(m.step_times) if t > 0},
     )
+
+
+def replay(
+    study: optuna.Study, history: Sequence[TrialRecord], space: dict[str, BaseDistribution]
+) -> list[TrialRecord]:
+    """Add a job's finished trials (``history``: every attempt's record) to ``study``, as they were;
+    returns the records in order."""
+    by_number: dict[int, list[TrialRecord]] = {}
+    for r in sorted(history, key=lambda r: (r.number, r.attempt)):
+        by_number.setdefault(r.number, []).append(r)
+    records: list[TrialRecord] = []
+    for number in sorted(by_number):
+        if number != len(study.trials):
+            raise SpecError(f"trial records jump to number {number} after {len(study.trials)} trials",
+                            field="history", fix="pass every finished trial of the job, numbered from 0")
+        study.add_trial(finished_trial(by_number[number][-1], space))
+        records.extend(by_number[number])
+    return records
 
 
 def now() -> datetime:

@@ -99,11 +99,30 @@ def chance_any_beats(p_beats: Sequence[float]) -> float:
     return 1.0 - miss
 
 
-def untried_to_try(p_beats: Sequence[float], stop_probability: float) -> int:
-    """How many of the untried candidates likeliest to beat the pick to try before the others
-    together have under ``stop_probability`` chance to (if none of those tried did beat it)."""
-    chances = sorted(p_beats, reverse=True)
-    k = 0
-    while k < len(chances) and chance_any_beats(chances[k:]) >= stop_probability:
-        k += 1
-    return k
+@dataclass(frozen=True)
+class Untried:
+    """The untried candidates against the pick, each with its chance to beat it by more than the
+    tolerance (and fit and run) under the learned model (``pipette.search.Scored.p_beat``)."""
+
+    ranked: Sequence[Scored]
+
+    def chance(self) -> float:
+        """The chance that one of them beats the pick (``chance_any_beats``)."""
+        return chance_any_beats([s.p_beat for s in self.ranked])
+
+    def to_try(self, stop_probability: float) -> int:
+        """How many of those likeliest to beat the pick to try before the others together have under
+        ``stop_probability`` chance to (if none tried did): what to plan for, not a promise (each
+        trial also teaches the model)."""
+        chances = sorted((s.p_beat for s in self.ranked), reverse=True)
+        k = 0
+        while k < len(chances) and chance_any_beats(chances[k:]) >= stop_probability:
+            k += 1
+        return k
+
+    def likeliest(self) -> tuple[str, float] | None:
+        """The one likeliest to beat the pick, and that chance."""
+        if not self.ranked:
+            return None
+        top = max(self.ranked, key=lambda s: s.p_beat)
+        return top.planned.config.label, top.p_beat

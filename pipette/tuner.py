@@ -23,17 +23,15 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from datetime import datetime
 from typing import Any
 
 import optuna
 from optuna.trial import TrialState
 
 from pipette.config import ParallelConfig
-from pipette.errors import InfeasibleError, SpecError
+from pipette.errors import InfeasibleError
 from pipette.fits import default_prior
 from pipette.learned import NOISE_PRIOR_DOF, Observation, Prediction
-from pipette.measurement import Measurement
 from pipette.model import ModelSpec
 from pipette.plan import Plan, Planned
 from pipette.retiming import RetimeBudget, contenders, round_order
@@ -49,12 +47,12 @@ from pipette.search import (
     search_space,
 )
 from pipette.search_step import OnStep as OnStep
-from pipette.search_step import Reporter, finished_trial, now, outcome, run_attempt
+from pipette.search_step import Reporter, attempt_record, finished_trial, outcome, replay, run_attempt
 from pipette.search_step import StepProgress as StepProgress
 from pipette.search_step import TrialRunner as TrialRunner
 from pipette.search_step import TuneEvent as TuneEvent
 from pipette.stacks import DEFAULT_STACK, Stack, get_stacks, stacks_key
-from pipette.stop_rule import StopRule, script_fault, untried_to_try
+from pipette.stop_rule import StopRule, Untried, script_fault
 from pipette.stop_rule import chance_any_beats as chance_any_beats  # re-exported: the API the tests know
 from pipette.training import TrainingSpec
 from pipette.trials import TrialRecord as TrialRecord  # re-exported: the records' home is pipette.trials
@@ -64,7 +62,7 @@ from pipette.tune_result import STOPPED
 from pipette.tune_result import TuneResult as TuneResult
 from pipette.tune_result import how_it_ended as how_it_ended  # re-exported: the CLI says how trials ended
 from pipette.tune_result import trial_outcomes as trial_outcomes  # re-exported: result_text counts them
-from pipette.verdict import Tried, verdict
+from pipette.verdict import Tried, pick, verdict
 
 Emit = Callable[[TuneEvent], None]
 
@@ -118,8 +116,7 @@ class Tuner:
         self.study = new_study(self.sampler, pruner)
         self.budget = RetimeBudget(self.options, plan.cluster.device_spec.kind)
         self.stop_rule = StopRule(self.options, self.budget.reserve, self.candidates)
-        self.records: list[TrialRecord] = []
-        self._replay(history)
+        self.records = replay(self.study, history, self.space)
         self._replayed = len(self.records)  # the records before this run (``script_fault`` reads after them)
         #: re-timing done by this tuner so far (every ``retime`` call: the verdict names all)
         self._retimed: set[str] = {r.label for r in self.records if r.purpose == "retime"}
@@ -130,32 +127,11 @@ class Tuner:
         """The stack that runs ``config`` (its own in a plan over several): what its record says."""
         return self.plan.stack_of(config).key
 
-    def _replay(self, history: Sequence[TrialRecord]) -> None:
-        """The study, rebuilt from the records of a job's finished trials."""
-        by_number: dict[int, list[TrialRecord]] = {}
-        for r in sorted(history, key=lambda r: (r.number, r.attempt)):
-            by_number.setdefault(r.number, []).append(r)
-        for number in sorted(by_number):
-            if number != len(self.study.trials):
-                raise SpecError(
-                    f"trial records jump to number {number} after {len(self.study.trials)} trials",
-                    field="history", fix="pass every finished trial of the job, numbered from 0",
-                )
-            self.study.add_trial(finished_trial(by_number[number][-1], self.space))
-            self.records.extend(by_number[number])
-
     # ---- state ----------------------------------------------------------------------
     @property
     def best(self) -> TrialRecord | None:
-        """The pick: the candidate with the best mean log step time over its ok trials (its
-        trial with the median step time stands for it)."""
-        means = measured_means(self.study)
-        if not means:
-            return None
-        label = min(means, key=lambda k: (means[k][0], k))
-        ok = sorted((r for r in self.records if r.label == label and r.measurement.status == "ok"
-                     and r.measurement.step_time), key=lambda r: (r.measurement.step_time or math.inf, r.number))
-        return ok[(len(ok) - 1) // 2]
+        """The pick (``verdict.pick``): the best mean log step time over its ok trials."""
+        return pick(self.records, measured_means(self.study))
 
     def tried(self) -> Tried | None:
         """The tried candidates against the pick under the measured noise; None without a pick."""
@@ -171,33 +147,17 @@ class Tuner:
         tried = self.tried()
         return None if tried is None else tried.confidence()
 
-    def untried_chance(self) -> float | None:
-        """The chance that an untried candidate beats the pick by more than the tolerance (and
-        fits and runs), under the learned model; None before an ok trial."""
-        return None if self.best is None else chance_any_beats([s.p_beat for s in self.ranking()])
-
-    def untried_to_try(self) -> int | None:
-        """How many more trials of the untried candidates likeliest to beat the pick would leave the
-        others under ``stop_probability`` (``stop_rule.untried_to_try``): what to plan for, not a promise."""
-        if self.best is None:
-            return None
-        return untried_to_try([s.p_beat for s in self.ranking()], self.options.stop_probability)
-
-    def untried_likeliest(self) -> tuple[str, float] | None:
-        """The untried candidate likeliest to beat the pick by more than the tolerance, and that chance."""
-        ranked = self.ranking() if self.best is not None else []
-        if not ranked:
-            return None
-        top = max(ranked, key=lambda s: s.p_beat)
-        return top.planned.config.label, top.p_beat
+    def untried(self) -> Untried | None:
+        """The untried candidates against the pick (``stop_rule.Untried``); None before an ok trial."""
+        return None if self.best is None else Untried(self.ranking())
 
     def confidence_overall(self) -> float | None:
         """Probability that the pick is within the tolerance of the best candidate, tried or not:
         ``confidence`` times the chance that no untried one beats it, as if independent."""
-        tried, untried = self.confidence(), self.untried_chance()
+        tried, untried = self.confidence(), self.untried()
         if tried is None or untried is None:
             return None
-        return tried * (1.0 - untried)
+        return tried * (1.0 - untried.chance())
 
     def contenders(self) -> list[str]:
         """The pick and the candidates to re-time it against (``pipette.retiming.contenders``)."""
@@ -223,14 +183,15 @@ class Tuner:
         return script_fault(self.records[self._replayed:])
 
     def result(self, stop_reason: str, interrupted: bool = False) -> TuneResult:
-        pick = self.best
+        pick, untried = self.best, self.untried()
         mean = measured_means(self.study).get(pick.label) if pick is not None else None
         return TuneResult(self.plan, tuple(self.records), stop_reason, pick, interrupted, self.unrunnable,
                           self.confidence(), self.confidence_overall(), self.sampler.learned(self.study).summary(),
                           self.options.tolerance, self.options.confidence,
                           math.exp(mean[0]) if mean else None, mean[1] if mean else 0, self.trials_to_decide(),
-                          runnable=len(self.candidates), untried_to_try=self.untried_to_try(),
-                          untried_likeliest=self.untried_likeliest())
+                          runnable=len(self.candidates),
+                          untried_to_try=None if untried is None else untried.to_try(self.options.stop_probability),
+                          untried_likeliest=None if untried is None else untried.likeliest())
 
     def trials_to_decide(self) -> dict[str, int | None]:
         """Per tried candidate the pick is not yet sure against: more trials of each that would
@@ -290,8 +251,7 @@ class Tuner:
         # Past ``retime_rounds``, rounds go on while the pick is below the confidence asked, the budget
         # has room and the search would not reopen: a load spike in the last round once moved a real
         # pick to a candidate timed once, "23% sure" with trials left (issue 32, item 9).
-        while rounds < self.options.retime_rounds or (
-                self._undecided() and self.stop_reason(self._elapsed()) is not None):
+        while rounds < self.options.retime_rounds or self._undecided():
             budget = self.options.time_budget_s
             if budget is not None and self._elapsed() >= budget:
                 break
@@ -310,8 +270,9 @@ class Tuner:
         return verdict(reason, self.tried(), len(self._retimed), self._rounds)
 
     def _undecided(self) -> bool:
-        confidence = self.confidence()
-        return confidence is not None and confidence < self.options.confidence
+        """The pick is below the confidence asked, and the search would not reopen."""
+        return ((confidence := self.confidence()) is not None and confidence < self.options.confidence
+                and self.stop_reason(self._elapsed()) is not None)
 
     def _retime_trial(self, label: str, runner: TrialRunner, emit: Emit,
                       should_stop: Callable[[], bool] | None) -> str:
@@ -323,17 +284,12 @@ class Tuner:
                                             lambda p: False)
         if cancelled:
             return "cancelled"  # not recorded: a cut-short re-timing says nothing
-        record = self._record(number, planned, prediction, m, 1, started, "retime")
+        record = attempt_record(number, planned, prediction, m, 1, self.job_key, self.stack_of(planned.config),
+                                started, "retime")
         self.study.add_trial(finished_trial(record, self.space))
         self.records.append(record)
         emit(TuneEvent("trial_ended", number, record.to_dict(), record))
         return m.status
-
-    def _record(self, number: int, planned: Planned, prediction: Prediction, m: Measurement, attempt: int,
-                started: datetime, purpose: str = "search") -> TrialRecord:
-        return TrialRecord(number, planned.config, m, planned.perf, planned.memory, prediction.step_time,
-                           prediction.sd, attempt, self.job_key, purpose, self.stack_of(planned.config),
-                           started, now())
 
     def step(self, runner: TrialRunner, emit: Emit = lambda event: None,
              should_stop: Callable[[], bool] | None = None) -> str:
@@ -372,7 +328,8 @@ class Tuner:
                                                 should_stop, report)
             if cancelled:
                 m = replace(m, status="pruned", error=STOPPED)
-            record = self._record(trial.number, planned, prediction, m, attempt, started)
+            record = attempt_record(trial.number, planned, prediction, m, attempt, self.job_key,
+                                    self.stack_of(planned.config), started)
             after, record = policy.after(record, self.records, cancelled)
             self.records.append(record)
             emit(TuneEvent("trial_ended", trial.number, record.to_dict(), record))

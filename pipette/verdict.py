@@ -10,10 +10,12 @@ repeats are few (``Tried.within``).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from scipy.stats import t as student_t
+
+from pipette.trials import TrialRecord
 
 #: beyond this many more trials of each, ``Tried.trials_to_decide`` says none would decide
 MAX_TRIALS_TO_DECIDE = 50
@@ -73,6 +75,17 @@ class Tried:
                 k += 1
             out[label] = k if margin > 0 and k <= MAX_TRIALS_TO_DECIDE else None
         return out
+
+
+def pick(records: Sequence[TrialRecord], means: Mapping[str, tuple[float, int]]) -> TrialRecord | None:
+    """The pick: the candidate with the best mean log step time over its ok trials (``means``), its
+    trial with the median step time standing for it; None before an ok trial."""
+    if not means:
+        return None
+    label = min(means, key=lambda k: (means[k][0], k))
+    ok = sorted((r for r in records if r.label == label and r.measurement.status == "ok" and r.measurement.step_time),
+                key=lambda r: (r.measurement.step_time or math.inf, r.number))
+    return ok[(len(ok) - 1) // 2]
 
 
 def verdict(reason: str, tried: Tried | None, retimed: int, rounds: int) -> str:
