@@ -86,6 +86,24 @@ def _categories(snapshot: dict[Any, int]) -> dict[str, int]:
     return {cat: sum(named.get(kind, 0) for kind in kinds) for cat, kinds in CATEGORIES.items()}
 
 
+class Peaks:
+    """What both trackers add: the maxima and the phase of the peak."""
+
+    category_max: dict[str, int]
+    kinds_max: dict[str, int]
+    peak_phase: str
+
+    def _note(self, tracker: Any, before: dict[Any, int]) -> None:
+        if tracker._peak_mem != before:
+            self.peak_phase = "optimizer" if tracker._in_opt else ("backward" if tracker._mod_tracker.is_bw
+                                                                   else "forward")
+        for snap in tracker._curr_mem_snap.values():
+            for cat, value in _categories(snap).items():
+                self.category_max[cat] = max(self.category_max.get(cat, 0), value)
+            for kind, value in _kinds(snap).items():
+                self.kinds_max[kind] = max(self.kinds_max.get(kind, 0), value)
+
+
 def _step_tracker(stages: list[nn.Module], optimizer: torch.optim.Optimizer, inputs: tuple[torch.Tensor, ...]) -> Any:
     """A tracker of one step that keeps each category's own maximum and where the peak was:
     ``FSDPMemTracker`` over all of this rank's stages (allowing a module's forward once per
@@ -93,23 +111,6 @@ def _step_tracker(stages: list[nn.Module], optimizer: torch.optim.Optimizer, inp
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch.distributed.fsdp import FSDPModule
-
-    class Peaks:
-        """What both trackers add: the maxima and the phase of the peak."""
-
-        category_max: dict[str, int]
-        kinds_max: dict[str, int]
-        peak_phase: str
-
-        def _note(self, tracker: Any, before: dict[Any, int]) -> None:
-            if tracker._peak_mem != before:
-                self.peak_phase = "optimizer" if tracker._in_opt else ("backward" if tracker._mod_tracker.is_bw
-                                                                       else "forward")
-            for snap in tracker._curr_mem_snap.values():
-                for cat, value in _categories(snap).items():
-                    self.category_max[cat] = max(self.category_max.get(cat, 0), value)
-                for kind, value in _kinds(snap).items():
-                    self.kinds_max[kind] = max(self.kinds_max.get(kind, 0), value)
 
     class FsdpStepTracker(FSDPMemTracker, Peaks):  # type: ignore[no-untyped-call]  # torch's class is unannotated
         def __init__(self) -> None:
