@@ -207,7 +207,7 @@ class MemoryModel:
         Without the rule the Gaussian process left such a candidate above ``P_FIT_MIN`` when
         the out-of-memory trial was one the prior expected (a wide site) and the two differ in
         a feature it weighs: replay, Ultra-Scale 1B on 2 nodes, ZeRO-1 mbs 32 ran out of memory
-        and its ZeRO-0 twin was tried next (docs/models.md, 2026-11-27)."""
+        and its ZeRO-0 twin was tried next (docs/models.md, "The boundary's open targets")."""
         mean, sd = self.error(configs, memories)
         return [0.0 if any(needs_at_least(c, o) for o in self.out_of_memory) else float(norm.cdf((h - mu) / s))
                 for c, h, mu, s in zip(configs, _headroom(memories), mean, sd, strict=True)]

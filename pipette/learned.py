@@ -294,7 +294,7 @@ def outlier_distances(configs: Sequence[ParallelConfig], residuals: FloatArray) 
     trial, tp1-pp2-dp4, ran 2.7x its prediction (its pp-mates at tp 2-4 and its tp-mate at pp 8
     near theirs); the additive fit put the tp-1 factor at +0.9 (the best, tp1-pp4-dp2, predicted
     44 s against its 17 s at sd 0.13) and the search converged with the best untried, 5.1% slower,
-    on every seed (docs/models.md, "An odd run is not a regime"). A whole tp or pp slower than predicted is what
+    on every seed (docs/models.md, "The boundary's open targets"). A whole tp or pp slower than predicted is what
     the regime term must learn: its mates are slow too, and nothing is discounted.
 
     An odd run is one run: a slowness another run repeats is the cluster's, not a glitch, and is

@@ -32,7 +32,7 @@ class RetimeBudget:
     def default_reserve(self) -> int:
         """Trials kept on a GPU: ``reserve`` when given, else a quarter of the budget, at least 2
         and at most one round (``retime``). A larger reserve costs the search (replay, trial noise
-        2%: docs/results.md, "Re-timing reserve"); on a noisy machine ``noisy_rounds`` gives the
+        2%: docs/results.md, "Evidence behind the tuner's constants"); on a noisy machine ``noisy_rounds`` gives the
         rounds room instead, and ``TuneOptions.for_search`` puts them on top."""
         o = self.options
         if o.retime < 2 or o.retime_rounds < 1:
@@ -62,7 +62,8 @@ class RetimeBudget:
         ~8% from run to run (GPU ~2%): one round cannot order candidates a few percent apart, so
         whole rounds of ``retime`` in up to ``NOISY_RESERVE_SHARE`` of the budget where that makes
         two rounds or more, else two rounds or more of the pick and one contender in up to half of
-        it (budgets of 8 to 14); the replays behind both: docs/results.md, "CPU re-timing rounds"."""
+        it (budgets of 8 to 14); the replays behind both: docs/results.md, "A CPU job keeps whole re-timing
+        rounds" and "Smaller CPU budgets keep two rounds of two"."""
         o = self.options
         if self.device_kind != "cpu" or o.reserve is not None or self.default_reserve == 0:
             return 0, 0
@@ -91,7 +92,7 @@ def contenders(tried: Tried | None, options: TuneOptions) -> list[str]:
         others = [k for k, (m, _) in means.items() if k != pick and m - mp < near]
     else:
         # Sure to be within 2% of a candidate 1% faster, re-timing once stopped and handed over the
-        # slower one (replay, Ultra-Scale 8B on 8 nodes; docs/models.md): the faster-at-all count too.
+        # slower one (docs/results.md, "Evidence behind the tuner's constants"): the faster-at-all count too.
         faster = tried.faster()
         others = [k for k, p in sure.items()
                   if p < options.confidence or faster[k] >= 1.0 - options.confidence]

@@ -210,7 +210,7 @@ def _lowered(candidate: Planned, p_fit: float) -> float:
     their chances (mean 0.43) expected about 10; 12 of the 16 had been lowered by a trial.
     A chance the trials did not lower keeps power 1: the fastest candidates sit at the boundary
     at their plan chance, and the chance squared for all of them delayed the best (regret after
-    3 trials 9.7 -> 11.1%; docs/models.md, 2026-11-27)."""
+    3 trials 9.7 -> 11.1%; docs/models.md, "The boundary's open targets")."""
     if candidate.chance_to_fit <= 0.0:
         return 1.0
     return min(1.0, p_fit / candidate.chance_to_fit)

@@ -47,7 +47,7 @@ class TuneResult:
     #: the candidates the trial backend (or the script) can run: those the search chose from
     runnable: int = 0
     #: how many of the likeliest untried candidates to try before the rest together have less than
-    #: ``stop_probability`` chance to beat the pick (``Tuner.untried_to_try``); None before an ok trial
+    #: ``stop_probability`` chance to beat the pick (``stop_rule.Untried.to_try``); None before an ok trial
     untried_to_try: int | None = None
     #: the untried candidate likeliest to beat the pick by more than the tolerance, and that chance
     untried_likeliest: tuple[str, float] | None = None
