@@ -9,7 +9,8 @@ leaves the model, data and optimizer to the user's job:
   sequence parallelism with tp (what the megatron stack prices), the batch, the distributed
   optimizer for ZeRO-1, the virtual stages of an interleaved schedule, recomputation and
   precision (under ``megatron+fp8`` Transformer Engine's FP8 with FP8 weights, as priced, on a
-  device with FP8 tensor cores). Megatron-LM numbers ranks tp fastest, then dp, then pp (its default order
+  device with FP8 tensor cores; ``+mxfp8`` and ``+nvfp4`` their block-scaled recipes on Blackwell).
+  Megatron-LM numbers ranks tp fastest, then dp, then pp (its default order
   ``tp-cp-ep-dp-pp``, megatron/core/parallel_state.py ``initialize_model_parallel``), as Pipette's
   rank map does, so ranks started node by node in the
   hostfile's order land where the plan put them.
@@ -40,9 +41,9 @@ def tf32_note(training: TrainingSpec) -> list[str]:
 
 
 def megatron_arguments(training: TrainingSpec, config: ParallelConfig, layers: int,
-                       options: tuple[str, ...] = (), device_fp8: bool = True) -> list[str]:
-    """``pretrain_gpt.py`` arguments for ``config``, one flag (with its value) per item; FP8 only
-    where the option is chosen and the device has FP8 (on an A100 the option prices nothing)."""
+                       options: tuple[str, ...] = (), device_fp8: bool = True, device_fp4: bool = True) -> list[str]:
+    """``pretrain_gpt.py`` arguments for ``config``, one flag (with its value) per item; FP8 or FP4
+    only where the option is chosen and the device has it (on an A100 the option prices nothing)."""
     args = [
         f"--tensor-model-parallel-size {config.tp}",
         f"--pipeline-model-parallel-size {config.pp}",
@@ -62,13 +63,25 @@ def megatron_arguments(training: TrainingSpec, config: ParallelConfig, layers: i
         args.append("--recompute-granularity selective")
     if training.dtype in ("bf16", "fp16"):
         args.append(f"--{training.dtype}")
+    return args + precision_flags(options, device_fp8, device_fp4)
+
+
+def precision_flags(options: tuple[str, ...], device_fp8: bool, device_fp4: bool) -> list[str]:
+    """Transformer Engine's recipe in Megatron-LM's flags (megatron/training/arguments.py:
+    ``--fp8-format``/``--fp8-recipe``, ``--fp4-format``/``--fp4-recipe``), as Megatron-Bridge's
+    mixed-precision recipes set them; none where the device lacks the tensor cores the recipe needs
+    (MXFP8 and NVFP4 are Blackwell's block-scaled formats: the devices with an FP4 peak)."""
     if "fp8" in options and device_fp8:  # megatron+fp8 prices FP8 weights too (MemoryOptions.fp8_weights)
-        args += ["--fp8-format hybrid", "--fp8-param-gather"]
-    return args
+        return ["--fp8-format hybrid", "--fp8-param-gather"]
+    if "mxfp8" in options and device_fp4:  # Bridge's bf16_with_mxfp8_mixed: E4M3 everywhere, FP8 weights
+        return ["--fp8-format e4m3", "--fp8-recipe mxfp8", "--fp8-param-gather"]
+    if "nvfp4" in options and device_fp4:  # Bridge's NVFP4 recipe: E2M1 values with block scales
+        return ["--fp4-format e2m1", "--fp4-recipe nvfp4"]
+    return []
 
 
 def megatron_args_file(training: TrainingSpec, config: ParallelConfig, layers: int, header: str,
-                       options: tuple[str, ...] = (), device_fp8: bool = True) -> str:
+                       options: tuple[str, ...] = (), device_fp8: bool = True, device_fp4: bool = True) -> str:
     """``megatron_args.txt``: the arguments after a header of ``#`` lines saying how to use them."""
     lora = ["# LoRA: these are Megatron-LM's pretraining arguments; under NeMo's PEFT give the same",
             "# degrees and batch in its trainer and model config."] if training.method == "lora" else []
@@ -81,7 +94,7 @@ def megatron_args_file(training: TrainingSpec, config: ParallelConfig, layers: i
         "# start the nodes in the hostfile's order.",
         *lora,
         *tf32_note(training),
-        *megatron_arguments(training, config, layers, options, device_fp8),
+        *megatron_arguments(training, config, layers, options, device_fp8, device_fp4),
         "",
     ])
 

@@ -65,6 +65,27 @@ def test_megatron_fp8_flags_only_where_the_device_has_fp8(tmp_path: Path, cluste
     assert ("--fp8-format hybrid" in args) is fp8 and ("--fp8-param-gather" in args) is fp8
 
 
+B200S = homogeneous_cluster("B200-180GB", 2, 8, 900e9, 50e9)
+#: Megatron-LM's choices (megatron/training/arguments.py): --fp8-format {e4m3,hybrid},
+#: --fp8-recipe {tensorwise,delayed,mxfp8,blockwise}, --fp4-format {e2m1}, --fp4-recipe {nvfp4}
+RECIPE_FLAGS = {
+    "megatron+mxfp8": {"--fp8-format": "e4m3", "--fp8-recipe": "mxfp8", "--fp8-param-gather": ""},
+    "megatron+nvfp4": {"--fp4-format": "e2m1", "--fp4-recipe": "nvfp4"},
+}
+
+
+@pytest.mark.parametrize("stack", sorted(RECIPE_FLAGS))
+@pytest.mark.parametrize(("cluster", "blackwell"), [(B200S, True), (H100S, False)])
+def test_megatron_block_scaled_recipes_name_their_format_and_recipe(
+        tmp_path: Path, stack: str, cluster: ClusterProfile, blackwell: bool) -> None:
+    cfg = ParallelConfig(tp=2, pp=1, dp=8, mbs=1, global_batch=128, zero_stage=1)
+    files = write_launch_files(tmp_path, MODEL, TRAINING, cfg, cluster, stack=stack)
+    flags = _flags([a for a in files["megatron_args.txt"].read_text().splitlines() if a and not a.startswith("#")])
+    precision = {k: v for k, v in flags.items() if k.startswith(("--fp8", "--fp4"))}
+    # MXFP8 and NVFP4 are Blackwell's block-scaled formats: on an H100 the file asks for neither
+    assert precision == (RECIPE_FLAGS[stack] if blackwell else {})
+
+
 def test_megatron_lora_says_nemo_takes_the_same_layout() -> None:
     from pipette.emit_frameworks import megatron_args_file
 
