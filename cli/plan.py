@@ -52,13 +52,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from pipette.emit import launch_sh_lines, stack_launch_command, write_launch_files
     from pipette.fits import memory_headroom
     from pipette.plan import DEFAULT_MARGIN, make_plan
+    from pipette.stack_choice import choose_stack, pricing_lines
     from pipette.stacks import get_stacks
 
     # Every input is checked, cheapest first, and the first real error is the one reported.
     options = option_values(args, "plan")
     top = int(options["top"] or 0)
     margin = DEFAULT_MARGIN if options["margin"] is None else float(options["margin"])
-    stacks = get_stacks(args.stack, field="--stack")
+    get_stacks(args.stack, field="--stack")  # a stack that does not exist: refused naming the flag
+    # Never another framework's prices silently: the stack and how it was chosen come first.
+    choice = choose_stack(args.stack, files=[f for f in (args.model, args.recipe) if f])
+    stacks = get_stacks(choice.stack, field="--stack")
+    pricing = pricing_lines(choice)
     cluster = load_cluster(args.cluster)
     model = load_model(args.model)
     training = load_recipe(args.recipe, args)
@@ -82,7 +87,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             ) from None
         files = {k: str(v) for k, v in written.items()}
     if args.json:
-        out = plan.to_dict(top=top)
+        out = {"pricing": pricing, **plan.to_dict(top=top)}
         out["planning_seconds"] = elapsed
         out["files"] = files
         out["launch_pick"] = {"rank": plan.ranked.index(pick) + 1, "label": pick.config.label,
@@ -92,6 +97,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         json.dump(out, sys.stdout, indent=2)
         sys.stdout.write("\n")
         return EXIT_OK
+    print("\n".join(pricing))
     _print_plan(plan, top, elapsed)
     if files:
         print(f"\nlaunch files for {pick_words(plan)} in {args.out}/: {', '.join(sorted(files))}")

@@ -35,6 +35,8 @@ from pipette.errors import SpecError
 from pipette.options import TRIAL_TIMEOUT_S
 from pipette.registry import RunnerKind, TrialKind, job_kind
 from pipette.script import KINDS, KNOBS, ScriptSpec
+from pipette.stack_choice import StackChoice, choose_stack, pricing_lines
+from pipette.stacks import get_stacks
 
 if TYPE_CHECKING:
     from pipette.measurement import Measurement
@@ -159,12 +161,17 @@ def cmd_tune(args: argparse.Namespace) -> int:
     if args.checkpoint:
         check_checkpoint(model, args.checkpoint)
     # Runner or script, which stacks: the registry's answer, refused here before measuring.
-    kind = job_kind(args.stack, _script(args), field="--stack")
+    script = _script(args)
+    choice = stack_choice(args, script)
+    kind = job_kind(choice.stack, script, field="--stack")
     stacks, script = kind.stacks, kind.script
     from workers.host.script_trial import check_script
 
     check_script(script)
     ui = Progress(options.max_trials, stream=sys.stderr)
+    pricing = pricing_lines(choice)
+    for line in pricing:  # never another framework's prices silently (issue 45): said first
+        ui.say(line)
 
     from workers.host.runner import RayTrialRunner
 
@@ -232,6 +239,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         out["files"] = files
         out["cluster"] = {"name": cluster.name, "devices": cluster.world, "measured_at": cluster.measured_at}
         out["stack"] = plan.stack_key
+        out["pricing"] = pricing
         json.dump(out, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
@@ -271,6 +279,17 @@ class StopSignal:
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
+
+
+def stack_choice(args: argparse.Namespace, script: ScriptSpec | None) -> StackChoice:
+    """The stack named, else the one the script names (its kind, or a launch file one framework
+    reads among its words or its config), else the default (``pipette.stack_choice``)."""
+    if args.stack:
+        get_stacks(args.stack, field="--stack")  # one that does not exist: refused naming the flag
+    if script is None:
+        return choose_stack(args.stack)
+    files = [*script.argv, *([args.script_config] if args.script_config else [])]
+    return choose_stack(args.stack, script_kind=script.kind, files=files)
 
 
 def _script(args: argparse.Namespace) -> ScriptSpec | None:
