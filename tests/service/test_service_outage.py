@@ -164,6 +164,7 @@ def test_the_database_lost_mid_trial_under_serve_is_said_in_one_line(
             reasons = wait_for(lambda: [e["data"]["reason"] for e in _events(c, job["url"])
                                         if e["kind"] == "trial_interrupted"], 300,
                                "the resumed job's trial_interrupted event", service)
+            db.dispose()  # this test's own pooled connections died with the relay
             remember_profile(db, cluster["id"])
             db.dispose()
         finally:
