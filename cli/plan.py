@@ -44,6 +44,10 @@ def add_parser(sub: Any) -> None:
     plan.add_argument("--out", default="pipette-plan", help="where to write the best candidate's launch files")
     plan.add_argument("--no-files", action="store_true", help="do not write launch files")
     plan.add_argument("--json", action="store_true", help="machine-readable output on stdout")
+    plan.add_argument("--trace", type=int, default=0, metavar="N",
+                      help="trace one training step of each of the top N candidates of the fsdp stack on fake "
+                           "devices at the real world size: the live bytes of its code by category (seconds to "
+                           "minutes each, on the CPU; docs/tuning.md)")
     plan.set_defaults(func=cmd_plan)
 
 
@@ -57,6 +61,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     # Every input is checked, cheapest first, and the first real error is the one reported.
     options = option_values(args, "plan")
+    if args.trace < 0:
+        raise SpecError(f"is {args.trace}", field="--trace", fix="give how many top candidates to trace: 1 or more")
     top = int(options["top"] or 0)
     margin = DEFAULT_MARGIN if options["margin"] is None else float(options["margin"])
     get_stacks(args.stack, field="--stack")  # a stack that does not exist: refused naming the flag
@@ -94,6 +100,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
                               "chance_to_fit": pick.chance_to_fit, "sure_to_fit": pick.sure_to_fit}
         # a stack Pipette writes no launcher for (megatron, an option its runner does not run): None
         out["launch_command"] = stack_launch_command(pick.config, cluster, stack, args.out)
+        if args.trace:
+            out["traces"] = [entry for entry, _ in traced(plan, args.trace)]
         json.dump(out, sys.stdout, indent=2)
         sys.stdout.write("\n")
         return EXIT_OK
@@ -113,7 +121,56 @@ def cmd_plan(args: argparse.Namespace) -> int:
         else:
             print(f"launch: with {stack.frameworks}, from the candidate in {args.out}/candidate.json "
                   "(Pipette writes no launcher for this stack yet)")
+    if args.trace:
+        print_traces(plan, args.trace)
     return EXIT_OK
+
+
+def traced(plan: Any, n: int) -> list[tuple[dict[str, Any], list[Any]]]:
+    """The top ``n`` candidates, each traced where the fsdp stack runs it (``workers.rank.fsdp_trace``:
+    one step of the PyTorch-native runner's code on fake tensors at the real world size), with its
+    JSON entry; a candidate of another stack, or one the runner cannot build, says why."""
+    from pipette.errors import PipetteError
+    from workers.rank.fsdp_trace import trace_heaviest  # lazily: torch, and cli reaches workers only so
+    from workers.spec import TrialSpec
+
+    out: list[tuple[dict[str, Any], list[Any]]] = []
+    for rank, p in enumerate(plan.ranked[:n], 1):
+        stack = plan.stack_of(p.config)
+        entry: dict[str, Any] = {"rank": rank, "label": p.config.label, "stack": stack.key,
+                                 "estimated_live_bytes": p.memory.live_bytes}
+        traces: list[Any] = []
+        if stack.name != "fsdp":
+            entry["not_traced"] = f"a {stack.key} candidate: only the fsdp stack's runner can be traced"
+        else:
+            trial = TrialSpec(plan.model, plan.training, p.config, warmup_steps=1, min_steps=1, max_steps=1,
+                              device_kind="cpu", stack=stack.name)
+            try:
+                traces = trace_heaviest(trial)
+                entry["traces"] = [t.to_dict() for t in traces]
+            except PipetteError as e:  # a layout the runner refuses: said on its line, the others still traced
+                entry["not_traced"] = str(e)
+        out.append((entry, traces))
+    return out
+
+
+def print_traces(plan: Any, n: int) -> None:
+    """``--trace N``'s lines: per candidate its heaviest ranks' traced live bytes beside the estimate."""
+    from workers.rank.fsdp_trace import describe
+
+    print(f"\ntraced memory of the top {n}: the live tensor bytes of this code (Pipette's fsdp runner: what "
+          "max_memory_allocated reports) at the candidate's real world size on fake devices, not the allocator's "
+          "reserve nor the device's use")
+    for entry, traces in traced(plan, n):
+        head = f"  #{entry['rank']} {entry['label']} ({entry['stack']})"
+        if "not_traced" in entry:
+            print(f"{head}: cannot be traced: {entry['not_traced']}")
+            continue
+        live = entry["estimated_live_bytes"]
+        unit, size = ("GiB", GiB) if live >= GiB else ("MiB", 1024**2)
+        print(f"{head}: estimated live {live / size:.2f} {unit} on the heaviest rank")
+        for trace in traces:
+            print(f"    {describe(trace)}")
 
 
 def pick_words(plan: Any) -> str:

@@ -79,3 +79,21 @@ def test_tune_takes_the_stack_its_input_names(words: list[str], stack: str, how:
     assert job_kind(choice.stack, script, field="--stack").stacks[0].name == stack
     if how == "named":  # the launch file's framework is said, not obeyed
         assert choice.hinted == "megatron"
+
+
+def test_plan_trace_prints_the_live_bytes_of_the_top_fsdp_candidate_and_refuses_others() -> None:
+    """`plan --trace 1` (issue 46): the fsdp stack's best traced on 4 fake ranks, said to be live
+    bytes and not the reserve; a candidate of another stack says in one line it cannot be traced."""
+    r = pipette("plan", *TINY, "--top", "2", "--stack", "fsdp", "--trace", "1")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("traced memory of the top 1:"))
+    assert "live tensor bytes of this code" in lines[at] and "not the allocator's reserve" in lines[at]
+    assert lines[at + 1].startswith("  #1 ") and "(fsdp): estimated live" in lines[at + 1], lines[at + 1]
+    assert lines[at + 2].startswith("    rank 0 of 4 (stage 0): live peak ") and "optimizer" in lines[at + 2]
+    r = pipette("plan", *TINY, "--top", "1", "--trace", "1", "--json")
+    assert r.returncode == 0, r.stderr
+    (entry,) = json.loads(r.stdout)["traces"]
+    assert entry["stack"] == "pipette" and "only the fsdp stack's runner can be traced" in entry["not_traced"]
+    r = pipette("plan", *TINY, "--trace", "-1")
+    assert r.returncode == 1 and r.stderr.startswith("pipette: error: --trace: is -1"), r.stderr
