@@ -42,7 +42,7 @@ class TuneResult:
     #: per contender the pick is not yet ``confidence_asked`` sure against: more trials of each
     #: that would decide it at the noise measured (``Tuner.trials_to_decide``; None: none would)
     to_decide: dict[str, int | None] = field(default_factory=dict)
-    #: what else ran on the machine during the trials (``pipette.cli.interference``)
+    #: what else ran on the machine during the trials (``cli.interference``)
     interference: dict[str, Any] = field(default_factory=dict)
     #: the candidates the trial backend (or the script) can run: those the search chose from
     runnable: int = 0

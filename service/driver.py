@@ -19,7 +19,7 @@ second too.
 
 A lost Ray node: the trial running on it ends ``failed`` naming the rank and node; the job
 stays ``running`` and waits for the node (event ``waiting_for_nodes``, ``progress.waiting_for_nodes``)
-before the next trial, which reruns the failed one (``pipette.tuner.LOST_NODE_RETRIES``); after
+before the next trial, which reruns the failed one (``pipette.retry.LOST_NODE_RETRIES``); after
 ``PIPETTE_NODE_WAIT_S`` without it the job fails, every trial kept.
 """
 
