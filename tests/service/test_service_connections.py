@@ -55,7 +55,8 @@ def _healthz_answers(base: str) -> float:
     return time.monotonic() - started
 
 
-def _read_closed(sockets: list[socket.socket], deadline_s: float, trickle_s: float = 2.0) -> tuple[dict[str, int], float]:
+def _read_closed(sockets: list[socket.socket], deadline_s: float,
+                 trickle_s: float = 2.0) -> tuple[dict[str, int], float]:
     """Trickle a header into every open socket each ``trickle_s`` until the server closed them all
     or ``deadline_s`` passed: (first status line word seen per socket, counted; seconds taken)."""
     selector = selectors.DefaultSelector()

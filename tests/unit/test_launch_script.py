@@ -61,7 +61,8 @@ def test_every_launch_uses_the_trials_op_build_cache_and_tools(tmp_path: Path) -
     env_bin.mkdir(parents=True)
     seen = tmp_path / "seen"
     fake = env_bin / "python"  # has everything (-c checks pass); as a launcher, says what it was given
-    fake.write_text(f'#!/bin/sh\n[ "$1" = -c ] && exit 0\n[ "$2" = workers.host.launch_output ] && exec cat >/dev/null\n'
+    fake.write_text('#!/bin/sh\n[ "$1" = -c ] && exit 0\n'
+                    '[ "$2" = workers.host.launch_output ] && exec cat >/dev/null\n'
                     f'echo "$TORCH_EXTENSIONS_DIR|$PATH" >> {seen}\n')
     fake.chmod(0o755)
     cluster = load_cluster(ROOT / "examples" / "clusters" / "cpu-4.yaml")
