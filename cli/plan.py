@@ -131,6 +131,7 @@ def traced(plan: Any, n: int) -> list[tuple[dict[str, Any], list[Any]]]:
     one step of the PyTorch-native runner's code on fake tensors at the real world size), with its
     JSON entry; a candidate of another stack, or one the runner cannot build, says why."""
     from pipette.errors import PipetteError
+    from pipette.registry import traceable
     from workers.rank.fsdp_trace import trace_heaviest  # lazily: torch, and cli reaches workers only so
     from workers.spec import TrialSpec
 
@@ -140,7 +141,7 @@ def traced(plan: Any, n: int) -> list[tuple[dict[str, Any], list[Any]]]:
         entry: dict[str, Any] = {"rank": rank, "label": p.config.label, "stack": stack.key,
                                  "estimated_live_bytes": p.memory.live_bytes}
         traces: list[Any] = []
-        if stack.name != "fsdp":
+        if not traceable(stack):
             entry["not_traced"] = f"a {stack.key} candidate: only the fsdp stack's runner can be traced"
         else:
             trial = TrialSpec(plan.model, plan.training, p.config, warmup_steps=1, min_steps=1, max_steps=1,

@@ -33,9 +33,9 @@ from cli.signals import Terminated, exit_code, signal_name, terminate_like_inter
 from pipette.datafiles import check_checkpoint, jsonl_token_ids
 from pipette.errors import SpecError
 from pipette.options import TRIAL_TIMEOUT_S
-from pipette.registry import RunnerKind, TrialKind, job_kind
+from pipette.registry import RunnerKind, TrialKind, job_kind, stack_choice_of
 from pipette.script import KINDS, KNOBS, ScriptSpec
-from pipette.stack_choice import StackChoice, choose_stack, pricing_lines
+from pipette.stack_choice import StackChoice, pricing_lines
 from pipette.stacks import get_stacks
 
 if TYPE_CHECKING:
@@ -286,10 +286,7 @@ def stack_choice(args: argparse.Namespace, script: ScriptSpec | None) -> StackCh
     reads among its words or its config), else the default (``pipette.stack_choice``)."""
     if args.stack:
         get_stacks(args.stack, field="--stack")  # one that does not exist: refused naming the flag
-    if script is None:
-        return choose_stack(args.stack)
-    files = [*script.argv, *([args.script_config] if args.script_config else [])]
-    return choose_stack(args.stack, script_kind=script.kind, files=files)
+    return stack_choice_of(args.stack, script, args.script_config)
 
 
 def _script(args: argparse.Namespace) -> ScriptSpec | None:

@@ -20,6 +20,7 @@ from pipette.cluster import ClusterProfile
 from pipette.config import ParallelConfig
 from pipette.model import ModelSpec
 from pipette.script import ScriptSpec, bind_stack, script_ds_config
+from pipette.stack_choice import StackChoice, choose_stack
 from pipette.stacks import DEFAULT_STACK, Stack, stacks_to_tune
 from pipette.training import TrainingSpec
 
@@ -162,3 +163,18 @@ def job_kind(stack: str | None, script: ScriptSpec | None, *, field: str = "stac
 def script_from_record(stored: dict[str, Any] | None, **changes: Any) -> ScriptSpec | None:
     """The script a stored job names (None: the job runs Pipette's runner)."""
     return None if stored is None else ScriptSpec.from_dict({**stored, **changes})
+
+
+def stack_choice_of(stack: str | None, script: ScriptSpec | None, script_config: str | None = None) -> StackChoice:
+    """The stack named, else the one the script names (its kind, or a launch file one framework
+    reads among its words or its config), else the default (``pipette.stack_choice``)."""
+    if script is None:
+        return choose_stack(stack)
+    files = [*script.argv, *([script_config] if script_config else [])]
+    return choose_stack(stack, script_kind=script.kind, files=files)
+
+
+def traceable(stack: Stack) -> bool:
+    """Whether a candidate of ``stack`` can be traced on fake devices (``workers.rank.fsdp_trace``
+    runs the PyTorch-native runner's own code: the fsdp stack's)."""
+    return stack.name == "fsdp"
