@@ -28,13 +28,14 @@ TEST_SECRET = "s3cret-of-the-service-4242"
 def test_the_services_secret_values_are_redacted(tmp_path: Path) -> None:
     token = tmp_path / "ray_token"
     token.write_text("ray-token-0123456789\n")
+    home = str(tmp_path / "svc")  # a value that is no secret: left as it is
     secrets = service_secrets("postgresql+psycopg://svc:pa55word-xyz@db.example/pipette", METRICS_TOKEN,
                               {"RAY_AUTH_TOKEN_PATH": str(token), "PIPETTE_API_SECRET": "api-secret-value",
-                               "PIPETTE_POLL_S": "0.5", "HOME": "/home/svc"})
+                               "PIPETTE_POLL_S": "0.5", "HOME": home})
     text = ("url postgresql+psycopg://svc:pa55word-xyz@db.example/pipette, pw pa55word-xyz, metrics "
-            f"{METRICS_TOKEN}, ray ray-token-0123456789, api api-secret-value, poll 0.5, home /home/svc")
+            f"{METRICS_TOKEN}, ray ray-token-0123456789, api api-secret-value, poll 0.5, home {home}")
     assert secrets.text(text) == (f"url {MARK}, pw {MARK}, metrics {MARK}, ray {MARK}, api {MARK}, poll 0.5, "
-                                  "home /home/svc")
+                                  f"home {home}")
     record = {"error": f"x {METRICS_TOKEN}", "extra": {"output_tail": ["pa55word-xyz"], "n": 3}}
     assert secrets.found(record)
     assert secrets.data(record) == {"error": f"x {MARK}", "extra": {"output_tail": [MARK], "n": 3}}
