@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -96,9 +97,10 @@ def test_ctrl_c_stops_the_running_trial_and_keeps_what_was_measured(tmp_path: Pa
     assert _no_rank_left()
 
 
-def _signal_during_the_second_trial(proc: subprocess.Popen[str], signum: int) -> tuple[str, str]:
-    """Wait for the first trial to end and the second to start running, send ``signum``, and
-    return (stdout, everything on stderr)."""
+def _signal_during_the_second_trial(proc: subprocess.Popen[str], signum: int,
+                                    send: Callable[[], None] | None = None) -> tuple[str, str]:
+    """Wait for the first trial to end and the second to start running, send ``signum`` (or call
+    ``send``), and return (stdout, everything on stderr)."""
     assert proc.stderr is not None
     lines: list[str] = []
     deadline = time.monotonic() + 600
@@ -107,9 +109,12 @@ def _signal_during_the_second_trial(proc: subprocess.Popen[str], signum: int) ->
         if not line:
             break
         lines.append(line)
-        if line.strip().startswith("#0"):
+        if line.strip().startswith("#0"):  # the first trial ended; the second is starting
             time.sleep(8)
-            proc.send_signal(signum)
+            if send is not None:
+                send()
+            else:
+                proc.send_signal(signum)
             break
     out, err = proc.communicate(timeout=120)
     return out, "".join(lines) + err
@@ -152,24 +157,18 @@ def test_sigterm_to_the_process_group_of_tune_json_still_prints_the_json_and_exi
     proc = subprocess.Popen(_tune(tmp_path, "--max-trials", "8", "--stop-probability", "0", "--json"),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             start_new_session=True)  # its own process group, as under `timeout`
-    assert proc.stderr is not None
-    lines: list[str] = []
-    try:
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            line = proc.stderr.readline()
-            if not line:
-                break
-            lines.append(line)
-            if line.strip().startswith("#0"):  # the first trial ended; the second is starting
-                time.sleep(8)
-                ray_processes = _descendants(proc.pid)
-                assert any(os.getpgid(p) != proc.pid for p in ray_processes)  # out of the tuner's group
-                os.killpg(proc.pid, signal.SIGTERM)
-                break
+    killed_at = 0.0
+    ray_processes: list[int] = []
+
+    def to_the_group() -> None:
+        nonlocal killed_at
+        ray_processes.extend(_descendants(proc.pid))
+        assert any(os.getpgid(p) != proc.pid for p in ray_processes)  # out of the tuner's group
+        os.killpg(proc.pid, signal.SIGTERM)
         killed_at = time.monotonic()
-        out, err = proc.communicate(timeout=120)
-        text = "".join(lines) + err
+
+    try:
+        out, text = _signal_during_the_second_trial(proc, signal.SIGTERM, send=to_the_group)
     finally:
         try:
             os.killpg(proc.pid, signal.SIGKILL)
