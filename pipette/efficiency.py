@@ -73,13 +73,10 @@ B200_HALF_FLOPS = 5.50e10  # SimuMax llama3-70b-l12
 DEFAULT_MAX_FRACTION = A100_MAX_FRACTION
 DEFAULT_HALF_FLOPS = A100_HALF_FLOPS
 # CPU workers before the probe has measured them (a cluster file's ``preset: cpu``): a core
-# fills its vector units with a far smaller GEMM than a GPU its SMs. Fitted (least squares on
-# the log) to one thread's fp32 torch.matmul of n^3 squares, n = 8-1024, on a 2-core AMD EPYC
-# VM (tests/benchmarks/cpu_gemm.py, 2026-11-26; results/cpu-2026-11-26c/cpu_gemm.txt): half of
-# the best rate (102 GFLOP/s) at 1.8e5 FLOPs (a 45^3 GEMM), within 2% of every measured point
-# (an earlier run of the same script on the same machine: 0.92, 1.79e5, 0.98). With the GPU
-# curve (half at 1.27e10 FLOPs) the tiny-llama test model's GEMMs were put at 0.004% of the
-# peak and a 0.09 s step was predicted at 290 s.
+# fills its vector units with a far smaller GEMM than a GPU its SMs, so the GPU curve put a CPU
+# step thousands of times too slow. Fitted (least squares on the log) to one thread's fp32
+# torch.matmul of n^3 squares, n = 8-1024 (tests/benchmarks/cpu_gemm.py): half of the best rate
+# at 1.8e5 FLOPs (a 45^3 GEMM). The runs: docs/results.md, "CPU GEMM efficiency".
 CPU_MAX_FRACTION = 0.980
 CPU_HALF_FLOPS = 1.84e5
 CPU_STEEPNESS = 0.96

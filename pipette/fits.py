@@ -33,8 +33,8 @@ KEEP_THRESHOLD = 0.02
 #: At or above this chance a candidate is called sure to fit.
 SURE_TO_FIT = 0.9
 #: What an out-of-memory trial costs, in step times of the candidate it falls back to. Chosen,
-#: not fitted: such a trial ends at its first failing allocation (the two 8B OOM trials on the
-#: H100 took 21.6-22.6 s of wall against 37-51 s for those that ran, results/h100-2026-11-27).
+#: not fitted: such a trial ends at its first failing allocation, well before a full trial's time
+#: (the H100's OOM trials: docs/results.md, "The chance to fit: each stack's prior").
 FAILED_TRIAL_COST = 0.05
 
 
@@ -73,33 +73,26 @@ class FitsPrior:
 
 
 #: Pipette's own runner (DeepSpeed + Hugging Face Llama, bf16) on a GPU. Fitted on the
-#: ``h100_single_gpu.csv`` runs re-run with the allocator's figures on an H100
-#: (tests/benchmarks/results/h100-2026-11-23, 9 ran and 4 out of memory); checked on the
-#: Llama-3-8B LoRA table of h100-2026-11-27 (docs/models.md).
+#: ``h100_single_gpu.csv`` runs re-run with the allocator's figures on an H100 (9 ran and 4 out of
+#: memory); checked on the Llama-3-8B LoRA allocator table (docs/models.md).
 PIPETTE_GPU = FitsPrior("pipette-gpu", mu=-0.019, sd=0.105,
                         source="h100_single_gpu.csv re-run with reserved bytes, H100 2026-11-23")
 #: nanotron (the Ultra-Scale H100 set: rank 0's logged peak against the nanotron stack's estimate,
-#: ``NANOTRON_OPTIONS``; 1620 runs that ran). Refitted (``fits_boundary.py --fit``, 2026-12-01) when
-#: nanotron got a stack of its own (fp32 gradient buffers, its ZeRO-1, stages balanced by compute);
-#: with ``MEGATRON_OPTIONS`` it was mu +0.126, sd 0.216 (and +0.216 / 0.212 before the fp32 buffer).
+#: ``NANOTRON_OPTIONS``; 1620 runs that ran), fitted by ``fits_boundary.py --fit``. Each prior's
+#: earlier fits: docs/results.md, "The chance to fit: each stack's prior".
 NANOTRON_GPU = FitsPrior("nanotron-gpu", mu=0.060, sd=0.180, source="ultrascale_h100_1b_3b_8b.csv, 1620 runs")
 #: Megatron-LM (SimuMax's B200 runs: peak reserved, max over ranks, against the megatron stack's
-#: estimate; 24 runs with memory, none out of memory; fitted by ``fits_boundary.py --fit``,
-#: 2026-12-01). One set of one framework's runs (Llama3 70B and 405B shapes, 8 B200s): until a
-#: second Megatron-LM set with memory is in, its sd is in-sample. Before, megatron borrowed
-#: nanotron's prior.
+#: estimate; 24 runs with memory, none out of memory; fitted by ``fits_boundary.py --fit``). One
+#: set of one framework's runs (Llama3 70B and 405B shapes, 8 B200s): until a second Megatron-LM
+#: set with memory is in, its sd is in-sample.
 MEGATRON_GPU = FitsPrior("megatron-gpu", mu=-0.002, sd=0.044,
                          source="simumax_b200_megatron.csv, 24 runs (peak reserved, 2026-12-01)")
 #: PyTorch FSDP2 (torchtitan's H100 runs: peak reserved, max over ranks, against the estimate
-#: with the ``fsdp`` stack's options; 14 runs with memory, none out of memory), refitted
-#: (``fits_boundary.py --fit``, 2026-11-27) with torchtitan's per-op recomputation
-#: (``MemoryOptions.op_sac``) and FSDP2's unsharded layers and gradients under pipelining in the
-#: estimate (was mu -0.273, sd 0.600; then mu -0.142, sd 0.241), refitted again (2026-11-27, branch
-#: stack28b) with the compiled loss, fp32 no-sync gradients under PP, DTensor TP's gathered
-#: inputs and loss_parallel's copies and the fsdp stack's own fragmentation on reserved bytes (whose
-#: two factors were fitted on 4 of these 14 runs: the sd is partly in-sample); refitted (2026-12-04,
-#: issue 46: mu +0.027, sd 0.046 before) when a trace of the runner showed no gradient at the peak of
-#: a step of one micro-batch without a pipeline (``pipette.memory.stage_breakdowns``).
+#: with the ``fsdp`` stack's options; 14 runs with memory, none out of memory), fitted by
+#: ``fits_boundary.py --fit`` on the estimate as it is now (per-op recomputation, FSDP2 under
+#: pipelining, the compiled loss, DTensor TP, the traced gradient term). The fsdp stack's
+#: fragmentation factors were fitted on 4 of these 14 runs, so the sd is partly in-sample. Its
+#: earlier fits: docs/results.md, "The chance to fit: each stack's prior".
 FSDP_GPU = FitsPrior("fsdp-gpu", mu=0.046, sd=0.043,
                      source="torchtitan_h100_fsdp2.csv, 14 runs (traced gradient term, reserved, 2026-12-04)")
 #: CPU devices: no calibration runs (the runner's RSS is recorded by every CPU trial); the

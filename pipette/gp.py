@@ -35,7 +35,7 @@ LENGTH_SCALE_GRID = (0.75, 1.5, 3.0)
 #: The regime sd's grid values and their prior weights (relative; R&W sec. 5.2). 1 : 4 against
 #: switching the term off (a = 0): with 3-5 agreeing trials the likelihood alone chose a = 0 and
 #: was sure of regimes it had not tried. 8 : 1 for a = 1 over a = 0.5: four regimes share a^2, and
-#: the 80B runs were 2-7x slow per regime (issue 15). Replays: docs/results.md, "Regime sd prior".
+#: the 80B runs were 2-7x slow per regime (issue 15). Replays: docs/results.md, "Evidence behind the tuner's constants".
 REGIME_SD_PRIOR: dict[float, float] = {0.0: 0.25, 0.5: 1.0, 1.0: 8.0}
 REGIME_SD_GRID = tuple(REGIME_SD_PRIOR)
 #: The regime term's pairwise interactions (a (tp, pp), (tp, ZeRO), ... cell of its own), weighed

@@ -25,9 +25,9 @@ class Measurement:
     #: how ``step_time`` sums up ``step_times``: the median for Pipette's runner, whose ranks
     #: start every step together (robust to a slow outlier step); the mean for a user's script,
     #: whose steps are the intervals between its ranks' reports: their mean is the run's time
-    #: per step, what the script's own throughput says (measured: the median read 1.9-7.1%
-    #: under the HF Trainer's train_samples_per_second, the mean within 0.3%;
-    #: ``tests/benchmarks/script_tuning.py``, 2026-11-25)
+    #: per step, what the script's own throughput says (the median of a skewed series of steps
+    #: read under the HF Trainer's own figure, the mean agreed: docs/results.md, "Tuning a user's
+    #: script")
     statistic: Statistic = "median"
     #: the addresses of the nodes the cluster lost during the trial: the failure is the
     #: cluster's, not the candidate's (the tuner retries it once they are back)

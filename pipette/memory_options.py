@@ -16,10 +16,10 @@ GiB = 1024**3
 FP32_BYTES = 4
 
 # ---- planning margin ---------------------------------------------------------------
-#: The plan's hard cut until 2026-11-27 (``peak x (1 + margin) <= capacity``), chosen on the
-#: Ultra-Scale H100 set (the largest margin keeping >= 98% of the runs that succeeded). The plan
-#: now uses the chance to fit (``pipette.fits``); tests/benchmarks/memory_accuracy.py still
-#: reports this cut beside it for comparison.
+#: The plan's hard cut before the chance to fit (``peak x (1 + margin) <= capacity``), chosen on
+#: the Ultra-Scale H100 set (the largest margin keeping >= 98% of the runs that succeeded). The
+#: plan now uses the chance to fit (``pipette.fits``); tests/benchmarks/memory_accuracy.py still
+#: reports this cut beside it for comparison (docs/results.md, "Peak memory and fits").
 SAFETY_MARGIN = 0.10
 
 # ---- framework defaults (documented options, not fitted) -----------------------------

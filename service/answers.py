@@ -9,9 +9,9 @@ no tenant can get another's answer (the key holds the row's tenant or job, and t
 selected for the caller's tenant first). Answers that depend on something besides the row
 (a queued job's notice: the lease and the clock) are added per request.
 
-Profile of ``GET /v1/jobs?limit=20`` before (docs/service.md, 2026-11-27): two thirds of its CPU
-was ORM row loading, ``json.loads`` of four JSON columns per job, and building and validating
-``JobOut``; a hit costs a tuple hash and a dict lookup.
+Without it, most of ``GET /v1/jobs?limit=20``'s CPU was ORM row loading, ``json.loads`` of the
+JSON columns and building and validating ``JobOut``; a hit costs a tuple hash and a dict lookup
+(profiles and load runs: docs/results.md, "The service under load").
 """
 
 from __future__ import annotations

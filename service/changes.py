@@ -2,8 +2,8 @@
 
 A dashboard polls ``GET /v1/jobs``, ``GET /v1/jobs/{id}`` and ``GET /v1/jobs/{id}/trials``
 every second or so, and almost every poll finds the rows as they were. Reading them again cost
-a database round trip in a worker thread per poll (py-spy of the load benchmark, 2026-11-27:
-the thread hop and psycopg were ~44% of the service's samples, 100 clients at load 6-7). Here
+a database round trip in a worker thread per poll (the thread hop and psycopg were the largest
+share of the service's samples: docs/results.md, "The service under load"). Here
 each API process keeps the answers, and PostgreSQL says when to drop them: the ``0005`` migration's triggers send a
 notification on every write of a job, a trial, a lease or a cluster, from any process, and
 ``ChangeFeed`` listens on a connection of its own.

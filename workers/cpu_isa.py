@@ -11,9 +11,8 @@ The answer is the node's (its CPU, its kernel since boot, this Python and torch)
 probed once per node and kept in a file in this user's runtime folder (``workers.runtime``:
 private, so no other user can plant an answer, which goes into every rank's environment) that
 every process of the node reads: ``RankProcess`` actors are fresh for every trial, and each of them probing (a torch
-import, ~1.5 CPU-seconds) cost a 4-rank tiny-llama trial on this 2-core machine a third of its
-time: 10.6-11.1 s of wall and 20.4-21.4 CPU-seconds per trial before, 6.8-7.3 s and 12.9-13.8
-after (``tests/benchmarks/trial_overhead.py``, 2026-11-26, two trees alternately).
+import, ~1.5 CPU-seconds) cost a 4-rank tiny-llama trial on a 2-core machine a third of its
+time (``tests/benchmarks/trial_overhead.py``; docs/results.md, "Trial builds and overhead").
 """
 
 from __future__ import annotations

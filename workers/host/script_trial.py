@@ -249,10 +249,9 @@ def steps_across_ranks(per_rank: list[list[float]]) -> tuple[float, ...]:
     together (a collective ends each), so the slowest rank's time is the step's. A script's
     ranks are not lined up between steps: each rank's interval is the same step period shifted
     by its own jitter, the intervals of a rank add up to the run's time, and a per-step maximum
-    counts the jitter as time (measured, HF Trainer LoRA on 4 CPU ranks, 2026-11-24: with the
-    per-step maximum the mean of the steps read 3.2-3.7% above the Trainer's own samples per
-    second, with the mean over ranks 0.6-1.3% below it, 2026-11-25;
-    ``tests/benchmarks/script_tuning.py``)."""
+    counts the jitter as time (the per-step maximum read above the HF Trainer's own samples per
+    second, the mean over ranks within about 1%: ``tests/benchmarks/script_tuning.py``;
+    docs/results.md, "Tuning a user's script")."""
     n = min((len(ts) for ts in per_rank), default=0)
     return tuple(statistics.fmean(ts[i] for ts in per_rank) for i in range(n))
 

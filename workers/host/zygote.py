@@ -42,9 +42,8 @@ from workers.runtime import open_private, read_private, runtime_dir, write_priva
 #: What the warm process imports (the rank's whole stack; CUDA is never touched).
 #: ``deepspeed.runtime.zero.muon.muon_optimizer``: DeepSpeed 0.19 imports it inside every
 #: ``deepspeed.initialize`` (``is_zero_supported_optimizer``), and it runs ``torch.compile`` at
-#: import, which imports TorchInductor: 3.2 of the 3.6 s a rank spent in ``deepspeed.initialize``
-#: (cProfile of rank 0 of a 4-rank tiny-llama trial on the 2-core machine, 2026-11-26). It starts
-#: no thread or process, so it forks safely.
+#: import, which imports TorchInductor: most of the time a CPU rank spent in ``deepspeed.initialize``
+#: (docs/results.md, "Trial builds and overhead"). It starts no thread or process, so it forks safely.
 PRELOAD = ("torch", "torch.distributed", "deepspeed", "deepspeed.runtime.zero.muon.muon_optimizer", "transformers",
            "peft", "scipy.stats", "workers.rank.trial")
 #: The environment the preloaded modules read at import time, fixed for every CPU rank.
