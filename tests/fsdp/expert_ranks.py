@@ -1,0 +1,151 @@
+"""The ranks of the expert-parallel tests (``tests/fsdp/test_expert_parallel.py`` on gloo,
+``tests/gpu/test_gpu_expert_parallel.py`` on NCCL): each rank runs each case's expert-parallel
+MoE layer on its own tokens and the one-device reference layer (same weights) on every rank's
+tokens, and writes what differs as JSON for the test process to judge.
+
+Each case has a mesh ``(edp, ep)`` over the world, ep fastest (torchtitan's ``dp_shard_mod_ep``
+x ``dp_shard_in_ep``): the ep group exchanges tokens; the expert data-parallel group (edp: the
+ranks that hold the same experts) sums the experts' gradients, the world sums the router's and
+the shared expert's. The loss of rank r is ``<layer(x_r), probe_r>`` (a fixed random direction),
+plus the load-balancing loss the layer attaches; the reference's is the sum over the ranks of
+the same, so the summed gradients must be equal. Each rank holds a different number of tokens,
+so the split sizes of every exchange are uneven.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from workers.rank.moe_layer import MoeFeedForward, MoeOptions, route
+
+HIDDEN = 16
+#: tokens on rank r: all different, so every exchange has uneven splits
+BASE_TOKENS, TOKENS_STEP = 20, 7
+#: the cases: ep degree and the layer's options (8 experts, top-2)
+CASES: dict[str, dict[str, Any]] = {
+    "ep4-dropless-shared": {"ep": 4, "shared_hidden": 24},
+    "ep2xdp2-dropless": {"ep": 2},
+    "ep2xdp2-capacity-probs": {"ep": 2, "capacity_factor": 1.0, "drop_policy": "probs"},
+    "ep4-capacity-position": {"ep": 4, "capacity_factor": 1.25, "drop_policy": "position", "shared_hidden": 8},
+    "ep1-all-to-all": {"ep": 1, "capacity_factor": 1.0},
+}
+
+
+def options_of(case: dict[str, Any]) -> MoeOptions:
+    fields = {k: v for k, v in case.items() if k != "ep"}
+    return MoeOptions(experts=8, top_k=2, expert_hidden=32, **fields)
+
+
+def batches(world: int, device: torch.device) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Every rank's tokens and loss direction (the same on every rank: seeded by rank)."""
+    xs, probes = [], []
+    for r in range(world):
+        g = torch.Generator().manual_seed(100 + r)
+        n = BASE_TOKENS + TOKENS_STEP * r
+        xs.append(torch.randn(n, HIDDEN, generator=g).to(device))
+        probes.append(torch.randn(n, HIDDEN, generator=g).to(device))
+    return xs, probes
+
+
+def reference(options: MoeOptions, xs: list[torch.Tensor], probes: list[torch.Tensor],
+              device: torch.device) -> dict[str, Any]:
+    """The one-device layer on each rank's tokens, the summed loss's gradients."""
+    torch.manual_seed(0)
+    layer = MoeFeedForward(HIDDEN, options).to(device)
+    inputs = [x.clone().requires_grad_() for x in xs]
+    outs = [layer(x) for x in inputs]
+    sum(((o * p).sum() for o, p in zip(outs, probes, strict=True)), torch.zeros((), device=device)).backward()
+    with torch.no_grad():
+        kept = [int(route(layer.gate(x), options).kept.sum()) for x in xs]
+    return {"layer": layer, "outs": [o.detach() for o in outs], "x_grads": [x.grad for x in inputs],
+            "aux": [float(a) for a in _aux_losses(layer, xs)], "kept": kept}
+
+
+def _aux_losses(layer: MoeFeedForward, xs: list[torch.Tensor]) -> list[torch.Tensor]:
+    with torch.no_grad():
+        return [route(layer.gate(x), layer.options).aux_loss for x in xs]
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+def expert_parallel(options: MoeOptions, ep: int, ref: dict[str, Any], xs: list[torch.Tensor],
+                    probes: list[torch.Tensor], device: torch.device) -> dict[str, Any]:
+    """This rank's expert-parallel layer against the reference (see the module docstring)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh(device.type, (world // ep, ep), mesh_dim_names=("edp", "ep"))
+    layer = MoeFeedForward(HIDDEN, options, ep_group=mesh.get_group("ep")).to(device)
+    full = ref["layer"].state_dict()
+    layer.load_state_dict({name: full[name] for name in layer.state_dict()})
+    x = xs[rank].clone().requires_grad_()
+    out = layer(x)
+    (out * probes[rank]).sum().backward()
+    grads = _summed_grads(layer, mesh.get_group("edp"))
+    ref_grads = dict(ref["layer"].named_parameters())
+    dispatch = layer.last_dispatch
+    assert dispatch is not None and layer.last_aux_loss is not None
+    return {
+        "out": _relative(out.detach(), ref["outs"][rank]),
+        "x_grad": _relative(x.grad, ref["x_grads"][rank]),  # type: ignore[arg-type]  # set by backward
+        "param_grad": {name: _relative(g, ref_grads[name].grad) for name, g in grads.items()},
+        "aux": abs(float(layer.last_aux_loss) - ref["aux"][rank]), "aux_value": ref["aux"][rank],
+        "experts_held": sorted(int(k) for k in layer.experts),
+        "rows_sent": sum(dispatch.input_splits), "ref_kept": ref["kept"][rank],
+        "tokens": x.shape[0], **asdict(dispatch),
+    }
+
+
+def _summed_grads(layer: nn.Module, edp: dist.ProcessGroup) -> dict[str, torch.Tensor]:
+    """Each gradient summed over the ranks that hold the parameter: an expert's over the expert
+    data-parallel group, the router's and the shared expert's over the world."""
+    out = {}
+    for name, p in layer.named_parameters():
+        assert p.grad is not None, name
+        grad = p.grad.clone()
+        dist.all_reduce(grad, group=edp if name.startswith("experts.") else None)
+        out[name] = grad
+    return out
+
+
+def run(rank: int, world: int, backend: str, init: str, out_dir: str, names: list[str]) -> None:
+    """One rank (``torch.multiprocessing.spawn``'s entry): every case in ``names``."""
+    device = torch.device("cuda", 0) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=init, rank=rank, world_size=world)
+    results: dict[str, Any] = {"backend": dist.get_backend()}
+    xs, probes = batches(world, device)
+    for name in names:
+        case = CASES[name]
+        options = options_of(case)
+        ref = reference(options, xs, probes, device)
+        results[name] = expert_parallel(options, case["ep"], ref, xs, probes, device)
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+def spawn(world: int, backend: str, tmp: Path, names: list[str]) -> list[dict[str, Any]]:
+    """``world`` ranks of ``run`` (torch.multiprocessing); each rank's results."""
+    from torch.multiprocessing.spawn import spawn as spawn_ranks
+
+    init = f"file://{tmp / 'store'}"
+    spawn_ranks(run, args=(world, backend, init, str(tmp), names), nprocs=world, join=True)  # type: ignore[no-untyped-call]
+    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+if __name__ == "__main__":  # python -m tests.fsdp.expert_ranks WORLD BACKEND: print the results
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        print(json.dumps(spawn(int(sys.argv[1]), sys.argv[2], Path(d), list(CASES)), indent=1))
