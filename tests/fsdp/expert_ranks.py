@@ -120,7 +120,8 @@ def _summed_grads(layer: nn.Module, edp: dist.ProcessGroup) -> dict[str, torch.T
 
 def run(rank: int, world: int, backend: str, init: str, out_dir: str, names: list[str]) -> None:
     """One rank (``torch.multiprocessing.spawn``'s entry): every case in ``names``."""
-    device = torch.device("cuda", 0) if backend == "nccl" else torch.device("cpu")
+    # each rank its own GPU (the spawned ranks see them all)
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(backend, init_method=init, rank=rank, world_size=world)
