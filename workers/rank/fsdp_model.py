@@ -14,7 +14,7 @@ the whole tensor is drawn or read on the rank's device and ``distribute_tensor``
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -23,6 +23,9 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from pipette.model import ModelSpec
 from pipette.training import TrainingSpec
 from workers.rank.init import init_for, initial_values
+
+if TYPE_CHECKING:
+    from workers.rank.moe_layer import MoeOptions
 
 #: what ``checkpoint_wrapper`` puts into the names of the parameters it wraps
 WRAPPED = "_checkpoint_wrapped_module."
@@ -48,13 +51,19 @@ class LlamaStage(nn.Module):
         self.rotary_emb = inner.rotary_emb
         self.config = hf.config
         self.seq_len = seq_len
+        #: this rank's global positions under context parallelism (its chunks of the sequence,
+        #: ``workers.rank.context_parallel.apply_context_parallel``); None: the whole sequence
+        self.position_ids: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Token ids (first stage) or hidden states in; hidden states or logits (last stage) out.
         Under sequence parallelism the hidden states between layers hold this rank's part of the
         sequence, so the positions are the whole sequence's, from ``seq_len``."""
         h = self.embed_tokens(x) if self.embed_tokens is not None else x
-        positions = torch.arange(self.seq_len, device=h.device).unsqueeze(0)
+        if self.position_ids is not None:
+            positions = self.position_ids.to(h.device).unsqueeze(0)
+        else:
+            positions = torch.arange(self.seq_len, device=h.device).unsqueeze(0)
         rotary = self.rotary_emb(h, positions)
         for layer in self.layers.values():
             h = layer(h, attention_mask=None, position_ids=positions, position_embeddings=rotary)
@@ -74,14 +83,20 @@ class MetaModel:
     std: float
 
 
-def meta_model(model: ModelSpec, training: TrainingSpec) -> MetaModel:
+def meta_model(model: ModelSpec, training: TrainingSpec, moe: MoeOptions | None = None) -> MetaModel:
     """The Llama on the meta device in fp32 (FSDP2 keeps fp32 master weights and casts for
     compute), PEFT's LoRA added before any sharding; each parameter tagged with its name in the
-    full model (``workers.rank.build.tag_names``), the key of its initial values."""
+    full model (``workers.rank.build.tag_names``), the key of its initial values. With ``moe``
+    each layer's MLP is an MoE feed-forward holding all its experts
+    (``workers.rank.moe_layer.use_moe``; ``shard_experts`` keeps a rank's block); None: dense."""
     from workers.rank.build import tag_names
     from workers.rank.hf_model import build_llama
 
     hf: Any = build_llama(model, device="meta", dtype=torch.float32)
+    if moe is not None:
+        from workers.rank.moe_layer import use_moe
+
+        use_moe(hf, moe)
     tag_names(hf)
     if training.is_lora and training.lora is not None:
         from workers.rank.lora import add_peft_lora
