@@ -132,26 +132,37 @@ _PARENT: RayParent | None = None
 _REAPER: subprocess.Popen[bytes] | None = None
 
 
-#: Ray's logger of its token set-up, and the start of the notice it gives at every new local cluster
-_TOKEN_LOGGER = "ray._private.authentication.authentication_token_setup"
-_TOKEN_NOTICE = "Token authentication is enabled for this Ray cluster"
+#: What the embedded Ray says at every start that a user cannot act on, by Ray's logger: the token
+#: notice ("... Set RAY_AUTH_MODE=disabled to opt out": the token is what Pipette wants) and
+#: "Started a local Ray instance." (the embedded Ray is Pipette's own business, not the user's)
+_START_NOTICES = {
+    "ray._private.authentication.authentication_token_setup": "Token authentication is enabled for this Ray cluster",
+    "ray._private.worker": "Started a local Ray instance",
+}
 
 
-def _drop_token_notice(record: logging.LogRecord) -> bool:
-    return not record.getMessage().startswith(_TOKEN_NOTICE)
+class _DropNotice(logging.Filter):
+    def __init__(self, start: str) -> None:
+        super().__init__()
+        self._start = start
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self._start)
 
 
 @contextlib.contextmanager
 def _quiet_token_notice() -> Iterator[None]:
-    """Drop Ray's "Token authentication is enabled ... set RAY_AUTH_MODE=disabled to opt out"
-    warning while the embedded Ray starts: the token is what Pipette wants, so the notice printed
-    at every tune was noise the user could not act on (issue 43 item 24). Ray's other messages pass."""
-    logger = logging.getLogger(_TOKEN_LOGGER)
-    logger.addFilter(_drop_token_notice)
+    """Drop Ray's start notices (``_START_NOTICES``) while the embedded Ray starts: printed at every
+    tune, they were noise the user could not act on (issue 43 item 24). Ray's other messages pass,
+    and the same loggers speak again after the start."""
+    filters = [(logging.getLogger(name), _DropNotice(start)) for name, start in _START_NOTICES.items()]
+    for logger, drop in filters:
+        logger.addFilter(drop)
     try:
         yield
     finally:
-        logger.removeFilter(_drop_token_notice)
+        for logger, drop in filters:
+            logger.removeFilter(drop)
 
 
 @contextlib.contextmanager
