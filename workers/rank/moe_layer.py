@@ -184,29 +184,44 @@ def local_experts_forward(x: torch.Tensor, routing: Routing, experts: nn.ModuleD
     return out
 
 
+def expert_block(experts: int, ep_group: dist.ProcessGroup | None) -> range:
+    """The global indices of the experts this ep rank holds: its block of ``experts / ep``."""
+    ep = 1 if ep_group is None else dist.get_world_size(ep_group)
+    ep_rank = 0 if ep_group is None else dist.get_rank(ep_group)
+    if experts % ep:
+        raise SpecError(f"{experts} experts cannot be split evenly over ep={ep}", field="ep",
+                        fix=f"use an ep that divides {experts}")
+    local = experts // ep
+    return range(ep_rank * local, (ep_rank + 1) * local)
+
+
 class MoeFeedForward(nn.Module):
     """The MoE feed-forward of one decoder layer, in place of its ``LlamaMLP`` (same input and
     output: ``[..., hidden]``). ``ep_group``: the expert-parallel group (None: all experts here)."""
 
     def __init__(self, hidden: int, options: MoeOptions, ep_group: dist.ProcessGroup | None = None):
         super().__init__()
-        ep = 1 if ep_group is None else dist.get_world_size(ep_group)
-        ep_rank = 0 if ep_group is None else dist.get_rank(ep_group)
-        if options.experts % ep:
-            raise SpecError(f"{options.experts} experts cannot be split evenly over ep={ep}", field="ep",
-                            fix=f"use an ep that divides {options.experts}")
-        local = options.experts // ep
         self.options = options
         self.ep_group = ep_group
         self.gate = nn.Linear(hidden, options.experts, bias=False)
         self.experts = nn.ModuleDict({str(i): SwiGLU(hidden, options.expert_hidden)
-                                      for i in range(ep_rank * local, (ep_rank + 1) * local)})
+                                      for i in expert_block(options.experts, ep_group)})
         self.shared_expert = SwiGLU(hidden, options.shared_hidden) if options.shared_hidden else None
         #: the gradient the load-balancing loss gets (``AttachAuxLoss``)
         self.aux_loss_scale = 1.0
         #: the last forward's load-balancing loss (detached) and token exchange, for reports
         self.last_aux_loss: torch.Tensor | None = None
         self.last_dispatch: Dispatch | None = None
+
+    def shard_experts(self, ep_group: dist.ProcessGroup) -> None:
+        """Keep only the ep rank's block of experts and route through ``ep_group`` (torchtitan's
+        ``ExpertParallel`` partition: the experts ``Shard(0)`` over the ep mesh); on a layer that
+        holds all E, as the runner's meta-device model does before it is parallelised."""
+        if len(self.experts) != self.options.experts:
+            raise RuntimeError(f"the experts are already sharded: {len(self.experts)} of {self.options.experts} here")
+        block = expert_block(self.options.experts, ep_group)
+        self.experts = nn.ModuleDict({key: expert for key, expert in self.experts.items() if int(key) in block})
+        self.ep_group = ep_group
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         shape = hidden_states.shape
@@ -221,3 +236,20 @@ class MoeFeedForward(nn.Module):
         self.last_aux_loss = routing.aux_loss.detach()
         attached: torch.Tensor = AttachAuxLoss.apply(out, routing.aux_loss, self.aux_loss_scale)  # type: ignore[no-untyped-call]  # torch leaves apply untyped
         return attached.reshape(shape)
+
+
+def use_moe(hf: Any, options: MoeOptions) -> None:
+    """Give every decoder layer of a Hugging Face Llama (``hf.model.layers``) an MoE feed-forward
+    with all E experts in place of its ``LlamaMLP``, on the device and in the dtype of the model
+    (the meta device for the runner: ``workers.rank.fsdp_model.meta_model``)."""
+    weight = hf.model.embed_tokens.weight
+    for layer in hf.model.layers:
+        with torch.device(weight.device):
+            layer.mlp = MoeFeedForward(hf.config.hidden_size, options).to(dtype=weight.dtype)
+
+
+def shard_experts(module: nn.Module, ep_group: dist.ProcessGroup) -> None:
+    """``MoeFeedForward.shard_experts`` on every MoE feed-forward of ``module``."""
+    for sub in list(module.modules()):  # listed first: each call replaces a child
+        if isinstance(sub, MoeFeedForward):
+            sub.shard_experts(ep_group)
