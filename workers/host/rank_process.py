@@ -13,12 +13,12 @@ import shutil
 import signal
 import socket
 import subprocess
-import tempfile
 from pathlib import Path
 
 import ray
 
 from workers.cpu_isa import cpu_isa_env
+from workers.host.rank_dirs import new_rank_dir
 from workers.host.rank_output import RankOutput
 from workers.host.script_user import as_user_env, extensions_copy, give_to, protect_ray_files, resolve, user_home
 from workers.host.transport import process_env, rank_argv
@@ -38,7 +38,7 @@ class RankProcess:
         self.proc: subprocess.Popen[str] | None = None
         self.child: ZygoteChild | None = None
         self.output = RankOutput()
-        self.workdir = tempfile.mkdtemp(prefix="pipette-rank-")
+        self.workdir = new_rank_dir()  # and the folders of killed actors go (workers.host.rank_dirs)
 
     def address(self) -> tuple[str, int]:
         """This node's address and a free port on it (for the rendezvous store)."""
