@@ -2,6 +2,9 @@
 
 Parameter and FLOP counts follow the matrices that are really there (q, k, v, o, the
 MLP), so grouped-query attention, gated MLPs and untied embeddings are counted right.
+A Mixture-of-Experts model carries its experts in ``moe`` (``pipette.moe``) and attention
+shapes other than ``hidden / heads`` in ``attention`` (``pipette.attention``); both are
+counted by ``pipette.moe_count`` and read from config.json by ``pipette.moe_config``.
 """
 
 from __future__ import annotations
@@ -11,7 +14,12 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Literal
 
+from pipette import moe_count
+from pipette.attention import AttentionSpec
 from pipette.errors import SpecError, UnknownPresetError
+from pipette.moe import MoeSpec, refuse_planning
+from pipette.moe_config import MOE_MODEL_TYPES, read_moe_config
+from pipette.moe_presets import MOE_CONFIGS
 
 Arch = Literal["llama", "gpt"]
 ARCHS: tuple[str, ...] = ("llama", "gpt")
@@ -33,7 +41,8 @@ class ModelSpec:
 
     ``arch="llama"``: RMSNorm, rotary positions, gated (SwiGLU) MLP with three matrices,
     no biases. ``arch="gpt"``: LayerNorm, learned positions, GeLU MLP with two matrices,
-    biases everywhere (the Megatron-LM GPT).
+    biases everywhere (the Megatron-LM GPT). ``moe``: the experts (None: dense);
+    ``attention``: attention shapes other than ``hidden / heads`` (None: those).
     """
 
     name: str
@@ -46,6 +55,8 @@ class ModelSpec:
     max_seq: int
     tied_embeddings: bool = False
     arch: Arch = "llama"
+    moe: MoeSpec | None = None
+    attention: AttentionSpec | None = None
 
     def __post_init__(self) -> None:
         for f in ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab", "max_seq"):
@@ -79,11 +90,16 @@ class ModelSpec:
                 field="model.kv_heads",
                 fix="kv_heads must divide heads (grouped-query attention)",
             )
+        if not isinstance(self.moe, MoeSpec | None) or not isinstance(self.attention, AttentionSpec | None):
+            raise SpecError("moe / attention must be a MoeSpec / AttentionSpec or None", field="model",
+                            fix="build them with MoeSpec.from_dict / AttentionSpec.from_dict")
+        if self.moe is not None or self.attention is not None:
+            moe_count.check(self)
 
     # ---- shapes -------------------------------------------------------------------
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        return self.hidden // self.heads if self.attention is None else self.attention.head_dim
 
     @property
     def kv_dim(self) -> int:
@@ -112,6 +128,7 @@ class ModelSpec:
         return 2 * per_norm
 
     def layer_params(self) -> int:
+        refuse_planning(self)  # the dense layer's count: experts are not priced as dense
         return self.attention_params() + self.mlp_params() + self.norm_params()
 
     def embedding_params(self) -> int:
@@ -125,6 +142,8 @@ class ModelSpec:
         return final_norm + (0 if self.tied_embeddings else self.vocab * self.hidden)
 
     def total_params(self) -> int:
+        if self.moe is not None or self.attention is not None:
+            return moe_count.total_params(self)
         return self.layers * self.layer_params() + self.embedding_params() + self.head_params()
 
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
@@ -132,6 +151,7 @@ class ModelSpec:
 
         The names are the Hugging Face Llama module names, which LoRA targets use.
         """
+        refuse_planning(self)
         h, kv, f = self.hidden, self.kv_dim, self.ffn_hidden
         shapes = {"q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h)}
         if self.arch == "llama":
@@ -149,13 +169,18 @@ class ModelSpec:
         the logits 2 x h x V. ``causal=True`` halves the attention term, as FlashAttention
         computes it; the Megatron-LM formula counts the full square (``causal=False``).
         """
+        if self.moe is not None or self.attention is not None:
+            return moe_count.forward_flops_per_token(self, seq_len, causal=causal)
         linear = sum(i * o for i, o in self.linear_shapes().values())
         attn = 4 * seq_len * self.hidden * (0.5 if causal else 1.0)
         per_layer = 2 * linear + attn
         return self.layers * per_layer + 2 * self.hidden * self.vocab
 
     def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        """The fields; ``moe`` and ``attention`` only where set (a dense model's dict, and the
+        hashes of its jobs and trials, as before they existed)."""
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _NESTED}
+        return out | {k: getattr(self, k).to_dict() for k in _NESTED if getattr(self, k) is not None}
 
     # ---- constructors -------------------------------------------------------------
     @classmethod
@@ -177,7 +202,9 @@ class ModelSpec:
                 field="model",
                 fix="give every shape field, or use a preset name",
             )
-        return cls(**data)
+        moe, attention = data.get("moe"), data.get("attention")
+        return cls(**{**data, "moe": None if moe is None else MoeSpec.from_dict(moe),
+                      "attention": None if attention is None else AttentionSpec.from_dict(attention)})
 
     @classmethod
     def gpt(
@@ -206,80 +233,18 @@ class ModelSpec:
 
     @classmethod
     def from_hf_config(cls, source: str | Path | dict[str, Any]) -> ModelSpec:
-        """Read a Hugging Face ``config.json`` (a path or its parsed content).
+        """Read a Hugging Face ``config.json`` (a path, the folder holding it, or its parsed content).
 
         Understands Llama-family configs (llama, mistral, qwen2, ...: ``hidden_size``,
-        ``num_hidden_layers``, ...) and GPT-2 configs (``n_embd``, ``n_layer``, ...).
+        ``num_hidden_layers``, ...), GPT-2 configs (``n_embd``, ``n_layer``, ...) and the
+        Mixture-of-Experts families of ``pipette.moe_config`` (Mixtral, Qwen-MoE, DeepSeek, gpt-oss).
         """
-        if isinstance(source, dict):
-            cfg, where = source, "config"
-        else:
-            path = Path(source)
-            if path.is_dir():  # a downloaded model's folder holds its config.json
-                if not (path / "config.json").is_file():
-                    raise SpecError(f"the folder {str(path)!r} holds no config.json", field="model",
-                                    fix="give a preset name, a Hugging Face config.json, or the folder holding it")
-                path = path / "config.json"
-            try:
-                cfg = json.loads(path.read_text())
-            except FileNotFoundError:
-                raise SpecError(
-                    f"no such file {str(path)!r}", field="model", fix="give a config.json path"
-                ) from None
-            except (OSError, UnicodeDecodeError) as e:
-                raise SpecError(f"cannot read {str(path)!r} ({e})", field="model",
-                                fix="give a readable Hugging Face config.json") from None
-            except json.JSONDecodeError as e:
-                raise SpecError(
-                    f"{path} is not valid JSON ({e.msg} at line {e.lineno})",
-                    field="model",
-                    fix="give a Hugging Face config.json",
-                ) from None
-            where = str(path)
-        if not isinstance(cfg, dict):
-            raise SpecError(f"{where} is not a JSON object", field="model", fix="give a config.json")
+        cfg, where = read_config_json(source)
         name = str(cfg.get("_name_or_path") or cfg.get("model_type") or "hf-model")
         refuse_unsupported_architecture(cfg, where)
-        try:
-            if "n_embd" in cfg:  # GPT-2 style
-                hidden = int(cfg["n_embd"])
-                return cls(
-                    name=name,
-                    layers=int(cfg["n_layer"]),
-                    hidden=hidden,
-                    heads=int(cfg["n_head"]),
-                    kv_heads=int(cfg["n_head"]),
-                    ffn_hidden=int(cfg.get("n_inner") or 4 * hidden),
-                    vocab=int(cfg["vocab_size"]),
-                    max_seq=int(cfg.get("n_positions", 1024)),
-                    tied_embeddings=bool(cfg.get("tie_word_embeddings", True)),
-                    arch="gpt",
-                )
-            heads = int(cfg["num_attention_heads"])
-            return cls(
-                name=name,
-                layers=int(cfg["num_hidden_layers"]),
-                hidden=int(cfg["hidden_size"]),
-                heads=heads,
-                kv_heads=int(cfg.get("num_key_value_heads") or heads),
-                ffn_hidden=int(cfg["intermediate_size"]),
-                vocab=int(cfg["vocab_size"]),
-                max_seq=int(cfg.get("max_position_embeddings", 4096)),
-                tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                arch="llama",
-            )
-        except KeyError as e:
-            raise SpecError(
-                f"{where} has no {e.args[0]!r}",
-                field=f"model.{e.args[0]}",
-                fix="give a complete Hugging Face config.json of a decoder-only model",
-            ) from None
-        except (TypeError, ValueError) as e:
-            raise SpecError(
-                f"{where} has a value that is not a number ({e})",
-                field="model",
-                fix="check the numeric fields of config.json",
-            ) from None
+        if str(cfg.get("model_type", "")).lower() in MOE_MODEL_TYPES:
+            return cls(**read_moe_config(cfg, name, where))
+        return _dense_from_hf_config(cls, cfg, name, where)
 
     @classmethod
     def preset(cls, name: str) -> ModelSpec:
@@ -290,6 +255,53 @@ class ModelSpec:
                 f"unknown model preset {name!r}", field="model",
                 fix=preset_fix(name, "or a config.json path or a model folder"),
             ) from None
+
+
+def read_config_json(source: str | Path | dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """The parsed config.json (a path, the folder holding it, or its content) and where it came from."""
+    if isinstance(source, dict):
+        return source, "config"
+    path = Path(source)
+    if path.is_dir():  # a downloaded model's folder holds its config.json
+        if not (path / "config.json").is_file():
+            raise SpecError(f"the folder {str(path)!r} holds no config.json", field="model",
+                            fix="give a preset name, a Hugging Face config.json, or the folder holding it")
+        path = path / "config.json"
+    try:
+        cfg = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise SpecError(f"no such file {str(path)!r}", field="model", fix="give a config.json path") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise SpecError(f"cannot read {str(path)!r} ({e})", field="model",
+                        fix="give a readable Hugging Face config.json") from None
+    except json.JSONDecodeError as e:
+        raise SpecError(f"{path} is not valid JSON ({e.msg} at line {e.lineno})", field="model",
+                        fix="give a Hugging Face config.json") from None
+    if not isinstance(cfg, dict):
+        raise SpecError(f"{path} is not a JSON object", field="model", fix="give a config.json")
+    return cfg, str(path)
+
+
+def _dense_from_hf_config(cls: type[ModelSpec], cfg: dict[str, Any], name: str, where: str) -> ModelSpec:
+    """A dense model of a Llama-family or GPT-2 config.json."""
+    try:
+        if "n_embd" in cfg:  # GPT-2 style
+            hidden = int(cfg["n_embd"])
+            return cls(name=name, layers=int(cfg["n_layer"]), hidden=hidden, heads=int(cfg["n_head"]),
+                       kv_heads=int(cfg["n_head"]), ffn_hidden=int(cfg.get("n_inner") or 4 * hidden),
+                       vocab=int(cfg["vocab_size"]), max_seq=int(cfg.get("n_positions", 1024)),
+                       tied_embeddings=bool(cfg.get("tie_word_embeddings", True)), arch="gpt")
+        heads = int(cfg["num_attention_heads"])
+        return cls(name=name, layers=int(cfg["num_hidden_layers"]), hidden=int(cfg["hidden_size"]), heads=heads,
+                   kv_heads=int(cfg.get("num_key_value_heads") or heads), ffn_hidden=int(cfg["intermediate_size"]),
+                   vocab=int(cfg["vocab_size"]), max_seq=int(cfg.get("max_position_embeddings", 4096)),
+                   tied_embeddings=bool(cfg.get("tie_word_embeddings", False)), arch="llama")
+    except KeyError as e:
+        raise SpecError(f"{where} has no {e.args[0]!r}", field=f"model.{e.args[0]}",
+                        fix="give a complete Hugging Face config.json of a decoder-only model") from None
+    except (TypeError, ValueError) as e:
+        raise SpecError(f"{where} has a value that is not a number ({e})", field="model",
+                        fix="check the numeric fields of config.json") from None
 
 
 #: The ``model_type`` values whose config.json this planner models as they are: dense,
@@ -314,7 +326,7 @@ def refuse_unsupported_architecture(cfg: dict[str, Any], where: str) -> None:
         raise SpecError(
             f"{where} describes {what}, which the planner does not model yet", field="model",
             fix="give a dense decoder-only model (model_type one of "
-            f"{', '.join(sorted(DENSE_MODEL_TYPES))}) or a preset",
+            f"{', '.join(sorted(DENSE_MODEL_TYPES))}), an MoE one ({', '.join(sorted(MOE_MODEL_TYPES))}) or a preset",
         )
 
 
@@ -322,15 +334,38 @@ def unsupported_architecture(cfg: dict[str, Any]) -> str | None:
     """What in ``cfg`` is not supported, in words, or None when it is a supported model."""
     experts = {k: cfg[k] for k in _EXPERT_KEYS if _is_more_than_one(cfg.get(k))}
     model_type = cfg.get("model_type")
+    kind = f" ({model_type})" if isinstance(model_type, str) else ""
+    hybrid = _hybrid_layers(cfg)
+    if hybrid:
+        return f"a hybrid model{kind} with {hybrid} layers beside attention: Mamba and linear-attention layers"
+    if isinstance(model_type, str) and model_type.lower() in MOE_MODEL_TYPES:
+        return None
     if experts or (isinstance(model_type, str) and "moe" in model_type.lower()):
         counts = ", ".join(f"{k} {v}" for k, v in experts.items())
-        kind = f" ({model_type})" if isinstance(model_type, str) else ""
-        return f"a Mixture-of-Experts model{kind}{': ' + counts if counts else ''}: experts and expert parallelism"
+        return f"a Mixture-of-Experts model{kind}{': ' + counts if counts else ''}: experts of this family"
     if cfg.get("is_encoder_decoder") is True:
         return f"an encoder-decoder model ({model_type}): only decoder-only models"
     if isinstance(model_type, str) and model_type.lower() not in DENSE_MODEL_TYPES:
         return f"model_type {model_type!r}: only Llama- and GPT-2-shaped models"
     return _head_dim_mismatch(cfg)
+
+
+#: Keys of the state-space (Mamba) and linear-attention layers of hybrid models: Jamba
+#: (``attn_layer_period``, ``mamba_d_state``), Nemotron-H (``hybrid_override_pattern``,
+#: ``ssm_state_size``, ``mamba_num_heads``), Qwen3-Next (``linear_num_value_heads``).
+_HYBRID_KEYS: tuple[str, ...] = ("hybrid_override_pattern", "attn_layer_period", "ssm_state_size",
+                                 "linear_num_value_heads", "layers_block_type")
+
+
+def _hybrid_layers(cfg: dict[str, Any]) -> str | None:
+    """The kinds of non-attention layers of a hybrid model's config.json, or None."""
+    types = cfg.get("layer_types")
+    odd = sorted({str(t) for t in types} - {"full_attention", "sliding_attention", "attention"}) \
+        if isinstance(types, list) else []
+    if odd:
+        return " / ".join(odd)
+    keys = [k for k in cfg if k in _HYBRID_KEYS or k.startswith(("mamba_", "ssm_"))]
+    return "state-space (" + ", ".join(sorted(keys)[:2]) + ")" if keys else None
 
 
 def _is_more_than_one(value: object) -> bool:
@@ -364,7 +399,8 @@ def preset_fix(name: str, otherwise: str) -> str:
     return f"{head}Give a preset ({len(MODEL_PRESETS)} of them: docs/inputs.md, Model), {otherwise}"
 
 
-_DEFAULTED = {"tied_embeddings", "arch"}
+_DEFAULTED = {"tied_embeddings", "arch", "moe", "attention"}
+_NESTED = ("moe", "attention")
 
 
 def _llama(
@@ -422,6 +458,8 @@ def _presets() -> dict[str, ModelSpec]:
             models.append(
                 ModelSpec.gpt(hidden, layers, 16, max_seq=1024, name=f"vtrain-gpt-h{hidden}-l{layers}")
             )
+    # Mixture-of-Experts models, read from their released config.json's fields (pipette.moe_presets).
+    models += [ModelSpec(**read_moe_config(cfg, name, f"the {name} preset")) for name, cfg in MOE_CONFIGS.items()]
     return {m.name: m for m in models}
 
 

@@ -55,8 +55,8 @@ def test_lora_plans_report_a_physical_mfu_for_every_preset(device: str) -> None:
     cluster = homogeneous_cluster(device, 2, 8, 300e9, 25e9)
     checked = 0
     for name, model in MODEL_PRESETS.items():
-        if name.startswith(("tiny", "vtrain")) or model.total_params() > 200e9:
-            continue  # toys, and models no 16-GPU LoRA fits
+        if name.startswith(("tiny", "vtrain")) or model.total_params() > 200e9 or model.moe is not None:
+            continue  # toys, models no 16-GPU LoRA fits, and MoE models (not planned yet: issue 47)
         seq = min(4096, model.max_seq)
         plan = make_plan(model, training("lora", batch=64, seq=seq), cluster)
         if not plan.ranked:

@@ -141,10 +141,16 @@ MIXTRAL = {
 
 
 @pytest.mark.parametrize(("cfg", "named"), [
-    (MIXTRAL, "Mixture-of-Experts model (mixtral): num_local_experts 8, num_experts_per_tok 2"),
-    # The same experts under a Llama model_type: the keys decide, not the name.
+    # Mixtral itself is read since issue 47 (tests/unit/test_moe_model.py); its experts under a
+    # Llama model_type are not: the keys decide, not the name.
     ({**MIXTRAL, "model_type": "llama"}, "Mixture-of-Experts model (llama): num_local_experts 8"),
-    ({**MIXTRAL, "model_type": "qwen2_moe", "num_local_experts": 0}, "Mixture-of-Experts model (qwen2_moe)"),
+    ({**MIXTRAL, "model_type": "olmoe", "num_local_experts": 0, "num_experts": 64},
+     "Mixture-of-Experts model (olmoe): num_experts 64, num_experts_per_tok 2"),
+    # Mamba hybrids (issue 47): Jamba's and Nemotron-H's config.json keys.
+    ({**MIXTRAL, "model_type": "jamba", "attn_layer_period": 8, "mamba_d_state": 16},
+     "a hybrid model (jamba) with state-space (attn_layer_period, mamba_d_state) layers"),
+    ({"model_type": "nemotron_h", "hybrid_override_pattern": "M-M-M-M*-", "ssm_state_size": 128},
+     "a hybrid model (nemotron_h) with state-space (hybrid_override_pattern, ssm_state_size) layers"),
     ({"model_type": "t5", "is_encoder_decoder": True, "d_model": 512}, "an encoder-decoder model (t5)"),
     ({**MIXTRAL, "model_type": "gemma", "num_local_experts": 1, "num_experts_per_tok": 1}, "model_type 'gemma'"),
     ({**MIXTRAL, "model_type": "mistral", "num_local_experts": 1, "num_experts_per_tok": 1, "hidden_size": 5120,
