@@ -17,7 +17,7 @@ from typing import Any, Literal
 from pipette import moe_count
 from pipette.attention import AttentionSpec
 from pipette.errors import SpecError, UnknownPresetError
-from pipette.moe import MoeSpec, refuse_planning
+from pipette.moe import MoeSpec
 from pipette.moe_config import MOE_MODEL_TYPES, read_moe_config
 from pipette.moe_presets import MOE_CONFIGS
 
@@ -128,7 +128,7 @@ class ModelSpec:
         return 2 * per_norm
 
     def layer_params(self) -> int:
-        refuse_planning(self)  # the dense layer's count: experts are not priced as dense
+        moe_count.refuse_planning(self)  # the dense layer's count: experts are not priced as dense
         return self.attention_params() + self.mlp_params() + self.norm_params()
 
     def embedding_params(self) -> int:
@@ -151,7 +151,7 @@ class ModelSpec:
 
         The names are the Hugging Face Llama module names, which LoRA targets use.
         """
-        refuse_planning(self)
+        moe_count.refuse_planning(self)
         h, kv, f = self.hidden, self.kv_dim, self.ffn_hidden
         shapes = {"q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h)}
         if self.arch == "llama":

@@ -1,4 +1,4 @@
-"""``MoeSpec``: the Mixture-of-Experts part of a model, and the refusal to plan it for now.
+"""``MoeSpec``: the Mixture-of-Experts part of a model.
 
 A Mixture-of-Experts (MoE) layer replaces the MLP with ``experts`` routed MLPs of width
 ``expert_ffn``, of which a router picks ``top_k`` per token (Shazeer et al. 2017; Fedus et
@@ -17,7 +17,7 @@ expert at ``capacity_factor x tokens x top_k / experts`` tokens (GShard, Lepikhi
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 from pipette.attention import is_layer_list
 from pipette.errors import SpecError
@@ -125,29 +125,4 @@ class MoeSpec:
         return cls(**{**data, "dense_layers": tuple(dense) if isinstance(dense, list) else dense})
 
 
-class Described(Protocol):
-    """What the refusal names of a model (a ``ModelSpec``)."""
-
-    @property
-    def name(self) -> str: ...
-    @property
-    def moe(self) -> MoeSpec | None: ...
-    @property
-    def attention(self) -> object: ...
-
-
-def refuse_planning(model: Described) -> None:
-    """Refuse to plan a Mixture-of-Experts model: its experts need expert parallelism (ep) in the
-    search space, the memory estimator and the step-time model, which are being added (issue 47).
-    Planned as dense, each expert would be priced as if every token went through it."""
-    if model.moe is None and model.attention is None:
-        return
-    moe = model.moe
-    what = (f"{model.name} is a Mixture-of-Experts model ({moe.experts} experts, top-{moe.top_k})"
-            if moe is not None else f"{model.name} has attention shapes other than hidden / heads")
-    raise SpecError(f"{what}: planning it needs expert parallelism (ep) in the search, memory and step-time "
-                    "models, which is being added (issue 47)", field="model",
-                    fix="plan a dense model for now; its sizes are read (total and active parameters)")
-
-
-__all__ = ["MAX_EXPERTS", "SCORINGS", "Described", "MoeSpec", "Scoring", "refuse_planning"]
+__all__ = ["MAX_EXPERTS", "SCORINGS", "MoeSpec", "Scoring"]

@@ -41,6 +41,8 @@ class Shape(Protocol):
     module, so it is described here rather than imported)."""
 
     @property
+    def name(self) -> str: ...
+    @property
     def arch(self) -> str: ...
     @property
     def layers(self) -> int: ...
@@ -163,6 +165,21 @@ def mtp_params(model: Shape) -> int:
     return moe.mtp_layers * (3 * h + 2 * h * h + layer)
 
 
+def refuse_planning(model: Shape) -> None:
+    """Refuse to plan a Mixture-of-Experts model: its experts need expert parallelism (ep) in the
+    search space, the memory estimator and the step-time model, which are being added (issue 47).
+    Planned as dense, each expert would be priced as if every token went through it."""
+    moe = model.moe
+    if moe is None and model.attention is None:
+        return
+    what = "attention shapes other than hidden / heads" if moe is None else (
+        f"a Mixture-of-Experts model ({total_params(model) / 1e9:.1f}B parameters, "
+        f"{active_params(model) / 1e9:.1f}B active per token: {moe.experts} experts, top-{moe.top_k})")
+    raise SpecError(f"{model.name} is {what}: planning it needs expert parallelism (ep) in the search, memory and "
+                    "step-time models, which is being added (issue 47)", field="model",
+                    fix="plan a dense model for now")
+
+
 def _keys(seq_len: int, window: int | None, causal: bool) -> float:
     """Keys one query attends to, on average (whole: the square Megatron-LM counts; causal: the
     lower triangle; a window of w: at most w, and with a causal mask w - w^2 / 2s for s > w)."""
@@ -194,5 +211,5 @@ def forward_flops_per_token(model: Shape, seq_len: int, *, causal: bool = False)
 
 __all__ = [
     "active_params", "attention_params", "attention_weights", "check", "expert_params", "forward_flops_per_token",
-    "moe_block_params", "mtp_params", "total_params",
+    "moe_block_params", "mtp_params", "refuse_planning", "total_params",
 ]

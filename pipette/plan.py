@@ -21,7 +21,7 @@ from pipette.estimates import MemoryEstimate, PerfEstimate
 from pipette.fits import KEEP_THRESHOLD, SURE_TO_FIT, FitsPrior, expected_step_time
 from pipette.memory import MemoryOptions, estimate_memory
 from pipette.model import ModelSpec
-from pipette.moe import refuse_planning
+from pipette.moe_count import refuse_planning
 from pipette.perf import PerfConstants, PerfModel
 from pipette.placement import default_placement, optimize_placement
 from pipette.space import RULES, Space, enumerate_space, hsdp_shard
