@@ -3,7 +3,8 @@ attention and Ulysses on cp sub-meshes of one gloo process group, each against t
 causal attention every rank computes on one process, and the tiny Llama with its attention
 routed through the cp hook against the same Llama on the whole sequence.
 
-    python -m tests.fsdp.cp_ranks
+    python -m tests.fsdp.cp_ranks        # 4 gloo ranks
+    python -m tests.fsdp.cp_ranks gpu    # NCCL, cp over the world (one GPU: a world of 1)
 
 Each check emits one event (``workers.rank.trial.emit``) with its largest differences; the
 test asserts on them. A check that raises ends the process (its peers would wait on it).
@@ -23,39 +24,48 @@ BATCH, HEADS, KV_HEADS, SEQ, HEAD_DIM = 2, 8, 4, 32, 8
 CASES = (("ring", 2), ("ring", 4), ("ulysses", 2), ("ulysses", 4))
 
 
-def _mesh(degree: int, world: int) -> Any:
+def _mesh(degree: int, world: int, device: str = "cpu") -> Any:
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh("cpu", (world // degree, degree), mesh_dim_names=("dp", "cp"))["cp"]
+    return init_device_mesh(device, (world // degree, degree), mesh_dim_names=("dp", "cp"))["cp"]
 
 
-def attention_check(kind: str, degree: int, world: int) -> dict[str, Any]:
-    """Outputs and q/k/v gradients of ``kind`` at ``degree`` against one process's SDPA."""
+def attention_check(kind: str, degree: int, world: int, device: str = "cpu", dtype: str = "float32",
+                    path: str | None = None) -> dict[str, Any]:
+    """Outputs and q/k/v gradients of ``kind`` at ``degree`` against one process's SDPA (in fp32
+    on the same inputs); ``path`` "ring" forces this module's ring where the device picks torch's."""
     import torch
     import torch.nn.functional as F
 
-    from workers.rank.context_parallel import ContextParallel
+    from workers.rank.context_parallel import ContextParallel, attention_path, balanced_plan
+    from workers.rank.ring_attention import ring_attention
 
     torch.manual_seed(1)
-    q = torch.randn(BATCH, HEADS, SEQ, HEAD_DIM, requires_grad=True)
-    k, v = (torch.randn(BATCH, KV_HEADS, SEQ, HEAD_DIM, requires_grad=True) for _ in range(2))
-    weight = torch.randn(BATCH, HEADS, SEQ, HEAD_DIM)  # a loss whose gradient differs per element
+    kind_of = getattr(torch, dtype)
+    q = torch.randn(BATCH, HEADS, SEQ, HEAD_DIM, device=device).to(kind_of).float().requires_grad_(True)
+    k, v = (torch.randn(BATCH, KV_HEADS, SEQ, HEAD_DIM, device=device).to(kind_of).float().requires_grad_(True)
+            for _ in range(2))
+    weight = torch.randn(BATCH, HEADS, SEQ, HEAD_DIM, device=device)  # a loss whose gradient differs per element
     ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     (ref * weight).sum().backward()
-    context = ContextParallel(kind, _mesh(degree, world), SEQ)  # type: ignore[arg-type]
-    parts = [context.shard(t.detach(), dim=2).requires_grad_(True) for t in (q, k, v)]
+    context = ContextParallel(kind, _mesh(degree, world, device), SEQ)  # type: ignore[arg-type]
+    parts = [context.shard(t.detach(), dim=2).to(kind_of).requires_grad_(True) for t in (q, k, v)]
     start = time.perf_counter()
-    out = context.attend(*parts, scale=HEAD_DIM**-0.5)
+    if path == "ring":
+        out = ring_attention(*parts, context.mesh.get_group(), balanced_plan(degree), HEAD_DIM**-0.5)
+    else:
+        out = context.attend(*parts, scale=HEAD_DIM**-0.5)
     (out * context.shard(weight, dim=2)).sum().backward()
     seconds = time.perf_counter() - start
     assert q.grad is not None and k.grad is not None and v.grad is not None
-    errors = {"out": (out - context.shard(ref.detach(), dim=2)).abs().max().item()}
+    errors = {"out": (out.float() - context.shard(ref.detach(), dim=2)).abs().max().item()}
     for name, part, whole in zip("qkv", parts, (q.grad, k.grad, v.grad), strict=True):
         assert part.grad is not None
-        errors[f"d{name}"] = (part.grad - context.shard(whole, dim=2)).abs().max().item()
+        errors[f"d{name}"] = (part.grad.float() - context.shard(whole, dim=2)).abs().max().item()
     scale = {"out": ref.abs().max().item(), "dq": q.grad.abs().max().item(), "dk": k.grad.abs().max().item()}
     return {"check": f"{kind}{degree}", "errors": errors, "scale": scale, "seconds": seconds,
-            "positions": context.positions().tolist()}
+            "positions": context.positions().tolist(), "dtype": str(out.dtype),
+            "path": path or attention_path(parts[0].device)}
 
 
 def model_check(kind: str, degree: int, world: int) -> dict[str, Any]:
@@ -136,13 +146,19 @@ def main() -> int:
     from workers.rank.trial import emit
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    gpu = sys.argv[1:] == ["gpu"]
     store = rendezvous_store(world, is_master=rank == 0, timeout=timedelta(seconds=60))
-    init_distributed("cpu", rank, world, store, timeout=timedelta(seconds=60))
-    for kind, degree in CASES:
+    init_distributed("gpu" if gpu else "cpu", rank, world, store, timeout=timedelta(seconds=60))
+    if gpu:  # one GPU: PyTorch's API path (fp32: efficient kernel, bf16: flash) and this ring, cp = world
+        for dtype, path in (("float32", None), ("bfloat16", None), ("float32", "ring")):
+            check = attention_check("ring", world, world, "cuda", dtype, path)
+            emit({"event": "cp", "rank": rank, **check, "check": f"gpu-{check['path']}-{dtype}"})
+    for kind, degree in CASES if not gpu else ():
         emit({"event": "cp", "rank": rank, **attention_check(kind, degree, world)})
-    for kind, degree in (("ring", 2), ("ulysses", 4)):
+    for kind, degree in (("ring", 2), ("ulysses", 4)) if not gpu else ():
         emit({"event": "cp", "rank": rank, **model_check(kind, degree, world)})
-    emit({"event": "cp", "rank": rank, **refusal_checks(world)})
+    if not gpu:
+        emit({"event": "cp", "rank": rank, **refusal_checks(world)})
     import torch.distributed as dist
 
     dist.barrier()
