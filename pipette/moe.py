@@ -26,6 +26,9 @@ Scoring = Literal["softmax", "sigmoid"]
 SCORINGS: tuple[str, ...] = ("softmax", "sigmoid")
 #: beyond any published MoE (DeepSeek-V3 and Kimi K2: 256 and 384 routed experts)
 MAX_EXPERTS = 1 << 14
+#: upper bounds, as pipette.model.MODEL_LIMITS for the dense shape (widths as ``ffn_hidden``'s)
+_LIMITS: dict[str, int] = {"experts": MAX_EXPERTS, "shared_experts": MAX_EXPERTS, "expert_ffn": 1 << 20,
+                           "shared_ffn": 1 << 20, "mtp_layers": 64}
 
 
 @dataclass(frozen=True)
@@ -47,13 +50,13 @@ class MoeSpec:
     expert_bias: bool = False  # gpt-oss: every expert's matrices have biases
     shared_gate: bool = False  # Qwen-MoE: a sigmoid gate (one h x 1 matrix) on the shared expert
     capacity_factor: float | None = None
-    #: group-limited routing (DeepSeek-V2 sec. 2.2.3 device-limited, V3 sec. 2.1.2 node-limited):
+    #: group-limited routing (DeepSeek-V2's device-limited and DeepSeek-V3's node-limited routing):
     #: the experts form ``groups`` groups and a token's ``top_k`` come from its best ``group_top_k``
     #: groups (``n_group``, ``topk_group``); 1 and 1: no limit
     groups: int = 1
     group_top_k: int = 1
-    #: DeepSeek-V3's multi-token-prediction modules (``num_nextn_predict_layers``), trained
-    #: beside the model; not part of its parameters (its card: 671B "excluding the MTP module")
+    #: DeepSeek-V3's multi-token-prediction modules (``num_nextn_predict_layers``), trained beside
+    #: the model and left out of its total (the card's 671B; the checkpoint's 685B adds them)
     mtp_layers: int = 0
 
     def __post_init__(self) -> None:
@@ -64,9 +67,10 @@ class MoeSpec:
                 raise SpecError(f"must be a whole number of at least {low}, got {value!r}", field=f"model.moe.{name}",
                                 fix="check the experts' fields of config.json" if low < 2 else
                                 "a model with fewer than 2 experts is dense: give its dense model_type")
-        if self.experts > MAX_EXPERTS:
-            raise SpecError(f"is {self.experts:,}, beyond any model this tuner plans (at most {MAX_EXPERTS:,})",
-                            field="model.moe.experts", fix="check config.json: a value this large is a typo")
+        for name, high in _LIMITS.items():
+            if getattr(self, name) > high:
+                raise SpecError(f"is {getattr(self, name):,}, beyond any model this tuner plans (at most {high:,})",
+                                field=f"model.moe.{name}", fix="check config.json: a value this large is a typo")
         if self.top_k > self.experts:
             raise SpecError(f"top_k {self.top_k} is more than the {self.experts} experts", field="model.moe.top_k",
                             fix=f"a token is routed to at most all {self.experts} experts: use top_k <= {self.experts}")

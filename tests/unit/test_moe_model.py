@@ -275,6 +275,8 @@ def test_a_bad_moe_config_is_refused_in_one_line(cfg: dict[str, Any], field: str
     ({"experts": 8, "top_k": 2, "expert_ffn": 64, "dense_layers": (2, 1)}, "model.moe.dense_layers"),
     ({"experts": 8, "top_k": 2, "expert_ffn": 64, "scoring": "relu"}, "model.moe.scoring"),
     ({"experts": 8, "top_k": 2, "expert_ffn": True}, "model.moe.expert_ffn"),
+    ({"experts": 8, "top_k": 2, "expert_ffn": 10**30}, "model.moe.expert_ffn"),
+    ({"experts": 10**6, "top_k": 2, "expert_ffn": 64}, "model.moe.experts"),
 ])
 def test_a_bad_moe_spec_is_refused(fields: dict[str, Any], field: str) -> None:
     with pytest.raises(SpecError) as e:
