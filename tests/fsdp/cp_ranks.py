@@ -22,6 +22,8 @@ from typing import Any
 #: make 8 chunks at cp=4
 BATCH, HEADS, KV_HEADS, SEQ, HEAD_DIM = 2, 8, 4, 32, 8
 CASES = (("ring", 2), ("ring", 4), ("ulysses", 2), ("ulysses", 4))
+#: the Llama through the hook: (kind, degree, activation checkpointing)
+MODEL_CASES = (("ring", 2, "none"), ("ulysses", 4, "none"), ("ring", 4, "selective"), ("ulysses", 2, "full"))
 
 
 def _mesh(degree: int, world: int, device: str = "cpu") -> Any:
@@ -68,21 +70,24 @@ def attention_check(kind: str, degree: int, world: int, device: str = "cpu", dty
             "path": path or attention_path(parts[0].device)}
 
 
-def model_check(kind: str, degree: int, world: int) -> dict[str, Any]:
+def model_check(kind: str, degree: int, world: int, recompute: str = "none") -> dict[str, Any]:
     """The tiny Llama (GQA) with its attention through the cp hook: loss and every weight's
-    gradient (summed over the cp group) against the same model on the whole sequence."""
+    gradient (summed over the cp group) against the same model on the whole sequence; with
+    ``recompute``, both under the runner's activation checkpointing (``fsdp_parallel.apply_ac``)."""
     import torch
     import torch.distributed as dist
 
     from pipette.model import ModelSpec
     from workers.rank.context_parallel import ContextParallel, apply_context_parallel
     from workers.rank.fsdp_model import LlamaStage, lm_loss
+    from workers.rank.fsdp_parallel import apply_ac
     from workers.rank.hf_model import build_llama
 
     spec = ModelSpec(name="tiny-cp", layers=2, hidden=64, heads=8, kv_heads=4, ffn_hidden=128, vocab=128,
                      max_seq=SEQ, tied_embeddings=False, arch="llama")
     hf = build_llama(spec, seed=3)
     stage = LlamaStage(hf, range(spec.layers), True, True, SEQ)
+    apply_ac(stage, recompute)
     torch.manual_seed(4)
     tokens = torch.randint(0, spec.vocab, (BATCH, SEQ + 1))
     x, labels = tokens[:, :-1], tokens[:, 1:]
@@ -105,8 +110,9 @@ def model_check(kind: str, degree: int, world: int) -> dict[str, Any]:
         assert p.grad is not None
         dist.all_reduce(p.grad, group=group)
         worst = max(worst, ((p.grad - ref_grads[name]).abs().max() / ref_grads[name].abs().max()).item())
-    return {"check": f"model-{kind}{degree}", "routed": routed, "loss_error": abs(total.item() - ref_loss.item()),
-            "grad_rel_error": worst}
+    suffix = "" if recompute == "none" else f"-ac-{recompute}"
+    return {"check": f"model-{kind}{degree}{suffix}", "routed": routed,
+            "loss_error": abs(total.item() - ref_loss.item()), "grad_rel_error": worst}
 
 
 def refusal_checks(world: int) -> dict[str, Any]:
@@ -155,8 +161,8 @@ def main() -> int:
             emit({"event": "cp", "rank": rank, **check, "check": f"gpu-{check['path']}-{dtype}"})
     for kind, degree in CASES if not gpu else ():
         emit({"event": "cp", "rank": rank, **attention_check(kind, degree, world)})
-    for kind, degree in (("ring", 2), ("ulysses", 4)) if not gpu else ():
-        emit({"event": "cp", "rank": rank, **model_check(kind, degree, world)})
+    for kind, degree, recompute in MODEL_CASES if not gpu else ():
+        emit({"event": "cp", "rank": rank, **model_check(kind, degree, world, recompute)})
     if not gpu:
         emit({"event": "cp", "rank": rank, **refusal_checks(world)})
     import torch.distributed as dist

@@ -23,7 +23,7 @@ WORLD = 4
 #: merge is off by > 1e-2
 ATOL = 2e-5
 #: the Llama's weight gradients summed over the cp group, relative to each weight's largest:
-#: measured 1.1e-6 (ring 2) and 3.1e-7 (Ulysses 4)
+#: measured 1.1e-6 (ring 2), 1.3e-6 (ring 4) and 3.1e-7 (Ulysses 4), with or without checkpointing
 GRAD_RTOL = 2e-5
 
 
@@ -58,7 +58,8 @@ def test_attention_matches_one_process_with_gqa(events: dict[int, dict[str, dict
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("check", ["model-ring2", "model-ulysses4"])
+@pytest.mark.parametrize("check", ["model-ring2", "model-ulysses4", "model-ring4-ac-selective",
+                                   "model-ulysses2-ac-full"])
 def test_llama_through_the_hook_trains_as_on_the_whole_sequence(events: dict[int, dict[str, dict[str, Any]]],
                                                                 check: str) -> None:
     for rank in range(WORLD):
