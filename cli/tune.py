@@ -33,7 +33,7 @@ from cli.signals import Terminated, exit_code, signal_name, terminate_like_inter
 from pipette.datafiles import check_checkpoint, jsonl_token_ids
 from pipette.errors import SpecError
 from pipette.options import TRIAL_TIMEOUT_S
-from pipette.registry import RunnerKind, TrialKind, job_kind, stack_choice_of
+from pipette.registry import job_kind, stack_choice_of
 from pipette.script import KINDS, KNOBS, ScriptSpec
 from pipette.stack_choice import StackChoice, pricing_lines
 from pipette.stacks import get_stacks
@@ -228,7 +228,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     files: dict[str, str] = {}
     if result.best is not None:
         try:
-            files = {k: str(v) for k, v in _launch_files(kind, result, args.out).items()}
+            files = {k: str(v) for k, v in kind.write_best(args.out, result).items()}
         except OSError as e:
             raise SpecError(f"cannot write {args.out!r} ({e.strerror})", field="--out",
                             fix="give a writable folder") from None
@@ -336,17 +336,6 @@ def _torchtitan_toml(path: str) -> dict[str, Any]:
     except tomllib.TOMLDecodeError as e:
         raise SpecError(f"{path} is not TOML ({e})", field="--script-config",
                         fix="give torchtitan's job config file (TOML)") from None
-
-
-def _launch_files(kind: TrialKind, result: Any, out: str) -> dict[str, Path]:
-    """The best candidate's launch files: the runner's with the tuning's figures (``TuneResult``),
-    a script's from its kind (``pipette.registry``)."""
-    if isinstance(kind, RunnerKind):
-        written: dict[str, Path] = result.launch_files(out)
-        return written
-    p = result.plan
-    return kind.write_launch_files(out, p.model, p.training, result.best.config, p.cluster, kind.stack,
-                                   {"tuning": {"stop_reason": result.stop_reason}})
 
 
 def pipette_flags_in(words: list[str]) -> tuple[list[str], list[str]]:

@@ -6,7 +6,10 @@ by its own: ``pipette.stacks``), or by the user's script (``pipette.script``) un
 stack it is code of. ``job_kind`` picks the kind from the job's stack option and its script;
 both kinds answer alike: the stacks, the stack the runner trains with, which earlier trials
 teach the job, which launch files the best candidate gets, how they are written and launched.
-Adding a stack Pipette runs is an entry in ``pipette.stacks`` (and its runner in workers/).
+The worker side asks it too, with the trial's script and stack: why a candidate cannot run
+(``candidate_refusals``, ``job_refusals``) and which runner trains it (``runner_of``).
+Adding a stack Pipette runs is an entry in ``pipette.stacks`` naming its runner
+(``pipette.runners``; its rank program in workers/rank/): docs/stacks.md, "Adding a stack".
 """
 
 from __future__ import annotations
@@ -14,15 +17,28 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipette.cluster import ClusterProfile
 from pipette.config import ParallelConfig
+from pipette.errors import InfeasibleError, SpecError
 from pipette.model import ModelSpec
+from pipette.runners import Runner, builds_the_model
 from pipette.script import ScriptSpec, bind_stack, script_ds_config
 from pipette.stack_choice import StackChoice, choose_stack
-from pipette.stacks import DEFAULT_STACK, Stack, stacks_to_tune
+from pipette.stacks import (
+    DEFAULT_STACK,
+    SCRIPT_KIND_STACKS,
+    Stack,
+    check_runner_runs,
+    get_stack,
+    stacks_key,
+    stacks_named,
+)
 from pipette.training import TrainingSpec
+
+if TYPE_CHECKING:
+    from pipette.tune_result import TuneResult
 
 #: Pipette's runner's launch files, in the order a user reads them (each stack keeps its own).
 RUNNER_FILES = ("ds_config.json", "hostfile", "launch.sh", "rank_map.json", "candidate.json")
@@ -86,6 +102,10 @@ class RunnerKind:
 
         return write_launch_files(out, model, training, config, cluster, extra=extra, stack=stack)
 
+    def write_best(self, out: str | Path, result: TuneResult) -> dict[str, Path]:
+        """The tuned best's files, with the tuning's figures (``TuneResult.launch_files``: its stack's)."""
+        return result.launch_files(out)
+
 
 @dataclass(frozen=True)
 class ScriptKind:
@@ -145,6 +165,15 @@ class ScriptKind:
         return write_script_launch_files(out, model, training, config, cluster, self.script,
                                          extra={**extra, "stack": stack.to_dict()})
 
+    def write_best(self, out: str | Path, result: TuneResult) -> dict[str, Path]:
+        """The tuned best's files for the script, with how the tuning stopped."""
+        p, best = result.plan, result.best
+        if best is None:
+            raise InfeasibleError(f"no trial succeeded ({result.stop_reason})", field="job",
+                                  fix="look at the trials' errors; allow more trials or more memory headroom")
+        return self.write_launch_files(out, p.model, p.training, best.config, p.cluster, self.stack,
+                                       {"tuning": {"stop_reason": result.stop_reason}})
+
 
 TrialKind = RunnerKind | ScriptKind
 
@@ -157,12 +186,70 @@ def job_kind(stack: str | None, script: ScriptSpec | None, *, field: str = "stac
     if script is None:
         return RunnerKind(stacks_to_tune(stack, script=False, field=field))
     stacks = stacks_to_tune(stack, script=True, script_kind=script.kind, field=field)
-    return ScriptKind(stacks, bind_stack(script, stacks[0].key))
+    return ScriptKind(stacks, bind_stack(script, stacks[0]))
+
+
+def stacks_to_tune(names: str | None, *, script: bool, script_kind: str | None = None,
+                   field: str = "stack") -> tuple[Stack, ...]:
+    """The stacks a tuning job is for: ``names``, else the script kind's (``Stack.script_kinds``),
+    else Pipette's runner's. Pipette's runner runs one or several side by side (``pipette,fsdp``:
+    each candidate trained by its own stack's runner), each a stack it runs; a script is one
+    stack's code."""
+    if not script:
+        chosen = stacks_named(names, field=field)
+        for one in chosen:
+            check_runner_runs(one, field=field)
+        return chosen
+    chosen = stacks_named(names, default=SCRIPT_KIND_STACKS.get(script_kind or ""), field=field)
+    if len(chosen) > 1:
+        raise SpecError(f"names {len(chosen)} stacks for one script", field=field,
+                        fix="give the one stack your script runs (a script is one stack's code)")
+    return chosen
 
 
 def script_from_record(stored: dict[str, Any] | None, **changes: Any) -> ScriptSpec | None:
     """The script a stored job names (None: the job runs Pipette's runner)."""
     return None if stored is None else ScriptSpec.from_dict({**stored, **changes})
+
+
+def script_record(script: ScriptSpec | None) -> dict[str, Any] | None:
+    """The script as a record keeps it (``script_from_record`` reads it back; None: Pipette's runner)."""
+    return None if script is None else script.to_dict()
+
+
+def job_key_fields(stacks: tuple[Stack, ...]) -> dict[str, str]:
+    """What a job's key (``pipette.tuner.job_key``) adds for its stacks: nothing for the default
+    stack alone, whose stored trials keep the key they had before stacks existed."""
+    key = stacks_key(stacks)
+    return {} if key == DEFAULT_STACK else {"stack": key}
+
+
+def runner_of(stack: str | Stack) -> Runner:
+    """The runner that trains a trial of ``stack`` (a stack Pipette runs; ``pipette.runners``)."""
+    return check_runner_runs(get_stack(stack, field="trial.stack"), field="trial.stack")
+
+
+def job_refusals(model: ModelSpec, training: TrainingSpec, device_kind: str | None,
+                 script: ScriptSpec | None = None) -> list[str]:
+    """Why no candidate of this job can run, whatever its degrees: the part of
+    ``candidate_refusals`` a service can check at submit (``device_kind`` None: not measured yet,
+    so not checked). Pipette's runners build the model (``pipette.runners.builds_the_model``); a
+    script builds its own."""
+    out = builds_the_model(model, training) if script is None else []
+    if device_kind == "cpu" and training.dtype == "fp16":
+        out.append("fp16 training needs a GPU; use bf16 or fp32 on CPU")
+    return out
+
+
+def candidate_refusals(model: ModelSpec, training: TrainingSpec, config: ParallelConfig, device_kind: str,
+                       script: ScriptSpec | None, stack: str | Stack, nodes: list[int] | None = None) -> list[str]:
+    """Why the code of a trial cannot run ``config``: the user's script (``ScriptSpec.refusals``;
+    ``nodes``: the node of each device), else the runner of ``stack`` (``Runner.refusals``).
+    Empty when it can. Pure: builds no model and starts no process."""
+    if script is not None:
+        return script.refusals(training, config, nodes) + job_refusals(model, training, device_kind, script)
+    return job_refusals(model, training, device_kind) + runner_of(stack).refusals(model, training, config,
+                                                                                 device_kind)
 
 
 def stack_choice_of(stack: str | None, script: ScriptSpec | None, script_config: str | None = None) -> StackChoice:
@@ -176,5 +263,5 @@ def stack_choice_of(stack: str | None, script: ScriptSpec | None, script_config:
 
 def traceable(stack: Stack) -> bool:
     """Whether a candidate of ``stack`` can be traced on fake devices (``workers.rank.fsdp_trace``
-    runs the PyTorch-native runner's own code: the fsdp stack's)."""
-    return stack.name == "fsdp"
+    runs the PyTorch-native runner's own code: the fsdp stack's, ``Runner.traceable``)."""
+    return stack.runner is not None and stack.runner.traceable

@@ -35,6 +35,7 @@ from typing import Any
 
 from pipette.config import ParallelConfig
 from pipette.errors import SpecError
+from pipette.stacks import Stack, get_stack
 from pipette.training import TrainingSpec
 
 KNOBS = ("deepspeed_config", "micro_batch", "grad_accum", "checkpointing", "steps", "seq_len", "bf16", "fp16",
@@ -349,19 +350,24 @@ def check_torchtitan_argv(script: ScriptSpec) -> None:
                         fix="drop it: Pipette chooses each candidate's activation checkpointing")
 
 
-def bind_stack(script: ScriptSpec, stack: str) -> ScriptSpec:
-    """The script as tuned with ``stack`` (a stack's name, options included): an ``hf-trainer``
-    script shards with FSDP under the ``fsdp`` stack; a script kind that does not match the stack
-    is refused in one line (``SpecError``)."""
-    name = stack.split("+", 1)[0]
-    if name == "fsdp" and not script.fsdp:
-        if script.kind not in (None, "hf-trainer"):
-            raise SpecError(f"is {script.kind}, a DeepSpeed script, but the stack is fsdp", field="--script-kind",
-                            fix="tune it with --stack hf-deepspeed, or use accelerate-fsdp, torchtitan or "
-                                "hf-trainer for an FSDP script")
+#: The script kinds that shard with FSDP when the stack says so (``bind_stack``): an unnamed kind's
+#: knobs, and the HF Trainer's ``--fsdp``; the FSDP kinds shard already (``FSDP_KINDS``).
+FSDP_SWITCHABLE: tuple[str | None, ...] = (None, "hf-trainer")
+
+
+def bind_stack(script: ScriptSpec, stack: str | Stack) -> ScriptSpec:
+    """The script as tuned with ``stack`` (a ``Stack``, or a name with its options): under a stack
+    whose scripts shard with FSDP (``Stack.fsdp_scripts``: fsdp) an ``hf-trainer`` script does; a
+    script kind that does not match the stack is refused in one line (``SpecError``)."""
+    chosen = get_stack(stack, field="--stack")
+    if chosen.fsdp_scripts and not script.fsdp:
+        if script.kind not in FSDP_SWITCHABLE:
+            raise SpecError(f"is {script.kind}, a DeepSpeed script, but the stack is {chosen.name}",
+                            field="--script-kind", fix="tune it with --stack hf-deepspeed, or use accelerate-fsdp, "
+                                                       "torchtitan or hf-trainer for an FSDP script")
         return replace(script, fsdp=True)
-    if name != "fsdp" and script.fsdp:
-        raise SpecError(f"{stack}: the script shards with FSDP ({script.kind or 'fsdp'}), the stack is not fsdp",
+    if script.fsdp and not chosen.fsdp_scripts:
+        raise SpecError(f"{chosen.key}: the script shards with FSDP ({script.kind or 'fsdp'}), the stack is not fsdp",
                         field="--stack", fix="use --stack fsdp (the default for accelerate-fsdp and torchtitan "
                                              "scripts), or a DeepSpeed script kind")
     return script

@@ -12,13 +12,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import PurePath
 
-from pipette.stacks import DEFAULT_STACK, STACK_SEPARATOR, STACKS, get_stacks
-
-#: the stack a script kind runs (``pipette tune --script-kind``)
-SCRIPT_KIND_STACKS = {"hf-trainer": "hf-deepspeed", "accelerate-fsdp": "fsdp", "torchtitan": "fsdp"}
-#: launch files only one framework reads, and its stack (Megatron-LM's arguments, nanotron's config,
-#: torchtitan's job config)
-FRAMEWORK_FILES = {"megatron_args.txt": "megatron", "nanotron.yaml": "nanotron", "torchtitan.toml": "fsdp"}
+# the stack a script kind runs (``pipette tune --script-kind``) and the launch files only one framework
+# reads (Megatron-LM's arguments, nanotron's config, torchtitan's job config): each stack's entry says
+from pipette.stacks import DEFAULT_STACK, FRAMEWORK_FILES, SCRIPT_KIND_STACKS, STACK_SEPARATOR, STACKS, get_stacks
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,7 @@ from pipette.memory_options import (
 )
 from pipette.model import ModelSpec
 from pipette.perf_constants import HF_DEEPSPEED_CONSTANTS, MEGATRON_CONSTANTS, MemoryPressure, PerfConstants
+from pipette.runners import DEEPSPEED_RUNNER, NATIVE_RUNNER, Runner
 from pipette.training import TrainingSpec
 
 #: The stack Pipette plans and tunes for when none is named: its own runner.
@@ -121,8 +122,18 @@ class Stack:
     schedules: tuple[str, ...]
     recompute: tuple[str, ...]
     launch_files: tuple[str, ...]
-    #: whether Pipette's own trial runner runs it (``tune`` without ``--script``)
-    runner_runs: bool = False
+    #: Pipette's own runner of it (``tune`` without ``--script``: ``pipette.runners``); None: Pipette
+    #: plans it and tunes a user's script of it, never runs it itself
+    runner: Runner | None = None
+    #: the script kinds (``pipette.script.KINDS``) whose scripts are its code: a script of one is
+    #: tuned with it when no stack is named (``SCRIPT_KIND_STACKS``)
+    script_kinds: tuple[str, ...] = ()
+    #: a script tuned with it shards with PyTorch FSDP (``ScriptSpec.fsdp``, ``pipette.script.bind_stack``):
+    #: an ``hf-trainer`` script gets ``--fsdp``, a DeepSpeed script is refused; and an FSDP script
+    #: is refused under a stack without it
+    fsdp_scripts: bool = False
+    #: files only its framework reads: an input that names one is priced by it (``pipette.stack_choice``)
+    framework_files: tuple[str, ...] = ()
     #: options the stack offers (keys of ``OPTIONS``)
     available_options: tuple[str, ...] = ()
     options: tuple[str, ...] = ()
@@ -169,6 +180,11 @@ class Stack:
     def key(self) -> str:
         """The name with its chosen options: ``fsdp+compile``."""
         return "+".join((self.name, *self.options))
+
+    @property
+    def runner_runs(self) -> bool:
+        """Whether Pipette's own trial runner runs it (``tune`` without ``--script``)."""
+        return self.runner is not None
 
     @property
     def unmodelled_options(self) -> tuple[str, ...]:
@@ -280,7 +296,7 @@ PIPETTE = Stack(
     constants=HF_DEEPSPEED_CONSTANTS, cpu_constants=PIPETTE_CPU_CONSTANTS, memory_options=DEFAULT_OPTIONS,
     gpu_fits_prior=PIPETTE_GPU,
     tensor_parallel=True, pipeline_parallel=True, zero_stages=(0, 1, 2, 3), schedules=("1f1b",),
-    recompute=("none", "selective", "full"), launch_files=DEEPSPEED_FILES, runner_runs=True,
+    recompute=("none", "selective", "full"), launch_files=DEEPSPEED_FILES, runner=DEEPSPEED_RUNNER,
     calibrated_on=(("h100", "h100_single_gpu.csv"), ("cpu", "its own CPU trials")),
 )
 #: HF Trainer / Accelerate with DeepSpeed: the same eager HF model and DeepSpeed engine as
@@ -290,7 +306,7 @@ PIPETTE = Stack(
 HF_DEEPSPEED = replace(
     PIPETTE, name="hf-deepspeed", frameworks="Hugging Face Trainer / Accelerate with DeepSpeed",
     description="`--script-kind hf-trainer` scripts; the runner's constants (same model code and engine)",
-    recompute=("none", "full"), runner_runs=False, available_options=("compile",),
+    recompute=("none", "full"), runner=None, available_options=("compile",), script_kinds=("hf-trainer",),
 )
 #: The megatron stack's memory-pressure stall (``pipette.perf.MemoryPressure``: the caching
 #: allocator's flush and retry as the estimated peak nears capacity), fitted by
@@ -327,6 +343,7 @@ MEGATRON = Stack(
     constants=MEGATRON_CONSTANTS, memory_options=MEGATRON_OPTIONS, gpu_fits_prior=MEGATRON_GPU,
     tensor_parallel=True, pipeline_parallel=True, zero_stages=(0, 1), schedules=("1f1b", "interleaved"),
     recompute=("none", "selective", "full"), launch_files=(*CANDIDATE_FILES, "megatron_args.txt"),
+    framework_files=("megatron_args.txt",),
     available_options=("fp8", "mxfp8", "nvfp4", "alloc-pressure"), memory_pressure=MEGATRON_PRESSURE,
     recipe_efficiencies=(("mxfp8", MEGATRON_MXFP8_EFFICIENCY), ("nvfp4", MEGATRON_NVFP4_EFFICIENCY)),
     #: Megatron-LM / NeMo FP8 is Transformer Engine's: its fused attention (cuDNN / flash, not the
@@ -350,7 +367,7 @@ NANOTRON = Stack(
     description="Megatron's constants; nanotron's memory (fp32 grad buffers, its ZeRO-1, compute-balanced stages)",
     constants=MEGATRON_CONSTANTS, memory_options=NANOTRON_OPTIONS, gpu_fits_prior=NANOTRON_GPU,
     tensor_parallel=True, pipeline_parallel=True, zero_stages=(0, 1), schedules=("1f1b",),
-    recompute=("none", "full"), launch_files=(*CANDIDATE_FILES, "nanotron.yaml"),
+    recompute=("none", "full"), launch_files=(*CANDIDATE_FILES, "nanotron.yaml"), framework_files=("nanotron.yaml",),
     calibrated_on=(("h100", "Ultra-Scale"), ("a100", "vTrain's Megatron-DeepSpeed runs, fitted with it")),
 )
 #: ``FSDP_CONSTANTS.attention_efficiency`` (0.181, fitted on H100 runs) carried to an A100: 0.181 x
@@ -452,7 +469,9 @@ FSDP = Stack(
     recompute=("none", "selective", "full"), launch_files=NATIVE_FILES,
     available_options=("compile", "fp8", "fp8-rowwise", "async-tp"), async_tp_overlap=FSDP_ASYNC_TP_OVERLAP,
     fp8_rowwise_efficiency=FSDP_FP8_ROWWISE_EFFICIENCY,
-    runner_runs=True, hsdp=True, offload=True, native_rules=True, sharded_pipeline=True, uneven_virtual_stages=True,
+    runner=NATIVE_RUNNER, script_kinds=("accelerate-fsdp", "torchtitan"), fsdp_scripts=True,
+    framework_files=("torchtitan.toml",),
+    hsdp=True, offload=True, native_rules=True, sharded_pipeline=True, uneven_virtual_stages=True,
     compiled=CompileTerms(elementwise_share=FSDP_COMPILE_ELEMENTWISE_SHARE, fused_loss=True,
                           fragmentation=FSDP_COMPILE_FRAGMENTATION, fp8_efficiency=FSDP_COMPILE_FP8_EFFICIENCY),
     calibrated_on=(("h100", "llm-foundry, torchtitan"), ("cpu", "its own CPU trials")),
@@ -536,51 +555,39 @@ def runner_stacks() -> list[str]:
     return [s.name for s in STACKS.values() if s.runner_runs]
 
 
-def stack_to_tune(name: str | None, *, script: bool, script_kind: str | None = None, field: str = "stack") -> Stack:
-    """The stack a tuning job is for: ``name``, else ``hf-deepspeed`` for an hf-trainer script,
-    ``fsdp`` for an accelerate-fsdp or torchtitan script, else Pipette's runner. Without a script
-    only a stack the runner runs is accepted."""
-    default = None
-    if script and script_kind == "hf-trainer":
-        default = "hf-deepspeed"
-    elif script and script_kind in ("accelerate-fsdp", "torchtitan"):
-        default = "fsdp"
-    stack = get_stack(name or default, field=field)
-    if not script:
-        check_runner_runs(stack, field=field)
-    return stack
+#: The stack a script kind's scripts are code of (``Stack.script_kinds``): theirs when no stack is named.
+SCRIPT_KIND_STACKS: dict[str, str] = {kind: s.name for s in STACKS.values() for kind in s.script_kinds}
+#: Files only one framework reads, and its stack (``Stack.framework_files``).
+FRAMEWORK_FILES: dict[str, str] = {f: s.name for s in STACKS.values() for f in s.framework_files}
 
 
-def stacks_to_tune(names: str | None, *, script: bool, script_kind: str | None = None,
-                   field: str = "stack") -> tuple[Stack, ...]:
-    """The stacks a tuning job is for: one (``stack_to_tune``), or several side by side
-    (``pipette,fsdp``: Pipette's runners only, each candidate trained by its own stack's)."""
+def stacks_named(names: str | None, *, default: str | None = None, field: str = "stack") -> tuple[Stack, ...]:
+    """The stacks of a job's stack option: one (``names``, else ``default``, else the default
+    stack) or several side by side (``pipette,fsdp``); which kind of trial may run them is the
+    registry's question (``pipette.registry.job_kind``)."""
     if names is None or STACK_SEPARATOR not in names:
-        return (stack_to_tune(names, script=script, script_kind=script_kind, field=field),)
-    chosen = get_stacks(names, field=field)
-    if script:
-        raise SpecError(f"names {len(chosen)} stacks for one script", field=field,
-                        fix="give the one stack your script runs (a script is one stack's code)")
-    for stack in chosen:
-        check_runner_runs(stack, field=field)
-    return chosen
+        return (get_stack(names or default, field=field),)
+    return get_stacks(names, field=field)
 
 
-def check_runner_runs(stack: Stack, *, field: str = "stack") -> None:
-    """Refuse to tune ``stack`` with Pipette's own runner when the runner does not run it."""
-    if stack.runner_runs and stack.options:
-        raise SpecError(f"{stack.key}: Pipette's runner runs {stack.name} without {', '.join(stack.options)}",
-                        field=field, fix=f"tune --stack {stack.name}, or your own script with --script")
-    if not stack.runner_runs:
+def check_runner_runs(stack: Stack, *, field: str = "stack") -> Runner:
+    """``stack``'s runner; a stack Pipette's own runner does not run (or runs without the chosen
+    options) is refused in one line."""
+    if stack.runner is None:
         raise SpecError(
             f"{stack.key} cannot be tuned by Pipette's runner, which runs {', '.join(runner_stacks())} only",
             field=field, fix=f"tune your own {stack.name} script with --script, or plan it with `pipette plan "
                              f"--stack {stack.key}`",
         )
+    if stack.options:
+        raise SpecError(f"{stack.key}: Pipette's runner runs {stack.name} without {', '.join(stack.options)}",
+                        field=field, fix=f"tune --stack {stack.name}, or your own script with --script")
+    return stack.runner
 
 
 __all__ = [
     "DEFAULT_STACK",
+    "FRAMEWORK_FILES",
     "FSDP",
     "FSDP_A100_ATTENTION_EFFICIENCY",
     "FSDP_ASYNC_TP_OVERLAP",
@@ -597,6 +604,7 @@ __all__ = [
     "OPTIONS",
     "PIPETTE",
     "PIPETTE_CPU_CONSTANTS",
+    "SCRIPT_KIND_STACKS",
     "STACKS",
     "STACK_RULES",
     "STACK_SEPARATOR",
@@ -606,7 +614,6 @@ __all__ = [
     "get_stack",
     "get_stacks",
     "runner_stacks",
-    "stack_to_tune",
     "stacks_key",
-    "stacks_to_tune",
+    "stacks_named",
 ]

@@ -34,6 +34,7 @@ from pipette.fits import default_prior
 from pipette.learned import NOISE_PRIOR_DOF, Observation, Prediction
 from pipette.model import ModelSpec
 from pipette.plan import Plan, Planned
+from pipette.registry import job_key_fields
 from pipette.retiming import RetimeBudget, contenders, round_order
 from pipette.retry import RetryPolicy
 from pipette.search import (
@@ -51,7 +52,7 @@ from pipette.search_step import Reporter, attempt_record, finished_trial, outcom
 from pipette.search_step import StepProgress as StepProgress
 from pipette.search_step import TrialRunner as TrialRunner
 from pipette.search_step import TuneEvent as TuneEvent
-from pipette.stacks import DEFAULT_STACK, Stack, get_stacks, stacks_key
+from pipette.stacks import Stack, get_stacks
 from pipette.stop_rule import StopRule, Untried, script_fault
 from pipette.stop_rule import chance_any_beats as chance_any_beats  # re-exported: the API the tests know
 from pipette.training import TrainingSpec
@@ -72,10 +73,8 @@ def job_key(model: ModelSpec, training: TrainingSpec,
     """Identifies what is tuned (model, recipe and stack, or stacks: ``pipette,fsdp``): trials of the
     same key share the most. The default stack keeps the key it had before stacks existed, so its
     stored trials still match."""
-    key = stacks_key(get_stacks(stack))
-    what: dict[str, Any] = {"model": model.to_dict(), "training": training.to_dict()}
-    if key != DEFAULT_STACK:
-        what["stack"] = key
+    what: dict[str, Any] = {"model": model.to_dict(), "training": training.to_dict(),
+                            **job_key_fields(get_stacks(stack))}
     text = json.dumps(what, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 

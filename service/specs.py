@@ -16,11 +16,11 @@ from pipette.clusterfile import cluster_from_dict
 from pipette.errors import PipetteError, SpecError
 from pipette.model import MODEL_PRESETS, ModelSpec, preset_fix
 from pipette.options import defaults
+from pipette.registry import job_refusals
 from pipette.script import ScriptSpec
 from pipette.training import TrainingSpec
 from pipette.tuner import TuneOptions
 from service.schemas import ModelIn, TrainingIn
-from workers.support import job_refusals
 
 #: The largest cluster a what-if plan may describe: 128 nodes x 8 devices, the size the
 #: planning-speed benchmark plans in about a second (docs/results.md, "Planning speed").

@@ -9,11 +9,13 @@ from pipette.config import ParallelConfig
 from pipette.emit import deepspeed_config
 from pipette.errors import SpecError
 from pipette.model import ModelSpec
+from pipette.registry import script_from_record, script_record
 from pipette.script import ScriptSpec
+from pipette.stacks import runner_stacks
 from pipette.training import TrainingSpec
 
-#: the stacks Pipette's own runners train (a script trial's stack is the script's business)
-RUNNER_STACKS = ("pipette", "fsdp")
+#: the stacks Pipette's own runners train (``Stack.runner``; a script trial's stack is the script's business)
+RUNNER_STACKS = tuple(runner_stacks())
 
 
 @dataclass(frozen=True)
@@ -38,8 +40,8 @@ class TrialSpec:
     checkpoint: str | None = None
     #: the user's own training script, run instead of Pipette's runner (``workers.host.script_trial``)
     script: ScriptSpec | None = None
-    #: the stack Pipette's runner trains the candidate with: ``pipette`` (DeepSpeed,
-    #: ``workers.rank.train``) or ``fsdp`` (PyTorch-native, ``workers.rank.fsdp``)
+    #: the stack Pipette's runner trains the candidate with (its ``Stack.runner``): ``pipette``
+    #: (DeepSpeed, ``workers.rank.train``) or ``fsdp`` (PyTorch-native, ``workers.rank.fsdp``)
     stack: str = "pipette"
 
     def __post_init__(self) -> None:
@@ -63,7 +65,7 @@ class TrialSpec:
 
     def runner_options(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("model", "training", "config")}
-        out["script"] = None if self.script is None else self.script.to_dict()
+        out["script"] = script_record(self.script)
         return out
 
     def candidate(self) -> dict[str, Any]:
@@ -83,8 +85,7 @@ class TrialSpec:
         bad = sorted(set(options) - known)
         if bad:
             raise SpecError(f"unknown key(s) {', '.join(bad)}", field="candidate.trial", fix="drop them")
-        if options.get("script") is not None:
-            options["script"] = ScriptSpec.from_dict(options["script"])
+        options["script"] = script_from_record(options.get("script"))
         return cls(
             model=ModelSpec.from_dict(data["model"]),
             training=TrainingSpec.from_dict(data["training"]),

@@ -21,8 +21,9 @@ from pipette.memory import FSDP_OPTIONS, estimate_memory
 from pipette.model import ModelSpec
 from pipette.perf import estimate_perf
 from pipette.plan import Plan, make_plan
+from pipette.registry import stacks_to_tune
 from pipette.search import candidate_params, params_key
-from pipette.stacks import FSDP, PIPETTE, get_stacks, stacks_to_tune
+from pipette.stacks import FSDP, PIPETTE, get_stacks
 from pipette.training import LoraSpec, TrainingSpec
 from pipette.tuner import job_key
 from workers.fsdp_spec import check_fsdp

@@ -17,9 +17,9 @@ from pipette.config import ParallelConfig
 from pipette.emit_script import write_script_launch_files
 from pipette.errors import SpecError
 from pipette.model import ModelSpec
+from pipette.registry import stacks_to_tune
 from pipette.script import ScriptSpec, bind_stack
 from pipette.script_fsdp import accelerate_fsdp_env, torchtitan_args, torchtitan_settings, trainer_fsdp_config
-from pipette.stacks import stack_to_tune
 from pipette.training import TrainingSpec
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -82,8 +82,8 @@ def test_the_trainer_gets_fsdp_and_its_config_instead_of_deepspeed() -> None:
 def test_a_script_kind_that_does_not_match_its_stack_is_one_line() -> None:
     trainer = ScriptSpec(argv=("python", "t.py"), kind="hf-trainer")
     assert bind_stack(trainer, "fsdp").fsdp and not bind_stack(trainer, "hf-deepspeed").fsdp
-    assert stack_to_tune(None, script=True, script_kind="accelerate-fsdp").name == "fsdp"
-    assert stack_to_tune(None, script=True, script_kind="torchtitan").name == "fsdp"
+    assert stacks_to_tune(None, script=True, script_kind="accelerate-fsdp")[0].name == "fsdp"
+    assert stacks_to_tune(None, script=True, script_kind="torchtitan")[0].name == "fsdp"
     cases = [
         (lambda: bind_stack(ScriptSpec(argv=("python", "t.py"), kind="deepspeed"), "fsdp"), "--script-kind"),
         (lambda: bind_stack(ACCEL, "hf-deepspeed"), "--stack"),

@@ -13,8 +13,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from pipette.contract import FSDP_ENTRY, TRAIN_ENTRY
 from pipette.measurement import Measurement, last_error_line
+from pipette.registry import runner_of
 from pipette.script import ScriptSpec
 from workers.host.monitor import Finished, Watched, exit_text
 from workers.host.outcome import Outcome, measurement
@@ -33,8 +33,8 @@ EXIT_GRACE_S = 30.0
 
 
 class RunnerTrial:
-    """Pipette's runners (DeepSpeed's, ``workers.rank.train``, or the PyTorch-native one,
-    ``workers.rank.fsdp``, by the trial's stack): rank 0 reports every step, every rank its
+    """Pipette's runners (the trial's stack's ``Stack.runner``: DeepSpeed's, ``workers.rank.train``,
+    or the PyTorch-native one, ``workers.rank.fsdp``): rank 0 reports every step, every rank its
     ``done``; a rank that ran out of memory says so (``oom``) and exits with ``OOM_EXIT``."""
 
     def __init__(self, trial: TrialSpec) -> None:
@@ -44,13 +44,11 @@ class RunnerTrial:
         self.ooms: list[dict[str, Any]] = []
 
     def launch(self, transport: Transport) -> Launch:
+        runner = runner_of(self.trial.stack)
         files = {"candidate.json": json.dumps(self.trial.candidate())}
-        if self.trial.stack == "fsdp":  # PyTorch-native: the candidate is all it reads
-            return Launch(files, [sys.executable, "-m", FSDP_ENTRY, "--candidate", "candidate.json"])
-        files["ds_config.json"] = json.dumps(self.trial.ds_config())
-        argv = [sys.executable, "-m", TRAIN_ENTRY, "--deepspeed_config", "ds_config.json",
-                "--candidate", "candidate.json"]
-        return Launch(files, argv)
+        if runner.deepspeed:  # the PyTorch-native runner reads the candidate alone
+            files["ds_config.json"] = json.dumps(self.trial.ds_config())
+        return Launch(files, [sys.executable, *runner.rank_args()])
 
     def take(self, rank: int, event: dict[str, Any]) -> dict[str, Any] | None:
         kind = event.get("event")
@@ -156,11 +154,11 @@ TrialKind = RunnerTrial | ScriptTrial
 
 
 def runs_deepspeed(script: ScriptSpec | None, stack: str) -> bool:
-    """Whether a trial loads DeepSpeed: a DeepSpeed script, or Pipette's DeepSpeed runner (the
-    ``pipette`` stack); an FSDP script and the PyTorch-native runner never do."""
+    """Whether a trial loads DeepSpeed: a DeepSpeed script, or a runner under DeepSpeed's engines
+    (``Runner.deepspeed``: the ``pipette`` stack's); an FSDP script and the PyTorch-native runner never do."""
     if script is not None:
         return not script.fsdp
-    return stack.split("+", 1)[0] == "pipette"
+    return runner_of(stack).deepspeed
 
 
 def trial_kind(trial: TrialSpec, ship_workdir: bool = False) -> TrialKind:

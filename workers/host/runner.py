@@ -20,7 +20,6 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from pipette.cluster import ClusterProfile
 from pipette.config import ParallelConfig
@@ -192,14 +191,6 @@ class RayTrialRunner:
         if self.on_wait is not None:
             self.on_wait(None)
         return True
-
-    def describe(self) -> dict[str, Any]:
-        out = {"device_kind": self.device_kind, "stack": self.stack, "timeout_s": self.timeout_s,
-               "warmup_steps": self.warmup_steps,
-               "min_steps": self.min_steps, "max_steps": self.max_steps, "rel_ci": self.rel_ci}
-        if self.script is not None:
-            out["script"] = self.script.to_dict()
-        return out
 
 
 def _stopped_building(spec: TrialSpec) -> Measurement:
