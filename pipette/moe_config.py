@@ -17,6 +17,8 @@ The field names are those of transformers' configuration classes and of the rele
   first_k_dense_replace and i % moe_layer_freq == 0``, modeling_deepseek.py of the released
   weights), ``scoring_func``, ``num_nextn_predict_layers`` (MTP), and MLA's ``q_lora_rank``
   (null in V2-Lite), ``kv_lora_rank``, ``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim``.
+  ``kimi_k2`` (moonshotai/Kimi-K2-Instruct) is DeepSeek-V3's architecture under its own
+  ``model_type`` (its deployment guide: "Kimi-K2 reuses the DeepSeekV3CausalLM architecture").
 * ``gpt_oss`` (GptOssConfig; openai/gpt-oss-120b): ``num_local_experts``,
   ``num_experts_per_tok`` (the released files also say ``experts_per_token``),
   ``intermediate_size``, ``head_dim``, ``attention_bias``, ``sliding_window`` and
@@ -34,7 +36,7 @@ from pipette.moe import SCORINGS, MoeSpec, Scoring
 
 #: the ``model_type`` values read here
 MOE_MODEL_TYPES: frozenset[str] = frozenset({"mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3",
-                                             "gpt_oss"})
+                                             "kimi_k2", "gpt_oss"})
 _FIX = "give the complete config.json of the released model"
 
 
@@ -106,7 +108,7 @@ def _qwen(cfg: dict[str, Any], where: str, base: dict[str, Any]) -> dict[str, An
 
 
 def _deepseek(cfg: dict[str, Any], where: str, base: dict[str, Any]) -> dict[str, Any]:
-    v3 = cfg.get("model_type") == "deepseek_v3"
+    v3 = cfg.get("model_type") in ("deepseek_v3", "kimi_k2")
     first, freq = _int(cfg, "first_k_dense_replace", where, 0), _int(cfg, "moe_layer_freq", where, 1)
     if freq < 1 or cfg.get("attention_bias") is True:
         raise SpecError(f"{where} has moe_layer_freq {freq} / attention_bias {cfg.get('attention_bias')}",
@@ -145,6 +147,7 @@ def _gpt_oss(cfg: dict[str, Any], where: str, base: dict[str, Any]) -> dict[str,
 
 _FAMILIES: dict[str, Callable[[dict[str, Any], str, dict[str, Any]], dict[str, Any]]] = {
     "mixtral": _mixtral, "qwen2_moe": _qwen, "qwen3_moe": _qwen, "deepseek_v2": _deepseek, "deepseek_v3": _deepseek,
+    "kimi_k2": _deepseek,
     "gpt_oss": _gpt_oss,
 }
 

@@ -116,6 +116,18 @@ def test_what_is_read_of_each_family() -> None:
                                           window_layers=tuple(range(0, 36, 2)))
 
 
+def test_kimi_k2_is_read_as_deepseek_v3_s_architecture() -> None:
+    """moonshotai/Kimi-K2-Instruct/config.json: model_type kimi_k2, DeepseekV3ForCausalLM's fields."""
+    kimi = {**DEEPSEEK_V3, "model_type": "kimi_k2", "n_routed_experts": 384, "first_k_dense_replace": 1,
+            "n_group": 1, "topk_group": 1, "num_attention_heads": 64, "num_key_value_heads": 64, "vocab_size": 163840,
+            "num_nextn_predict_layers": 0, "routed_scaling_factor": 2.827, "max_position_embeddings": 131072}
+    model = ModelSpec.from_hf_config(kimi)
+    assert model == replace(ModelSpec.from_hf_config({**kimi, "model_type": "deepseek_v3"}), name="kimi_k2")
+    assert model.moe is not None and model.moe.experts == 384 and model.moe.dense_layers == (0,)
+    # its card: "1T total parameters, 32B activated"
+    assert 1.0e12 <= model.total_params() < 1.1e12 and 32e9 <= moe_count.active_params(model) < 33e9
+
+
 def test_which_layers_are_dense_follows_each_family_s_rule() -> None:
     # Qwen2MoeDecoderLayer: MoE when i not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0
     qwen = ModelSpec.from_hf_config({**QWEN3_30B_A3B, "num_hidden_layers": 6, "decoder_sparse_step": 2,
