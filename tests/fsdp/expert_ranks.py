@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pipette.model import ModelSpec
 from workers.rank.moe_layer import MoeFeedForward, MoeOptions, route
 
 HIDDEN = 16
@@ -36,11 +37,17 @@ CASES: dict[str, dict[str, Any]] = {
     "ep2xdp2-capacity-probs": {"ep": 2, "capacity_factor": 1.0, "drop_policy": "probs"},
     "ep4-capacity-position": {"ep": 4, "capacity_factor": 1.25, "drop_policy": "position", "shared_hidden": 8},
     "ep1-all-to-all": {"ep": 1, "capacity_factor": 1.0},
+    # the runner's tiny Llama with MoE layers (workers.rank.fsdp_model), one stage, experts sharded
+    "llama-ep2xdp2": {"ep": 2, "model": True, "shared_hidden": 16},
 }
+#: the Llama of the model case: 2 layers, its tokens a sequence of SEQ per rank
+LLAMA = ModelSpec(name="tiny-moe", layers=2, hidden=HIDDEN, heads=4, kv_heads=2, ffn_hidden=32, vocab=64,
+                  max_seq=16, tied_embeddings=False, arch="llama")
+SEQ = 16
 
 
 def options_of(case: dict[str, Any]) -> MoeOptions:
-    fields = {k: v for k, v in case.items() if k != "ep"}
+    fields = {k: v for k, v in case.items() if k not in ("ep", "model")}
     return MoeOptions(experts=8, top_k=2, expert_hidden=32, **fields)
 
 
@@ -78,13 +85,18 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
+def _mesh(device: torch.device, ep: int) -> Any:
+    """``(edp, ep)`` over the world, ep fastest."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device.type, (dist.get_world_size() // ep, ep), mesh_dim_names=("edp", "ep"))
+
+
 def expert_parallel(options: MoeOptions, ep: int, ref: dict[str, Any], xs: list[torch.Tensor],
                     probes: list[torch.Tensor], device: torch.device) -> dict[str, Any]:
     """This rank's expert-parallel layer against the reference (see the module docstring)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    mesh = init_device_mesh(device.type, (world // ep, ep), mesh_dim_names=("edp", "ep"))
+    rank = dist.get_rank()
+    mesh = _mesh(device, ep)
     layer = MoeFeedForward(HIDDEN, options, ep_group=mesh.get_group("ep")).to(device)
     full = ref["layer"].state_dict()
     layer.load_state_dict({name: full[name] for name in layer.state_dict()})
@@ -113,9 +125,51 @@ def _summed_grads(layer: nn.Module, edp: dist.ProcessGroup) -> dict[str, torch.T
     for name, p in layer.named_parameters():
         assert p.grad is not None, name
         grad = p.grad.clone()
-        dist.all_reduce(grad, group=edp if name.startswith("experts.") else None)
+        dist.all_reduce(grad, group=edp if ".experts." in f".{name}" else None)
         out[name] = grad
     return out
+
+
+def _llama_stage(options: MoeOptions, device: torch.device, ep_group: dist.ProcessGroup | None) -> nn.Module:
+    """The runner's one-stage Llama with MoE layers, built on meta, its experts sharded over
+    ``ep_group`` (None: all), its values drawn by parameter name (``workers.rank.fsdp_model``)."""
+    from pipette.training import TrainingSpec
+    from workers.rank.fsdp_model import build_stages, materialize, meta_model, parameter_names
+    from workers.rank.moe_layer import shard_experts
+
+    training = TrainingSpec(global_batch=dist.get_world_size(), seq_len=SEQ, dtype="fp32", method="full")
+    meta = meta_model(LLAMA, training, moe=options)
+    (stage,) = build_stages(meta, [0], 1, SEQ)
+    names = parameter_names(stage)
+    if ep_group is not None:
+        shard_experts(stage, ep_group)
+    materialize(stage, names, device, device, seed=5, std=meta.std)
+    return stage
+
+
+def llama_case(options: MoeOptions, ep: int, device: torch.device) -> dict[str, Any]:
+    """The expert-parallel stage on this rank's sequence against the whole stage on every rank's."""
+    from workers.rank.fsdp_model import lm_loss
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = _mesh(device, ep)
+    tokens = [torch.randint(0, LLAMA.vocab, (1, SEQ), generator=torch.Generator().manual_seed(200 + r)).to(device)
+              for r in range(world)]
+    ref = _llama_stage(options, device, None)
+    ref_loss: torch.Tensor = torch.stack([lm_loss(ref(t)[:, :-1], t[:, 1:]) for t in tokens]).sum()
+    ref_loss.backward()  # type: ignore[no-untyped-call]  # unannotated in torch 2.13
+    stage = _llama_stage(options, device, mesh.get_group("ep"))
+    logits = stage(tokens[rank])
+    lm_loss(logits[:, :-1], tokens[rank][:, 1:]).backward()  # type: ignore[no-untyped-call]
+    with torch.no_grad():
+        ref_logits = ref(tokens[rank])
+    ref_grads = dict(ref.named_parameters())
+    grads = _summed_grads(stage, mesh.get_group("edp"))
+    mlp = stage.get_submodule("layers.0.mlp")
+    assert isinstance(mlp, MoeFeedForward) and mlp.last_dispatch is not None
+    return {"out": _relative(logits.detach(), ref_logits),
+            "param_grad": {name: _relative(g, ref_grads[name].grad) for name, g in grads.items()},  # type: ignore[arg-type]
+            "experts_held": sorted(int(k) for k in mlp.experts), **asdict(mlp.last_dispatch)}
 
 
 def run(rank: int, world: int, backend: str, init: str, out_dir: str, names: list[str]) -> None:
@@ -130,6 +184,9 @@ def run(rank: int, world: int, backend: str, init: str, out_dir: str, names: lis
     for name in names:
         case = CASES[name]
         options = options_of(case)
+        if case.get("model"):
+            results[name] = llama_case(options, case["ep"], device)
+            continue
         ref = reference(options, xs, probes, device)
         results[name] = expert_parallel(options, case["ep"], ref, xs, probes, device)
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
