@@ -28,11 +28,13 @@ so a slow link still slows every group that uses it. Nodes joined by links as fa
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import numpy.typing as npt
 
 from pipette.cluster import ClusterProfile
-from pipette.config import ParallelConfig
+from pipette.layout import Layout
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
@@ -128,22 +130,8 @@ def pair_links(cluster: ClusterProfile, src: IntArray, dst: IntArray) -> tuple[F
     return cluster.bandwidth[src, dst], cluster.latency[src, dst]
 
 
-def device_grid(config: ParallelConfig, placement: tuple[int, ...] | IntArray | None = None) -> IntArray:
-    """Devices as a ``(pp, dp, tp)`` array in rank order (see ``pipette.config``)."""
-    p = config.devices() if placement is None else placement
-    return np.asarray(p, dtype=np.int64).reshape(config.pp, config.dp, config.tp)
-
-
-def tp_groups(grid: IntArray) -> IntArray:
-    """``(pp*dp, tp)``: each row one tensor-parallel group."""
-    return grid.reshape(-1, grid.shape[2])
-
-
-def dp_groups(grid: IntArray) -> IntArray:
-    """``(pp*tp, dp)``: each row one data-parallel ring, in rank order."""
-    return grid.transpose(0, 2, 1).reshape(-1, grid.shape[1])
-
-
-def pp_groups(grid: IntArray) -> IntArray:
-    """``(dp*tp, pp)``: each row one pipeline, stage 0 first."""
-    return grid.transpose(1, 2, 0).reshape(-1, grid.shape[0])
+def device_groups(layout: Layout, devices: Sequence[int] | IntArray, *names: str) -> IntArray:
+    """``(g, n)``: the devices of each group along the named mesh dimensions (``Layout.group_array``:
+    a ``tp`` row is one tensor-parallel group, a ``dp`` row one data-parallel ring in rank order, a
+    ``pp`` row one pipeline, stage 0 first); ``devices[rank]`` runs ``rank``."""
+    return np.asarray(devices, dtype=np.int64)[layout.group_array(*names)]

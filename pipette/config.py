@@ -1,13 +1,17 @@
 """``ParallelConfig``: one candidate (degrees, micro-batch, ZeRO, recomputation, schedule,
 placement) and the rank layout every part of Pipette agrees on.
 
-Rank order is Megatron-LM's and DeepSpeed's ``PipeModelDataParallelTopology``
-(axes pipe, data, model; model varies fastest)::
+The rank layout is ``pipette.layout`` (``ParallelConfig.layout``, a stack's own with
+``layout_of(config, stack)``): pp outermost, tp fastest, as Megatron-LM's and DeepSpeed's
+``PipeModelDataParallelTopology``::
 
-    rank = pp_index * (dp * tp) + dp_index * tp + tp_index
+    rank = pp_index * (dp * tp) + dp_index * tp + tp_index        (cp = 1)
 
 so a TP group is ``tp`` consecutive ranks. ``placement[rank]`` is the device index (row
 of the cluster's link matrix) that runs ``rank``; ``None`` means ``rank -> device rank``.
+``cp`` (context parallelism) adds ranks, ``world = tp * pp * dp * cp``; ``ep`` (expert
+parallelism) is carved out of the ``dp * cp`` ranks (``pipette.layout``). Both are 1 unless
+given, and written (``to_dict``, ``label``) only when not 1.
 
 Two options are the ``fsdp`` stack's alone (``workers.rank.fsdp``; DeepSpeed refuses them):
 ``dp_shard``, the data-parallel degree FSDP2 shards over (HSDP, torchtitan's
@@ -23,6 +27,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from pipette.errors import SpecError
+from pipette.layout import Layout, check_degrees, layout_of
 from pipette.training import RECOMPUTE_MODES, SCHEDULES
 
 
@@ -45,9 +50,14 @@ class ParallelConfig:
     #: the stack that runs this candidate when one plan ranks candidates of several stacks
     #: (``pipette.plan.make_plan`` with ``pipette,fsdp``); None: the plan's one stack
     stack: str | None = None
+    #: context-parallel degree: ranks that split each sequence (extra ranks: world = tp * pp * dp * cp)
+    cp: int = 1
+    #: expert-parallel degree: carved out of the dp * cp ranks (the world is unchanged)
+    ep: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "dp", "mbs", "global_batch", "virtual_stages"):
+        check_degrees(self.tp, self.pp, self.dp, self.cp, self.ep, self.dp_shard)
+        for name in ("mbs", "global_batch", "virtual_stages"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise SpecError(
@@ -75,14 +85,6 @@ class ParallelConfig:
                 f"global batch {self.global_batch} is not divisible by dp x mbs = {self.dp * self.mbs}",
                 field="config.mbs", fix="choose dp and mbs whose product divides the global batch",
             )
-        if self.dp_shard is not None and (
-            not isinstance(self.dp_shard, int) or isinstance(self.dp_shard, bool) or self.dp_shard < 1
-            or self.dp % self.dp_shard
-        ):
-            raise SpecError(
-                f"is {self.dp_shard!r}, not a divisor of dp={self.dp}", field="config.dp_shard",
-                fix="give a shard degree that divides dp (HSDP: dp // dp_shard replicas), or leave it out",
-            )
         if self.dp_shard == self.dp:
             object.__setattr__(self, "dp_shard", None)  # one spelling of "shard over all of dp"
         if not isinstance(self.offload, bool):
@@ -102,7 +104,7 @@ class ParallelConfig:
     # ---- derived ------------------------------------------------------------------
     @property
     def world(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.pp * self.dp * self.cp
 
     @property
     def grad_accum(self) -> int:
@@ -118,29 +120,10 @@ class ParallelConfig:
         return self.placement if self.placement is not None else tuple(range(self.world))
 
     # ---- rank layout --------------------------------------------------------------
-    def rank(self, pp_index: int, dp_index: int, tp_index: int) -> int:
-        return (pp_index * self.dp + dp_index) * self.tp + tp_index
-
-    def coords(self, rank: int) -> tuple[int, int, int]:
-        """(pp_index, dp_index, tp_index) of ``rank``."""
-        pp_index, rest = divmod(rank, self.dp * self.tp)
-        dp_index, tp_index = divmod(rest, self.tp)
-        return pp_index, dp_index, tp_index
-
-    def tp_groups(self) -> list[list[int]]:
-        return [
-            [self.rank(p, d, t) for t in range(self.tp)] for p in range(self.pp) for d in range(self.dp)
-        ]
-
-    def dp_groups(self) -> list[list[int]]:
-        return [
-            [self.rank(p, d, t) for d in range(self.dp)] for p in range(self.pp) for t in range(self.tp)
-        ]
-
-    def pp_groups(self) -> list[list[int]]:
-        return [
-            [self.rank(p, d, t) for p in range(self.pp)] for d in range(self.dp) for t in range(self.tp)
-        ]
+    @property
+    def layout(self) -> Layout:
+        """The named mesh of the ranks (``pipette.layout``): ``rank``, ``coords``, ``groups``."""
+        return layout_of(self)
 
     # ---- identity -----------------------------------------------------------------
     @property
@@ -148,8 +131,9 @@ class ParallelConfig:
         """A short readable name; unique among candidates of one plan (not placements)."""
         sched = "1f1b" if self.schedule == "1f1b" else f"int{self.virtual_stages}"
         fsdp = "" if self.dp_shard is None else f"-hsdp{self.dp // self.dp_shard}x{self.dp_shard}"
+        extra = f"{'' if self.cp == 1 else f'-cp{self.cp}'}{'' if self.ep == 1 else f'-ep{self.ep}'}"
         return (
-            f"tp{self.tp}-pp{self.pp}-dp{self.dp}-mbs{self.mbs}-z{self.zero_stage}"
+            f"tp{self.tp}-pp{self.pp}-dp{self.dp}{extra}-mbs{self.mbs}-z{self.zero_stage}"
             f"-rc:{self.recompute}-{sched}{fsdp}{'-offload' if self.offload else ''}"
             f"{'' if self.stack is None else '-' + self.stack}"
         )
@@ -168,6 +152,9 @@ class ParallelConfig:
             **({"dp_shard": self.dp_shard} if self.dp_shard is not None else {}),
             **({"offload": True} if self.offload else {}),
             **({"stack": self.stack} if self.stack is not None else {}),
+            # the degrees no stack runs yet, written only when set: every stored candidate is unchanged
+            **({"cp": self.cp} if self.cp != 1 else {}),
+            **({"ep": self.ep} if self.ep != 1 else {}),
         }
 
     @classmethod

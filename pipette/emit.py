@@ -92,13 +92,16 @@ def deepspeed_config(
 
 def rank_map(config: ParallelConfig, cluster: ClusterProfile) -> list[dict[str, Any]]:
     out = []
+    layout = config.layout
     for rank, device in enumerate(config.devices()):
         d = cluster.devices[device]
         node = cluster.nodes[d.node]
-        pp, dp, tp = config.coords(rank)
+        at = layout.coords(rank)
         out.append({
             "rank": rank, "device": device, "node": d.node, "host": node.address or node.name,
-            "local_device": d.local_index, "pp": pp, "dp": dp, "tp": tp,
+            "local_device": d.local_index, "pp": at["pp"], "dp": at["dp"], "tp": at["tp"],
+            # cp only where the candidate has it: every rank map of today is unchanged
+            **({"cp": at["cp"]} if "cp" in at else {}),
         })
     return out
 

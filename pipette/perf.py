@@ -89,6 +89,7 @@ class PerfModel:
     ) -> None:
         _check(model, training, config, cluster)
         self.model, self.training, self.config, self.cluster = model, training, config, cluster
+        self.layout = config.layout
         self.k = constants or DEFAULT_CONSTANTS
         self.device = _slowest_device(cluster, training.dtype)
         self.peak = self.device.peak(training.dtype)
@@ -262,7 +263,7 @@ class PerfModel:
     def _parts(self, placement: Sequence[int] | npt.NDArray[np.integer] | None) -> dict[str, float]:
         cfg, k = self.config, self.k
         p, dp, tp, m, v = cfg.pp, cfg.dp, cfg.tp, self.m, self.v
-        grid = comm.device_grid(cfg, self._placement(placement))
+        devices, layout = self._placement(placement), self.layout
         frac = k.link_fraction
 
         # Tensor parallelism (Shoeybi et al. 2019, sec. 3): per layer 2 all-reduces of
@@ -270,7 +271,7 @@ class PerfModel:
         # plus the vocabulary-parallel embedding's and LM head's input all-reduce.
         # A TP group spanning nodes crosses each node cut on one channel per member
         # (comm.channel_links); within a node this is the clique's slowest link.
-        bw, lat = comm.channel_links(self.cluster, comm.tp_groups(grid), k.cut_fraction)
+        bw, lat = comm.channel_links(self.cluster, comm.device_groups(layout, devices, "tp"), k.cut_fraction)
         per_ar = comm.allreduce_time(self.act_bytes, tp, bw * frac, lat).reshape(p, dp)
         if tp > 1:
             per_ar = per_ar + k.collective_overhead_s
@@ -291,7 +292,7 @@ class PerfModel:
         # and micro-batch; v chunks per device cross v times, the last wrapping to stage 0.
         t_pp = np.zeros((p, dp))
         if p > 1:
-            pipes = comm.pp_groups(grid).reshape(dp, tp, p)
+            pipes = comm.device_groups(layout, devices, "pp").reshape(dp, tp, p)
             nxt = np.roll(pipes, -1, axis=2)
             bw_n, lat_n = comm.pair_links(self.cluster, pipes, nxt)
             p2p_bytes = self.act_bytes / tp if k.p2p_sequence_sharded else self.act_bytes
@@ -305,9 +306,10 @@ class PerfModel:
         # Data parallelism: ring all-reduce of the gradients (ZeRO-1 reduce-scatter +
         # all-gather moves the same bytes; Rajbhandari et al. 2020, sec. 7).
         if k.dp_cut_fraction is None:
-            bw_d, lat_d = comm.ring_links(self.cluster, comm.dp_groups(grid))
+            bw_d, lat_d = comm.ring_links(self.cluster, comm.device_groups(layout, devices, "dp"))
         else:
-            bw_d, lat_d = comm.channel_links(self.cluster, comm.dp_groups(grid), k.dp_cut_fraction)
+            bw_d, lat_d = comm.channel_links(self.cluster, comm.device_groups(layout, devices, "dp"),
+                                             k.dp_cut_fraction)
         bw_d = (bw_d * frac).reshape(p, tp)
         lat_d = lat_d.reshape(p, tp)
         gb = self.grad_bytes[:, None]
@@ -368,7 +370,8 @@ class PerfModel:
         # the first and last stage (Shoeybi et al. 2019, Megatron-LM's embedding group).
         t_emb = 0.0
         if p > 1 and self.model.tied_embeddings:
-            first, last = grid[0].reshape(-1), grid[-1].reshape(-1)
+            chains = comm.device_groups(layout, devices, "pp")  # (dp * tp, pp)
+            first, last = chains[:, 0], chains[:, -1]
             bw_e, lat_e = comm.pair_links(self.cluster, first, last)
             nbytes = self.model.vocab * self.model.hidden / tp * self.training.dtype_bytes
             t_emb = float(comm.allreduce_time(nbytes, 2, bw_e * frac, lat_e).max())

@@ -74,7 +74,7 @@ def one(case: dict[str, Any]) -> dict[str, Any]:
 
         torch.manual_seed(0)
         model = transformers.LlamaForCausalLM(llama_config(trial.model))
-        _, _, tp_index = config.coords(case["rank"])
+        tp_index = config.layout.index(case["rank"], "tp")
         if config.tp > 1:
             shard_layers(model, config.tp, tp_index)
             shard_vocabulary(model, config.tp, tp_index)

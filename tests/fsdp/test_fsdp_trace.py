@@ -96,7 +96,7 @@ def test_traced_peak_is_the_cpu_allocators_peak_of_the_real_step() -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.profiler import ProfilerActivity, profile
 
-    from workers.fsdp_spec import MESH_DIMS, plan_for
+    from workers.fsdp_spec import plan_for
     from workers.rank.fsdp_rank import FsdpRank
     from workers.rank.fsdp_trace import _fake_world
     from workers.rank.memory import live_tensor_bytes
@@ -106,7 +106,7 @@ def test_traced_peak_is_the_cpu_allocators_peak_of_the_real_step() -> None:
     plan = plan_for(trial.model, trial.training, trial.config, "cpu", 4)
     _fake_world(4, 0)
     try:
-        runner = FsdpRank(trial, plan, 0, mesh=init_device_mesh("cpu", plan.mesh_shape, mesh_dim_names=MESH_DIMS))
+        runner = FsdpRank(trial, plan, 0, mesh=init_device_mesh("cpu", plan.mesh.sizes, mesh_dim_names=plan.mesh.names))
         first, second = runner.batches.next(), runner.batches.next()
         runner.train_step(*first)
         base = live_tensor_bytes()

@@ -79,7 +79,7 @@ def test_a_rank_holds_the_weights_the_estimator_counts(model: str, tp: int, pp: 
     trial = spec(model, tp=tp, pp=pp, method=method)
     stages = stage_breakdowns(trial.model, trial.training, trial.config, device_kind="cpu")
     for rank in range(tp * pp):
-        stage, _, _ = trial.config.coords(rank)
+        stage = trial.config.layout.index(rank, "pp")
         assert held_bytes_of(trial, rank) == stages[stage]["weights"], (rank, stage)
 
 

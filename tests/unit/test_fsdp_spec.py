@@ -102,11 +102,13 @@ def test_the_mesh_is_torchtitans_in_pipettes_rank_order(kw: dict[str, object], s
                                                         reshard: bool) -> None:
     c = config(**kw)
     plan = plan_for(MODEL, JOB, c, "cpu", 4)
-    assert plan.mesh_shape == shape and plan.reshard_after_forward is reshard and plan.world == c.world
+    assert plan.mesh.names == ("pp", "dp_replicate", "dp_shard", "tp")
+    assert plan.mesh.sizes == shape and plan.reshard_after_forward is reshard and plan.world == c.world
     for rank in range(c.world):
-        pp, dp, tp = c.coords(rank)
-        at = plan.coords(rank)
-        assert (at["pp"], at["dp_replicate"] * plan.dp_shard + at["dp_shard"], at["tp"]) == (pp, dp, tp)
+        at = c.layout.coords(rank)
+        mine = plan.mesh.coords(rank)
+        assert (mine["pp"], mine["dp_replicate"] * plan.dp_shard + mine["dp_shard"], mine["tp"]) == \
+            (at["pp"], at["dp"], at["tp"])
 
 
 def test_interleaved_stages_loop_over_the_pipeline_ranks() -> None:

@@ -42,16 +42,16 @@ def _comm_cost(config: ParallelConfig, cluster: ClusterProfile, tp_bytes: float 
     """The perf model's comm terms: slowest TP clique all-reduce, slowest DP ring
     all-reduce, and per pipeline boundary its slowest send."""
     def cost(placement: Any) -> float:
-        grid = comm.device_grid(config, placement)
+        mesh = config.layout
         t = 0.0
         if config.tp > 1:
-            bw, lat = comm.clique_links(cluster, comm.tp_groups(grid))
+            bw, lat = comm.clique_links(cluster, comm.device_groups(mesh, placement, "tp"))
             t += float(comm.allreduce_time(tp_bytes, config.tp, bw, lat).max())
         if config.dp > 1:
-            bw, lat = comm.ring_links(cluster, comm.dp_groups(grid))
+            bw, lat = comm.ring_links(cluster, comm.device_groups(mesh, placement, "dp"))
             t += float(comm.allreduce_time(dp_bytes, config.dp, bw, lat).max())
         if config.pp > 1:
-            chains = comm.pp_groups(grid)
+            chains = comm.device_groups(mesh, placement, "pp")
             bw, lat = comm.pair_links(cluster, chains[:, :-1], chains[:, 1:])
             t += float(comm.p2p_time(pp_bytes, bw, lat).max(axis=0).sum())
         return t
@@ -104,15 +104,14 @@ def test_default_keeps_each_tp_group_inside_one_node(
 ) -> None:
     # tp divides every node's device count in all these cases.
     config = _config(*degrees)
-    grid = comm.device_grid(config, default_placement(config, cluster))
-    nodes = cluster.node_of[comm.tp_groups(grid)]
+    nodes = cluster.node_of[comm.device_groups(config.layout, default_placement(config, cluster), "tp")]
     assert np.all(nodes == nodes[:, :1])
 
 
 def test_default_builds_tp_cliques_around_a_slow_pair() -> None:
     cluster = _cluster(2, 4, [{"devices": [0, 1], "factor": 8}])
     config = _config(2, 2, 2)
-    groups = comm.tp_groups(comm.device_grid(config, default_placement(config, cluster)))
+    groups = comm.device_groups(config.layout, default_placement(config, cluster), "tp")
     assert not any({0, 1} <= set(g.tolist()) for g in groups)
     nodes = cluster.node_of[groups]
     assert np.all(nodes == nodes[:, :1])
@@ -220,10 +219,9 @@ def test_two_level_cluster_compares_only_whole_node_tilings() -> None:
     assert pp_heavy.method == "layout"
     assert pp_heavy.evaluations == 3
     assert pp_heavy.cost < pp_heavy.default_cost
-    grid = comm.device_grid(config, pp_heavy.placement)
-    tp_nodes = cluster.node_of[comm.tp_groups(grid)]
+    tp_nodes = cluster.node_of[comm.device_groups(config.layout, pp_heavy.placement, "tp")]
     assert np.all(tp_nodes == tp_nodes[:, :1])
-    chains = cluster.node_of[comm.pp_groups(grid)]
+    chains = cluster.node_of[comm.device_groups(config.layout, pp_heavy.placement, "pp")]
     assert np.all(chains == chains[:, :1])  # every pipeline inside one node
 
 

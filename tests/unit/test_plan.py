@@ -72,7 +72,7 @@ def test_emitted_files_agree_with_the_candidate() -> None:
     assert ds.get("tensor_parallel", {"autotp_size": 1})["autotp_size"] == best.tp
     ranks = rank_map(best, cluster)
     assert [r["device"] for r in ranks] == list(best.devices())
-    assert all(best.rank(r["pp"], r["dp"], r["tp"]) == r["rank"] for r in ranks)
+    assert all(best.layout.rank({"pp": r["pp"], "dp": r["dp"], "tp": r["tp"]}) == r["rank"] for r in ranks)
     slots = sum(int(line.split("slots=")[1]) for line in hostfile(best, cluster).splitlines())
     assert slots == best.world
 

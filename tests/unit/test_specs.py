@@ -117,8 +117,9 @@ def test_device_presets() -> None:
 def test_parallel_config_layout_matches_megatron_order() -> None:
     c = ParallelConfig(tp=2, pp=2, dp=2, mbs=1, global_batch=8)
     assert c.world == 8 and c.grad_accum == 4
-    assert c.tp_groups()[0] == [0, 1] and c.dp_groups()[0] == [0, 2] and c.pp_groups()[0] == [0, 4]
-    assert all(c.rank(*c.coords(r)) == r for r in range(8))
+    mesh = c.layout
+    assert mesh.groups("tp")[0] == [0, 1] and mesh.groups("dp")[0] == [0, 2] and mesh.groups("pp")[0] == [0, 4]
+    assert all(mesh.rank(mesh.coords(r)) == r for r in range(8))
     assert c.layers_per_stage(7) == [4, 3]
 
 

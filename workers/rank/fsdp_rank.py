@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipette.training import MIXED_DTYPES
-from workers.fsdp_spec import MESH_DIMS, FsdpPlan, plan_for
+from workers.fsdp_spec import FsdpPlan, plan_for
 from workers.phases import PHASES, Phases
 from workers.rank.devices import (
     backend_for,
@@ -137,14 +137,12 @@ class FsdpRank:
         self.devices = rank_devices(trial.device_kind, plan.offload)
         self.device = self.devices.compute
         set_matmul_precision(t.dtype, self.device)
-        self.mesh = mesh if mesh is not None else init_device_mesh(self.device.type, plan.mesh_shape,
-                                                                   mesh_dim_names=MESH_DIMS)
-        coords = plan.coords(rank)
-        dp_index = coords["dp_replicate"] * plan.dp_shard + coords["dp_shard"]
-        self.batches = GlobalBatches(trial.model.vocab, t.seq_len, t.global_batch, plan.dp, dp_index, trial.seed,
-                                     trial.data)
+        self.mesh = mesh if mesh is not None else init_device_mesh(self.device.type, plan.mesh.sizes,
+                                                                   mesh_dim_names=plan.mesh.names)
+        self.batches = GlobalBatches(trial.model.vocab, t.seq_len, t.global_batch, plan.dp,
+                                     plan.mesh.index(rank, "dp"), trial.seed, trial.data)
         meta = meta if meta is not None else meta_model(trial.model, t)
-        self.stage_ids = plan.stage_ids(coords["pp"])
+        self.stage_ids = plan.stage_ids(plan.mesh.index(rank, "pp"))
         self.stages = build_stages(meta, self.stage_ids, plan.stages, t.seq_len)
         for stage in self.stages:
             names = parameter_names(stage)

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipette.errors import SpecError
-from workers.fsdp_spec import MESH_DIMS, FsdpPlan, plan_for
+from workers.fsdp_spec import FsdpPlan, plan_for
 from workers.spec import TrialSpec
 
 #: the categories a trace reports, and ``FSDPMemTracker``'s reference types each gathers
@@ -238,7 +238,7 @@ def trace_rank(trial: TrialSpec, rank: int = 0) -> TracedMemory:
     plan = plan_for(trial.model, trial.training, trial.config, "cpu", world)
     _fake_world(world, rank)
     try:
-        mesh = init_device_mesh("cpu", plan.mesh_shape, mesh_dim_names=MESH_DIMS)
+        mesh = init_device_mesh("cpu", plan.mesh.sizes, mesh_dim_names=plan.mesh.names)
         meta = meta_model(trial.model, trial.training)  # PEFT cannot add its adapters to fake tensors
         device = torch.device("cpu")
         with FakeTensorMode(allow_non_fake_inputs=True), _real_device_meshes():

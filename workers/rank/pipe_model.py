@@ -21,11 +21,12 @@ from typing import TypeAlias
 import torch
 from deepspeed.pipe import PipelineModule, TiedLayerSpec
 from deepspeed.runtime.activation_checkpointing import checkpointing
-from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+from deepspeed.runtime.pipe.topology import ProcessTopology
 from torch import nn
 from transformers import LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
+from pipette.layout import Layout, stack_layout
 from workers.rank.lora import copy_to_tp
 
 
@@ -144,15 +145,21 @@ def stage_modules(layers: list[Layer], pp: int, stage: int) -> list[nn.Module]:
     return out
 
 
-def pipeline_module(layers: list[Layer], pp: int, dp: int, tp: int, recompute_layers: bool,
+def topology(mesh: Layout) -> ProcessTopology:
+    """DeepSpeed's process topology of ``mesh`` (the ``pipette`` stack's layout, ``pipette.layout``):
+    its dimensions under DeepSpeed's axis names, outermost first, as ``PipeModelDataParallelTopology``
+    builds them (axes pipe, data, model)."""
+    return ProcessTopology(axes=stack_layout("pipette").axes_of(mesh), dims=list(mesh.sizes))
+
+
+def pipeline_module(layers: list[Layer], mesh: Layout, recompute_layers: bool,
                     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lm_loss) -> PipelineModule:
-    """Split ``layers`` into ``pp`` stages, decoder layers spread evenly (DeepSpeed's type-based
-    partition, as ``stage_bounds``), on the rank layout of ``pipette.config`` (axes pipe, data,
-    model). A stage keeps only its own layers."""
-    topology = PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=dp)
+    """Split ``layers`` into ``mesh``'s pp stages, decoder layers spread evenly (DeepSpeed's type-based
+    partition, as ``stage_bounds``), on the ranks of ``mesh`` (``topology``). A stage keeps only its
+    own layers."""
     return PipelineModule(
         layers=layers,
-        topology=topology,
+        topology=topology(mesh),
         loss_fn=loss_fn,
         partition_method="type:DecoderStage",
         activation_checkpoint_interval=1 if recompute_layers else 0,

@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 from scipy import stats
 
-from pipette.config import ParallelConfig
 from pipette.contract import OOM_EXIT, event_line
+from pipette.layout import layout_of
 from workers.phases import PHASES, Phases
 from workers.rank.devices import (
     backend_for,
@@ -75,7 +75,7 @@ class Engine:
         from workers.rank.tp_shard import set_groups
 
         c, t = trial.config, trial.training
-        _, dp_index, _ = c.coords(rank)
+        dp_index = layout_of(c, trial.stack).index(rank, "dp")
         self.trial, self.config = trial, c
         self.device = rank_device(trial.device_kind)
         set_matmul_precision(t.dtype, self.device)
@@ -99,7 +99,7 @@ class Engine:
 
                 # DeepSpeed sizes the batch by the data-parallel world only when it is given the
                 # TP mesh (dp, tp): tp varies fastest, so TP groups are consecutive ranks, as in
-                # pipette.config's rank layout.
+                # pipette.layout's rank layout.
                 groups._init_tp_mesh_device(tensor_model_parallel_size=c.tp)
                 mpu = groups
                 tp_group = groups.get_tensor_model_parallel_group()
@@ -260,8 +260,3 @@ def train_or_oom(train: Callable[[], None], trial: TrialSpec, rank: int, device:
                 "error": str(e)[:2000], **allocator})
         return OOM_EXIT
     return 0
-
-
-def layout(config: ParallelConfig, rank: int) -> dict[str, int]:
-    pp, dp, tp = config.coords(rank)
-    return {"pp": pp, "dp": dp, "tp": tp}
