@@ -14,9 +14,6 @@ from pipette.script import ScriptSpec
 from pipette.stacks import runner_stacks
 from pipette.training import TrainingSpec
 
-#: the stacks Pipette's own runners train (``Stack.runner``; a script trial's stack is the script's business)
-RUNNER_STACKS = tuple(runner_stacks())
-
 
 @dataclass(frozen=True)
 class TrialSpec:
@@ -54,8 +51,9 @@ class TrialSpec:
             raise SpecError("is below min_steps", field="trial.max_steps", fix="raise max_steps")
         if self.device_kind not in ("cpu", "gpu"):
             raise SpecError(f"is {self.device_kind!r}", field="trial.device_kind", fix="use cpu or gpu")
-        if self.stack not in RUNNER_STACKS:
-            raise SpecError(f"is {self.stack!r}", field="trial.stack", fix=f"use one of {', '.join(RUNNER_STACKS)}")
+        runners = runner_stacks()  # those with a runner (``Stack.runner``); a script trial's stack is the script's
+        if self.stack not in runners:
+            raise SpecError(f"is {self.stack!r}", field="trial.stack", fix=f"use one of {', '.join(runners)}")
         if self.memory_cap_bytes is not None and self.memory_cap_bytes <= 0:
             raise SpecError("must be positive", field="trial.memory_cap_bytes", fix="give bytes, or no cap")
 

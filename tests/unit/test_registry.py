@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import ast
 import re
-from pathlib import Path
-
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -141,17 +140,26 @@ def test_each_stack_entry_names_its_runner_and_its_scripts() -> None:
     assert script_from_record(script_record(script)) == script and script_record(None) is None
 
 
-def test_a_new_stack_is_its_entry() -> None:
-    """A stack Pipette runs that no code names: its entry's runner trains and refuses its candidates,
-    and its script rule binds a script, with no branch on its name anywhere."""
+def test_a_new_stack_is_its_entry(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stack Pipette runs that no code names: its entry (here registered in ``STACKS`` as a new
+    one would be) is all the registry, the trial's checks and the host's launch read, with no
+    branch on its name anywhere (docs/stacks.md, "Adding a stack")."""
+    from workers.host.kinds import RunnerTrial, runs_deepspeed
+    from workers.spec import TrialSpec
+    from workers.support import refusals_for
+
     refused = ["the toy runner has no pipeline"]
     toy = replace(FSDP, name="toy", runner=Runner(entry="workers.rank.toy", deepspeed=False,
                                                   refusals=lambda m, t, c, d: refused if c.pp > 1 else []))
+    monkeypatch.setitem(STACKS, "toy", toy)
     model, training = ModelSpec.preset("tiny-llama"), TrainingSpec(global_batch=8, seq_len=64)
     pp2 = ParallelConfig(tp=1, pp=2, dp=1, mbs=1, global_batch=8)
-    assert runner_of(toy).rank_args() == ["-m", "workers.rank.toy", "--candidate", "candidate.json"]
     assert candidate_refusals(model, training, pp2, "cpu", None, toy) == refused
-    assert candidate_refusals(model, training, replace(pp2, pp=1, dp=2), "cpu", None, toy) == []
-    assert not traceable(toy) and RunnerKind((toy,)).runner_stack == "toy"
+    assert refusals_for(model, training, replace(pp2, pp=1, dp=2), "cpu", stack="toy") == []
+    kind = job_kind("toy", None)
+    assert isinstance(kind, RunnerKind) and kind.runner_stack == "toy" and not traceable(toy)
+    launch = RunnerTrial(TrialSpec(model, training, replace(pp2, pp=1, dp=2), stack="toy")).launch(None)  # type: ignore[arg-type]
+    assert launch.argv[1:] == ["-m", "workers.rank.toy", "--candidate", "candidate.json"]
+    assert list(launch.files) == ["candidate.json"] and not runs_deepspeed(None, "toy")
     trainer = ScriptSpec(argv=("python", "train.py"), kind="hf-trainer")
     assert bind_stack(trainer, toy).fsdp and not bind_stack(trainer, replace(HF_DEEPSPEED, name="toy2")).fsdp

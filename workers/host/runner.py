@@ -49,7 +49,7 @@ class RayTrialRunner:
     checkpoint: str | None = None
     #: the user's own training script, run instead of Pipette's runner (``pipette.script``)
     script: ScriptSpec | None = None
-    #: the stack Pipette's runner trains with (``workers.spec.RUNNER_STACKS``) unless the candidate
+    #: the stack Pipette's runner trains with (``pipette.stacks.runner_stacks``) unless the candidate
     #: names its own (a plan over several stacks: ``ParallelConfig.stack``); unused for a script
     stack: str = "pipette"
     #: ship the script's working directory to the ranks' nodes with Ray's runtime environment
