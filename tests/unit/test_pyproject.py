@@ -4,10 +4,15 @@ per ``pip install -e .`` that ``project.license`` as a TOML table is deprecated 
 
 from __future__ import annotations
 
+import os
+import shlex
+import subprocess
+import sys
 import tomllib
 import warnings
 from pathlib import Path
 
+import pytest
 from setuptools.config.pyprojecttoml import apply_configuration
 from setuptools.dist import Distribution
 
@@ -25,3 +30,20 @@ def test_the_build_requires_a_setuptools_that_reads_an_spdx_license() -> None:
     # setuptools 77 is the first to take `license = "SPDX"` (PEP 639)
     requires = tomllib.loads((ROOT / "pyproject.toml").read_text())["build-system"]["requires"]
     assert "setuptools>=77" in requires
+
+
+@pytest.mark.slow
+def test_the_dev_install_of_pipette_prints_no_setuptools_notice(tmp_path: Path) -> None:
+    """setuptools' "Editable installation ... Please be careful with folders in your working
+    directory with the same name as your package" came at every ``./dev`` install (issue 43 item
+    24's kind of noise): run ``./dev``'s own install line (its environment, into a throwaway prefix)."""
+    line = next(ln for ln in (ROOT / "dev").read_text().splitlines() if "pip install --quiet -e" in ln)
+    env = dict(os.environ)
+    for word in shlex.split(line.split('"$PY"')[0]):
+        name, _, value = word.partition("=")
+        env[name] = value
+    done = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "-e", str(ROOT),
+                           "--prefix", str(tmp_path / "prefix")], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Editable installation" not in done.stdout + done.stderr, done.stderr[-3000:]
