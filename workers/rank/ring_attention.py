@@ -19,6 +19,9 @@ _attention.py``, its Note "Context parallelism load balance algorithm for causal
 * the partial results are merged with their log-sum-exp (the online softmax of
   FlashAttention, Dao et al. 2022, Algorithm 1; TE's ``flash_attn_fwd_out_correction``):
   ``lse = log(e^lse_a + e^lse_b)``, ``o = o_a e^(lse_a - lse) + o_b e^(lse_b - lse)``;
+* each block is one call of the fused kernel PyTorch's SDPA uses on a CPU
+  (``_scaled_dot_product_flash_attention_for_cpu`` and its ``_backward``, as PyTorch's ring calls
+  the CUDA flash kernel per block), or the same arithmetic in matmuls on another device;
 * the backward is FlashAttention-2's (Dao 2023, Algorithm 2) per block with the final output
   and log-sum-exp: ``P = exp(S - lse)``, ``dV = P^T dO``, ``dS = P (dO V^T - D)`` with
   ``D = rowsum(dO * O)``, ``dQ = dS K s``, ``dK = dS^T Q s``; the queries' gradient stays on the
@@ -85,25 +88,57 @@ def _scores(q5: torch.Tensor, k: torch.Tensor, scale: float, causal: bool) -> to
     return s
 
 
-def block_forward(q5: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+def _math_forward(q5: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                   causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """One block's output [b, kv, g, sq, d] and log-sum-exp [b, kv, g, sq] (fp32 in, fp32 out)."""
     s = _scores(q5, k, scale, causal)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - lse.unsqueeze(-1))
     return torch.matmul(p, v.unsqueeze(2)), lse
 
 
-def block_backward(q5: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d_out: torch.Tensor, lse: torch.Tensor,
-                   delta: torch.Tensor, scale: float, causal: bool) -> tuple[torch.Tensor, ...]:
-    """dQ (query layout), dK, dV (key layout, summed over each kv head's query group) of one
-    block, from the final log-sum-exp and ``delta = rowsum(dO * O)`` (FlashAttention-2)."""
+def _math_backward(q5: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d_out: torch.Tensor, out: torch.Tensor,
+                   lse: torch.Tensor, scale: float, causal: bool) -> tuple[torch.Tensor, ...]:
+    delta = (d_out * out).sum(-1)
     p = torch.exp(_scores(q5, k, scale, causal) - lse.unsqueeze(-1))
     dv = torch.matmul(p.transpose(-1, -2), d_out).sum(dim=2)
     ds = p * (torch.matmul(d_out, v.unsqueeze(2).transpose(-1, -2)) - delta.unsqueeze(-1))
     dq = torch.matmul(ds, k.unsqueeze(2)) * scale
     dk = torch.matmul(ds.transpose(-1, -2), q5).sum(dim=2) * scale
     return dq, dk, dv
+
+
+def _heads(x5: torch.Tensor) -> torch.Tensor:
+    """[b, kv_heads, group, s, ...] as [b, heads, s, ...] (query head h = kv head h // group)."""
+    return x5.reshape(x5.shape[0], x5.shape[1] * x5.shape[2], *x5.shape[3:])
+
+
+def block_forward(q5: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
+                  fused: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block's output [b, kv, g, sq, d] and log-sum-exp [b, kv, g, sq] (fp32). On the CPU
+    the fused kernel SDPA uses there (``aten._scaled_dot_product_flash_attention_for_cpu``, which
+    returns the log-sum-exp; the keys repeated to the query heads for it), else (or with
+    ``fused=False``) the same arithmetic in plain matmuls."""
+    if not (q5.device.type == "cpu" if fused is None else fused):
+        return _math_forward(q5, k, v, scale, causal)
+    g = q5.shape[2]
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        _heads(q5), k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1), 0.0, causal, scale=scale)
+    return out.reshape(q5.shape), lse.reshape(q5.shape[:-1])
+
+
+def block_backward(q5: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d_out: torch.Tensor, out: torch.Tensor,
+                   lse: torch.Tensor, scale: float, causal: bool,
+                   fused: bool | None = None) -> tuple[torch.Tensor, ...]:
+    """dQ (query layout), dK, dV (key layout, summed over each kv head's query group) of one
+    block, from the final output and log-sum-exp of its queries (FlashAttention-2's backward:
+    the CPU kernel's ``_backward`` takes them as its ``out`` and ``logsumexp``)."""
+    if not (q5.device.type == "cpu" if fused is None else fused):
+        return _math_backward(q5, k, v, d_out, out, lse, scale, causal)
+    b, kv, g = q5.shape[:3]
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        _heads(d_out), _heads(q5), k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1), _heads(out),
+        _heads(lse), 0.0, causal, scale=scale)
+    return dq.reshape(q5.shape), dk.reshape(b, kv, g, *k.shape[2:]).sum(2), dv.reshape(b, kv, g, *v.shape[2:]).sum(2)
 
 
 def merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
@@ -173,7 +208,6 @@ class RingAttention(torch.autograd.Function):
         ring, plan, n = Ring(ctx.group), ctx.plan, len(ctx.plan.chunks[0])
         q5, d_out = _split(q, k.shape[1], n), _split(grad, k.shape[1], n)
         o5, lse = o.chunk(n, dim=3), m.chunk(n, dim=3)
-        delta = [(d * oc).sum(-1) for d, oc in zip(d_out, o5, strict=True)]
         dq = [torch.zeros_like(c) for c in q5]
         kv, dkv = torch.stack([k.float(), v.float()]), torch.zeros(2, *k.shape, dtype=torch.float32, device=k.device)
         for step in range(ring.size):
@@ -182,7 +216,7 @@ class RingAttention(torch.autograd.Function):
             ks, vs = kv[0].chunk(n, dim=2), kv[1].chunk(n, dim=2)
             dks, dvs = dkv[0].chunk(n, dim=2), dkv[1].chunk(n, dim=2)
             for a, b, relation in plan.pairs(ring.rank, step):
-                g = block_backward(q5[a], ks[b], vs[b], d_out[a], lse[a], delta[a], ctx.scale, relation == CAUSAL)
+                g = block_backward(q5[a], ks[b], vs[b], d_out[a], o5[a], lse[a], ctx.scale, relation == CAUSAL)
                 dq[a] += g[0]
                 dks[b].add_(g[1])
                 dvs[b].add_(g[2])
