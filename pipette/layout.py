@@ -39,17 +39,34 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
 
 from pipette.errors import SpecError
 
-if TYPE_CHECKING:
-    from pipette.config import ParallelConfig
-
 IntArray = npt.NDArray[np.int64]
+
+
+class Degrees(Protocol):
+    """What a layout reads of a candidate (``pipette.config.ParallelConfig``, which builds on this
+    module and so is not imported here)."""
+
+    @property
+    def tp(self) -> int: ...
+    @property
+    def pp(self) -> int: ...
+    @property
+    def dp(self) -> int: ...
+    @property
+    def cp(self) -> int: ...
+    @property
+    def ep(self) -> int: ...
+    @property
+    def dp_shard(self) -> int | None: ...
+    @property
+    def zero_stage(self) -> int: ...
 
 #: dimensions a mesh has only at a degree above 1 (their coordinate is 0 otherwise)
 OPTIONAL_DIMS: tuple[str, ...] = ("cp",)
@@ -98,7 +115,7 @@ class StackLayout:
         own = dict(zip(self.mesh, self.axes, strict=True))
         return [own[n] for n in layout.names]
 
-    def problems(self, config: ParallelConfig) -> list[tuple[str, str, str]]:
+    def problems(self, config: Degrees) -> list[tuple[str, str, str]]:
         """Every (message, field, fix) that stops this stack from laying out ``config``."""
         out = []
         for degree, runs in (("cp", self.cp), ("ep", self.ep)):
@@ -162,7 +179,7 @@ def check_degrees(tp: int, pp: int, dp: int, cp: int, ep: int, dp_shard: int | N
                         fix=f"use an ep that divides {dp * cp}")
 
 
-def degrees_of(config: ParallelConfig) -> dict[str, int]:
+def degrees_of(config: Degrees) -> dict[str, int]:
     """The size of every mesh dimension a stack may name for ``config``. ``dp_shard`` is the ranks the
     model states are sharded over: 1 under zero_stage 0 (replicated: FSDP's NO_SHARD, DDP), the HSDP
     shard degree where set, else all of dp; ``dp_replicate`` the replicas of those shards."""
@@ -180,7 +197,7 @@ def stack_layout(stack: str) -> StackLayout:
     return STACK_LAYOUTS[name]
 
 
-def layout_of(config: ParallelConfig, stack: str | None = None) -> Layout:
+def layout_of(config: Degrees, stack: str | None = None) -> Layout:
     """The mesh of ``config`` in ``stack``'s order (None: ``CANONICAL``); a stack that does not run
     its degrees refuses it in one line (``SpecError``)."""
     if stack is None:
