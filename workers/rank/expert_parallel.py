@@ -32,14 +32,22 @@ GPU job does.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-if TYPE_CHECKING:
-    from workers.rank.moe_layer import Routing
+
+@dataclass
+class Routing:
+    """Where each of T tokens goes: its k experts, their weights (zero where dropped), which of
+    the k assignments are kept, and the load-balancing loss of the routing."""
+
+    experts: torch.Tensor
+    weights: torch.Tensor
+    kept: torch.Tensor
+    aux_loss: torch.Tensor
 
 
 @dataclass(frozen=True)

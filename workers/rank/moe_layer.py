@@ -46,7 +46,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from pipette.errors import SpecError
-from workers.rank.expert_parallel import Dispatch, expert_parallel_forward
+from workers.rank.expert_parallel import Dispatch, Routing, expert_parallel_forward
 
 #: which assignments an expert over its capacity keeps (see the module docstring)
 DROP_POLICIES: tuple[str, ...] = ("probs", "position")
@@ -93,17 +93,6 @@ class MoeOptions:
         if self.capacity_factor is None:
             return None
         return math.ceil(tokens * self.top_k / self.experts * self.capacity_factor)
-
-
-@dataclass
-class Routing:
-    """Where each of T tokens goes: its k experts, their weights (zero where dropped), which of
-    the k assignments are kept, and the load-balancing loss of the routing."""
-
-    experts: torch.Tensor
-    weights: torch.Tensor
-    kept: torch.Tensor
-    aux_loss: torch.Tensor
 
 
 def load_balancing_loss(probs: torch.Tensor, experts: torch.Tensor, options: MoeOptions) -> torch.Tensor:
