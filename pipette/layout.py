@@ -155,7 +155,9 @@ STACK_LAYOUTS: dict[str, StackLayout] = {s.name: s for s in (
         "fsdp", mesh=("pp", "dp_replicate", "dp_shard", "cp", "tp"),
         axes=("pp", "dp_replicate", "dp_shard", "cp", "tp"),
         source="torchtitan's ParallelDims (torchtitan/distributed/parallel_dims.py): pp, dp_replicate, dp_shard, "
-               "cp, tp", ep_within=("dp_shard", "cp"), ep_whole_cp=True),
+               "cp, tp; its context parallelism is ring attention over cp (context_parallel_degree, "
+               "torchtitan/distributed/context_parallel.py), run by workers.rank.context_parallel",
+        cp=True, ep_within=("dp_shard", "cp"), ep_whole_cp=True),
 )}
 #: the mesh of a candidate of no particular stack: Megatron-Core's order, every other one's flattening
 CANONICAL: tuple[str, ...] = ("pp", "dp", "cp", "tp")

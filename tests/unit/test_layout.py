@@ -169,6 +169,8 @@ def test_degrees_are_validated_once_with_the_fix() -> None:
 @pytest.mark.parametrize("stack", sorted(STACK_LAYOUTS))
 def test_every_stack_refuses_cp_and_ep_naming_the_issue_to_come(stack: str) -> None:
     for kw, issue in (({"cp": 2}, "issue 48"), ({"ep": 2}, "issue 47")):
+        if getattr(STACK_LAYOUTS[stack], next(iter(kw))):
+            continue  # the stack runs it now (issue 48: the fsdp stack's cp)
         c = config(1, 1, 2, **kw)  # type: ignore[arg-type]
         problems = stack_layout(stack).problems(c)
         assert len(problems) == 1 and issue in problems[0][0] and problems[0][1] == f"config.{next(iter(kw))}"
@@ -192,6 +194,13 @@ def test_flipping_a_stacks_rule_is_all_it_takes() -> None:
         replace(STACK_LAYOUTS["pipette"], cp=True)  # DeepSpeed's topology has no cp axis to put it on
     hsdp = config(1, 1, 4, cp=2, dp_shard=2, ep=8)
     assert any("dp_shard x cp" in p[0] for p in fsdp.problems(hsdp)) and megatron.problems(hsdp) == []
+
+
+def test_the_fsdp_stack_runs_cp_in_torchtitans_mesh() -> None:
+    c = config(1, 1, 2, cp=2)
+    assert stack_layout("fsdp").problems(c) == []
+    lay = layout_of(c, "fsdp")
+    assert lay.names == ("pp", "dp_replicate", "dp_shard", "cp", "tp") and lay.groups("cp") == [[0, 1], [2, 3]]
 
 
 def test_cp_and_ep_are_written_only_when_set() -> None:
