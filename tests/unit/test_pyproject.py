@@ -7,8 +7,8 @@ from __future__ import annotations
 import os
 import shlex
 import subprocess
-import sys
 import tomllib
+import venv
 import warnings
 from pathlib import Path
 
@@ -36,14 +36,16 @@ def test_the_build_requires_a_setuptools_that_reads_an_spdx_license() -> None:
 def test_the_dev_install_of_pipette_prints_no_setuptools_notice(tmp_path: Path) -> None:
     """setuptools' "Editable installation ... Please be careful with folders in your working
     directory with the same name as your package" came at every ``./dev`` install (issue 43 item
-    24's kind of noise): run ``./dev``'s own install line (its environment, into a throwaway prefix)."""
+    24's kind of noise): run ``./dev``'s own install line (its environment, into a throwaway venv)."""
     line = next(ln for ln in (ROOT / "dev").read_text().splitlines() if "pip install --quiet -e" in ln)
     env = dict(os.environ)
     for word in shlex.split(line.split('"$PY"')[0]):
         name, _, value = word.partition("=")
         env[name] = value
-    done = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "-e", str(ROOT),
-                           "--prefix", str(tmp_path / "prefix")], env=env, capture_output=True, text=True,
-                          timeout=600)
+    # a venv of its own: pip installing elsewhere (--prefix) still uninstalls the suite's own
+    # editable Pipette first, and every later test that starts `python -m cli` lost it
+    venv.create(tmp_path / "venv", with_pip=True)
+    done = subprocess.run([str(tmp_path / "venv" / "bin" / "python"), "-m", "pip", "install", "--quiet", "--no-deps",
+                           "-e", str(ROOT)], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "Editable installation" not in done.stdout + done.stderr, done.stderr[-3000:]
