@@ -28,9 +28,12 @@ writes ``cp`` and ``ep`` only when not 1: every mesh of a candidate without them
 meshes and process groups, the rank maps) is what it was before they existed. Its coordinate is then
 0 and its groups single ranks.
 
-``STACK_LAYOUTS`` holds each stack's mesh order and rules, keyed by stack name: today no stack runs
-``cp > 1`` or ``ep > 1``, and each refuses them in one line naming the issue that brings them; that
-issue flips the stack's ``cp`` or ``ep`` here (and adds its own rule, such as ``ep_whole_cp``).
+``STACK_LAYOUTS`` holds each stack's mesh order and rules, keyed by stack name: a stack that does not
+run ``cp > 1`` or ``ep > 1`` refuses them in one line naming the issue that brings them; that issue
+flips the stack's ``cp`` or ``ep`` here (and adds its own rule, such as ``ep_whole_cp``). Context
+parallelism (issue 48): ``fsdp`` and ``megatron`` run it as a ring, ``hf-deepspeed`` as Ulysses
+(``StackLayout.cp_kind``; each stack's rule in ``cp_problems``, cited); ``pipette`` (Pipette's
+DeepSpeed runner) and ``nanotron`` refuse it.
 """
 
 from __future__ import annotations
@@ -104,6 +107,12 @@ class StackLayout:
     ep_within: tuple[str, ...] = ("dp", "cp")
     #: an expert group holds whole context-parallel groups (torchtitan: ``ep % cp == 0``)
     ep_whole_cp: bool = False
+    #: how its cp ranks attend over the whole sequence: ``ring`` (KV blocks passed around the cp
+    #: group, the sequence in ``2 cp`` load-balanced chunks) or ``ulysses`` (all-to-alls that trade
+    #: the sequence split for a head split: the degree is bounded by the heads)
+    cp_kind: str = "ring"
+    #: where its cp rules are taken from
+    cp_source: str = ""
 
     def __post_init__(self) -> None:
         if self.cp and "cp" not in self.mesh:
@@ -134,6 +143,34 @@ class StackLayout:
                             "context-parallel groups)", "config.ep", f"use a multiple of {config.cp}"))
         return out
 
+    def cp_problems(self, cp: int, tp: int, seq_len: int, heads: int, kv_heads: int) -> list[tuple[str, str, str]]:
+        """Every (message, field, fix) by which this stack's context parallelism cannot split a
+        sequence of ``seq_len`` tokens of a model with ``heads`` (``kv_heads``) attention heads over
+        ``cp`` ranks beside ``tp``. Ring: ``2 cp`` equal chunks, each cut by tp under sequence
+        parallelism (Megatron-Core's ``get_batch_on_this_cp_rank``, megatron/core/utils.py, reshapes
+        the sequence into ``2 * cp`` chunks, and its sequence parallelism scatters a cp rank's part
+        over tp; torchtitan's ``ParallelDims.seq_len_divisor`` = ``tp * cp * 2``). Ulysses: the
+        sequence split by cp and the heads of a tp rank by cp too, query and key/value heads alike
+        (DeepSpeed's ``DistributedAttention``, deepspeed/sequence/layer.py: its all-to-all scatters
+        the head dimension over the sequence-parallel group)."""
+        if cp == 1 or not self.cp:
+            return []
+        if self.cp_kind == "ulysses":
+            out = []
+            if seq_len % cp:
+                out.append((f"seq_len {seq_len} is not divisible by cp={cp} (Ulysses splits the sequence)",
+                            "training.seq_len", f"use a multiple of {cp}"))
+            for what, n in (("attention", heads), ("key/value", kv_heads)):
+                if n % (tp * cp):
+                    out.append((f"cp={cp} x tp={tp} does not divide the {n} {what} heads (Ulysses' all-to-all "
+                                "splits the heads)", "config.cp", f"use a cp that divides {n // math.gcd(n, tp)}"))
+            return out
+        divisor = 2 * cp * tp
+        if seq_len % divisor:
+            return [(f"seq_len {seq_len} is not divisible by 2 x cp x tp = {divisor} (ring attention's 2 cp chunks, "
+                     "each cut by tp)", "training.seq_len", f"use a multiple of {divisor}, or a smaller cp")]
+        return []
+
 
 _DEEPSPEED = ("DeepSpeed's PipeModelDataParallelTopology (deepspeed/runtime/pipe/topology.py): axes pipe, data, "
               "model, model fastest")
@@ -141,12 +178,24 @@ _DEEPSPEED = ("DeepSpeed's PipeModelDataParallelTopology (deepspeed/runtime/pipe
 #: and tp fastest, with the data dimensions (and cp) between: one rank layout for all, so a placement,
 #: the planner's groups and every runner agree (tests/unit/test_layout.py checks it).
 STACK_LAYOUTS: dict[str, StackLayout] = {s.name: s for s in (
+    # Pipette's DeepSpeed runner builds no sequence-parallel attention: cp stays refused until it does
     StackLayout("pipette", mesh=("pp", "dp", "tp"), axes=("pipe", "data", "model"), source=_DEEPSPEED),
-    StackLayout("hf-deepspeed", mesh=("pp", "dp", "tp"), axes=("pipe", "data", "model"), source=_DEEPSPEED),
+    StackLayout(
+        "hf-deepspeed", mesh=("pp", "dp", "cp", "tp"), axes=("pipe", "data", "sequence", "model"), source=_DEEPSPEED,
+        cp=True, cp_kind="ulysses",
+        cp_source="DeepSpeed Ulysses (deepspeed/sequence/layer.py DistributedAttention; Arctic Long Sequence "
+                  "Training's UlyssesSPAttentionHF for Hugging Face models, Accelerate's ParallelismConfig sp_size): "
+                  "sequence-parallel ranks inside the data-parallel ones, ZeRO partitioned over both; planned, not "
+                  "run by Pipette"),
     StackLayout(
         "megatron", mesh=("pp", "dp", "cp", "tp"), axes=("pp", "dp", "cp", "tp"),
         source="Megatron-Core's initialize_model_parallel (megatron/core/parallel_state.py), order tp-cp-ep-dp-pp; "
-               "the experts' RankGenerator re-splits dp x cp as (expert dp, ep)"),
+               "the experts' RankGenerator re-splits dp x cp as (expert dp, ep)",
+        cp=True, cp_kind="ring",
+        cp_source="--context-parallel-size (Megatron-Core; Transformer Engine's attention with cp_comm_type p2p: "
+                  "KV blocks around the ring, 2 cp load-balanced chunks); gradients reduced and the distributed "
+                  "optimizer sharded over dp x cp (data_parallel_group with_context_parallel); with tp's sequence "
+                  "parallelism a cp rank's chunk is cut by tp. Planned and emitted, not run by Pipette"),
     StackLayout(
         "nanotron", mesh=("pp", "dp", "cp", "tp"), axes=("pp", "dp", "cp", "tp"),
         source="nanotron's ParallelContext (src/nanotron/parallel/context.py) without MoE: ranks reshaped "
@@ -157,7 +206,9 @@ STACK_LAYOUTS: dict[str, StackLayout] = {s.name: s for s in (
         source="torchtitan's ParallelDims (torchtitan/distributed/parallel_dims.py): pp, dp_replicate, dp_shard, "
                "cp, tp; its context parallelism is ring attention over cp (context_parallel_degree, "
                "torchtitan/distributed/context_parallel.py), run by workers.rank.context_parallel",
-        cp=True, ep_within=("dp_shard", "cp"), ep_whole_cp=True),
+        cp=True, ep_within=("dp_shard", "cp"), ep_whole_cp=True, cp_kind="ring",
+        cp_source="torchtitan's context_parallel_degree (torch.distributed.tensor.experimental.context_parallel, "
+                  "rotate method allgather by default); FSDP shards over dp_shard x cp (the dp_shard_cp mesh)"),
 )}
 #: the mesh of a candidate of no particular stack: Megatron-Core's order, every other one's flattening
 CANONICAL: tuple[str, ...] = ("pp", "dp", "cp", "tp")

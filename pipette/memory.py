@@ -18,6 +18,7 @@ from __future__ import annotations
 from pipette.config import ParallelConfig
 from pipette.errors import SpecError
 from pipette.estimates import MemoryEstimate
+from pipette.memory_cp import exchange_bytes, fold
 from pipette.memory_options import (
     CPU_PROCESS_OVERHEAD_BYTES,
     DEFAULT_OPTIONS,
@@ -90,6 +91,10 @@ def stage_breakdowns(
         raise SpecError(
             f"unknown device kind {device_kind!r}", field="device.kind", fix="use gpu or cpu"
         )
+    # a cp rank holds what a dp rank of s/cp-token sequences on dp x cp replicas holds, and the
+    # attention's KV exchange in flight (pipette.memory_cp)
+    exchange = exchange_bytes(model, training, config, options.cp_comm)
+    training, config = fold(training, config)
     s, b, h = training.seq_len, config.mbs, model.hidden
     t, p, n_d, d = config.tp, config.pp, config.dp, training.dtype_bytes
     V, m, v = model.vocab, config.grad_accum, config.virtual_stages
@@ -208,6 +213,7 @@ def stage_breakdowns(
                 # they are whole (a trace of the runner, workers.rank.fsdp_trace: Llama 3 8B dp 8, 0
                 # gradient bytes at the peak; docs/results.md, "Traced memory")
                 gradients = max(0.0, gradients - activations - stage_logits)
+        buffers += exchange if layers_i else 0.0
         if gpu:
             overhead = GPU_OVERHEAD_BYTES + (options.fragmentation - 1.0) * (activations + stage_logits)
         else:
@@ -438,6 +444,9 @@ def _notes(training: TrainingSpec, config: ParallelConfig, options: MemoryOption
         notes.append("LoRA: frozen base has no gradients or optimizer state")
     if options.grad_accum_fp32:
         notes.append("fp32 gradient accumulation buffers")
+    if config.cp > 1:
+        notes.append(f"context parallel cp={config.cp}: {training.seq_len // config.cp} tokens a rank, "
+                     f"KV exchange {options.cp_comm}")
     return tuple(notes)
 
 

@@ -173,6 +173,9 @@ class MemoryOptions:
     #: "uniform" (DeepSpeed's and Megatron-LM's even split, heaviest first) or "compute"
     #: (nanotron's: ``compute_balanced_stage_layers``).
     stage_balance: str = "uniform"
+    #: How context parallelism exchanges the keys and values (``pipette.memory_cp.CP_COMMS``): what
+    #: a cp rank holds in flight during a layer's attention (``memory_cp.exchange_bytes``)
+    cp_comm: str = "p2p"
 
     def __post_init__(self) -> None:
         if self.stage_balance not in STAGE_BALANCES:
@@ -208,4 +211,4 @@ NANOTRON_OPTIONS = MemoryOptions(loss_fp32_copies=2, deepspeed_bf16_fp32_grads=F
 #: Pipette's DeepSpeed runner).
 FSDP_OPTIONS = MemoryOptions(grad_accum_fp32=True, deepspeed_bf16_fp32_grads=False, fsdp2=True, op_sac=True,
                              tp_saves_gathered_inputs=True, tp_loss_fp32_copies=4,
-                             fragmentation=FSDP_FRAGMENTATION)
+                             fragmentation=FSDP_FRAGMENTATION, cp_comm="allgather")

@@ -45,6 +45,7 @@ from pipette.efficiency import EfficiencyCurve, default_curve, family, kernel_at
 from pipette.errors import SpecError
 from pipette.estimates import TIME_PARTS, PerfEstimate
 from pipette.memory import estimate_memory
+from pipette.memory_cp import fold
 from pipette.model import ModelSpec
 from pipette.perf_constants import (
     ADAM_BYTES_PER_PARAM,
@@ -57,6 +58,7 @@ from pipette.perf_constants import (
     MemoryPressure,
     PerfConstants,
 )
+from pipette.perf_cp import CP_PART, stage_exposed
 from pipette.stacks import Stack, get_stack
 from pipette.training import TrainingSpec
 
@@ -73,6 +75,8 @@ class _Compute:
     backward: FloatArray  # (p,), recomputation included
     #: the linear layers' GEMM time of both passes (recomputation included): what TP overlap hides under
     linear: FloatArray  # (p,)
+    #: one layer's attention (forward, backward): what a cp ring's transfers hide under (pipette.perf_cp)
+    attention: tuple[float, float] = (0.0, 0.0)
 
 
 class PerfModel:
@@ -88,6 +92,12 @@ class PerfModel:
         constants: PerfConstants | None = None,
     ) -> None:
         _check(model, training, config, cluster)
+        #: the candidate as given; under cp the model prices the job one cp rank equals
+        #: (``pipette.memory_cp.fold``: s/cp tokens on dp x cp replicas) with the attention over
+        #: the whole sequence's keys (``kv_seq``) and the KV exchange (``pipette.perf_cp``)
+        self.job_training, self.job_config = training, config
+        self.kv_seq = training.seq_len
+        training, config = fold(training, config)
         self.model, self.training, self.config, self.cluster = model, training, config, cluster
         self.layout = config.layout
         self.k = constants or DEFAULT_CONSTANTS
@@ -113,7 +123,7 @@ class PerfModel:
         # What ZeRO-3 gathers: every parameter it partitions, a LoRA run's frozen base too.
         self.weight_bytes = _stage_params(model, training, config, trainable=False) * b
         self.opt_time = self._optimizer_time()
-        counted = flops.per_step(model, training, config.recompute)
+        counted = flops.per_step(model, self.job_training, config.recompute)
         self.model_flops, self.hardware_flops = counted.model, counted.hardware
 
     def _pressure_stall(self) -> float:
@@ -123,7 +133,7 @@ class PerfModel:
         if mp is None or mp.stall_s <= 0:
             return 0.0
         capacity = self.cluster.min_usable_memory
-        est = estimate_memory(self.model, self.training, self.config, capacity, options=mp.options)
+        est = estimate_memory(self.model, self.job_training, self.job_config, capacity, options=mp.options)
         return mp.stall(float(est.peak_bytes), float(capacity))
 
     # ---- compute (Narayanan et al. 2021 sec. 5.1 FLOP counts) -------------------------
@@ -169,7 +179,7 @@ class PerfModel:
 
     def _compute_times(self) -> _Compute:
         model, cfg, tr = self.model, self.config, self.training
-        t, tp, s = float(self.tokens), cfg.tp, tr.seq_len
+        t, tp, s = float(self.tokens), cfg.tp, self.kv_seq  # s: the keys a query attends over
         lora = tr.lora if tr.is_lora else None
         targets = set(lora.targets) if lora is not None else set()
         # Linear layers: forward 2 T in out / tp FLOPs each; backward 2x (data and weight
@@ -233,7 +243,7 @@ class PerfModel:
         loss = t * model.vocab / tp * self.k.loss_bytes_per_logit / self.device.memory_bandwidth
         forward[-1] += head + loss / 2.0
         backward[-1] += (head if lora is not None else 2.0 * head) + loss / 2.0
-        return _Compute(forward=forward, backward=backward, linear=linear)
+        return _Compute(forward=forward, backward=backward, linear=linear, attention=(attn_f, attn_b))
 
     def _optimizer_time(self) -> FloatArray:
         """Memory-bound update of the local shard (Rajbhandari et al. 2020, ZeRO >= 1)."""
@@ -353,6 +363,10 @@ class PerfModel:
         comp = self.compute.forward + self.compute.backward + self.pressure_stall  # (p,)
         comms = {"tp_comm": t_tp, "pp_comm": t_pp, "zero3_gather": t_z3,
                  "dp_comm": np.repeat(t_dp_mb[:, None], dp, axis=1)}
+        if self.job_config.cp > 1:
+            cp_mb = stage_exposed(self.model, self.job_training, self.job_config, self.cluster, k,
+                                  self.compute.attention, self.layers, devices)
+            comms[CP_PART] = np.repeat(cp_mb[:, None], dp, axis=1)
         stage = comp[:, None] + sum(comms.values())  # (p, dp)
         beta = k.bubble_share
         pipe = _pipeline(stage, m, v, beta)
@@ -385,6 +399,7 @@ class PerfModel:
             "bubble": ideal - m * float(comp.max()),
             "optimizer": float(self.opt_time.max()),
             "embedding_sync": t_emb,
+            **({CP_PART: share[CP_PART]} if CP_PART in share else {}),
         }
 
     # ---- public -----------------------------------------------------------------------
@@ -394,7 +409,7 @@ class PerfModel:
 
     def estimate(self, placement: Sequence[int] | npt.NDArray[np.integer] | None = None) -> PerfEstimate:
         parts = self._parts(placement)
-        breakdown = {key: parts[key] for key in TIME_PARTS}
+        breakdown = {key: parts[key] for key in (*TIME_PARTS, CP_PART) if key in parts}
         step = float(sum(breakdown.values()))
         tokens = float(self.training.tokens_per_step)
         flops_peak = step * self.config.world * self.peak

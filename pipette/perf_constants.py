@@ -194,6 +194,12 @@ class PerfConstants:
     #: (megatron/core/pipeline_parallel/schedules.py, ``get_tensor_shapes``: seq_length // tp when
     #: sequence_parallel). False: every rank sends the whole activation.
     p2p_sequence_sharded: bool = False
+    #: How context parallelism exchanges keys and values (``pipette.memory_cp.CP_COMMS``; priced by
+    #: ``pipette.perf_cp``): ``p2p`` the ring of KV blocks, ``allgather`` torchtitan's rotation, ``a2a`` Ulysses
+    cp_comm: str = "p2p"
+    #: Share of a ring step's attention block that hides its KV transfer (``pipette.perf_cp``): 1 when the
+    #: transfer runs on its own stream beside the block (Transformer Engine, PyTorch's ring)
+    cp_overlap: float = 1.0
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ import numpy.typing as npt
 from pipette.cluster import ClusterProfile
 from pipette.config import ParallelConfig
 from pipette.errors import SpecError
+from pipette.memory_cp import fold_config
 
 IntArray = npt.NDArray[np.int64]
 FloatArray = npt.NDArray[np.float64]
@@ -75,6 +76,7 @@ def naive_placement(config: ParallelConfig) -> tuple[int, ...]:
 
 def default_placement(config: ParallelConfig, cluster: ClusterProfile) -> tuple[int, ...]:
     """The topology-aware start: TP cliques, DP sets, then stages (module docstring)."""
+    config = fold_config(config)  # cp ranks as data-parallel ones: the same rank order (pipette.memory_cp)
     _check_fits(config, cluster)
     levels = _two_level(cluster)
     if levels is not None and (config.world <= levels.node_size or config.world % levels.node_size == 0):
@@ -118,6 +120,7 @@ def optimize_placement(
         raise SpecError(
             f"is {max_evaluations!r}", field="max_evaluations", fix="give a positive whole number"
         )
+    config = fold_config(config)
     start = np.array(default_placement(config, cluster), dtype=np.int64)
     evaluator = _Evaluator(cost)
     default_cost = evaluator(start)

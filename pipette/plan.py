@@ -216,7 +216,7 @@ def make_plan(
     rejected: Counter[str] = Counter()
     for st in chosen_all:
         base = enumerate_space(model, training, cluster.world, sharded_pipeline=st.sharded_pipeline,
-                               uneven_virtual_stages=st.uneven_virtual_stages)
+                               uneven_virtual_stages=st.uneven_virtual_stages, stack=st.name)
         runnable = _runnable(_stack_space(base, st, cluster), st, model, training, kind)
         rejected.update(runnable.rejected)
         candidates += [replace(c, stack=st.key) if several else c for c in runnable.candidates]
@@ -261,10 +261,10 @@ def make_plan(
     if not fitting:
         raise _nothing_fits(model, training, cluster, oom, margin, dropped)
 
-    placements: dict[tuple[int, int, int], tuple[int, ...]] = {}
+    placements: dict[tuple[int, ...], tuple[int, ...]] = {}
     planned: list[tuple[Planned, PerfModel]] = []
     for config, mem, chance in fitting:
-        key = (config.tp, config.pp, config.dp)
+        key = (config.tp, config.pp, config.dp, config.cp)
         if key not in placements:
             placements[key] = default_placement(config, cluster)
         placed = config.with_placement(placements[key])

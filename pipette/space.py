@@ -4,6 +4,11 @@
 micro-batch, ZeRO stage, recomputation and pipeline schedule; ``check`` says, for any
 candidate, which validity rule it breaks. Rejections are counted per rule so a user can
 see what removed what.
+
+Context parallelism (``cp``, issue 48) is a degree of the walk for a stack that runs it
+(``pipette.layout.StackLayout.cp``) at a sequence long enough that splitting it matters
+(``cp_degrees``: ``CP_MIN_SEQ`` tokens and more, each cp rank keeping ``CP_MIN_CHUNK``): then
+``world = tp * pp * dp * cp``. A shorter job's space is what it was without cp.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from pipette.config import ParallelConfig
+from pipette.layout import stack_layout
 from pipette.model import ModelSpec
 from pipette.training import TrainingSpec
 
@@ -30,19 +36,50 @@ RULES: dict[str, str] = {
     "zero_not_allowed": "ZeRO stage not allowed by the recipe",
     "schedule_not_allowed": "pipeline schedule not allowed by the recipe",
     "world_mismatch": "tp x pp x dp is not the cluster's device count",
+    "cp_stack": "the stack does not run context parallelism (cp > 1)",
+    "cp_split": "the stack's context parallelism cannot split this sequence (or these heads) over cp x tp",
 }
+
+#: The shortest sequence cp is offered at: below it a layout without cp holds the same job (the
+#: activations grow with s, and at 8k tokens the attention is a fifth of an 8B layer's FLOPs), and
+#: cp's ring only adds traffic; plans of shorter jobs keep their candidates.
+CP_MIN_SEQ = 16384
+#: The fewest tokens a cp rank keeps (s / cp): shorter chunks make the ring's blocks too small to
+#: hide their transfer (``pipette.perf_cp``) and the GEMMs too thin.
+CP_MIN_CHUNK = 4096
+
+
+def cp_degrees(training: TrainingSpec, world: int, stack: str | None) -> list[int]:
+    """The cp degrees to walk for ``stack`` (None: no stack, cp 1 only): 1, and where the stack runs
+    context parallelism and the sequence has ``CP_MIN_SEQ`` tokens, every divisor of ``world`` that
+    leaves ``CP_MIN_CHUNK`` tokens a rank."""
+    if stack is None or not stack_layout(stack).cp or training.seq_len < CP_MIN_SEQ:
+        return [1]
+    return [c for c in divisors(world) if c == 1 or training.seq_len // c >= CP_MIN_CHUNK]
+
+
+def cp_rules(model: ModelSpec, training: TrainingSpec, config: ParallelConfig, stack: str | None) -> list[str]:
+    """The cp codes ``config`` breaks on ``stack`` (``RULES``)."""
+    if config.cp == 1:
+        return []
+    if stack is None or not stack_layout(stack).cp:
+        return ["cp_stack"]
+    if stack_layout(stack).cp_problems(config.cp, config.tp, training.seq_len, model.heads, model.kv_heads):
+        return ["cp_split"]
+    return []
 
 
 def check(model: ModelSpec, training: TrainingSpec, config: ParallelConfig, world: int, *,
-          sharded_pipeline: bool = False, uneven_virtual_stages: bool = False) -> list[str]:
+          sharded_pipeline: bool = False, uneven_virtual_stages: bool = False, stack: str | None = None) -> list[str]:
     """The codes of every rule ``config`` breaks (empty when it is valid); ``sharded_pipeline``:
     the stack shards gradients and parameters under a pipeline (FSDP2 with
     ``torch.distributed.pipelining``), so ``zero_pipeline`` is not a rule; ``uneven_virtual_stages``:
     it splits the layers over an interleaved schedule's stages as evenly as they go, so
-    ``interleaved_layers`` is not one either."""
+    ``interleaved_layers`` is not one either; ``stack``: whose cp rules apply (``cp_rules``)."""
     broken = []
     if config.world != world:
         broken.append("world_mismatch")
+    broken += cp_rules(model, training, config, stack)
     if model.heads % config.tp:
         broken.append("tp_heads")
     if model.kv_heads % config.tp:
@@ -101,49 +138,57 @@ def micro_batch_sizes(training: TrainingSpec, dp: int) -> list[int]:
 
 
 def enumerate_space(model: ModelSpec, training: TrainingSpec, world: int, *, sharded_pipeline: bool = False,
-                    uneven_virtual_stages: bool = False) -> Space:
+                    uneven_virtual_stages: bool = False, stack: str | None = None) -> Space:
     """All candidates for ``world`` devices; each rejection is counted by its first rule
-    (``sharded_pipeline``, ``uneven_virtual_stages``: as ``check``).
+    (``sharded_pipeline``, ``uneven_virtual_stages``: as ``check``; ``stack``: the cp degrees it
+    runs, ``cp_degrees``).
 
     Degree tuples whose tp or pp break a model rule are counted once per tuple, not once
     per (mbs, zero, recompute, schedule) combination, so the counts stay readable.
     """
     space = Space(candidates=[])
-    for tp in divisors(world):
-        for pp in divisors(world // tp):
-            dp = world // (tp * pp)
-            degree_rules = [
-                code for code, bad in (
-                    ("tp_heads", model.heads % tp != 0),
-                    ("tp_kv_heads", model.kv_heads % tp != 0),
-                    ("pp_layers", pp > model.layers),
-                ) if bad
-            ]
-            if degree_rules:
-                space.rejected[degree_rules[0]] += 1
-                continue
-            if training.global_batch % dp:
+    for cp, tp, pp in _degrees(training, world, stack):
+        dp = world // (tp * pp * cp)
+        degree_rules = [
+            code for code, bad in (
+                ("tp_heads", model.heads % tp != 0),
+                ("tp_kv_heads", model.kv_heads % tp != 0),
+                ("pp_layers", pp > model.layers),
+            ) if bad
+        ]
+        probe = ParallelConfig(tp=tp, pp=pp, dp=dp, mbs=1, global_batch=dp, cp=cp)
+        degree_rules += cp_rules(model, training, probe, stack)
+        if degree_rules:
+            space.rejected[degree_rules[0]] += 1
+            continue
+        if training.global_batch % dp:
+            space.rejected["batch_divisible"] += 1
+            continue
+        for mbs in micro_batch_sizes(training, dp):
+            if training.global_batch % (dp * mbs):
                 space.rejected["batch_divisible"] += 1
                 continue
-            for mbs in micro_batch_sizes(training, dp):
-                if training.global_batch % (dp * mbs):
-                    space.rejected["batch_divisible"] += 1
-                    continue
-                for zero in training.zero_stages:
-                    for recompute in training.recompute:
-                        for schedule, v in _schedules(training, pp):
-                            config = ParallelConfig(
-                                tp=tp, pp=pp, dp=dp, mbs=mbs,
-                                global_batch=training.global_batch, zero_stage=zero,
-                                recompute=recompute, schedule=schedule, virtual_stages=v,
-                            )
-                            broken = check(model, training, config, world, sharded_pipeline=sharded_pipeline,
-                                           uneven_virtual_stages=uneven_virtual_stages)
-                            if broken:
-                                space.rejected[broken[0]] += 1
-                            else:
-                                space.candidates.append(config)
+            for zero in training.zero_stages:
+                for recompute in training.recompute:
+                    for schedule, v in _schedules(training, pp):
+                        config = ParallelConfig(
+                            tp=tp, pp=pp, dp=dp, mbs=mbs,
+                            global_batch=training.global_batch, zero_stage=zero,
+                            recompute=recompute, schedule=schedule, virtual_stages=v, cp=cp,
+                        )
+                        broken = check(model, training, config, world, sharded_pipeline=sharded_pipeline,
+                                       uneven_virtual_stages=uneven_virtual_stages, stack=stack)
+                        if broken:
+                            space.rejected[broken[0]] += 1
+                        else:
+                            space.candidates.append(config)
     return space
+
+
+def _degrees(training: TrainingSpec, world: int, stack: str | None) -> list[tuple[int, int, int]]:
+    """(cp, tp, pp) of every degree tuple, cp 1 first (the order without cp is unchanged)."""
+    return [(cp, tp, pp) for cp in cp_degrees(training, world, stack)
+            for tp in divisors(world // cp) for pp in divisors(world // (cp * tp))]
 
 
 def hsdp_shard(config: ParallelConfig, devices_per_node: tuple[int, ...]) -> int | None:

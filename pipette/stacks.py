@@ -307,6 +307,8 @@ HF_DEEPSPEED = replace(
     PIPETTE, name="hf-deepspeed", frameworks="Hugging Face Trainer / Accelerate with DeepSpeed",
     description="`--script-kind hf-trainer` scripts; the runner's constants (same model code and engine)",
     recompute=("none", "full"), runner=None, available_options=("compile",), script_kinds=("hf-trainer",),
+    # its context parallelism is DeepSpeed Ulysses' all-to-all (pipette.layout: hf-deepspeed's cp_kind)
+    constants=replace(HF_DEEPSPEED_CONSTANTS, cp_comm="a2a"), memory_options=replace(DEFAULT_OPTIONS, cp_comm="a2a"),
 )
 #: The megatron stack's memory-pressure stall (``pipette.perf.MemoryPressure``: the caching
 #: allocator's flush and retry as the estimated peak nears capacity), fitted by
@@ -405,6 +407,9 @@ FSDP_CONSTANTS = replace(
     #: runs (Transformer Engine). Above 1 because TE fuses the casts into the norm and the GEMM
     #: (LayerNormLinear), which the counted cast passes (perf.FP8_CAST_BYTES) charge in full.
     fp8_efficiency=1.365,
+    #: context parallelism as torchtitan runs it on GPUs: PyTorch's ring with the all-gather rotation
+    #: (torchtitan's default ``context_parallel_rotate_method``; pipette.perf_cp)
+    cp_comm="allgather",
 )
 #: The fsdp stack on CPU workers (gloo, fp32): ``FSDP_CONSTANTS`` with the terms a CPU run spends
 #: its time in fitted on the fsdp runner's own CPU trials, never borrowed from the pipette stack.
@@ -435,6 +440,8 @@ FSDP_CPU_CONSTANTS = replace(
     #: it at its bound, 0: the cpu-4 cluster's 4 ranks share 2 cores, so a waiting stage may leave
     #: its core to the others)
     bubble_share=0.827,
+    #: the runner's own ring on CPU ranks (workers.rank.ring_attention: KV blocks point to point)
+    cp_comm="p2p",
 )
 #: ``fsdp+compile``: the share of the elementwise passes and per-layer overhead left under
 #: torch.compile (torchtitan compiles each transformer block: ``apply_compile``). Fitted by
