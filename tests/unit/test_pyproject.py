@@ -45,7 +45,11 @@ def test_the_dev_install_of_pipette_prints_no_setuptools_notice(tmp_path: Path) 
     # a venv of its own: pip installing elsewhere (--prefix) still uninstalls the suite's own
     # editable Pipette first, and every later test that starts `python -m cli` lost it
     venv.create(tmp_path / "venv", with_pip=True)
-    done = subprocess.run([str(tmp_path / "venv" / "bin" / "python"), "-m", "pip", "install", "--quiet", "--no-deps",
+    python = str(tmp_path / "venv" / "bin" / "python")
+    # dev's first step: the pip that shows a build backend's warnings (Python's bundled pip does not)
+    subprocess.run([python, "-m", "pip", "install", "--quiet", "--upgrade", "pip"], check=True, capture_output=True,
+                   timeout=600)
+    done = subprocess.run([python, "-m", "pip", "install", "--quiet", "--no-deps",
                            "-e", str(ROOT)], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "Editable installation" not in done.stdout + done.stderr, done.stderr[-3000:]
