@@ -46,3 +46,50 @@ def test_the_user_docs_carry_no_work_diary_or_private_path() -> None:
 
 def test_the_results_carry_no_private_path() -> None:
     assert "/work/" not in (ROOT / "docs" / "results.md").read_text()
+
+
+ANCHORED = re.compile(r"\]\(([^)\s#]*)#([^)\s]+)\)")
+HEADING = re.compile(r"^#{1,6}\s+(.*?)\s*#*\s*$")
+EXPLICIT = re.compile(r"<a\s+(?:id|name)=\"([^\"]+)\"")
+
+
+def github_anchors(text: str) -> set[str]:
+    """The anchors GitHub gives a page: each heading's slug (lower case, punctuation but ``-`` and
+    ``_`` dropped, spaces to ``-``, a repeat gets ``-1``, ``-2`` ...), and explicit ``<a id>``s."""
+    anchors: set[str] = set(EXPLICIT.findall(text))
+    seen: dict[str, int] = {}
+    fenced = False
+    for line in text.splitlines():
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        found = None if fenced else HEADING.match(line)
+        if found is None:
+            continue
+        title = re.sub(r"`|\*\*|<[^>]+>", "", found.group(1))
+        title = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", title)
+        slug = re.sub(r"[^\w\- ]", "", title.lower()).replace(" ", "-")
+        count = seen.get(slug, 0)
+        seen[slug] = count + 1
+        anchors.add(slug if count == 0 else f"{slug}-{count}")
+    return anchors
+
+
+def test_every_anchor_a_doc_links_to_is_a_heading_of_its_page() -> None:
+    """A renamed heading broke links silently (``stacks.md`` to an ``fsdp.md`` section that had
+    moved): the link check looked at the file only."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    anchors = {page.resolve(): github_anchors(page.read_text()) for page in pages}
+    broken = []
+    for page in pages:
+        for target, anchor in ANCHORED.findall(page.read_text()):
+            if "://" in target:
+                continue
+            linked = (page.parent / target).resolve() if target else page.resolve()
+            if linked.suffix == ".md" and linked in anchors and anchor not in anchors[linked]:
+                broken.append(f"{page.relative_to(ROOT)} -> {target}#{anchor}")
+    assert not broken, broken
+
+
+def test_the_anchor_rule_is_githubs() -> None:
+    text = "# Step time: the model\n## `tp` and **pp** (v2)\n## Step time: the model\n<a id=\"kept\"></a>\n"
+    assert github_anchors(text) == {"step-time-the-model", "tp-and-pp-v2", "step-time-the-model-1", "kept"}
