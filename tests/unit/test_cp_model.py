@@ -1,0 +1,111 @@
+"""The planner's context parallelism (issue 48): the cp degree in the space, a cp rank's memory
+(pipette.memory_cp), the ring's exposed exchange (pipette.perf_cp) and each stack's rule."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from pipette.clusterfile import homogeneous_cluster
+from pipette.config import ParallelConfig
+from pipette.errors import SpecError
+from pipette.layout import layout_of, stack_layout
+from pipette.memory import stage_breakdowns
+from pipette.memory_cp import exchange_bytes, fold, kv_block_bytes
+from pipette.memory_options import DEFAULT_OPTIONS
+from pipette.model import ModelSpec
+from pipette.perf import PerfModel
+from pipette.perf_cp import CP_PART, ring_step_exposed
+from pipette.space import CP_MIN_SEQ, cp_degrees, enumerate_space
+from pipette.stacks import get_stack
+from pipette.training import TrainingSpec
+
+#: one Llama layer, 8 query and 2 key/value heads of 64: h 512, kv 128, f 1024
+ONE = ModelSpec(name="one-layer", layers=1, hidden=512, heads=8, kv_heads=2, ffn_hidden=1024, vocab=1000,
+                max_seq=1 << 20, arch="llama")
+
+
+def test_one_layer_activations_and_kv_exchange_by_hand() -> None:
+    """cp=4 at s=32768, b=1, bf16, no recomputation, flash attention: Korthikanti's Llama terms at
+    s/cp = 8192 tokens, and four KV blocks (two of K/V, two of their gradient) in flight."""
+    s, cp, d, h, kv, f = 32768, 4, 2, 512, 128, 1024
+    training = TrainingSpec(global_batch=1, seq_len=s)
+    config = ParallelConfig(tp=1, pp=1, dp=1, mbs=1, global_batch=1, cp=cp)
+    options = replace(DEFAULT_OPTIONS, flash_attention=True)
+    part = stage_breakdowns(ONE, training, config, options=options)[0]
+    local = s // cp
+    split = d * local * (2 * h + 4 * f)  # q, context, gate, up, SiLU out, product
+    kv_saved = 2 * d * local * kv  # k and v
+    seq = 4 * d * local * h  # both norms' input and output
+    assert part["activations"] == int(split + kv_saved + seq + 2 * d * local * h)  # + the head's norm
+    block = 2 * local * kv * d
+    assert kv_block_bytes(ONE, training, config) == block
+    assert exchange_bytes(ONE, training, config, "p2p") == 4 * block
+    assert exchange_bytes(ONE, training, config, "allgather") == 2 * cp * block
+    without = stage_breakdowns(ONE, training, replace(config, cp=1, dp=4, global_batch=4),
+                               options=options)
+    assert part["buffers"] - exchange_bytes(ONE, training, config, "p2p") <= without[0]["buffers"]
+
+
+def test_fold_is_a_data_parallel_rank_of_shorter_sequences() -> None:
+    training = TrainingSpec(global_batch=8, seq_len=65536)
+    config = ParallelConfig(tp=2, pp=1, dp=2, mbs=1, global_batch=8, zero_stage=3, cp=4, dp_shard=1)
+    t, c = fold(training, config)
+    assert (t.seq_len, t.global_batch, c.dp, c.cp, c.dp_shard, c.grad_accum) == (16384, 32, 8, 1, 4, 4)
+    assert c.world == config.world
+    # the folded mesh's dp groups are the candidate's dp x cp groups
+    assert c.layout.groups("dp") == config.layout.groups("dp_cp")
+
+
+@pytest.mark.parametrize(("transfer", "block", "exposed"), [(1.0, 3.0, 0.0), (1.0, 0.25, 0.75)])
+def test_a_ring_step_hides_its_transfer_under_a_long_block_only(transfer: float, block: float,
+                                                                exposed: float) -> None:
+    assert float(ring_step_exposed(transfer, block, 1.0)) == pytest.approx(exposed)
+
+
+def test_short_ring_blocks_on_slow_links_expose_the_exchange() -> None:
+    """Over 1 GB/s links the KV blocks of 2,048-token chunks take longer than their attention; over
+    NVLink-class links the same layout exposes nothing."""
+    training = TrainingSpec(global_batch=1, seq_len=16384)
+    config = ParallelConfig(tp=1, pp=1, dp=1, mbs=1, global_batch=1, cp=8)
+    k = replace(get_stack("megatron").constants, cp_comm="p2p")
+    slow = homogeneous_cluster("H100-80GB", 8, 1, 450e9, 1e9, name="slow")
+    fast = homogeneous_cluster("H100-80GB", 1, 8, 450e9, 50e9, name="fast")
+    assert PerfModel(ONE, training, config, slow, constants=k).estimate().breakdown[CP_PART] > 0
+    assert PerfModel(ONE, training, config, fast, constants=k).estimate().breakdown[CP_PART] == 0
+
+
+@pytest.mark.parametrize("stack", ["pipette", "nanotron"])
+def test_a_stack_that_refuses_cp_says_so_in_one_line(stack: str) -> None:
+    config = ParallelConfig(tp=1, pp=1, dp=2, mbs=1, global_batch=2, cp=2)
+    with pytest.raises(SpecError) as e:
+        layout_of(config, stack)
+    assert "\n" not in str(e.value) and "cp=2" in str(e.value) and "issue 48" in str(e.value)
+
+
+def test_each_stack_cites_its_cp_rule() -> None:
+    assert stack_layout("megatron").cp_problems(2, 2, 8190, 64, 8)  # not a multiple of 2 cp tp
+    assert not stack_layout("megatron").cp_problems(2, 2, 8192, 64, 8)
+    ulysses = stack_layout("hf-deepspeed")
+    assert ulysses.cp_kind == "ulysses"
+    problems = ulysses.cp_problems(16, 1, 131072, 32, 8)  # 16 does not divide the 8 key/value heads
+    assert len(problems) == 1 and "key/value" in problems[0][0]
+    assert all(stack_layout(s).cp_source for s in ("megatron", "fsdp", "hf-deepspeed"))
+
+
+def test_short_sequence_spaces_keep_their_candidates() -> None:
+    """Below CP_MIN_SEQ a stack that runs cp enumerates what it did without cp; at a long sequence it
+    adds cp layouts, each keeping at least 4,096 tokens a rank."""
+    model = ModelSpec.preset("llama3-8b")
+    short = TrainingSpec(global_batch=8, seq_len=8192, method="lora")
+    before = enumerate_space(model, short, 8)
+    after = enumerate_space(model, short, 8, stack="fsdp")
+    assert [c.label for c in after.candidates] == [c.label for c in before.candidates]
+    assert after.rejected == before.rejected
+    long = replace(short, seq_len=CP_MIN_SEQ * 2)
+    assert cp_degrees(long, 8, "fsdp") == [1, 2, 4, 8]
+    assert cp_degrees(long, 8, "pipette") == [1]
+    spaced = enumerate_space(model, long, 8, stack="fsdp")
+    assert {c.cp for c in spaced.candidates} == {1, 2, 4, 8}
+    assert len([c for c in spaced.candidates if c.cp == 1]) == len(before.candidates)
