@@ -195,6 +195,10 @@ class ScriptIn(StrictTypes):
                                   description="knob -> the script's flag (pipette.script.KNOBS)")
     autotp: bool = False
     pipeline: bool = False
+    unsupported: list[Literal["tp", "pp", "selective", "full", "hsdp", "offload"]] = Field(
+        default_factory=list, max_length=6,
+        description="what the script cannot run (pipette.script.UNSUPPORTED): no candidate using it is tried; "
+        "empty: what its kind cannot run (as `pipette tune --script-unsupported`)")
     base_config: dict[str, Any] | None = Field(None, description="the user's DeepSpeed config, which Pipette's keys "
                                                "overlay")
     # The request body bounds it first (PIPETTE_MAX_BODY_BYTES); this bound is that setting's ceiling.

@@ -44,7 +44,7 @@ def script_parts(body: ScriptIn | None) -> tuple[ScriptSpec | None, bytes | None
     if body is None:
         return None, None
     spec = ScriptSpec(argv=tuple(body.argv), knobs=dict(body.knobs), autotp=body.autotp, pipeline=body.pipeline,
-                      base_config=body.base_config, kind=body.kind)
+                      base_config=body.base_config, kind=body.kind, unsupported=tuple(body.unsupported))
     if not body.files:
         if spec.is_python and not spec.program.startswith("/"):
             raise SpecError(f"names {spec.program!r} relative to a working directory, and none was sent",

@@ -96,6 +96,31 @@ def test_bad_scripts_are_refused_at_submit(sqlite_api: Api, tmp_path: Path, scri
     assert says in error["message"] or says in (error["fix"] or ""), error
 
 
+def test_what_a_script_cannot_run_is_said_through_the_api_as_on_the_command_line(sqlite_api: Api,
+                                                                                   tmp_path: Path) -> None:
+    """``pipette tune --script-unsupported`` had no counterpart in a job of the service: a job's
+    script could not say it runs no pipeline, and its pp candidates were tried and failed."""
+    from sqlalchemy import select
+
+    from pipette.script import UNSUPPORTED
+    from service.models import Job
+
+    tenant, headers = _tenant(sqlite_api)
+    sqlite_api.local_cluster(headers)
+    assert _allow(str(sqlite_api.db.engine.url), tmp_path, tenant, "local").returncode == 0
+    r = sqlite_api.client.post("/v1/jobs", json=_script_job(unsupported=["pp", "offload"]), headers=headers)
+    assert r.status_code == 202, r.text
+    with sqlite_api.db.read() as s:
+        row = s.scalars(select(Job).where(Job.id == r.json()["id"])).one()
+        assert row.script is not None and row.script["unsupported"] == ["offload", "pp"]
+    bad = sqlite_api.client.post("/v1/jobs", json=_script_job(unsupported=["warp"]), headers=headers)
+    assert bad.status_code == 422, bad.text
+    assert bad.json()["error"]["field"].startswith("script.unsupported"), bad.text
+    # the API's choices are the core's
+    schema = sqlite_api.client.get("/openapi.json").json()["components"]["schemas"]["ScriptIn"]
+    assert set(schema["properties"]["unsupported"]["items"]["enum"]) == set(UNSUPPORTED)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_a_script_job_runs_without_the_services_credentials(tmp_path: Path, deepspeed_ready: None) -> None:
