@@ -44,6 +44,9 @@ def add_parser(sub: Any) -> None:
     plan.add_argument("--out", default="pipette-plan", help="where to write the best candidate's launch files")
     plan.add_argument("--no-files", action="store_true", help="do not write launch files")
     plan.add_argument("--json", action="store_true", help="machine-readable output on stdout")
+    plan.add_argument("--explain", action="store_true",
+                      help="say term by term what one rank of the best candidate of each context-parallel degree "
+                           "holds in memory (docs/context-parallel.md)")
     plan.add_argument("--trace", type=int, default=0, metavar="N",
                       help="trace one training step of each of the top N candidates of the fsdp stack on fake "
                            "devices at the real world size: the live bytes of its code by category (seconds to "
@@ -121,9 +124,26 @@ def cmd_plan(args: argparse.Namespace) -> int:
         else:
             print(f"launch: with {stack.frameworks}, from the candidate in {args.out}/candidate.json "
                   "(Pipette writes no launcher for this stack yet)")
+    if args.explain:
+        print_explain(plan)
     if args.trace:
         print_traces(plan, args.trace)
     return EXIT_OK
+
+
+def print_explain(plan: Any) -> None:
+    """The memory of the best-ranked candidate of each cp degree, term by term (``pipette.memory_cp.explain``)."""
+    from pipette.memory_cp import explain
+
+    print("\nmemory explained, the best-ranked candidate of each cp degree:")
+    seen: set[int] = set()
+    for p in plan.ranked:
+        if p.config.cp in seen:
+            continue
+        seen.add(p.config.cp)
+        cp_comm = plan.stack_of(p.config).memory_options.cp_comm
+        print(f"{p.config.label} (#{plan.ranked.index(p) + 1}, {p.perf.step_time:.3f} s a step)")
+        print("\n".join(explain(p.memory.breakdown, plan.model, plan.training, p.config, cp_comm)))
 
 
 def traced(plan: Any, n: int) -> list[tuple[dict[str, Any], list[Any]]]:
@@ -253,15 +273,18 @@ def _print_plan(plan: Any, top: int, elapsed: float) -> None:
     if plan.fits_prior is not None:
         print(f"fit: the chance to fit in memory, from the estimator's measured error ({plan.fits_prior.name}: "
               f"{plan.fits_prior.source}); ranked by the step time to expect from trying each\n")
-    header = f"{'#':>3} {'tp':>3} {'pp':>3} {'dp':>4} {'mbs':>3} {'zero':>4} {'recompute':>9} {'schedule':>8} " \
-             f"{'step s':>9} {'tokens/s':>11} {'MFU':>6} {'HFU':>6} {'peak GiB':>15} {'fit':>5}  stack"
+    cps = any(p.config.cp > 1 for p in plan.ranked[:top])  # a cp column only where a layout splits sequences
+    cp_head = f" {'cp':>3}" if cps else ""
+    header = f"{'#':>3} {'tp':>3} {'pp':>3} {'dp':>4}{cp_head} {'mbs':>3} {'zero':>4} {'recompute':>9} " \
+             f"{'schedule':>8} {'step s':>9} {'tokens/s':>11} {'MFU':>6} {'HFU':>6} {'peak GiB':>15} {'fit':>5}  stack"
     print(header)
     for i, p in enumerate(plan.ranked[:top], 1):
         cfg = p.config
         sched = cfg.schedule if cfg.schedule == "1f1b" else f"int-v{cfg.virtual_stages}"
         mem = f"{p.memory.peak_bytes / GiB:.1f}/{p.memory.capacity_bytes / GiB:.0f}"
         print(
-            f"{i:>3} {cfg.tp:>3} {cfg.pp:>3} {cfg.dp:>4} {cfg.mbs:>3} {cfg.zero_stage:>4} "
+            f"{i:>3} {cfg.tp:>3} {cfg.pp:>3} {cfg.dp:>4}{f' {cfg.cp:>3}' if cps else ''} {cfg.mbs:>3} "
+            f"{cfg.zero_stage:>4} "
             f"{cfg.recompute:>9} {sched:>8} {p.perf.step_time:>9.3f} {p.perf.tokens_per_s:>11,.0f} "
             f"{p.perf.mfu:>6.1%} {p.perf.hfu:>6.1%} {mem:>15} {_chance(p.chance_to_fit):>5}  {_variant(plan, cfg)}"
         )
@@ -273,7 +296,7 @@ def _print_plan(plan: Any, top: int, elapsed: float) -> None:
     print(f"\nbest: {best.config.label}  (placement: {best.placement_method}; "
           f"default placement {best.default_step_time:.3f} s -> {best.perf.step_time:.3f} s)")
     print("  time per step:")
-    for part in TIME_PARTS:
+    for part in (*TIME_PARTS, *(k for k in best.perf.breakdown if k not in TIME_PARTS)):
         value = best.perf.breakdown.get(part, 0.0)
         if value > 0:
             print(f"    {part:<15} {value:>9.4f} s  {value / best.perf.step_time:>6.1%}")
