@@ -54,9 +54,17 @@ class ParallelConfig:
     cp: int = 1
     #: expert-parallel degree: carved out of the dp * cp ranks (the world is unchanged)
     ep: int = 1
+    #: expert tensor-parallel degree (Megatron-Core's ``expert_tensor_parallel_size``); None: tp, its default
+    etp: int | None = None
 
     def __post_init__(self) -> None:
         check_degrees(self.tp, self.pp, self.dp, self.cp, self.ep, self.dp_shard)
+        if self.etp is not None and (not isinstance(self.etp, int) or isinstance(self.etp, bool) or self.etp < 1
+                                     or (self.tp * self.dp * self.cp) % (self.ep * self.etp)):
+            raise SpecError(f"is {self.etp!r}: ep x etp must divide tp x dp x cp = {self.tp * self.dp * self.cp}",
+                            field="config.etp", fix="give an etp of 1 or tp, or leave it out (etp = tp)")
+        if self.etp == self.tp:
+            object.__setattr__(self, "etp", None)  # one spelling of Megatron-Core's default
         for name in ("mbs", "global_batch", "virtual_stages"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -131,7 +139,8 @@ class ParallelConfig:
         """A short readable name; unique among candidates of one plan (not placements)."""
         sched = "1f1b" if self.schedule == "1f1b" else f"int{self.virtual_stages}"
         fsdp = "" if self.dp_shard is None else f"-hsdp{self.dp // self.dp_shard}x{self.dp_shard}"
-        extra = f"{'' if self.cp == 1 else f'-cp{self.cp}'}{'' if self.ep == 1 else f'-ep{self.ep}'}"
+        extra = f"{'' if self.cp == 1 else f'-cp{self.cp}'}{'' if self.ep == 1 else f'-ep{self.ep}'}" \
+            f"{'' if self.etp is None else f'-etp{self.etp}'}"
         return (
             f"tp{self.tp}-pp{self.pp}-dp{self.dp}{extra}-mbs{self.mbs}-z{self.zero_stage}"
             f"-rc:{self.recompute}-{sched}{fsdp}{'-offload' if self.offload else ''}"
@@ -155,6 +164,7 @@ class ParallelConfig:
             # the degrees no stack runs yet, written only when set: every stored candidate is unchanged
             **({"cp": self.cp} if self.cp != 1 else {}),
             **({"ep": self.ep} if self.ep != 1 else {}),
+            **({"etp": self.etp} if self.etp is not None else {}),
         }
 
     @classmethod

@@ -190,8 +190,9 @@ STACK_LAYOUTS: dict[str, StackLayout] = {s.name: s for s in (
     StackLayout(
         "megatron", mesh=("pp", "dp", "cp", "tp"), axes=("pp", "dp", "cp", "tp"),
         source="Megatron-Core's initialize_model_parallel (megatron/core/parallel_state.py), order tp-cp-ep-dp-pp; "
-               "the experts' RankGenerator re-splits dp x cp as (expert dp, ep)",
-        cp=True, cp_kind="ring",
+               "the experts' RankGenerator re-splits dp x cp as (expert dp, ep): ep divides dp x cp "
+               "(--expert-model-parallel-size; pipette.space_moe)",
+        cp=True, cp_kind="ring", ep=True,
         cp_source="--context-parallel-size (Megatron-Core; Transformer Engine's attention with cp_comm_type p2p: "
                   "KV blocks around the ring, 2 cp load-balanced chunks); gradients reduced and the distributed "
                   "optimizer sharded over dp x cp (data_parallel_group with_context_parallel); with tp's sequence "
@@ -205,8 +206,10 @@ STACK_LAYOUTS: dict[str, StackLayout] = {s.name: s for s in (
         axes=("pp", "dp_replicate", "dp_shard", "cp", "tp"),
         source="torchtitan's ParallelDims (torchtitan/distributed/parallel_dims.py): pp, dp_replicate, dp_shard, "
                "cp, tp; its context parallelism is ring attention over cp (context_parallel_degree, "
-               "torchtitan/distributed/context_parallel.py), run by workers.rank.context_parallel",
-        cp=True, ep_within=("dp_shard", "cp"), ep_whole_cp=True, cp_kind="ring",
+               "torchtitan/distributed/context_parallel.py), run by workers.rank.context_parallel; its expert "
+               "parallelism borrows all cp and some dp_shard (ParallelDims._validate: ep % cp == 0 and "
+               "(dp_shard * cp) % ep == 0), run by workers.rank.expert_parallel",
+        cp=True, ep=True, ep_within=("dp_shard", "cp"), ep_whole_cp=True, cp_kind="ring",
         cp_source="torchtitan's context_parallel_degree (torch.distributed.tensor.experimental.context_parallel, "
                   "rotate method allgather by default); FSDP shards over dp_shard x cp (the dp_shard_cp mesh)"),
 )}

@@ -15,6 +15,7 @@ flight, the last the LM head and the logits; the estimate reports the heaviest.
 
 from __future__ import annotations
 
+from pipette import memory_moe
 from pipette.config import ParallelConfig
 from pipette.errors import SpecError
 from pipette.estimates import MemoryEstimate
@@ -113,7 +114,7 @@ def stage_breakdowns(
     # ranks: k and v split over min(t, kv_heads) only.
     t_kv = min(t, model.kv_heads)
     linear = sum(i * o for i, o in model.linear_shapes().values())
-    kv_linear = 2 * h * model.kv_dim
+    kv_linear = memory_moe.kv_linear(model)
     layer_psi = (model.layer_params() - model.norm_params() - linear) / t  # biases (GPT)
     layer_psi += (linear - kv_linear) / t + kv_linear / t_kv + model.norm_params()
     embed_psi = model.vocab * h / t + (model.embedding_params() - model.vocab * h)
@@ -176,6 +177,8 @@ def stage_breakdowns(
     master_shard = o_shard if options.shard_master_weights else 1
     opt_per_psi = state_bytes / o_shard + master_bytes / master_shard
     gpu = device_kind == "gpu"
+    moe = None if model.moe is None else memory_moe.stage_terms(model, training, config, layers, memory_moe.StateBytes(
+        d, grad_bytes, state_bytes, master_bytes, options.shard_master_weights, options.fsdp2))
     stages = []
     for i, layers_i in enumerate(layers):
         psi = layers_i * layer_psi + (embed_psi if i == 0 else 0) + (head_psi if i == p - 1 else 0)
@@ -214,6 +217,13 @@ def stage_breakdowns(
                 # gradient bytes at the peak; docs/results.md, "Traced memory")
                 gradients = max(0.0, gradients - activations - stage_logits)
         buffers += exchange if layers_i else 0.0
+        if moe is not None:  # the MLPs of a model with experts (pipette.memory_moe)
+            held = held_layers / layers_i if layers_i else 0.0
+            mlp = moe[i]
+            weights, gradients, optimizer = (weights + mlp["weights"], gradients + mlp["gradients"],
+                                             optimizer + mlp["optimizer"])
+            activations += mlp["one_layer"] if config.recompute == "full" else held * mlp["per_micro_batch"]
+            buffers += mlp["buffers"]
         if gpu:
             overhead = GPU_OVERHEAD_BYTES + (options.fragmentation - 1.0) * (activations + stage_logits)
         else:
@@ -332,6 +342,8 @@ def _layer_activations(
     output and their product (input of down_proj), 4dsbf. The scores, when stored (eager
     attention), are the softmax output only: d*as^2b.
     """
+    if model.moe is not None or model.attention is not None:
+        return memory_moe.layer_activations(model, s, b, d)
     sbh = s * b * model.hidden
     kv = 2 * d * s * b * model.kv_dim
     if model.arch == "gpt":
@@ -354,7 +366,7 @@ def _op_sac_saved(model: ModelSpec, s: int, b: int, d: int, t: int, t_kv: int, s
     the attention are split by t; w2's output and the input by t under sequence parallelism."""
     sb, h = s * b, model.hidden
     seq_t = t if sequence_parallel else 1
-    split = sb * (h + h + model.ffn_hidden) / t  # wq, SDPA output, w1
+    split = sb * (h + h + memory_moe.dense_ffn(model)) / t  # wq, SDPA output, w1
     return float(d * (split + sb * model.kv_dim / t_kv + 2 * sb * h / seq_t))
 
 

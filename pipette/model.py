@@ -128,7 +128,13 @@ class ModelSpec:
         return 2 * per_norm
 
     def layer_params(self) -> int:
-        moe_count.refuse_planning(self)  # the dense layer's count: experts are not priced as dense
+        """One layer's parameters; of a model with experts, its attention and norms only (the MLP of
+        each layer, routed and shared experts or a dense one, is ``pipette.memory_moe``'s: experts are
+        never priced as a dense MLP)."""
+        if self.moe is not None:
+            return moe_count.attention_params(self) + self.norm_params()
+        if self.attention is not None:
+            return moe_count.attention_params(self) + self.mlp_params() + self.norm_params()
         return self.attention_params() + self.mlp_params() + self.norm_params()
 
     def embedding_params(self) -> int:
@@ -149,9 +155,16 @@ class ModelSpec:
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
         """(in, out) of every linear layer of one transformer layer, by module name.
 
-        The names are the Hugging Face Llama module names, which LoRA targets use.
+        The names are the Hugging Face Llama module names, which LoRA targets use. A model with
+        experts gives its attention's only (``moe_count.attention_shapes``: MLA's projections where it
+        has them); its MLPs are ``pipette.memory_moe`` / ``pipette.perf_moe``'s.
         """
-        moe_count.refuse_planning(self)
+        if self.moe is not None or self.attention is not None:
+            shapes = moe_count.attention_shapes(self)
+            if self.moe is None:
+                h, f = self.hidden, self.ffn_hidden
+                shapes |= {"gate_proj": (h, f), "up_proj": (h, f), "down_proj": (f, h)}
+            return shapes
         h, kv, f = self.hidden, self.kv_dim, self.ffn_hidden
         shapes = {"q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h)}
         if self.arch == "llama":

@@ -92,6 +92,23 @@ def attention_weights(model: Shape) -> int:
     return q + kv + heads * mla.v_head_dim * h  # + o_proj
 
 
+def attention_shapes(model: Shape) -> dict[str, tuple[int, int]]:
+    """(in, out) of each linear layer of one layer's attention, by transformers' module name: q, k,
+    v, o of ``heads x head_dim``; MLA's q_a_proj and q_b_proj (or q_proj), kv_a_proj_with_mqa,
+    kv_b_proj and o_proj (DeepseekV3Attention). Their products add up to ``attention_weights``."""
+    h, heads = model.hidden, model.heads
+    mla = model.attention.mla if model.attention is not None else None
+    if mla is None:
+        q, kv = heads * model.head_dim, model.kv_dim
+        return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h)}
+    qk = heads * mla.qk_head_dim
+    shapes = {"q_proj": (h, qk)} if mla.q_lora_rank is None else \
+        {"q_a_proj": (h, mla.q_lora_rank), "q_b_proj": (mla.q_lora_rank, qk)}
+    return shapes | {"kv_a_proj_with_mqa": (h, mla.kv_lora_rank + mla.qk_rope_head_dim),
+                     "kv_b_proj": (mla.kv_lora_rank, heads * (mla.qk_nope_head_dim + mla.v_head_dim)),
+                     "o_proj": (heads * mla.v_head_dim, h)}
+
+
 def attention_params(model: Shape) -> int:
     """One layer's attention: its matrices, biases, q/k norms, MLA's latent norms and sinks."""
     a = model.attention
@@ -165,21 +182,6 @@ def mtp_params(model: Shape) -> int:
     return moe.mtp_layers * (3 * h + 2 * h * h + layer)
 
 
-def refuse_planning(model: Shape) -> None:
-    """Refuse to plan a Mixture-of-Experts model: its experts need expert parallelism (ep) in the
-    search space, the memory estimator and the step-time model, which are being added (issue 47).
-    Planned as dense, each expert would be priced as if every token went through it."""
-    moe = model.moe
-    if moe is None and model.attention is None:
-        return
-    what = "attention shapes other than hidden / heads" if moe is None else (
-        f"a Mixture-of-Experts model ({total_params(model) / 1e9:.1f}B parameters, "
-        f"{active_params(model) / 1e9:.1f}B active per token: {moe.experts} experts, top-{moe.top_k})")
-    raise SpecError(f"{model.name} is {what}: planning it needs expert parallelism (ep) in the search, memory and "
-                    "step-time models, which is being added (issue 47)", field="model",
-                    fix="plan a dense model for now")
-
-
 def _keys(seq_len: int, window: int | None, causal: bool) -> float:
     """Keys one query attends to, on average (whole: the square Megatron-LM counts; causal: the
     lower triangle; a window of w: at most w, and with a causal mask w - w^2 / 2s for s > w)."""
@@ -210,6 +212,7 @@ def forward_flops_per_token(model: Shape, seq_len: int, *, causal: bool = False)
 
 
 __all__ = [
-    "active_params", "attention_params", "attention_weights", "check", "expert_params", "forward_flops_per_token",
-    "moe_block_params", "mtp_params", "refuse_planning", "total_params",
+    "active_params", "attention_params", "attention_shapes", "attention_weights", "check", "expert_params",
+    "forward_flops_per_token",
+    "moe_block_params", "mtp_params", "total_params",
 ]

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from pipette import comm, flops
+from pipette import comm, flops, memory_moe, perf_moe
 from pipette.cluster import ClusterProfile
 from pipette.config import ParallelConfig
 from pipette.device import DeviceSpec
@@ -116,6 +116,8 @@ class PerfModel:
         self.tokens = config.mbs * training.seq_len  # T: tokens per micro-batch
         b = training.dtype_bytes
         self.act_bytes = float(self.tokens * model.hidden * b)  # one activation tensor
+        #: the MLPs of a model with experts (pipette.perf_moe); None for a dense model
+        self.moe = self._moe_times() if model.moe is not None else None
         self.compute = self._compute_times()
         self.pressure_stall = self._pressure_stall()
         self.stage_params = _stage_params(model, training, config)  # (p,) per device
@@ -123,6 +125,9 @@ class PerfModel:
         # What ZeRO-3 gathers: every parameter it partitions, a LoRA run's frozen base too.
         self.weight_bytes = _stage_params(model, training, config, trainable=False) * b
         self.opt_time = self._optimizer_time()
+        if self.moe is not None:  # the local experts' shard the optimizer updates
+            per_param = SGD_BYTES_PER_PARAM if training.optimizer == "sgd" else ADAM_BYTES_PER_PARAM
+            self.opt_time = self.opt_time + self.moe.expert_update_params * per_param / self.device.memory_bandwidth
         counted = flops.per_step(model, self.job_training, config.recompute)
         self.model_flops, self.hardware_flops = counted.model, counted.hardware
 
@@ -196,7 +201,7 @@ class PerfModel:
                 lin_b += 2.0 * a
         # Attention core QK^T and softmax x V: 2 x 2 T s h / tp FLOPs, causal half skipped
         # by fused kernels (FlashAttention; Dao et al. 2022).
-        attn_gemm = 2.0 * t * s * model.hidden / tp * 0.5
+        attn_gemm = 2.0 * t * s * perf_moe.attention_width(model) / tp * 0.5
         attention_efficiency = dict(self.k.attention_efficiencies).get(family(self.device), self.k.attention_efficiency)
         measured = kernel_attention(self.device) if self.k.kernel_tables_first and self.k.flash_attention else None
         if measured is not None:
@@ -216,7 +221,7 @@ class PerfModel:
         # attention kernel never writes the scores.
         b, bw = tr.dtype_bytes, self.device.memory_bandwidth
         sp = tp if self.k.sequence_parallel else 1
-        passes = self.k.elementwise_passes * model.hidden / sp + self.k.ffn_passes * model.ffn_hidden / tp
+        passes = self.k.elementwise_passes * model.hidden / sp + self.k.ffn_passes * memory_moe.dense_ffn(model) / tp
         elementwise = passes * t * b / bw
         score_passes = 0.0 if self.k.flash_attention else self.k.score_passes
         scores = score_passes * t * s * model.heads / tp * b / bw
@@ -243,7 +248,20 @@ class PerfModel:
         loss = t * model.vocab / tp * self.k.loss_bytes_per_logit / self.device.memory_bandwidth
         forward[-1] += head + loss / 2.0
         backward[-1] += (head if lora is not None else 2.0 * head) + loss / 2.0
+        if self.moe is not None:
+            forward, backward = forward + self.moe.forward, backward + self.moe.backward
         return _Compute(forward=forward, backward=backward, linear=linear, attention=(attn_f, attn_b))
+
+    def _moe_times(self) -> perf_moe.MoeTimes:
+        """The MLPs of a model with experts, per stage and micro-batch (``pipette.perf_moe``): their
+        GEMMs at this stack's curve and dtype (FP8 where it runs the linear layers so)."""
+        large = float(self.curve(1e15 * self.curve_scale)) * (self.k.fp8_efficiency if self.fp8 else 1.0)
+        tokens = float(self.config.mbs * self.training.seq_len)
+        return perf_moe.moe_times(
+            self.model, self.training, self.config,
+            gemm=lambda f: self._linear_time(f, tokens, self.model.hidden, self.model.hidden),
+            grouped_peak=self.linear_peak, large=large, bandwidth=self.device.memory_bandwidth,
+            ffn_passes=self.k.ffn_passes, k=self.k.moe)
 
     def _optimizer_time(self) -> FloatArray:
         """Memory-bound update of the local shard (Rajbhandari et al. 2020, ZeRO >= 1)."""
@@ -351,6 +369,9 @@ class PerfModel:
             if k.shard_overlap is not None:
                 t_z3_p, t_dp_mb = _shard_exposed(gather, n_g, rs, self.compute.forward, back, k.shard_overlap)
                 t_z3 = t_z3_p[:, None] * np.ones(dp)
+        t_ep = np.zeros((p, dp))
+        if self.moe is not None:
+            t_ep, t_dp = self._moe_comm(devices, t_dp)
         t_dp_exposed = np.maximum(t_dp - k.dp_overlap * back, 0.0)
         if k.unit_collective_s > 0 and dp > 1:
             per_mb, per_step = _unit_collectives(cfg.zero_stage, p)
@@ -361,7 +382,7 @@ class PerfModel:
         # Critical path: per pipeline replica, then the slowest replica. A memory-pressure stall
         # (``MemoryPressure``) lengthens every stage's micro-batch, as compute on its stream does.
         comp = self.compute.forward + self.compute.backward + self.pressure_stall  # (p,)
-        comms = {"tp_comm": t_tp, "pp_comm": t_pp, "zero3_gather": t_z3,
+        comms = {"tp_comm": t_tp, "pp_comm": t_pp, "zero3_gather": t_z3, "ep_comm": t_ep,
                  "dp_comm": np.repeat(t_dp_mb[:, None], dp, axis=1)}
         if self.job_config.cp > 1:
             cp_mb = stage_exposed(self.model, self.job_training, self.job_config, self.cluster, k,
@@ -400,7 +421,22 @@ class PerfModel:
             "optimizer": float(self.opt_time.max()),
             "embedding_sync": t_emb,
             **({CP_PART: share[CP_PART]} if CP_PART in share else {}),
+            **({"ep_comm": share["ep_comm"]} if self.moe is not None else {}),
         }
+
+    def _moe_comm(self, devices: IntArray, t_dp: FloatArray) -> tuple[FloatArray, FloatArray]:
+        """(p, dp) exposed all-to-all time per micro-batch, and ``t_dp`` with the expert gradients'
+        reduction over the expert data-parallel rings (``pipette.perf_moe``)."""
+        cfg, k, moe = self.config, self.k, self.moe
+        if moe is None or self.model.moe is None:
+            return np.zeros((cfg.pp, cfg.dp)), t_dp
+        experts = self.model.moe.experts
+        one = perf_moe.a2a_per_stage(self.cluster, cfg, self.model, devices, moe.a2a_bytes, k.moe)
+        one = (one + k.collective_overhead_s) * (cfg.ep > 1)
+        t_ep = np.maximum(moe.a2a_count * one * (1.0 - k.moe.a2a_overlap), 0.0)
+        sync = perf_moe.expert_sync_per_stage(self.cluster, cfg, experts, devices, moe.expert_grad_bytes,
+                                              k.link_fraction)
+        return np.repeat(t_ep[:, None], cfg.dp, axis=1), t_dp + sync
 
     # ---- public -----------------------------------------------------------------------
     def step_time(self, placement: Sequence[int] | npt.NDArray[np.integer] | None = None) -> float:
@@ -409,7 +445,7 @@ class PerfModel:
 
     def estimate(self, placement: Sequence[int] | npt.NDArray[np.integer] | None = None) -> PerfEstimate:
         parts = self._parts(placement)
-        breakdown = {key: parts[key] for key in (*TIME_PARTS, CP_PART) if key in parts}
+        breakdown = {key: parts[key] for key in (*TIME_PARTS, "ep_comm", CP_PART) if key in parts}
         step = float(sum(breakdown.values()))
         tokens = float(self.training.tokens_per_step)
         flops_peak = step * self.config.world * self.peak
@@ -549,6 +585,8 @@ def _stage_params(model: ModelSpec, training: TrainingSpec, config: ParallelConf
     if model.tied_embeddings and config.pp > 1:
         head += model.vocab * model.hidden
     params[-1] += head
+    if model.moe is not None:  # dense MLPs, routers and shared experts (the experts: pipette.perf_moe)
+        params = params + perf_moe.replicated_params(model, training, config) * config.tp
     return np.asarray(params / config.tp + adapters, dtype=np.float64)
 
 

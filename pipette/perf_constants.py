@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from pipette.efficiency import H100_MEASURED_BF16, EfficiencyCurve
 from pipette.memory_options import MemoryOptions
+from pipette.perf_moe import DEFAULT_MOE, MoeConstants
 
 # ---- fitted constants (tests/benchmarks/accuracy.py --fit) ---------------------------
 # Achieved fraction of a link's bandwidth by NCCL collectives (bus bandwidth / link
@@ -200,6 +201,8 @@ class PerfConstants:
     #: Share of a ring step's attention block that hides its KV transfer (``pipette.perf_cp``): 1 when the
     #: transfer runs on its own stream beside the block (Transformer Engine, PyTorch's ring)
     cp_overlap: float = 1.0
+    #: The Mixture-of-Experts terms (``pipette.perf_moe``: grouped GEMMs, all-to-all, router imbalance)
+    moe: MoeConstants = DEFAULT_MOE
 
 
 @dataclass(frozen=True)

@@ -21,10 +21,10 @@ from pipette.estimates import MemoryEstimate, PerfEstimate
 from pipette.fits import KEEP_THRESHOLD, SURE_TO_FIT, FitsPrior, expected_step_time
 from pipette.memory import MemoryOptions, estimate_memory
 from pipette.model import ModelSpec
-from pipette.moe_count import refuse_planning
 from pipette.perf import PerfConstants, PerfModel
 from pipette.placement import default_placement, optimize_placement
 from pipette.space import RULES, Space, enumerate_space, hsdp_shard
+from pipette.space_moe import expert_variants, refuse_stack
 from pipette.stacks import STACK_RULES, Stack, get_stack, get_stacks, stacks_key
 from pipette.training import TrainingSpec
 
@@ -169,7 +169,6 @@ class Plan:
 
 def check_recipe(model: ModelSpec, training: TrainingSpec) -> None:
     """Refuse a recipe the model cannot train, before anything is measured or planned."""
-    refuse_planning(model)  # an MoE model, until expert parallelism is planned (issue 47)
     if training.seq_len > model.max_seq:
         # Beyond its positions a model is not what it was trained as (and the trial runner
         # refuses it): planning a 1M-token step for a 4096-position model helps nobody.
@@ -217,6 +216,8 @@ def make_plan(
     for st in chosen_all:
         base = enumerate_space(model, training, cluster.world, sharded_pipeline=st.sharded_pipeline,
                                uneven_virtual_stages=st.uneven_virtual_stages, stack=st.name)
+        refuse_stack(model, st.name)  # a stack that runs no model with experts, in one line
+        base = Space([v for c in base.candidates for v in expert_variants(model, c, st.name)], base.rejected)
         runnable = _runnable(_stack_space(base, st, cluster), st, model, training, kind)
         rejected.update(runnable.rejected)
         candidates += [replace(c, stack=st.key) if several else c for c in runnable.candidates]

@@ -175,15 +175,16 @@ def test_a_reader_that_leaves_early_gets_no_traceback() -> None:
 
 def test_a_mixtral_folder_is_refused_in_one_line(tmp_path: Path) -> None:
     """Issue 32, item 6: Mixtral's config.json was planned silently as a dense 7.24B model. Issue 47:
-    it is read (with its experts), and refused where the plan is made, until ep is planned."""
+    it is read (with its experts) and planned with them on a stack that runs experts; the default stack,
+    Pipette's DeepSpeed runner, has no MoE layer and refuses it in one line."""
     (tmp_path / "config.json").write_text(json.dumps({
         "model_type": "mixtral", "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
         "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 32000, "num_local_experts": 8,
         "num_experts_per_tok": 2, "max_position_embeddings": 32768}))
     r = pipette("plan", "--model", str(tmp_path), "--cluster", str(CLUSTERS / "a100-2x8.yaml"),
                 "--global-batch", "16", "--seq-len", "4096", "--no-files")
-    _assert_one_line_error(r, "--model: mixtral is a Mixture-of-Experts model (46.7B parameters, 12.9B active per "
-                           "token: 8 experts, top-2)", "needs expert parallelism (ep)", "fix: plan a dense model")
+    _assert_one_line_error(r, "mixtral is a Mixture-of-Experts model; the pipette stack does not run one",
+                           "fix: plan it with --stack megatron or --stack fsdp")
 
 
 @pytest.mark.parametrize(("signum", "code", "said"), [

@@ -318,21 +318,21 @@ def test_a_dense_model_is_as_it_was() -> None:
     assert ModelSpec.from_dict(llama.to_dict()) == llama
 
 
-# ---- planning is refused, in one line ---------------------------------------------------------
-def test_planning_an_moe_model_is_refused_in_one_line() -> None:
+# ---- planning: with the experts (issue 47) ------------------------------------------------------
+def test_an_moe_model_is_planned_with_its_experts_not_as_dense() -> None:
+    """Issue 47: the refusal lifted. Pipette's own DeepSpeed runner still refuses it in one line; the
+    planner's dense path sees only the attention (the experts are pipette.memory_moe / perf_moe's)."""
     model = ModelSpec.from_hf_config(MIXTRAL_8X7B)  # reading it is fine
     assert model.total_params() / 1e9 == pytest.approx(46.7, rel=0.01)
     training = TrainingSpec(global_batch=64, seq_len=4096)
     cluster = homogeneous_cluster("H100-80GB", 1, 8, 300e9, 25e9)
-    for plan in (lambda: check_recipe(model, training), lambda: make_plan(model, training, cluster)):
-        with pytest.raises(SpecError) as e:
-            plan()
-        line = str(e.value)
-        assert "a Mixture-of-Experts model (46.7B parameters, 12.9B active per token: 8 experts, top-2)" in line, line
-        assert "needs expert parallelism (ep)" in line
-        assert "\n" not in line and e.value.field == "model" and e.value.fix
-    # and no estimator prices its experts as dense layers behind the planner's back
-    for dense_only in (model.linear_shapes, model.layer_params):
-        with pytest.raises(SpecError, match="expert parallelism"):
-            dense_only()
+    check_recipe(model, training)
+    with pytest.raises(SpecError) as e:
+        make_plan(model, training, cluster)  # the default stack: Pipette's DeepSpeed runner
+    line = str(e.value)
+    assert "is a Mixture-of-Experts model; the pipette stack does not run one" in line, line
+    assert "\n" not in line and e.value.field == "stack" and e.value.fix
+    assert set(model.linear_shapes()) == {"q_proj", "k_proj", "v_proj", "o_proj"}
+    assert model.layer_params() == moe_count.attention_params(model) + model.norm_params()
+
 

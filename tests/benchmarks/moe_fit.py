@@ -1,0 +1,93 @@
+"""The Mixture-of-Experts step-time terms of the ``megatron`` stack, cross-validated (issue 47).
+
+Run from the repository root::
+
+    PYTHONPATH=$PWD .venv/bin/python tests/benchmarks/moe_fit.py
+
+The rows are ``tests/benchmarks/moe_rows.py``'s: Megatron-Bridge's DeepSeek-V3 and Qwen3-30B-A3B
+(one row per layout) and SimuMax's DeepSeek-V2/V3 on 8 B200. Every other constant of a row's stack
+(its GEMM curve, its FP8 / MXFP8 efficiency fitted on the set's dense rows) is as shipped; the four
+MoE terms of ``pipette.perf_moe.MoeConstants`` are fitted per fold by ``tests/benchmarks/crossval.py``
+(leave one job out: a job is the model, task, GPU and GPU count, as the dense Megatron-Bridge problem
+holds them out) and each row scored by the fit that never saw its job. It prints crossval's table,
+the fit on all rows (what ``pipette.perf_moe.MEGATRON_MOE`` ships) and the SimuMax memory error of the
+shipped estimator (no memory term is fitted: the counted formulas of ``pipette.memory_moe``).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import numpy as np  # noqa: E402
+
+from pipette.memory import estimate_memory  # noqa: E402
+from pipette.perf import PerfModel  # noqa: E402
+from pipette.perf_moe import MoeConstants  # noqa: E402
+from pipette.stacks import get_stack  # noqa: E402
+from tests.benchmarks.calibration import Row, calibration_dir, row_memory_options  # noqa: E402
+from tests.benchmarks.crossval import Param, Problem, Sample, crossval, fit_least_squares, table_lines  # noqa: E402
+from tests.benchmarks.moe_rows import load_bridge_moe, load_simumax_moe  # noqa: E402
+
+PARAMS = (Param("a2a_overlap", 0.5, 0.0, 0.95), Param("layer_host_s", 1e-3, 0.0, 0.05),
+          Param("grouped_share", 1.0, 0.3, 2.0), Param("imbalance", 1.1, 1.0, 2.0))
+
+
+def moe_constants(x: np.ndarray, row: Row) -> MoeConstants:
+    """The fitted terms; the dispatcher as the row's recipe runs it (Megatron-Bridge's MoE recipes: the
+    flex dispatcher, DeepEP / HybridEP; SimuMax's launcher: ``--moe-token-dispatcher-type alltoall``)."""
+    return MoeConstants(a2a_overlap=float(x[0]), layer_host_s=float(x[1]), grouped_share=float(x[2]),
+                        imbalance=float(x[3]), dispatcher="deepep" if row.source == "megatron_bridge" else "alltoall")
+
+
+def predict(x: np.ndarray, row: Row) -> float:
+    k = replace(get_stack(row.stack).constants, moe=moe_constants(x, row))
+    return PerfModel(row.model, row.training, row.config, row.cluster, constants=k).step_time()
+
+
+def rows() -> list[Row]:
+    d = calibration_dir()
+    return load_bridge_moe(d).rows + load_simumax_moe(d).rows
+
+
+def problem() -> Problem:
+    samples = tuple(Sample(f"{r.source}:{i}", r.source, r) for i, r in enumerate(rows()))
+    return Problem(name="megatron-moe", samples=samples, params=PARAMS, predict=predict,
+                   job=lambda s: "/".join(s.row.group[:4]),
+                   note="Jobs: model, task (or SimuMax's GPU count), GPU and GPU count; one row per layout.",
+                   subsets=(("Megatron-Bridge", lambda s: s.set == "megatron_bridge"),
+                            ("SimuMax B200", lambda s: s.set == "simumax")))
+
+
+def memory_lines() -> list[str]:
+    """SimuMax's peak allocated against the live estimate of every DeepSeek row (nothing fitted)."""
+    out, errors = [], []
+    for r in load_simumax_moe(calibration_dir()).rows:
+        est = estimate_memory(r.model, r.training, r.config, r.cluster.min_usable_memory,
+                              options=row_memory_options(r))
+        assert r.peak_memory is not None
+        err = est.live_bytes / r.peak_memory - 1.0
+        errors.append(abs(err))
+        out.append(f"  {r.row_id} {r.model.name} {r.config.label}: {est.live_bytes / 2**30:.1f} GiB "
+                   f"vs {r.peak_memory / 2**30:.1f} measured ({err:+.1%})")
+    out.append(f"  SimuMax MoE memory MAPE {np.mean(errors):.1%}, max {np.max(errors):.1%} over {len(errors)} rows")
+    return out
+
+
+def main() -> int:
+    p = problem()
+    result = crossval(p)
+    print("\n".join(table_lines(result)))
+    x = fit_least_squares(p.samples, p)
+    print("fit on all", len(p.samples), "rows:", ", ".join(f"{q.name}={v:.4g}" for q, v in zip(PARAMS, x, strict=True)))
+    print("\n".join(memory_lines()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
