@@ -11,8 +11,7 @@ from a fit that never saw its row): for the fsdp stack the attention efficiency
 for the megatron stack ``cp_overlap`` (the share of a ring block that hides its KV transfer). The
 shipped constants' column was fitted on none of these rows. Nothing found here is shipped: a fitted
 attention efficiency would move every fsdp prediction (docs/context-parallel.md). Memory: the
-reserved estimate against torchtitan's max reserved, nothing fitted on these
-row. Memory: the reserved estimate against torchtitan's max reserved, nothing fitted.
+reserved estimate against torchtitan's max reserved, nothing fitted on these rows.
 """
 
 from __future__ import annotations
