@@ -174,7 +174,7 @@ def check_recipe(model: ModelSpec, training: TrainingSpec) -> None:
         # refuses it): planning a 1M-token step for a 4096-position model helps nobody.
         raise SpecError(
             f"is {training.seq_len}, more than the {model.max_seq} positions {model.name} has "
-            "(max_position_embeddings)",
+            "(max_position_embeddings, or the reach of its rope_scaling)",
             field="training.seq_len", fix=f"use a sequence length of at most {model.max_seq}",
         )
 
@@ -274,7 +274,8 @@ def make_plan(
                                                        _named(chosen_all, config.stack)).constants_for(kind))
         perf = perf_model.estimate()
         planned.append((Planned(placed, mem, perf, perf.step_time, chance_to_fit=chance), perf_model))
-    planned = [(_with_expectation(p, _fallback([q for q, _ in planned])), m) for p, m in planned]
+    first = _fallback([q for q, _ in planned])  # once: per candidate it made planning quadratic in them
+    planned = [(_with_expectation(p, first), m) for p, m in planned]
     planned.sort(key=lambda p: _rank_key(p[0]))
 
     improved = []
