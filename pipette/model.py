@@ -307,7 +307,7 @@ def _dense_from_hf_config(cls: type[ModelSpec], cfg: dict[str, Any], name: str, 
         heads = int(cfg["num_attention_heads"])
         return cls(name=name, layers=int(cfg["num_hidden_layers"]), hidden=int(cfg["hidden_size"]), heads=heads,
                    kv_heads=int(cfg.get("num_key_value_heads") or heads), ffn_hidden=int(cfg["intermediate_size"]),
-                   vocab=int(cfg["vocab_size"]), max_seq=int(cfg.get("max_position_embeddings", 4096)),
+                   vocab=int(cfg["vocab_size"]), max_seq=positions(cfg),
                    tied_embeddings=bool(cfg.get("tie_word_embeddings", False)), arch="llama")
     except KeyError as e:
         raise SpecError(f"{where} has no {e.args[0]!r}", field=f"model.{e.args[0]}",
@@ -315,6 +315,21 @@ def _dense_from_hf_config(cls: type[ModelSpec], cfg: dict[str, Any], name: str, 
     except (TypeError, ValueError) as e:
         raise SpecError(f"{where} has a value that is not a number ({e})", field="model",
                         fix="check the numeric fields of config.json") from None
+
+
+def positions(cfg: dict[str, Any]) -> int:
+    """The longest sequence a config.json's model takes: ``max_position_embeddings`` (4096 when
+    absent), or the reach of its RoPE scaling where ``rope_scaling`` gives both the length it scales
+    and the factor (``original_max_position_embeddings x factor``: Llama 3.1's ``llama3`` type, whose
+    131,072 positions are already in ``max_position_embeddings``; YaRN as Qwen2.5's card adds it,
+    32,768 x 4) when that is longer. A scaling without the original length (``linear``, ``dynamic``)
+    extends nothing: models differ on whether ``max_position_embeddings`` counts it already."""
+    base = int(cfg.get("max_position_embeddings", 4096))
+    scaling = cfg.get("rope_scaling")
+    if not isinstance(scaling, dict) or "original_max_position_embeddings" not in scaling:
+        return base
+    factor = float(scaling.get("factor") or 1.0)
+    return max(base, int(int(scaling["original_max_position_embeddings"]) * factor))
 
 
 #: The ``model_type`` values whose config.json this planner models as they are: dense,

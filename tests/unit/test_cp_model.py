@@ -14,9 +14,10 @@ from pipette.layout import layout_of, stack_layout
 from pipette.memory import stage_breakdowns
 from pipette.memory_cp import exchange_bytes, fold, kv_block_bytes
 from pipette.memory_options import DEFAULT_OPTIONS
-from pipette.model import ModelSpec
+from pipette.model import ModelSpec, positions
 from pipette.perf import PerfModel
 from pipette.perf_cp import CP_PART, ring_step_exposed
+from pipette.plan import check_recipe
 from pipette.space import CP_MIN_SEQ, cp_degrees, enumerate_space
 from pipette.stacks import get_stack
 from pipette.training import TrainingSpec
@@ -109,3 +110,27 @@ def test_short_sequence_spaces_keep_their_candidates() -> None:
     spaced = enumerate_space(model, long, 8, stack="fsdp")
     assert {c.cp for c in spaced.candidates} == {1, 2, 4, 8}
     assert len([c for c in spaced.candidates if c.cp == 1]) == len(before.candidates)
+
+
+LLAMA_31_8B = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
+               "num_hidden_layers": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+               "max_position_embeddings": 131072, "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192, "rope_type": "llama3"}}
+
+
+def test_positions_are_read_with_the_rope_scaling() -> None:
+    assert positions(LLAMA_31_8B) == 131072
+    yarn = dict(LLAMA_31_8B, max_position_embeddings=32768,
+                rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768})
+    assert positions(yarn) == 131072
+    linear = dict(LLAMA_31_8B, max_position_embeddings=16384, rope_scaling={"type": "linear", "factor": 8.0})
+    assert positions(linear) == 16384  # no original length: nothing extended
+    assert positions({k: v for k, v in LLAMA_31_8B.items() if k != "rope_scaling"}) == 131072
+
+
+def test_a_model_whose_positions_do_not_reach_the_sequence_is_refused_in_one_line() -> None:
+    llama3 = ModelSpec.from_hf_config(dict(LLAMA_31_8B, max_position_embeddings=8192, rope_scaling=None))
+    with pytest.raises(SpecError) as e:
+        check_recipe(llama3, TrainingSpec(global_batch=8, seq_len=131072, method="lora"))
+    assert "\n" not in str(e.value) and "8192 positions" in str(e.value) and "rope_scaling" in str(e.value)
+    check_recipe(ModelSpec.from_hf_config(LLAMA_31_8B), TrainingSpec(global_batch=8, seq_len=131072))
