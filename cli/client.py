@@ -162,6 +162,13 @@ def _add_cluster(sub: Any) -> None:
 
 
 def _add_jobs(sub: Any) -> None:
+    _add_submit(sub)
+    _add_job_progress(sub)
+    _add_job_results(sub)
+
+
+def _add_submit(sub: Any) -> None:
+    """``pipette submit``: a job file, its overrides, and the tuning options' flags."""
     p = _add(sub, "submit", client_jobs.cmd_submit, "submit a tuning job from a job file",
              "  pipette submit examples/jobs/tiny-cpu.yaml --watch\n"
              "  pipette submit examples/jobs/llama2-7b-lora-8xa100.yaml --max-trials 6\n"
@@ -176,6 +183,9 @@ def _add_jobs(sub: Any) -> None:
     _json(p, "the accepted job (with --watch: every event, one JSON object per line)")
     add_option_flags(p, "tune", overriding="the job file")  # `tune`'s flags, as the job's budget
 
+
+def _add_job_progress(sub: Any) -> None:
+    """The commands that list jobs and follow one: jobs, status, watch."""
     p = _add(sub, "jobs", client_jobs.cmd_jobs, "list jobs, newest first",
              "  pipette jobs\n  pipette jobs --state running --state queued\n"
              "  pipette jobs --cluster local --json | jq -r '.[] | select(.state==\"succeeded\") | .id'")
@@ -199,6 +209,9 @@ def _add_jobs(sub: Any) -> None:
     p.add_argument("job", help="the job's id or its first characters")
     _json(p, "every event, one JSON object per line,")
 
+
+def _add_job_results(sub: Any) -> None:
+    """The commands on a job's trials and its best configuration, and its cancel: trials, best, cancel."""
     p = _add(sub, "trials", client_jobs.cmd_trials, "list a job's trials: predicted and measured",
              "  pipette trials 5601acd3\n  pipette trials 5601acd3 --sort tokens\n"
              "  pipette trials 5601acd3 --state oom --json | jq -r '.[].label'")
