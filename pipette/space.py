@@ -7,7 +7,7 @@ see what removed what.
 
 Context parallelism (``cp``, issue 48) is a degree of the walk for a stack that runs it
 (``pipette.layout.StackLayout.cp``) at a sequence long enough that splitting it matters
-(``cp_degrees``: ``CP_MIN_SEQ`` tokens and more, each cp rank keeping ``CP_MIN_CHUNK``): then
+(``cp_degrees``: ``CP_MIN_SEQ_PER_HIDDEN`` x h tokens and more, each cp rank keeping h): then
 ``world = tp * pp * dp * cp``. A shorter job's space is what it was without cp.
 """
 
@@ -40,22 +40,24 @@ RULES: dict[str, str] = {
     "cp_split": "the stack's context parallelism cannot split this sequence (or these heads) over cp x tp",
 }
 
-#: The shortest sequence cp is offered at: below it a layout without cp holds the same job (the
-#: activations grow with s, and at 8k tokens the attention is a fifth of an 8B layer's FLOPs), and
-#: cp's ring only adds traffic; plans of shorter jobs keep their candidates.
-CP_MIN_SEQ = 16384
-#: The fewest tokens a cp rank keeps (s / cp): shorter chunks make the ring's blocks too small to
-#: hide their transfer (``pipette.perf_cp``) and the GEMMs too thin.
-CP_MIN_CHUNK = 4096
+#: cp is offered where the sequence has this many tokens per unit of the hidden size, s >= 4 h: there
+#: a token's causal attention (2 s h FLOPs a layer forward, QK^T and PV halved) is a third of its
+#: linear layers' (24 h^2 with a 4h MLP: Narayanan et al. 2021, sec. 5.1) and its activations
+#: outgrow what tp and recomputation save. Below it a layout without cp holds the same job and
+#: cp's exchange only adds traffic, so plans of shorter jobs keep their candidates (an 8B model,
+#: h 4,096: 16,384 tokens; a 70B, h 8,192: 32,768; the tiny CPU models, h 128: 512).
+CP_MIN_SEQ_PER_HIDDEN = 4
 
 
-def cp_degrees(training: TrainingSpec, world: int, stack: str | None) -> list[int]:
+def cp_degrees(model: ModelSpec, training: TrainingSpec, world: int, stack: str | None) -> list[int]:
     """The cp degrees to walk for ``stack`` (None: no stack, cp 1 only): 1, and where the stack runs
-    context parallelism and the sequence has ``CP_MIN_SEQ`` tokens, every divisor of ``world`` that
-    leaves ``CP_MIN_CHUNK`` tokens a rank."""
-    if stack is None or not stack_layout(stack).cp or training.seq_len < CP_MIN_SEQ:
+    context parallelism and ``s >= CP_MIN_SEQ_PER_HIDDEN x h``, every divisor of ``world`` that leaves
+    a rank at least h tokens (a shorter chunk's ring blocks are too small to hide their transfer,
+    ``pipette.perf_cp``, and its GEMMs thinner than the model is wide)."""
+    h, s = model.hidden, training.seq_len
+    if stack is None or not stack_layout(stack).cp or s < CP_MIN_SEQ_PER_HIDDEN * h:
         return [1]
-    return [c for c in divisors(world) if c == 1 or training.seq_len // c >= CP_MIN_CHUNK]
+    return [c for c in divisors(world) if c == 1 or s // c >= h]
 
 
 def cp_rules(model: ModelSpec, training: TrainingSpec, config: ParallelConfig, stack: str | None) -> list[str]:
@@ -147,7 +149,7 @@ def enumerate_space(model: ModelSpec, training: TrainingSpec, world: int, *, sha
     per (mbs, zero, recompute, schedule) combination, so the counts stay readable.
     """
     space = Space(candidates=[])
-    for cp, tp, pp in _degrees(training, world, stack):
+    for cp, tp, pp in _degrees(model, training, world, stack):
         dp = world // (tp * pp * cp)
         degree_rules = [
             code for code, bad in (
@@ -185,9 +187,9 @@ def enumerate_space(model: ModelSpec, training: TrainingSpec, world: int, *, sha
     return space
 
 
-def _degrees(training: TrainingSpec, world: int, stack: str | None) -> list[tuple[int, int, int]]:
+def _degrees(model: ModelSpec, training: TrainingSpec, world: int, stack: str | None) -> list[tuple[int, int, int]]:
     """(cp, tp, pp) of every degree tuple, cp 1 first (the order without cp is unchanged)."""
-    return [(cp, tp, pp) for cp in cp_degrees(training, world, stack)
+    return [(cp, tp, pp) for cp in cp_degrees(model, training, world, stack)
             for tp in divisors(world // cp) for pp in divisors(world // (cp * tp))]
 
 

@@ -18,7 +18,7 @@ from pipette.model import ModelSpec, positions
 from pipette.perf import PerfModel
 from pipette.perf_cp import CP_PART, ring_step_exposed
 from pipette.plan import check_recipe
-from pipette.space import CP_MIN_SEQ, cp_degrees, enumerate_space
+from pipette.space import CP_MIN_SEQ_PER_HIDDEN, cp_degrees, enumerate_space
 from pipette.stacks import get_stack
 from pipette.training import TrainingSpec
 
@@ -96,17 +96,19 @@ def test_each_stack_cites_its_cp_rule() -> None:
 
 
 def test_short_sequence_spaces_keep_their_candidates() -> None:
-    """Below CP_MIN_SEQ a stack that runs cp enumerates what it did without cp; at a long sequence it
-    adds cp layouts, each keeping at least 4,096 tokens a rank."""
+    """Below 4 h tokens (16,384 for an 8B model) a stack that runs cp enumerates what it did without
+    cp; at a long sequence it adds cp layouts, each keeping at least h tokens a rank."""
     model = ModelSpec.preset("llama3-8b")
     short = TrainingSpec(global_batch=8, seq_len=8192, method="lora")
     before = enumerate_space(model, short, 8)
     after = enumerate_space(model, short, 8, stack="fsdp")
     assert [c.label for c in after.candidates] == [c.label for c in before.candidates]
     assert after.rejected == before.rejected
-    long = replace(short, seq_len=CP_MIN_SEQ * 2)
-    assert cp_degrees(long, 8, "fsdp") == [1, 2, 4, 8]
-    assert cp_degrees(long, 8, "pipette") == [1]
+    long = replace(short, seq_len=CP_MIN_SEQ_PER_HIDDEN * model.hidden * 2)
+    assert cp_degrees(model, long, 8, "fsdp") == [1, 2, 4, 8]
+    assert cp_degrees(model, long, 8, "pipette") == [1]
+    assert cp_degrees(model, replace(short, seq_len=16384), 32, "megatron") == [1, 2, 4]
+    assert cp_degrees(model, replace(short, seq_len=16383), 32, "megatron") == [1]
     spaced = enumerate_space(model, long, 8, stack="fsdp")
     assert {c.cp for c in spaced.candidates} == {1, 2, 4, 8}
     assert len([c for c in spaced.candidates if c.cp == 1]) == len(before.candidates)
