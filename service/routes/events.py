@@ -22,7 +22,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from starlette.concurrency import run_in_threadpool
 
 from service.auth import bearer_secret
-from service.deps import Caller, State, authenticate
+from service.deps import AppState, Caller, State, authenticate
 from service.errors import AuthError, RequestError
 from service.models import FINAL_STATES, Event, Job
 from service.outage import OUTAGE, is_unavailable
@@ -63,66 +63,74 @@ async def stream_events(
 ) -> StreamingResponse:
     start = _resume_point(last_event_id, after)
     secret = bearer_secret(request)
-
-    def check() -> None:
-        with state.db.read() as session:
-            get_job(session, caller.tenant, job_id)
-
-    await run_in_threadpool(check)
-
-    def fetch(last: int) -> tuple[Sequence[Event], bool]:
-        with state.db.read() as session:
-            # The state first: a final state's own event is committed with it, so it is in rows.
-            job = session.get(Job, job_id)
-            final = job is None or job.state in FINAL_STATES
-            return repo.events_after(session, job_id, last), final
-
-    async def still_allowed() -> bool:
-        try:
-            await authenticate(state, secret)
-        except AuthError:
-            return False  # revoked: its streams end too, not only its next request
-        return True
-
-    async def body() -> AsyncIterator[str]:
-        last = start
-        yield f"retry: {RETRY_MS}\n\n"
-        now = time.monotonic()
-        quiet_since = event_at = checked_at = now
-        wait = POLL_S
-        while True:
-            try:
-                rows, final = await run_in_threadpool(fetch, last)
-            except SQLAlchemyError as e:
-                if not is_unavailable(e):
-                    raise
-                OUTAGE.failed(e, "an event stream")
-                return  # the client reconnects after RETRY_MS with Last-Event-ID
-            for event in rows:
-                last = event.id
-                yield format_event(event)
-            now = time.monotonic()
-            if now - checked_at > TOKEN_CHECK_S:  # a busy stream too: it delivered events after a revocation
-                if not await still_allowed():
-                    return
-                checked_at = now
-            if rows:
-                quiet_since = event_at = now
-                wait = POLL_S
-                continue
-            if final or not follow or state.stopping.is_set() or await request.is_disconnected():
-                return
-            if now - event_at > state.settings.stream_idle_s:
-                return  # idle: the client reconnects with Last-Event-ID if it still reads
-            if now - quiet_since > KEEPALIVE_S:
-                yield ": keep-alive\n\n"
-                quiet_since = now
-            await asyncio.sleep(wait)
-            wait = min(wait * 2, MAX_POLL_S)  # a quiet job is polled less often
-
+    await run_in_threadpool(_check_job, state, caller.tenant, job_id)
     give_back = state.streams.take(caller.tenant)
-    return SlotStreamingResponse(body(), give_back=give_back,
+    return SlotStreamingResponse(_event_lines(request, state, job_id, start, follow, secret), give_back=give_back,
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def _check_job(state: AppState, tenant: str, job_id: str) -> None:
+    """The job is the tenant's, else a 404 (as a missing one), before a stream's slot is taken."""
+    with state.db.read() as session:
+        get_job(session, tenant, job_id)
+
+
+def _fetch_events(state: AppState, job_id: str, last: int) -> tuple[Sequence[Event], bool]:
+    """The job's events after ``last``, and whether the job has reached a final state."""
+    with state.db.read() as session:
+        # The state first: a final state's own event is committed with it, so it is in rows.
+        job = session.get(Job, job_id)
+        final = job is None or job.state in FINAL_STATES
+        return repo.events_after(session, job_id, last), final
+
+
+async def _still_allowed(state: AppState, secret: str) -> bool:
+    try:
+        await authenticate(state, secret)
+    except AuthError:
+        return False  # revoked: its streams end too, not only its next request
+    return True
+
+
+async def _event_lines(request: Request, state: AppState, job_id: str, start: int, follow: bool,
+                       secret: str) -> AsyncIterator[str]:
+    """The stream's text: each event after ``start`` as it is stored, keep-alives while the job is
+    quiet, until the job ends (or at once without ``follow``), the stream idles, the token is
+    revoked, the service stops or the client leaves."""
+    last = start
+    yield f"retry: {RETRY_MS}\n\n"
+    now = time.monotonic()
+    quiet_since = event_at = checked_at = now
+    wait = POLL_S
+    while True:
+        try:
+            rows, final = await run_in_threadpool(_fetch_events, state, job_id, last)
+        except SQLAlchemyError as e:
+            if not is_unavailable(e):
+                raise
+            OUTAGE.failed(e, "an event stream")
+            return  # the client reconnects after RETRY_MS with Last-Event-ID
+        for event in rows:
+            last = event.id
+            yield format_event(event)
+        now = time.monotonic()
+        if now - checked_at > TOKEN_CHECK_S:  # a busy stream too: it delivered events after a revocation
+            if not await _still_allowed(state, secret):
+                return
+            checked_at = now
+        if rows:
+            quiet_since = event_at = now
+            wait = POLL_S
+            continue
+        if final or not follow or state.stopping.is_set() or await request.is_disconnected():
+            return
+        if now - event_at > state.settings.stream_idle_s:
+            return  # idle: the client reconnects with Last-Event-ID if it still reads
+        if now - quiet_since > KEEPALIVE_S:
+            yield ": keep-alive\n\n"
+            quiet_since = now
+        await asyncio.sleep(wait)
+        wait = min(wait * 2, MAX_POLL_S)  # a quiet job is polled less often
 
 
 def format_event(event: Event) -> str:
