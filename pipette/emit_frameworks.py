@@ -5,7 +5,8 @@ writes the part of their configuration the candidate decides, in each framework'
 leaves the model, data and optimizer to the user's job:
 
 * ``megatron_args.txt``: ``pretrain_gpt.py`` arguments (megatron/training/arguments.py of
-  Megatron-LM): the tensor and pipeline degrees (data parallelism is what the world size leaves),
+  Megatron-LM): the tensor, pipeline and context-parallel degrees (``--context-parallel-size``,
+  written only above 1; data parallelism is what the world size leaves),
   sequence parallelism with tp (what the megatron stack prices), the batch, the distributed
   optimizer for ZeRO-1, the virtual stages of an interleaved schedule, recomputation and
   precision (under ``megatron+fp8`` Transformer Engine's FP8 with FP8 weights, as priced, on a
@@ -51,6 +52,8 @@ def megatron_arguments(training: TrainingSpec, config: ParallelConfig, layers: i
         f"--global-batch-size {config.global_batch}",
         f"--seq-length {training.seq_len}",
     ]
+    if config.cp > 1:
+        args.append(f"--context-parallel-size {config.cp}")
     if config.tp > 1:
         args.append("--sequence-parallel")
     if config.zero_stage == 1:
@@ -111,6 +114,7 @@ def nanotron_config(training: TrainingSpec, config: ParallelConfig, header: str)
         f"  dp: {config.dp}",
         f"  pp: {config.pp}",
         f"  tp: {config.tp}",
+        *([f"  context_parallel_size: {config.cp}"] if config.cp > 1 else []),
         "  pp_engine: 1f1b",
         "  tp_mode: REDUCE_SCATTER",
         f"  tp_linear_async_communication: {true if config.tp > 1 else false}",

@@ -18,7 +18,9 @@ def fsdp_problems(model: ModelSpec, training: TrainingSpec, config: ParallelConf
     m, c = model, config
     out: list[tuple[str, str, str]] = []
     if world is not None and world != c.world:
-        out.append((f"{world} processes for a candidate of tp x pp x dp = {c.tp} x {c.pp} x {c.dp} = {c.world}",
+        names, sizes = ("tp x pp x dp", f"{c.tp} x {c.pp} x {c.dp}") if c.cp == 1 else \
+            ("tp x pp x dp x cp", f"{c.tp} x {c.pp} x {c.dp} x {c.cp}")
+        out.append((f"{world} processes for a candidate of {names} = {sizes} = {c.world}",
                     "config", f"start {c.world} ranks, or choose degrees whose product is {world}"))
     if m.arch != "llama":
         out.append((f"the runner builds Llama models, not {m.arch!r}", "model.arch", "use a Llama model"))
@@ -30,6 +32,7 @@ def fsdp_problems(model: ModelSpec, training: TrainingSpec, config: ParallelConf
                     "leave dp_shard out with zero_stage 0, or shard with zero_stage 2 or 3"))
     out += _split_problems(m, c)
     out += _pipeline_problems(m, c)
+    out += _context_problems(training, c)
     if device_kind == "cpu" and training.dtype == "fp16":
         out.append(("fp16 needs a GPU", "training.dtype", "use fp32 or bf16 on CPU devices"))
     if training.seq_len > m.max_seq:
@@ -75,6 +78,20 @@ def _pipeline_problems(m: ModelSpec, c: ParallelConfig) -> list[tuple[str, str, 
         out.append((f"interleaved 1F1B runs micro-batches in rounds of pp={c.pp}; {n} is not a whole number "
                     "of rounds", "config.mbs", f"choose mbs so that the {n} micro-batches are a multiple of pp"))
     return out
+
+
+def _context_problems(training: TrainingSpec, c: ParallelConfig) -> list[tuple[str, str, str]]:
+    """Ring attention cuts each sequence into ``2 cp`` load-balanced chunks and TP's sequence
+    parallelism cuts a cp rank's part by tp: torchtitan's ``ParallelDims.seq_len_divisor``
+    (``tp * cp * 2``, ``torchtitan/distributed/parallel_dims.py``)."""
+    if c.cp == 1:
+        return []
+    divisor = 2 * c.cp * c.tp
+    if training.seq_len % divisor:
+        return [(f"seq_len {training.seq_len} is not divisible by 2 x cp x tp = {divisor} (ring attention's "
+                 f"2 cp chunks, each cut by tp)", "training.seq_len",
+                 f"use a sequence length that is a multiple of {divisor}, or a smaller cp")]
+    return []
 
 
 def _divisors(n: int) -> str:

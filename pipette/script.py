@@ -284,7 +284,10 @@ def fsdp_script_refusals(script: ScriptSpec, config: ParallelConfig) -> list[str
     if c.dp_shard is not None and not sharded(c):
         out.append(f"dp_shard={c.dp_shard} with zero_stage {c.zero_stage} (NO_SHARD): nothing is sharded")
     if kind == "torchtitan":
-        return out  # torchtitan composes FSDP2/HSDP with TP, PP (1F1B, interleaved) and per-op selective AC
+        return out  # torchtitan composes FSDP2/HSDP with TP, PP (1F1B, interleaved), CP and per-op selective AC
+    if c.cp > 1:
+        out.append(f"cp={c.cp}: {kind or 'the script'} splits sequences only inside its own loop "
+                   "(Accelerate's maybe_context_parallel), which Pipette cannot see; torchtitan runs cp")
     if c.tp > 1:
         out.append(f"tp={c.tp}: {kind or 'the script'} shards with FSDP only (torchtitan composes TP with it)")
     if c.pp > 1 or c.schedule != "1f1b":

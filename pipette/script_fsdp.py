@@ -68,12 +68,14 @@ def accelerate_fsdp_settings(training: TrainingSpec, config: ParallelConfig, mod
 
 
 def accelerate_parallelism(config: ParallelConfig) -> dict[str, int] | None:
-    """Accelerate's ``parallelism_config`` for HSDP (replicate x shard), None without HSDP."""
-    if config.dp_shard is None:
+    """Accelerate's ``parallelism_config`` for HSDP (replicate x shard) or context parallelism
+    (``cp_size``: accelerate/parallelism_config.py ``ParallelismConfig``, whose ``dp_shard_size``
+    leaves cp out), None without either."""
+    if config.dp_shard is None and config.cp == 1:
         return None
     replicate, shard = _shard_degrees(config)
     return {"parallelism_config_dp_replicate_size": replicate, "parallelism_config_dp_shard_size": shard,
-            "parallelism_config_tp_size": 1, "parallelism_config_cp_size": 1}
+            "parallelism_config_tp_size": 1, "parallelism_config_cp_size": config.cp}
 
 
 def accelerate_fsdp_env(training: TrainingSpec, config: ParallelConfig, model: ModelSpec) -> dict[str, str]:
@@ -186,6 +188,8 @@ def torchtitan_settings(training: TrainingSpec, config: ParallelConfig, model: M
         "tensor_parallel_degree": c.tp,
         "pipeline_parallel_degree": c.pp,
     }
+    if c.cp > 1:  # ring attention over cp, FSDP over dp_shard x cp (ParallelDims)
+        parallelism["context_parallel_degree"] = c.cp
     # Without pp a rank runs mbs sequences a micro-step and accumulates (global / (mbs * dp)
     # micro-steps); with pp its local batch is the pipeline's micro-batches of mbs each.
     local = c.mbs * c.grad_accum if c.pp > 1 else c.mbs

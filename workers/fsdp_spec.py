@@ -7,6 +7,12 @@ is about to start, and a bad candidate ends in one line (``SpecError``: what, an
 The mesh is the ``fsdp`` stack's layout (``pipette.layout.layout_of(config, "fsdp")``: torchtitan's
 ``ParallelDims`` order ``pp, dp_replicate, dp_shard, cp, tp``, row-major, cp only above 1), so a
 rank's coordinates are Pipette's rank layout with ``dp`` flattened from ``dp_replicate, dp_shard``.
+
+Context parallelism (cp > 1) is torchtitan's: ring attention (``CP_KIND``) over the cp dimension, the
+cp ranks of one data-parallel replica reading the same rows and each holding its ``2 cp``-chunk part
+of every sequence, and FSDP sharding over the flattened ``dp_shard x cp`` (torchtitan's ``dp_shard_cp``;
+``ParallelDims.fsdp_enabled`` is ``dp_shard_enabled or cp_enabled``). Under NO_SHARD (zero_stage 0)
+the cp ranks hold whole replicas, as its dp ranks do, and average their gradients over cp.
 """
 
 from __future__ import annotations
@@ -23,6 +29,10 @@ from pipette.training import MIXED_DTYPES, TrainingSpec
 #: ``torch.distributed.pipelining`` schedules by name; a ParallelConfig says 1f1b or interleaved,
 #: ``gpipe`` is there for callers that build a plan themselves
 SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved")
+#: how the fsdp stack's cp ranks attend over the whole sequence: torchtitan's ring attention
+#: (``context_parallel_degree``, ``torchtitan/distributed/context_parallel.py``); Ulysses is not its kind
+CP_KIND = "ring"
+
 
 
 @dataclass(frozen=True)
@@ -45,6 +55,12 @@ class FsdpPlan:
     recompute: str
     #: the dtype FSDP2 computes in (``MixedPrecisionPolicy.param_dtype``); master weights are fp32
     dtype: str
+    #: how the cp ranks attend over the whole sequence (``CP_KIND``; read only when cp > 1)
+    cp_kind: str = CP_KIND
+    #: FSDP shards over ``dp_shard x cp`` (torchtitan's ``dp_shard_cp``: zero_stage 2 and 3 with cp > 1);
+    #: False: the cp ranks hold whole replicas (NO_SHARD) or there is no cp
+    shard_cp: bool = False
+
 
     @property
     def pp(self) -> int:
@@ -67,6 +83,11 @@ class FsdpPlan:
         return self.mesh.size("tp")
 
     @property
+    def cp(self) -> int:
+        """Context-parallel degree (1 when the mesh has no cp dimension)."""
+        return self.mesh.size("cp")
+
+    @property
     def world(self) -> int:
         return self.mesh.world
 
@@ -77,9 +98,15 @@ class FsdpPlan:
 
     @property
     def fsdp(self) -> bool:
-        """Whether ``fully_shard`` wraps the model: over a data-parallel group, or on one rank for
-        its mixed precision or offload (without them a single rank trains the plain model)."""
-        return self.dp > 1 or self.offload or self.dtype in MIXED_DTYPES
+        """Whether ``fully_shard`` wraps the model: over a data-parallel group (``dp_shard x cp``
+        under ``shard_cp``), or on one rank for its mixed precision or offload (without them a
+        single rank trains the plain model)."""
+        return self.dp > 1 or self.shard_cp or self.offload or self.dtype in MIXED_DTYPES
+
+    @property
+    def cp_grad_average(self) -> bool:
+        """Whether the rank averages its gradients over cp itself (cp ranks holding whole replicas)."""
+        return self.cp > 1 and not self.shard_cp
 
     def stage_ids(self, pp_index: int) -> list[int]:
         """The stages pipeline rank ``pp_index`` holds: one, or one per round of the interleaved
@@ -97,6 +124,7 @@ def plan_for(model: ModelSpec, training: TrainingSpec, config: ParallelConfig, d
         mesh=layout_of(c, "fsdp"), reshard_after_forward=c.zero_stage == 3,
         offload=c.offload, schedule=c.schedule, stages_per_rank=c.virtual_stages if c.schedule == "interleaved" else 1,
         microbatches=c.grad_accum, mbs=c.mbs, recompute=c.recompute, dtype=training.dtype,
+        cp_kind=CP_KIND, shard_cp=c.cp > 1 and c.zero_stage != 0,
     )
 
 

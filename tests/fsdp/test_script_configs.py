@@ -24,8 +24,9 @@ CANDIDATES = [
     ParallelConfig(tp=1, pp=1, dp=4, mbs=2, global_batch=16, zero_stage=3),
     ParallelConfig(tp=1, pp=1, dp=4, mbs=1, global_batch=16, zero_stage=2, offload=True, recompute="full"),
     ParallelConfig(tp=1, pp=1, dp=4, mbs=2, global_batch=16, zero_stage=3, dp_shard=2),
+    ParallelConfig(tp=1, pp=1, dp=2, cp=2, mbs=2, global_batch=16, zero_stage=3),
 ]
-IDS = ["full-shard", "shard-grad-op-offload-ac", "hsdp2x2"]
+IDS = ["full-shard", "shard-grad-op-offload-ac", "hsdp2x2", "cp2"]
 
 
 @pytest.mark.parametrize("config", CANDIDATES, ids=IDS)
@@ -139,7 +140,8 @@ def test_every_flag_of_a_torchtitan_trial_is_a_0_3_config_field(config: Parallel
             kind(value)  # parses as its type
     p = {name: int(v) for (section, name), v in flags.items() if section == "parallelism" and name.endswith("degree")}
     assert p["data_parallel_replicate_degree"] * p["data_parallel_shard_degree"] * p["tensor_parallel_degree"] \
-        * p["pipeline_parallel_degree"] == config.world
+        * p["pipeline_parallel_degree"] * p.get("context_parallel_degree", 1) == config.world
+    assert ("context_parallel_degree" in p) is (config.cp > 1)  # cp = 1: the flags as before cp existed
     assert flags.get(("parallelism", "pipeline_parallel_schedule"), "1F1B") in SCHEDULES
 
 
@@ -157,5 +159,6 @@ def test_torchtitans_own_parser_reads_the_command_a_trial_runs(config: ParallelC
     job = ConfigManager().parse_args(argv[3:])
     assert job.training.steps == 5 and job.training.global_batch_size == 16
     assert job.parallelism.tensor_parallel_degree == config.tp and job.parallelism.pipeline_parallel_degree == config.pp
+    assert job.parallelism.context_parallel_degree == config.cp
     assert type(job.activation_checkpoint).__qualname__.split(".")[0] == \
         {"none": "NoneType", "full": "FullAC", "selective": "SelectiveAC"}[config.recompute]

@@ -53,6 +53,17 @@ def test_megatron_arguments_say_the_candidates_layout_in_megatrons_flags() -> No
     assert plain["--recompute-granularity"] == "selective" and "--recompute-method" not in plain
 
 
+def test_megatron_and_nanotron_say_cp_only_above_1() -> None:
+    """Megatron-LM's ``--context-parallel-size`` (megatron/training/arguments.py) and nanotron's
+    ``ParallelismArgs.context_parallel_size``, written only for cp > 1: a cp = 1 file is as before."""
+    cp2 = ParallelConfig(tp=2, pp=1, dp=4, cp=2, mbs=1, global_batch=128)
+    assert _flags(megatron_arguments(TRAINING, cp2, MODEL.layers))["--context-parallel-size"] == "2"
+    assert "  context_parallel_size: 2" in nanotron_config(TRAINING, cp2, "h").splitlines()
+    cp1 = ParallelConfig(tp=2, pp=1, dp=4, mbs=1, global_batch=128)
+    assert "--context-parallel-size" not in _flags(megatron_arguments(TRAINING, cp1, MODEL.layers))
+    assert "context_parallel_size" not in nanotron_config(TRAINING, cp1, "h")
+
+
 @pytest.mark.parametrize(("cluster", "fp8"), [(H100S, True), (A100S, False)])
 def test_megatron_fp8_flags_only_where_the_device_has_fp8(tmp_path: Path, cluster: ClusterProfile, fp8: bool) -> None:
     cfg = ParallelConfig(tp=4, pp=1, dp=4, mbs=1, global_batch=128, zero_stage=1)

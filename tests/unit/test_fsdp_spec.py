@@ -115,3 +115,29 @@ def test_interleaved_stages_loop_over_the_pipeline_ranks() -> None:
     plan = plan_for(MODEL, JOB, config(pp=2, dp=1, mbs=2, schedule="interleaved", virtual_stages=2), "cpu")
     assert plan.stages == 4 and plan.stage_ids(0) == [0, 2] and plan.stage_ids(1) == [1, 3]
     assert plan.microbatches == 4 and plan.schedule == "interleaved"
+
+
+@pytest.mark.parametrize(("kw", "shard_cp", "fsdp"), [
+    ({"dp": 2, "cp": 2}, True, True),  # FSDP2 over dp_shard x cp (torchtitan's dp_shard_cp)
+    ({"dp": 1, "cp": 4}, True, True),  # fsdp_enabled = dp_shard_enabled or cp_enabled
+    ({"dp": 2, "cp": 2, "zero_stage": 0}, False, True),  # NO_SHARD: whole replicas, gradients averaged over cp
+    ({"dp": 1, "cp": 2, "tp": 2, "zero_stage": 0}, False, False),
+])
+def test_cp_is_a_mesh_dimension_and_fsdp_shards_over_it(kw: dict[str, object], shard_cp: bool, fsdp: bool) -> None:
+    c = config(**kw)
+    plan = plan_for(MODEL, JOB, c, "cpu", c.world)
+    assert plan.mesh.names == ("pp", "dp_replicate", "dp_shard", "cp", "tp") and plan.cp == c.cp
+    assert plan.cp_kind == "ring" and plan.shard_cp is shard_cp and plan.fsdp is fsdp
+    assert plan.cp_grad_average is not shard_cp and plan.world == c.world
+    # the cp ranks of one replica read the same rows: the data index leaves cp out
+    for group in c.layout.groups("cp"):
+        assert len({plan.mesh.index(r, "dp") for r in group}) == 1 and len(group) == c.cp
+    assert not plan_for(MODEL, JOB, config(), "cpu", 4).shard_cp
+
+
+def test_cp_needs_2_cp_tp_chunks_of_the_sequence() -> None:
+    e = refused(config(dp=1, cp=2, tp=2), job=replace(JOB, seq_len=36))
+    assert e.field == "training.seq_len" and "2 x cp x tp = 8" in e.message
+    check_fsdp(MODEL, replace(JOB, seq_len=40), config(dp=1, cp=2, tp=2), "cpu", 4)
+    e = refused(config(dp=2, cp=2), world=2)
+    assert "tp x pp x dp x cp = 1 x 1 x 2 x 2 = 4" in e.message

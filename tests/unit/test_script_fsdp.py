@@ -243,3 +243,18 @@ def test_an_fsdp_script_whose_ranks_train_alone_is_told_so_in_fsdps_words(zero_s
                                f"per step, the candidate's is {events.global_batch}: each rank trained alone "
                                "(Accelerate on CPU finds no accelerator, DistributedType.NO"), said
         assert "use_configured_state" in said
+
+
+def test_cp_runs_in_torchtitan_scripts_only() -> None:
+    """torchtitan takes ``context_parallel_degree``; Accelerate and the Trainer split a sequence only
+    inside the user's loop (``maybe_context_parallel``), which a trial cannot see: refused there."""
+    from pipette.script import fsdp_script_refusals
+
+    c = _config(dp=2, cp=2)
+    assert fsdp_script_refusals(TITAN, c) == []
+    for script in (ACCEL, TRAINER):
+        (said,) = [r for r in fsdp_script_refusals(script, c) if "cp=2" in r]
+        assert "torchtitan runs cp" in said
+    assert not any("cp=" in r for r in fsdp_script_refusals(ACCEL, _config(dp=4)))
+    yaml_cp = accelerate_fsdp_env(TrainingSpec(global_batch=16, seq_len=64), c, MODEL)
+    assert yaml_cp["PARALLELISM_CONFIG_CP_SIZE"] == "2" and yaml_cp["PARALLELISM_CONFIG_DP_SHARD_SIZE"] == "2"

@@ -162,10 +162,17 @@ def apply_fsdp(stage: LlamaStage, dp_mesh: DeviceMesh, plan: FsdpPlan, device: t
 
 
 def dp_mesh_of(mesh: DeviceMesh, plan: FsdpPlan) -> DeviceMesh:
-    """The mesh FSDP2 shards over: (dp_replicate, dp_shard) for HSDP and NO_SHARD, else dp_shard."""
+    """The mesh FSDP2 shards over: (dp_replicate, dp_shard) for HSDP and NO_SHARD, else dp_shard;
+    under ``plan.shard_cp`` the shard dimension is ``dp_shard x cp`` flattened (torchtitan's
+    ``mesh["dp_shard", "cp"]._flatten("dp_shard_cp")``: the cp ranks hold the same parameters, so
+    they shard them as data-parallel ranks do; ``_flatten`` of one name again returns the same mesh)."""
+    shard = "dp_shard"
+    if plan.shard_cp:
+        mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+        shard = "dp_shard_cp"
     if plan.dp_replicate > 1:
-        return mesh["dp_replicate", "dp_shard"]
-    return mesh["dp_shard"]
+        return mesh["dp_replicate", shard]
+    return mesh[shard]
 
 
 def parallelize(stage: LlamaStage, mesh: DeviceMesh, plan: FsdpPlan, device: torch.device,

@@ -12,6 +12,12 @@ pipeline stages (``fsdp_model``); TP, activation checkpointing and FSDP2 on each
 (``fsdp_parallel``); values for what it holds; AdamW on its shards; the pipeline schedule
 (``fsdp_pipeline``). Each step trains on the same global batch every candidate of the job sees
 (``fsdp_data``), and reports the mean loss over the whole global batch.
+
+Under context parallelism (cp > 1) the stages' attention runs over the cp ring
+(``context_parallel``, after ``build_stages``): the cp ranks of a replica read its rows, each keeps
+its ``2 cp``-chunk part of every sequence (labels shifted on the whole sequence first) with RoPE at
+the global positions; FSDP2 shards over ``dp_shard x cp`` (``FsdpPlan.shard_cp``), or, under
+NO_SHARD, the rank averages its gradients over cp (``average_over_cp``).
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from torch import nn
 from pipette.training import MIXED_DTYPES
 from workers.fsdp_spec import FsdpPlan, plan_for
 from workers.phases import PHASES, Phases
+from workers.rank.context_parallel import ContextParallel, apply_context_parallel
 from workers.rank.devices import (
     backend_for,
     collective_device,
@@ -63,17 +70,20 @@ Report = Callable[[dict[str, Any]], None]
 
 def backend_name(trial: TrialSpec, plan: FsdpPlan) -> str:
     """The parallelisms a trial ran, e.g. ``fsdp2-full-shard+tp-sp+pp-1f1b+ac-full+peft-lora``."""
-    if plan.dp == 1:
+    shard = plan.dp_shard * (plan.cp if plan.shard_cp else 1)  # FSDP2's shard ranks: dp_shard x cp under shard_cp
+    if plan.dp_replicate * shard == 1:
         mode = "one-rank"  # fully_shard on one rank: its mixed precision or offload
-    elif plan.dp_replicate > 1 and plan.dp_shard > 1:
-        mode = f"hsdp{plan.dp_replicate}x{plan.dp_shard}"
-    elif plan.dp_shard == 1:
+    elif plan.dp_replicate > 1 and shard > 1:
+        mode = f"hsdp{plan.dp_replicate}x{shard}"
+    elif shard == 1:
         mode = "replicate"
     else:
         mode = "full-shard" if plan.reshard_after_forward else "no-reshard"
     parts = [f"fsdp2-{mode}" if plan.fsdp else "torch"]
     if plan.tp > 1:
         parts.append("tp-sp")
+    if plan.cp > 1:
+        parts.append(f"cp{plan.cp}-{plan.cp_kind}")
     if plan.pp > 1:
         parts.append(f"pp-{plan.schedule}" + (f"{plan.stages_per_rank}" if plan.schedule == "interleaved" else ""))
     parts += [f"ac-{plan.recompute}"] if plan.recompute != "none" else []
@@ -99,6 +109,23 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float, pp_group: Any) -
         total = total.sqrt()
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
     return total
+
+
+def average_over_cp(params: list[nn.Parameter], cp_group: Any, cp: int) -> None:
+    """Average the gradients over the cp group, in one all-reduce, where FSDP does not (cp ranks
+    holding whole replicas, NO_SHARD): each cp rank's gradient is that of its tokens' mean loss
+    (its ring's backward brought back its keys' and values' part of the others'), so their mean
+    is the gradient of the mean loss over the whole sequence."""
+    from torch.distributed.tensor import DTensor
+
+    grads = [g.to_local() if isinstance(g, DTensor) else g for g in (p.grad for p in params) if g is not None]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=cp_group)  # gloo has no ReduceOp.AVG
+    flat /= cp
+    for g, part in zip(grads, torch.split(flat, [g.numel() for g in grads]), strict=True):
+        g.copy_(part.view_as(g))
 
 
 @dataclass(frozen=True)
@@ -139,12 +166,18 @@ class FsdpRank:
         set_matmul_precision(t.dtype, self.device)
         self.mesh = mesh if mesh is not None else init_device_mesh(self.device.type, plan.mesh.sizes,
                                                                    mesh_dim_names=plan.mesh.names)
+        # cp > 1: ring attention over the cp mesh dimension (workers.rank.context_parallel)
+        self.context = None if plan.cp == 1 else ContextParallel(
+            plan.cp_kind, self.mesh["cp"], t.seq_len)  # type: ignore[arg-type]
         self.batches = GlobalBatches(trial.model.vocab, t.seq_len, t.global_batch, plan.dp,
-                                     plan.mesh.index(rank, "dp"), trial.seed, trial.data)
+                                     plan.mesh.index(rank, "dp"), trial.seed, trial.data,
+                                     None if self.context is None else self.context.shard)
         meta = meta if meta is not None else meta_model(trial.model, t)
         self.stage_ids = plan.stage_ids(plan.mesh.index(rank, "pp"))
         self.stages = build_stages(meta, self.stage_ids, plan.stages, t.seq_len)
         for stage in self.stages:
+            if self.context is not None:
+                apply_context_parallel(stage, self.context)
             names = parameter_names(stage)
             parallelize(stage, self.mesh, plan, self.device, names)
             materialize(stage, names, self.devices.compute, self.devices.init, trial.seed, meta.std, trial.checkpoint)
@@ -155,6 +188,7 @@ class FsdpRank:
             phases.mark("build")
         self.optimizer = torch.optim.AdamW(self.params, lr=trial.lr, weight_decay=0.0)
         self.pp_group = self.mesh["pp"].get_group() if plan.pp > 1 else None
+        self.cp_group = self.mesh["cp"].get_group() if plan.cp_grad_average else None
         self.schedule: Any = None
         self.grad_norm = 0.0
         if plan.pp > 1:
@@ -170,13 +204,14 @@ class FsdpRank:
         scaled by a constant from the losses, not from the norm."""
         ids, labels = (t.to(self.device) for t in self.batches.next())
         mine, norm = self.train_step(ids, labels)
-        # the last stage's ranks hold the loss; each of their dp x tp ranks adds its replica's
+        # the last stage's ranks hold the loss; each of their dp x cp x tp ranks adds its replica's
+        # (a cp rank: the mean over its part of the sequence, the same number of tokens on each)
         held = mine.detach() if mine is not None else torch.zeros(())
         # under CPU offload the norm of the (host) gradients is on the host, the loss on the GPU
         out = torch.stack([t.float().to(self.devices.collective) for t in (held, norm.detach())])
         dist.all_reduce(out)
         self.grad_norm = float(out[1]) / self.plan.world  # every rank holds the whole norm
-        return float(out[0]) / (self.plan.dp * self.plan.tp)
+        return float(out[0]) / (self.plan.dp * self.plan.cp * self.plan.tp)
 
     def train_step(self, ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
         """The step's forward, backward, clipping and optimizer update on the replica's rows, with
@@ -191,6 +226,8 @@ class FsdpRank:
                 torch.autograd.backward(loss / self.plan.microbatches)
                 total += loss.detach()
             mine = total / self.plan.microbatches
+        if self.cp_group is not None:
+            average_over_cp(self.params, self.cp_group, self.plan.cp)
         norm = clip_grad_norm(self.params, GRAD_CLIP, self.pp_group)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

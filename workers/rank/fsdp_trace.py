@@ -159,20 +159,22 @@ def _step_tracker(stages: list[nn.Module], optimizer: torch.optim.Optimizer, inp
 def stage_shapes(trial: TrialSpec, plan: FsdpPlan, device: torch.device) -> Any:
     """Each pipeline stage's input and output, as ``LlamaStage`` passes them: token ids into the
     first, hidden states in the compute dtype between stages (this rank's part of the sequence under
-    TP's sequence parallelism), the whole logits out of the last."""
+    TP's sequence parallelism), the logits out of the last; under context parallelism all of them
+    hold the cp rank's ``seq_len / cp`` tokens."""
     from workers.rank.hf_model import TORCH_DTYPES
 
     t, m = trial.training, trial.model
     dtype = TORCH_DTYPES[plan.dtype]
-    shape = (plan.mbs, t.seq_len // plan.tp, m.hidden)
+    seq = t.seq_len // plan.cp
+    shape = (plan.mbs, seq // plan.tp, m.hidden)
 
     def hidden() -> torch.Tensor:
         # requires grad: the stage sends its input's gradient back and receives its output's
         return torch.empty(shape, dtype=dtype, device=device, requires_grad=True)
 
     def shapes(index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        inputs = torch.zeros(plan.mbs, t.seq_len, dtype=torch.long, device=device) if index == 0 else hidden()
-        outputs = (torch.empty(plan.mbs, t.seq_len, m.vocab, dtype=dtype, device=device, requires_grad=True)
+        inputs = torch.zeros(plan.mbs, seq, dtype=torch.long, device=device) if index == 0 else hidden()
+        outputs = (torch.empty(plan.mbs, seq, m.vocab, dtype=dtype, device=device, requires_grad=True)
                    if index == plan.stages - 1 else hidden())
         return inputs, outputs
 
