@@ -78,6 +78,13 @@ SOURCES: tuple[Source, ...] = (
       for n in ("layer_overhead_s", "unit_collective_s", "bubble_share")),
     Source("pipette.stacks.FSDP_CPU_CONSTANTS.collective_overhead_s", "fsdp (CPU)", FITTED,
            "tests/benchmarks/fsdp_cpu_calibration.py dedicated trials", 8),
+    *(Source(f"pipette.perf_moe.MEGATRON_MOE.{n}", "megatron", FITTED,
+             "megatron_bridge_moe_dense.csv MoE rows (one per layout) + simumax_b200_megatron.csv DeepSeek rows", 41,
+             "tests/benchmarks/moe_fit.py")
+      for n in ("grouped_share", "a2a_overlap", "layer_host_s", "imbalance")),
+    Source("pipette.perf_moe.DEFAULT_MOE.grouped_half_tokens", "all", FITTED,
+           "../shared/data/kernels/gemm.csv (SimuMax's B200 Transformer Engine grouped GEMMs)", 108,
+           "0.485 M / (M + 268) of the B200 bf16 peak"),
     Source("tests.benchmarks.calibration.TORCHTITAN_POWER_CAP_SHARE", "fsdp", FITTED, f"{_TT} tt00, tt07", 2),
     Source("pipette.stacks.FSDP_COMPILE_ELEMENTWISE_SHARE", "fsdp+compile", FITTED, f"{_TT} tt01, tt08", 2),
     Source("pipette.stacks.FSDP_COMPILE_FP8_EFFICIENCY", "fsdp+compile+fp8", FITTED, f"{_TT} tt02, tt09", 2),

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from pipette.efficiency import H100_MEASURED_BF16, EfficiencyCurve
 from pipette.memory_options import MemoryOptions
-from pipette.perf_moe import DEFAULT_MOE, MoeConstants
+from pipette.perf_moe import DEFAULT_MOE, MEGATRON_MOE, MoeConstants
 
 # ---- fitted constants (tests/benchmarks/accuracy.py --fit) ---------------------------
 # Achieved fraction of a link's bandwidth by NCCL collectives (bus bandwidth / link
@@ -238,7 +238,8 @@ class MemoryPressure:
 
 #: The constants above: Megatron-LM (vTrain) and nanotron (Ultra-Scale) runs, fused kernels; LoRA's
 #: adapters on the roofline (no LoRA run in those sets; Megatron-Bridge's LoRA runs check it).
-MEGATRON_CONSTANTS = PerfConstants(thin_gemm_roofline=True)
+#: The MoE terms are the Megatron-Bridge / SimuMax fit (``pipette.perf_moe.MEGATRON_MOE``).
+MEGATRON_CONSTANTS = PerfConstants(thin_gemm_roofline=True, moe=MEGATRON_MOE)
 
 # ---- Pipette's own stack: Hugging Face Llama under DeepSpeed (workers.rank.train) -------------
 # What Pipette's trials and launch files run: HF's eager Llama (RMSNorm upcast to fp32,

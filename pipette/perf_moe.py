@@ -89,7 +89,13 @@ class MoeConstants:
     layer_host_s: float = 0.0
 
 
+#: Counted: the grouped GEMM from the kernel table, every all-to-all exposed, no imbalance, no launch floor
 DEFAULT_MOE = MoeConstants()
+#: The megatron stack's, fitted on the MoE rows of Megatron-Bridge (29, one per layout) and SimuMax's B200
+#: DeepSeek runs (12) together, by tests/benchmarks/moe_fit.py (cross-validated figures: docs/moe.md).
+#: ``imbalance`` stays at its bound 1: these rows cannot tell it from ``grouped_share`` (most cap the
+#: experts' load with a capacity factor, and a dropless row's imbalance and slower grouped GEMMs look alike).
+MEGATRON_MOE = MoeConstants(grouped_share=0.831, a2a_overlap=0.844, layer_host_s=7.818e-3, imbalance=1.0)
 
 
 @dataclass(frozen=True)
@@ -279,6 +285,7 @@ def expert_sync_per_stage(cluster: ClusterProfile, config: ParallelConfig, exper
     return comm.allreduce_time(grad_bytes, deg.edp, bw, lat)
 
 
-__all__ = ["DEFAULT_MOE", "PERMUTE_PASSES", "ROUTER_PASSES", "MoeConstants", "MoeTimes", "a2a_per_stage",
+__all__ = ["DEFAULT_MOE", "MEGATRON_MOE", "PERMUTE_PASSES", "ROUTER_PASSES", "MoeConstants", "MoeTimes",
+           "a2a_per_stage",
            "alltoall_time", "attention_width", "expert_groups", "expert_sync_per_stage", "grouped_efficiency",
            "layer_times", "moe_times", "remote_copies", "replicated_params"]

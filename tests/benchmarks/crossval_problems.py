@@ -300,3 +300,13 @@ def megatron_kernels_problem() -> Problem:
 
 
 PROBLEMS["megatron-kernels"] = megatron_kernels_problem
+
+
+# ---- megatron's Mixture-of-Experts terms (issue 47) -------------------------------------------------
+def megatron_moe_problem() -> Problem:
+    from tests.benchmarks.moe_fit import problem
+
+    return problem()
+
+
+PROBLEMS["megatron-moe"] = megatron_moe_problem

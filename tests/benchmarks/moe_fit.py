@@ -31,7 +31,15 @@ from pipette.perf import PerfModel  # noqa: E402
 from pipette.perf_moe import MoeConstants  # noqa: E402
 from pipette.stacks import get_stack  # noqa: E402
 from tests.benchmarks.calibration import Row, calibration_dir, row_memory_options  # noqa: E402
-from tests.benchmarks.crossval import Param, Problem, Sample, crossval, fit_least_squares, table_lines  # noqa: E402
+from tests.benchmarks.crossval import (  # noqa: E402
+    Param,
+    Problem,
+    Sample,
+    crossval,
+    fit_least_squares,
+    scores,
+    table_lines,
+)
 from tests.benchmarks.moe_rows import load_bridge_moe, load_simumax_moe  # noqa: E402
 
 PARAMS = (Param("a2a_overlap", 0.5, 0.0, 0.95), Param("layer_host_s", 1e-3, 0.0, 0.05),
@@ -39,10 +47,15 @@ PARAMS = (Param("a2a_overlap", 0.5, 0.0, 0.95), Param("layer_host_s", 1e-3, 0.0,
 
 
 def moe_constants(x: np.ndarray, row: Row) -> MoeConstants:
-    """The fitted terms; the dispatcher as the row's recipe runs it (Megatron-Bridge's MoE recipes: the
-    flex dispatcher, DeepEP / HybridEP; SimuMax's launcher: ``--moe-token-dispatcher-type alltoall``)."""
-    return MoeConstants(a2a_overlap=float(x[0]), layer_host_s=float(x[1]), grouped_share=float(x[2]),
-                        imbalance=float(x[3]), dispatcher="deepep" if row.source == "megatron_bridge" else "alltoall")
+    """The fitted terms, with the dispatcher and overlap as the row's recipe runs them: Megatron-Bridge's
+    MoE recipes dispatch with the flex dispatcher (DeepEP / HybridEP) and overlap the all-to-all; SimuMax's
+    launcher runs ``--moe-token-dispatcher-type alltoall`` with every overlap off (its B200 guide,
+    docs/b200/b200_real_repro_guide.md: "the public B200 workflow currently follows a non-overlap
+    contract"), so ``a2a_overlap`` is 0 there."""
+    bridge = row.source == "megatron_bridge"
+    return MoeConstants(a2a_overlap=float(x[0]) if bridge else 0.0, layer_host_s=float(x[1]),
+                        grouped_share=float(x[2]), imbalance=float(x[3]),
+                        dispatcher="deepep" if bridge else "alltoall")
 
 
 def predict(x: np.ndarray, row: Row) -> float:
@@ -61,6 +74,10 @@ def problem() -> Problem:
                    job=lambda s: "/".join(s.row.group[:4]),
                    note="Jobs: model, task (or SimuMax's GPU count), GPU and GPU count; one row per layout.",
                    subsets=(("Megatron-Bridge", lambda s: s.set == "megatron_bridge"),
+                            ("Megatron-Bridge releases 26.x", lambda s: s.row.row_id.startswith("mb:26.")),
+                            ("Megatron-Bridge DeepSeek-V3", lambda s: "deepseek" in s.row.model.name
+                             and s.set == "megatron_bridge"),
+                            ("Megatron-Bridge Qwen3-30B-A3B", lambda s: "qwen3" in s.row.model.name),
                             ("SimuMax B200", lambda s: s.set == "simumax")))
 
 
@@ -82,7 +99,15 @@ def memory_lines() -> list[str]:
 def main() -> int:
     p = problem()
     result = crossval(p)
+    print("| set | stack | problem (split, folds) | rows | MAPE | median pred/meas | Spearman min / median (jobs) "
+          "| top-1 regret median / max | in-sample |")
     print("\n".join(table_lines(result)))
+    for label, keep in (("all rows", lambda s: True), *p.subsets):
+        idx = [i for i, s in enumerate(p.samples) if keep(s)]
+        sc = scores([p.samples[i] for i in idx], result.predicted[idx])
+        print(f"  {label}: {sc.n} rows, MAPE {sc.mape:.1%}, median ratio {sc.median_ratio:.2f}, Spearman per job "
+              f"min {sc.spearman_min:.2f} median {sc.spearman_median:.2f} over {sc.rho_jobs} jobs of 3+ layouts")
+    print("fitted per fold:", "; ".join(", ".join(f"{v:.3g}" for v in f.x) for f in result.folds))
     x = fit_least_squares(p.samples, p)
     print("fit on all", len(p.samples), "rows:", ", ".join(f"{q.name}={v:.4g}" for q, v in zip(PARAMS, x, strict=True)))
     print("\n".join(memory_lines()))
