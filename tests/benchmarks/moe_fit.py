@@ -17,6 +17,7 @@ shipped estimator (no memory term is fitted: the counted formulas of ``pipette.m
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -102,7 +103,8 @@ def main() -> int:
     print("| set | stack | problem (split, folds) | rows | MAPE | median pred/meas | Spearman min / median (jobs) "
           "| top-1 regret median / max | in-sample |")
     print("\n".join(table_lines(result)))
-    for label, keep in (("all rows", lambda s: True), *p.subsets):
+    every: tuple[tuple[str, Callable[[Sample], bool]], ...] = (("all rows", lambda s: True), *p.subsets)
+    for label, keep in every:
         idx = [i for i, s in enumerate(p.samples) if keep(s)]
         sc = scores([p.samples[i] for i in idx], result.predicted[idx])
         print(f"  {label}: {sc.n} rows, MAPE {sc.mape:.1%}, median ratio {sc.median_ratio:.2f}, Spearman per job "
