@@ -14,6 +14,7 @@ from cli import client_output as out
 from cli.client_api import EXIT_OK, ApiError, Client, client, resolve_job
 from cli.client_jobfile import load_job_file
 from cli.inputs import option_values
+from pipette.result_text import degrees
 
 #: ``trials --sort`` keys -> the trial field (None sorts last either way)
 SORT_KEYS = {
@@ -219,7 +220,8 @@ def cmd_best(args: argparse.Namespace) -> int:
     t = best["trial"]
     c = best["config"]
     print(f"best of job {job_id}: trial {t['number']}  {out.bold(t['label'])}")
-    print(f"  tp {c['tp']}  pp {c['pp']}  dp {c['dp']}  micro-batch {c['mbs']}  grad accum {c['grad_accum']}  "
+    layout = "  ".join(f"{k} {v}" for k, v in degrees(c))  # cp and ep only when not 1
+    print(f"  {layout}  micro-batch {c['mbs']}  grad accum {c['grad_accum']}  "
           f"ZeRO {c['zero_stage']}  recompute {c['recompute']}  schedule {c['schedule']}")
     print(f"  measured {out.seconds(t.get('measured_step_time'))}/step, {out.rate(t.get('tokens_per_s'))} tokens/s; "
           f"predicted {out.seconds(t.get('predicted_step_time'))}; peak memory {out.size(t.get('peak_memory_bytes'))}")

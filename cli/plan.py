@@ -274,7 +274,8 @@ def _print_plan(plan: Any, top: int, elapsed: float) -> None:
         print(f"fit: the chance to fit in memory, from the estimator's measured error ({plan.fits_prior.name}: "
               f"{plan.fits_prior.source}); ranked by the step time to expect from trying each\n")
     cps = any(p.config.cp > 1 for p in plan.ranked[:top])  # a cp column only where a layout splits sequences
-    cp_head = f" {'cp':>3}" if cps else ""
+    eps = any(p.config.ep > 1 for p in plan.ranked[:top])  # an ep column only where one splits experts
+    cp_head = (f" {'cp':>3}" if cps else "") + (f" {'ep':>3}" if eps else "")
     header = f"{'#':>3} {'tp':>3} {'pp':>3} {'dp':>4}{cp_head} {'mbs':>3} {'zero':>4} {'recompute':>9} " \
              f"{'schedule':>8} {'step s':>9} {'tokens/s':>11} {'MFU':>6} {'HFU':>6} {'peak GiB':>15} {'fit':>5}  stack"
     print(header)
@@ -283,7 +284,8 @@ def _print_plan(plan: Any, top: int, elapsed: float) -> None:
         sched = cfg.schedule if cfg.schedule == "1f1b" else f"int-v{cfg.virtual_stages}"
         mem = f"{p.memory.peak_bytes / GiB:.1f}/{p.memory.capacity_bytes / GiB:.0f}"
         print(
-            f"{i:>3} {cfg.tp:>3} {cfg.pp:>3} {cfg.dp:>4}{f' {cfg.cp:>3}' if cps else ''} {cfg.mbs:>3} "
+            f"{i:>3} {cfg.tp:>3} {cfg.pp:>3} {cfg.dp:>4}{f' {cfg.cp:>3}' if cps else ''}"
+            f"{f' {cfg.ep:>3}' if eps else ''} {cfg.mbs:>3} "
             f"{cfg.zero_stage:>4} "
             f"{cfg.recompute:>9} {sched:>8} {p.perf.step_time:>9.3f} {p.perf.tokens_per_s:>11,.0f} "
             f"{p.perf.mfu:>6.1%} {p.perf.hfu:>6.1%} {mem:>15} {_chance(p.chance_to_fit):>5}  {_variant(plan, cfg)}"

@@ -579,6 +579,7 @@ def _print_result(result: Any, out: str, files: dict[str, str]) -> None:
     from pipette.emit_script import per_node_launch_lines
     from pipette.result_text import (
         confidence_lines,
+        degrees,
         interrupted_first,
         placement_line,
         precision_line,
@@ -597,7 +598,8 @@ def _print_result(result: Any, out: str, files: dict[str, str]) -> None:
     m = b.measurement
     cfg = b.config
     print(f"{'best so far' if not result.decided or result.interrupted else 'best'}: {b.label}")
-    print(f"  tp={cfg.tp} pp={cfg.pp} dp={cfg.dp} micro-batch={cfg.mbs} grad-accum={cfg.grad_accum} "
+    layout = " ".join(f"{k}={v}" for k, v in degrees(cfg.to_dict()))  # cp and ep only when not 1
+    print(f"  {layout} micro-batch={cfg.mbs} grad-accum={cfg.grad_accum} "
           f"ZeRO-{cfg.zero_stage} recompute={cfg.recompute} schedule={cfg.schedule}")
     print(f"  {placement_line(cfg)}")
     n = result.pick_trials or 1

@@ -188,6 +188,13 @@ def placement_line(config: ParallelConfig) -> str:
             "this order")
 
 
+def degrees(config: dict[str, Any]) -> list[tuple[str, int]]:
+    """A candidate's degrees as printed (``ParallelConfig.to_dict``'s): tp, pp and dp always, cp and
+    ep only when not 1, as its label and dict write them."""
+    return [(k, int(config[k])) for k in ("tp", "pp", "dp")] + \
+        [(k, int(config[k])) for k in ("cp", "ep") if config.get(k, 1) != 1]
+
+
 def precision_line(result: TuneResult) -> str | None:
     training, cluster = result.plan.training, result.plan.cluster
     if cluster.device_spec.kind == "cpu" and training.dtype == "tf32":

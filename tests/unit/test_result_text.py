@@ -314,3 +314,16 @@ def test_a_trial_stopped_by_a_signal_is_interrupted_not_pruned(cpu_plan: Plan,
     stream = io.StringIO()
     Progress(total=3, stream=stream).end(stopped)  # the trial's line on stderr
     assert "interrupted" in stream.getvalue() and "pruned" not in stream.getvalue(), stream.getvalue()
+
+
+def test_degrees_print_cp_and_ep_only_when_not_1() -> None:
+    """The tune's and the client's best lines (``degrees``): tp, pp, dp always, cp and ep as the label
+    and the dict write them."""
+    from pipette.config import ParallelConfig
+    from pipette.result_text import degrees
+
+    plain = ParallelConfig(tp=2, pp=1, dp=2, mbs=1, global_batch=4)
+    assert degrees(plain.to_dict()) == [("tp", 2), ("pp", 1), ("dp", 2)]
+    both = ParallelConfig(tp=1, pp=1, dp=4, cp=2, ep=4, mbs=1, global_batch=4)
+    assert degrees(both.to_dict()) == [("tp", 1), ("pp", 1), ("dp", 4), ("cp", 2), ("ep", 4)]
+    assert "-cp2-ep4-" in both.label

@@ -352,6 +352,12 @@ async function jobPage(pg, id) {
     document.getElementById('trial-count').textContent = `${rows.length} of ${st.trials.length} trials`;
   }
 
+  // tp × pp × dp, with cp and ep where the config has them (its dict writes them only when not 1)
+  function degreeRow(c) {
+    const names = ['tp', 'pp', 'dp', ...['cp', 'ep'].filter((k) => (c[k] ?? 1) !== 1)];
+    return [names.join(' × '), names.map((k) => c[k]).join(' × ')];
+  }
+
   function renderBest() {
     const b = st.best;
     if (!b) { fill(bestPanel, bestPanel.firstChild, h('p', { class: 'muted', text: 'No successful trial yet.' })); return; }
@@ -359,7 +365,7 @@ async function jobPage(pg, id) {
     fill(bestPanel, bestPanel.firstChild,
       h('p', {}, h('b', { class: 'mono', id: 'best-label', text: b.trial.label }),
         ` — trial ${b.trial.number}: ${fmt.seconds(b.trial.measured_step_time)}/step, ${fmt.rate(b.trial.tokens_per_s)} tokens/s`),
-      h('div', { class: 'kv' }, ...[['tp × pp × dp', `${c.tp} × ${c.pp} × ${c.dp}`], ['micro-batch × grad accum', `${c.mbs} × ${c.grad_accum}`],
+      h('div', { class: 'kv' }, ...[degreeRow(c), ['micro-batch × grad accum', `${c.mbs} × ${c.grad_accum}`],
         ['ZeRO stage', c.zero_stage], ['recompute', c.recompute], ['schedule', c.virtual_stages > 1 ? `${c.schedule} (v=${c.virtual_stages})` : c.schedule],
         ['placement (rank → device)', JSON.stringify(c.placement)]].flatMap(([k, v]) => [h('span', { class: 'k', text: k }), h('span', { class: 'mono', text: String(v) })])),
       ...(ds ? [h('h2', { text: 'ds_config.json' }), h('pre', { class: 'code', id: 'best-ds', text: ds })] : []),
