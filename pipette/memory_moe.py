@@ -222,8 +222,18 @@ def stage_terms(model: ModelSpec, training: TrainingSpec, config: ParallelConfig
             terms["gradients"] += g
             terms["optimizer"] += o
         one = act_moe if sparse else (act_dense if dense else 0.0)
+        buffers = dispatch if sparse else 0.0
+        if nbytes.fsdp2 and dense + sparse:
+            # FSDP2 gathers each layer's sharded MLP (its local experts over edp) in the parameter dtype
+            # (pipette.memory._fsdp2_state): two layers in flight under FULL_SHARD without a pipeline,
+            # the whole stage kept otherwise
+            whole = (replicated + local) * nbytes.weight
+            if z == 3 and config.pp == 1:
+                buffers += whole * min(2, dense + sparse) / (dense + sparse)
+            else:
+                terms["weights"] += whole
         out.append({**terms, "per_micro_batch": dense * act_dense + sparse * act_moe, "one_layer": one,
-                    "buffers": dispatch if sparse else 0.0})
+                    "buffers": buffers})
     return out
 
 
@@ -234,6 +244,7 @@ def _state(psi: float, trainable: float, shards: int, zero: int, nbytes: StateBy
     (fp32 sharded parameters that are the optimizer's master, ``pipette.memory._fsdp2_state``)."""
     base = trainable if not lora else psi + trainable
     if nbytes.fsdp2:
+        shards = shards if zero > 0 else 1  # NO_SHARD: replicated
         return base * FP32_BYTES / shards, trainable * FP32_BYTES / shards, trainable * nbytes.state / shards
     w = base * nbytes.weight / (shards if zero >= 3 else 1)
     g = trainable * nbytes.grad / (shards if zero >= 2 else 1)

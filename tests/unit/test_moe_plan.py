@@ -133,3 +133,19 @@ def test_dense_plans_are_unchanged(stack: str) -> None:
     for (label, step), p in zip(top, plan.ranked, strict=False):
         assert p.config.label == label and p.perf.step_time == pytest.approx(step, rel=1e-9)
         assert p.config.ep == 1 and "ep_comm" not in p.perf.breakdown
+
+
+def test_fsdp_gathers_the_local_experts_over_edp() -> None:
+    """FSDP2: fp32 shards over edp (NO_SHARD: whole), the gathered bf16 MLPs of two layers in flight
+    under FULL_SHARD, of the whole stage under SHARD_GRAD_OP."""
+    fsdp = replace(NBYTES, fsdp2=True)
+    config = ParallelConfig(tp=1, pp=1, dp=8, ep=2, mbs=1, global_batch=8, zero_stage=3)
+    experts, router, dense = E / 2 * 3 * H * F, H * E, 3 * H * 96
+    whole = 2 * (experts + router + dense)
+    (full,) = memory_moe.stage_terms(TINY, TRAIN, config, [2], fsdp)
+    assert full["weights"] == pytest.approx(4 * experts / 4 + 4 * (router + dense) / 8)
+    assert full["buffers"] == pytest.approx(2 * S * K * H + whole)
+    (grad_op,) = memory_moe.stage_terms(TINY, TRAIN, replace(config, zero_stage=2), [2], fsdp)
+    assert grad_op["weights"] == pytest.approx(full["weights"] + whole)
+    (replicated,) = memory_moe.stage_terms(TINY, TRAIN, replace(config, zero_stage=0, ep=1), [2], fsdp)
+    assert replicated["gradients"] == pytest.approx(4 * (2 * experts + router + dense))
