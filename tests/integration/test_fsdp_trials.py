@@ -12,7 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from pipette.config import ParallelConfig
 from pipette.errors import InfeasibleError
+from pipette.model import ModelSpec
+from pipette.training import TrainingSpec
 from workers.host.executor import run_trial
 from workers.spec import TrialSpec
 
@@ -47,6 +50,33 @@ def test_tensor_parallel_fsdp_trial_runs_and_a_bad_split_is_refused_before_any_r
     with pytest.raises(InfeasibleError) as e:
         run_trial(_fsdp(trial(dp=2, zero=1)), timeout_s=60)  # FSDP has no ZeRO-1
     assert "zero" in str(e.value).lower()
+
+
+#: 4096 tokens on a 2-layer Llama of hidden 64: attention (4 S^2 h per layer) is ~13x the linear layers'
+#: FLOPs and the activations ~50x the parameters, so splitting the sequence is what halves a rank's work
+LONG = ModelSpec(name="tiny-long", layers=2, hidden=64, heads=4, kv_heads=2, ffn_hidden=128, vocab=256,
+                 max_seq=4096, tied_embeddings=False, arch="llama")
+
+
+def test_a_context_parallel_trial_runs_through_the_trial_path() -> None:
+    """cp = 2 through Ray and the monitor (issue 48): a 4096-token sequence split over two ranks
+    trains as the cp = 1 trial of the same data-parallel degree does (same rows: the loss of the
+    same model), each of its 4 ranks holding half the sequence's activations."""
+    training = TrainingSpec(global_batch=2, seq_len=4096, dtype="fp32")
+
+    def spec(cp: int) -> TrialSpec:
+        config = ParallelConfig(tp=1, pp=1, dp=2, cp=cp, mbs=1, global_batch=2, zero_stage=3)
+        return TrialSpec(LONG, training, config, warmup_steps=1, min_steps=2, max_steps=2, stack="fsdp")
+
+    one, two = run_trial(spec(1), timeout_s=400), run_trial(spec(2), timeout_s=400)
+    for m in (one, two):
+        assert m.status == "ok", f"{m.error}\n{m.extra.get('output_tail')}"
+    assert two.extra["backend"] == "fsdp2-full-shard+cp2-ring" and len(two.peak_memory) == 4
+    assert max(abs(a - b) for a, b in zip(two.losses, one.losses, strict=True)) <= 1e-4, (two.losses, one.losses)
+    assert one.step_time is not None and two.step_time is not None
+    print(f"\ncp1 dp2: step {one.step_time:.2f} s, peak {max(one.peak_memory) / 2**20:.1f} MiB/rank; "
+          f"cp2 dp2: step {two.step_time:.2f} s, peak {max(two.peak_memory) / 2**20:.1f} MiB/rank")
+    assert max(two.peak_memory) < 0.7 * max(one.peak_memory)
 
 
 def test_tune_with_the_fsdp_stack_runs_fsdp_trials(tmp_path: Path) -> None:
