@@ -32,6 +32,7 @@ def fsdp_problems(model: ModelSpec, training: TrainingSpec, config: ParallelConf
                     "leave dp_shard out with zero_stage 0, or shard with zero_stage 2 or 3"))
     out += _split_problems(m, c)
     out += _pipeline_problems(m, c)
+    out += moe_problems(m, c)
     out += _context_problems(training, c)
     if device_kind == "cpu" and training.dtype == "fp16":
         out.append(("fp16 needs a GPU", "training.dtype", "use fp32 or bf16 on CPU devices"))
@@ -94,8 +95,41 @@ def _context_problems(training: TrainingSpec, c: ParallelConfig) -> list[tuple[s
     return []
 
 
+def moe_problems(m: ModelSpec, c: ParallelConfig) -> list[tuple[str, str, str]]:
+    """What the runner's MoE feed-forward (``workers.rank.moe_layer``: a softmax top-k router
+    renormalised as Mixtral's, SwiGLU experts without biases, an optional shared expert and its
+    Qwen2-MoE gate, in every layer of a Llama) and its expert parallelism cannot run."""
+    if m.moe is None:
+        return [(f"ep={c.ep} for a dense model: expert parallelism splits the experts of an MoE model",
+                 "config.ep", "use ep=1")] if c.ep > 1 else []
+    e, out = m.moe, []
+    fix = "use a model of Mixtral's, Qwen2-MoE's or Qwen3-MoE's routing with Llama's attention (e.g. tiny-moe)"
+    for what, present in (
+        (f"router scoring {e.scoring!r} (the runner's router is a softmax)", e.scoring != "softmax"),
+        (f"group-limited routing ({e.groups} groups)", e.groups > 1),
+        ("router or expert biases (gpt-oss)", e.router_bias or e.expert_bias),
+        (f"dense layers {list(e.dense_layers)} among the MoE ones", bool(e.dense_layers)),
+        (f"{e.mtp_layers} multi-token-prediction module(s)", e.mtp_layers > 0),
+        ("attention other than Llama's (head_dim, biases, q/k norms, sliding windows or MLA)", m.attention is not None),
+    ):
+        if present:
+            out.append((f"{m.name} has {what}, which the runner's MoE model does not build", "model", fix))
+    if c.ep > 1 and e.experts % c.ep:
+        out.append((f"ep={c.ep} does not divide the {e.experts} experts", "config.ep",
+                    f"use an ep that divides {e.experts} ({_divisors(e.experts)})"))
+    if c.ep > 1 and c.cp > 1:
+        out.append((f"ep={c.ep} with cp={c.cp}: the runner does not combine expert and context parallelism yet",
+                    "config.ep", "use cp=1 with ep > 1, or ep=1 with cp > 1"))
+    if c.tp > 1:
+        # torchtitan's etp=1 keeps experts whole on each tp rank and needs its MoE's own TP plan
+        # (apply_moe_ep_tp); the runner's tensor parallelism is the dense MLP's
+        out.append((f"tp={c.tp} with an MoE model: the runner's MoE layers are not tensor-parallel", "config.tp",
+                    "use tp=1 (expert parallelism over the data-parallel ranks: ep)"))
+    return out
+
+
 def _divisors(n: int) -> str:
     return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0 and d <= 64)
 
 
-__all__ = ["fsdp_problems"]
+__all__ = ["fsdp_problems", "moe_problems"]

@@ -9,6 +9,11 @@ experts", 2023-12-11, and "Cheaper, Better, Faster, Stronger", 2024-04-17); Qwen
 arXiv 2405.04434, app. B); gpt-oss-120b 116.83B / 5.13B and gpt-oss-20b 20.91B / 3.61B (OpenAI,
 gpt-oss-120b & gpt-oss-20b model card, arXiv 2508.10925, table 1); Qwen1.5-MoE-A2.7B 14.3B /
 2.7B and Qwen2-57B-A14B 57B / 14B (their model cards).
+
+Two tiny ones train in seconds on a CPU (``tiny-llama``'s attention, 8 experts, top-2), for the
+PyTorch-native runner's trials with expert parallelism (``workers.rank.moe_layer``): ``tiny-moe``
+in Mixtral's fields (routed experts only), ``tiny-moe-shared`` in Qwen2-MoE's (a shared expert
+behind its sigmoid gate, no q/k/v biases, top-k weights renormalised as Mixtral's).
 """
 
 from __future__ import annotations
@@ -70,6 +75,18 @@ MOE_CONFIGS: dict[str, dict[str, Any]] = {
         **_QWEN2_MOE, "hidden_size": 3584, "intermediate_size": 18944, "moe_intermediate_size": 2560,
         "shared_expert_intermediate_size": 20480, "num_hidden_layers": 28, "num_attention_heads": 28,
         "num_key_value_heads": 4, "num_experts": 64, "num_experts_per_tok": 8, "max_position_embeddings": 131072,
+    },
+    # tiny models for CPU trials: not released models, the fields of their families' config.json
+    "tiny-moe": {
+        "model_type": "mixtral", "hidden_size": 128, "intermediate_size": 192, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "num_key_value_heads": 4, "num_local_experts": 8, "num_experts_per_tok": 2,
+        "vocab_size": 512, "max_position_embeddings": 256, "sliding_window": None, "tie_word_embeddings": False,
+    },
+    "tiny-moe-shared": {
+        **_QWEN2_MOE, "hidden_size": 128, "intermediate_size": 344, "moe_intermediate_size": 96,
+        "shared_expert_intermediate_size": 192, "num_hidden_layers": 4, "num_attention_heads": 4,
+        "num_key_value_heads": 4, "num_experts": 8, "num_experts_per_tok": 2, "max_position_embeddings": 256,
+        "vocab_size": 512, "qkv_bias": False, "norm_topk_prob": True,
     },
 }
 

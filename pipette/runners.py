@@ -65,6 +65,9 @@ def deepspeed_refusals(model: ModelSpec, training: TrainingSpec, config: Paralle
     """Why Pipette's DeepSpeed runner (DeepSpeed's engines, its tensor parallelism) cannot run ``config``."""
     m, c = model, config
     out = []
+    if m.moe is not None:  # its layers would be built as dense MLPs, and trained without a word
+        out.append(f"{m.name} is a Mixture-of-Experts model; DeepSpeed's runner builds dense Llama models: "
+                   "run it with the fsdp stack (--stack fsdp)")
     if c.dp_shard is not None or c.offload:
         out.append("HSDP (dp_shard) and CPU offload are options of the fsdp stack (workers.rank.fsdp); DeepSpeed's "
                    "runner has neither: leave them out, or run the candidate with the fsdp stack")

@@ -34,7 +34,6 @@ SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved")
 CP_KIND = "ring"
 
 
-
 @dataclass(frozen=True)
 class FsdpPlan:
     """The PyTorch-native parallelisms of one candidate, as the rank program applies them."""
@@ -61,7 +60,6 @@ class FsdpPlan:
     #: False: the cp ranks hold whole replicas (NO_SHARD) or there is no cp
     shard_cp: bool = False
 
-
     @property
     def pp(self) -> int:
         return self.mesh.size("pp")
@@ -86,6 +84,21 @@ class FsdpPlan:
     def cp(self) -> int:
         """Context-parallel degree (1 when the mesh has no cp dimension)."""
         return self.mesh.size("cp")
+
+    @property
+    def ep(self) -> int:
+        """Expert-parallel degree: the ranks one MoE layer's experts are split over (1: each rank
+        holds them all)."""
+        return self.mesh.ep
+
+    @property
+    def expert_mesh(self) -> Layout:
+        """The experts' mesh, torchtitan's for ``ep > 1`` (``ParallelDims``: ep "borrows all cp and
+        some dp_shard degree"): ``pp, dp_replicate, efsdp, ep, tp`` with ``efsdp = dp_shard * cp / ep``,
+        the ranks that shard one block of experts with FSDP2; ``ep`` is ``mesh``'s expert groups
+        (``Layout.expert``: the data block re-split, ep fastest)."""
+        return Layout((("pp", self.pp), ("dp_replicate", self.dp_replicate),
+                       ("efsdp", self.dp_shard * self.cp // self.ep), ("ep", self.ep), ("tp", self.tp)))
 
     @property
     def world(self) -> int:

@@ -20,6 +20,15 @@ over the data-parallel mesh, so a parameter ends a 2-D DTensor (dp x tp) where b
 * FSDP2 (``torch.distributed.fsdp.fully_shard``, its docs and ``apply_fsdp``): each decoder layer,
   then the stage; HSDP when the mesh is 2-D (replicate x shard); ``MixedPrecisionPolicy`` with
   the training dtype for parameters and fp32 for the gradient reduction; ``CPUOffloadPolicy``.
+* Expert parallelism (torchtitan's ``apply_fsdp`` for MoE): with ``ep > 1`` each rank holds its
+  block of experts (``moe_layer.shard_experts``, before this), and FSDP2 shards each of them over
+  the expert mesh's ``efsdp`` (x ``dp_replicate``: HSDP) before the layer is sharded over dp, so
+  the layer's own group leaves them out. The runner's experts are separate modules called one by
+  one (torchtitan's ``GroupedExperts`` is one), so each expert is its own FSDP2 unit: a unit's
+  all-gather runs when its module is called, and ``run_local_experts`` calls every local expert
+  at every forward, rows or none. Their gradient reduction divides by the dense layers' data
+  ranks, not the experts' (``set_gradient_divide_factor``; torchtitan issue #1551): an expert's
+  gradient already sums the ep group's tokens, which the all-to-all's backward brought back.
 """
 
 from __future__ import annotations
@@ -143,9 +152,11 @@ def apply_ac(stage: LlamaStage, recompute: str) -> None:
             stage.layers[key] = checkpoint_wrapper(layer, context_fn=_op_sac_context, preserve_rng_state=False)
 
 
-def apply_fsdp(stage: LlamaStage, dp_mesh: DeviceMesh, plan: FsdpPlan, device: torch.device) -> None:
+def apply_fsdp(stage: LlamaStage, dp_mesh: DeviceMesh, plan: FsdpPlan, device: torch.device,
+               expert_mesh: DeviceMesh | None = None) -> None:
     """``fully_shard`` each decoder layer, then the stage (its embedding, norm and head), over
-    ``dp_mesh`` (1-D: FSDP; 2-D replicate x shard: HSDP)."""
+    ``dp_mesh`` (1-D: FSDP; 2-D replicate x shard: HSDP); with ``expert_mesh`` (ep > 1) the experts
+    first, over its expert data-parallel ranks (``shard_experts_fsdp``)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     from workers.rank.hf_model import TORCH_DTYPES
@@ -156,9 +167,35 @@ def apply_fsdp(stage: LlamaStage, dp_mesh: DeviceMesh, plan: FsdpPlan, device: t
         # pinned host memory needs a CUDA context: on a CPU device the offload has nothing to pin
         "offload_policy": CPUOffloadPolicy(pin_memory=device.type == "cuda") if plan.offload else OffloadPolicy(),
     }
+    if expert_mesh is not None:
+        shard_experts_fsdp(stage, expert_mesh, plan, dp_mesh.size(), options, device.type == "cuda")
     for layer in stage.layers.values():
         fully_shard(layer, **options)
     fully_shard(stage, **options)
+
+
+def shard_experts_fsdp(stage: LlamaStage, expert_mesh: DeviceMesh, plan: FsdpPlan, divide_factor: int,
+                       options: dict[str, Any], on_cuda: bool) -> None:
+    """``fully_shard`` every expert of the stage over the expert data-parallel mesh (``efsdp``, with
+    ``dp_replicate`` for HSDP), its gradients divided by ``divide_factor`` (the dense data ranks)."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    from workers.rank.moe_layer import MoeFeedForward
+
+    edp = expert_mesh["dp_replicate", "efsdp"] if plan.dp_replicate > 1 else expert_mesh["efsdp"]
+    # FSDP2 (torch 2.13, _fsdp_collectives.foreach_reduce) reduce-scatters with a custom factor as
+    # NCCL's PREMUL_SUM, which gloo lacks: there it sums and divides after. Over one shard rank it
+    # copies, divided by the factor, and would divide again after a forced sum (measured: expert
+    # gradients ep^2 too small at ep=4): so the forced sum only where a reduce-scatter runs on gloo
+    sum_then_divide = not on_cuda and expert_mesh["efsdp"].size() > 1
+    for module in stage.modules():
+        if isinstance(module, MoeFeedForward):
+            for expert in module.experts.values():
+                fully_shard(expert, **(options | {"mesh": edp}))
+                unit = cast(FSDPModule, expert)
+                unit.set_gradient_divide_factor(float(divide_factor))
+                if sum_then_divide:
+                    unit.set_force_sum_reduction_for_comms(True)
 
 
 def dp_mesh_of(mesh: DeviceMesh, plan: FsdpPlan) -> DeviceMesh:
@@ -176,12 +213,13 @@ def dp_mesh_of(mesh: DeviceMesh, plan: FsdpPlan) -> DeviceMesh:
 
 
 def parallelize(stage: LlamaStage, mesh: DeviceMesh, plan: FsdpPlan, device: torch.device,
-                names: dict[str, ParamInfo]) -> None:
+                names: dict[str, ParamInfo], expert_mesh: DeviceMesh | None = None) -> None:
     """TP, then activation checkpointing, then FSDP2 (torchtitan's ``parallelize_llama``);
-    ``names``: the stage's parameters as they were before (``fsdp_model.parameter_names``)."""
+    ``names``: the stage's parameters as they were before (``fsdp_model.parameter_names``);
+    ``expert_mesh``: the experts' mesh under expert parallelism (``FsdpPlan.expert_mesh``)."""
     if plan.tp > 1:
         apply_tp(stage, mesh["tp"])
         restore_trainable(stage, names)  # before FSDP2 groups the parameters by it
     apply_ac(stage, plan.recompute)
     if plan.fsdp:
-        apply_fsdp(stage, dp_mesh_of(mesh, plan), plan, device)
+        apply_fsdp(stage, dp_mesh_of(mesh, plan), plan, device, expert_mesh)

@@ -7,10 +7,12 @@ every rank, ``done`` per rank with the same fields (``backend`` names the parall
 ``oom`` with the bytes asked for.
 
 What a rank does, in torchtitan's order (``torchtitan/train.py``): the mesh (pp, dp_replicate,
-dp_shard, tp; ``workers.fsdp_spec``); the model on the meta device with PEFT's LoRA; its
-pipeline stages (``fsdp_model``); TP, activation checkpointing and FSDP2 on each
-(``fsdp_parallel``); values for what it holds; AdamW on its shards; the pipeline schedule
-(``fsdp_pipeline``). Each step trains on the same global batch every candidate of the job sees
+dp_shard, tp; ``workers.fsdp_spec``); the model on the meta device with PEFT's LoRA (an MoE
+model's layers with their experts: ``moe_layer.moe_options``); its pipeline stages
+(``fsdp_model``); under expert parallelism each stage keeps its ep rank's block of experts
+(``moe_layer.shard_experts`` over the expert mesh's ep group); TP, activation checkpointing and
+FSDP2 on each (``fsdp_parallel``); values for what it holds; AdamW on its shards; the pipeline
+schedule (``fsdp_pipeline``). Each step trains on the same global batch every candidate of the job sees
 (``fsdp_data``), and reports the mean loss over the whole global batch.
 
 Under context parallelism (cp > 1) the stages' attention runs over the cp ring
@@ -60,6 +62,7 @@ from workers.rank.memory import (
     allocator_record,
     peak_rss_bytes,
 )
+from workers.rank.moe_layer import MoeFeedForward, moe_options, shard_experts
 from workers.rank.trial import _agree, _tight, emit, train_or_oom
 from workers.spec import TrialSpec
 
@@ -80,6 +83,8 @@ def backend_name(trial: TrialSpec, plan: FsdpPlan) -> str:
     else:
         mode = "full-shard" if plan.reshard_after_forward else "no-reshard"
     parts = [f"fsdp2-{mode}" if plan.fsdp else "torch"]
+    if trial.model.moe is not None:
+        parts.append(f"moe-ep{plan.ep}")
     if plan.tp > 1:
         parts.append("tp-sp")
     if plan.cp > 1:
@@ -93,21 +98,39 @@ def backend_name(trial: TrialSpec, plan: FsdpPlan) -> str:
     return "+".join(parts)
 
 
-def clip_grad_norm(params: list[nn.Parameter], max_norm: float, pp_group: Any) -> torch.Tensor:
-    """Clip by the norm of the whole model's gradient: DTensor norms are reduced over their mesh
-    (``full_tensor``), then the stages' squares summed over the pipeline (torchtitan's
-    ``dist_utils.clip_grad_norm_``)."""
+def _norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm of ``grads``, DTensors reduced over their mesh (``full_tensor``)."""
     from torch.distributed.tensor import DTensor
 
-    grads = [p.grad for p in params if p.grad is not None]
     total = torch.nn.utils.get_total_norm(grads, foreach=True)
-    if isinstance(total, DTensor):
-        total = total.full_tensor()
+    return total.full_tensor() if isinstance(total, DTensor) else total
+
+
+def clip_grad_norm(params: list[nn.Parameter], max_norm: float, pp_group: Any, ep_group: Any = None,
+                   experts: frozenset[int] = frozenset()) -> torch.Tensor:
+    """Clip by the norm of the whole model's gradient: DTensor norms are reduced over their mesh
+    (``full_tensor``), then the stages' squares summed over the pipeline (torchtitan's
+    ``dist_utils.clip_grad_norm_``). Under expert parallelism (``ep_group``) the experts' gradients
+    (``experts``: their ids) are DTensors of another mesh and each ep rank holds other experts: their
+    squares are summed over the ep group and added to the rest's (torchtitan's
+    ``_clip_grad_norm_with_ep``)."""
+    if ep_group is None:
+        experts = frozenset()  # one mesh for all: the experts are FSDP2's units of their layers
+    grads = [p.grad for p in params if p.grad is not None and id(p) not in experts]
+    total = _norm(grads)
+    if ep_group is not None:
+        mine = [p.grad for p in params if p.grad is not None and id(p) in experts]
+        squares = _norm(mine) ** 2 if mine else torch.zeros((), device=total.device)
+        dist.all_reduce(squares, group=ep_group)
+        total = (total**2 + squares.to(total.device)).sqrt()
     if pp_group is not None:
         total = total**2
         dist.all_reduce(total, group=pp_group)
         total = total.sqrt()
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
+    # one call per mesh: a foreach op takes the DTensors of one mesh (torchtitan clips the two apart)
+    for group in ([p for p in params if id(p) not in experts], [p for p in params if id(p) in experts]):
+        if group:
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=True)
     return total
 
 
@@ -166,23 +189,35 @@ class FsdpRank:
         set_matmul_precision(t.dtype, self.device)
         self.mesh = mesh if mesh is not None else init_device_mesh(self.device.type, plan.mesh.sizes,
                                                                    mesh_dim_names=plan.mesh.names)
+        self.expert_mesh = None if plan.ep == 1 else init_device_mesh(
+            self.device.type, plan.expert_mesh.sizes, mesh_dim_names=plan.expert_mesh.names)
+        self.ep_group = None if self.expert_mesh is None else self.expert_mesh.get_group("ep")
         # cp > 1: ring attention over the cp mesh dimension (workers.rank.context_parallel)
         self.context = None if plan.cp == 1 else ContextParallel(
             plan.cp_kind, self.mesh["cp"], t.seq_len)  # type: ignore[arg-type]
         self.batches = GlobalBatches(trial.model.vocab, t.seq_len, t.global_batch, plan.dp,
                                      plan.mesh.index(rank, "dp"), trial.seed, trial.data,
                                      None if self.context is None else self.context.shard)
-        meta = meta if meta is not None else meta_model(trial.model, t)
+        meta = meta if meta is not None else meta_model(trial.model, t, moe=moe_options(trial.model))
         self.stage_ids = plan.stage_ids(plan.mesh.index(rank, "pp"))
         self.stages = build_stages(meta, self.stage_ids, plan.stages, t.seq_len)
         for stage in self.stages:
             if self.context is not None:
                 apply_context_parallel(stage, self.context)
             names = parameter_names(stage)
-            parallelize(stage, self.mesh, plan, self.device, names)
+            if self.ep_group is not None:
+                shard_experts(stage, self.ep_group)
+            parallelize(stage, self.mesh, plan, self.device, names, self.expert_mesh)
             materialize(stage, names, self.devices.compute, self.devices.init, trial.seed, meta.std, trial.checkpoint)
         self.params = [p for s in self.stages for p in s.parameters() if p.requires_grad]
-        self.trainable = sum(p.numel() for p in self.params)
+        self.experts = frozenset(id(p) for m in self._moe_layers() for p in m.experts.parameters())
+        # each ep rank holds an equal block of every layer's experts: the model's count is ep blocks
+        self.trainable = sum(p.numel() * (plan.ep if id(p) in self.experts else 1) for p in self.params)
+        for moe in self._moe_layers():
+            # Megatron-Core's MoEAuxLossAutoScaler scale: the loop below averages its micro-batches'
+            # losses by dividing each by their number; a pipeline schedule divides the gradients
+            # themselves (scale_grads), so the load-balancing loss gets 1 there
+            moe.aux_loss_scale = 1.0 / plan.microbatches if plan.pp == 1 else 1.0
         self.held_bytes = held_param_bytes(list(self.stages))
         if phases is not None:
             phases.mark("build")
@@ -196,6 +231,9 @@ class FsdpRank:
                                               lm_loss, stage_shapes)
         if phases is not None:
             phases.mark("engine")
+
+    def _moe_layers(self) -> list[MoeFeedForward]:
+        return [m for s in self.stages for m in s.modules() if isinstance(m, MoeFeedForward)]
 
     def step(self) -> float:
         """One optimizer step over the replica's rows; returns the mean loss of the whole global
@@ -228,7 +266,7 @@ class FsdpRank:
             mine = total / self.plan.microbatches
         if self.cp_group is not None:
             average_over_cp(self.params, self.cp_group, self.plan.cp)
-        norm = clip_grad_norm(self.params, GRAD_CLIP, self.pp_group)
+        norm = clip_grad_norm(self.params, GRAD_CLIP, self.pp_group, self.ep_group, self.experts)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return mine, norm

@@ -25,7 +25,7 @@ load-balancing loss.
   so the training loop needs no change.
 * **Experts**: Llama's SwiGLU MLP ``down(silu(gate(x)) * up(x))``, named as Hugging Face's
   Qwen2-MoE / Qwen3-MoE modules name them (``gate``, ``experts.<i>.{gate,up,down}_proj``,
-  ``shared_expert.*``): PEFT's LoRA targets ``gate_proj``/``up_proj``/``down_proj`` reach the
+  ``shared_expert.*``, ``shared_expert_gate``): PEFT's LoRA targets ``gate_proj``/``up_proj``/``down_proj`` reach the
   experts, and a parameter's name (its initial values' key, ``workers.rank.init``) is the same
   on whichever rank holds it.
 * **Expert parallelism**: given an ep process group the layer holds the ep rank's block of
@@ -46,6 +46,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from pipette.errors import SpecError
+from pipette.model import ModelSpec
 from workers.rank.expert_parallel import Dispatch, Routing, expert_parallel_forward
 
 #: which assignments an expert over its capacity keeps (see the module docstring)
@@ -62,6 +63,9 @@ class MoeOptions:
     expert_hidden: int
     #: the FFN width of the shared expert (DeepSeek-MoE, Qwen2-MoE); 0: none
     shared_hidden: int = 0
+    #: Qwen2-MoE's sigmoid gate on the shared expert's output (``shared_expert_gate``, one
+    #: ``hidden x 1`` matrix: ``Qwen2MoeSparseMoeBlock``); DeepSeek's shared experts have none
+    shared_gate: bool = False
     #: None: dropless; else each expert's capacity is ``capacity_factor * T k / E`` (GShard)
     capacity_factor: float | None = None
     drop_policy: str = "probs"
@@ -196,6 +200,8 @@ class MoeFeedForward(nn.Module):
         self.experts = nn.ModuleDict({str(i): SwiGLU(hidden, options.expert_hidden)
                                       for i in expert_block(options.experts, ep_group)})
         self.shared_expert = SwiGLU(hidden, options.shared_hidden) if options.shared_hidden else None
+        gated = options.shared_gate and options.shared_hidden
+        self.shared_expert_gate = nn.Linear(hidden, 1, bias=False) if gated else None
         #: the gradient the load-balancing loss gets (``AttachAuxLoss``)
         self.aux_loss_scale = 1.0
         #: the last forward's load-balancing loss (detached) and token exchange, for reports
@@ -221,10 +227,27 @@ class MoeFeedForward(nn.Module):
         else:
             out, self.last_dispatch = expert_parallel_forward(x, routing, self.experts, self.ep_group)
         if self.shared_expert is not None:
-            out = out + self.shared_expert(x)
+            shared = self.shared_expert(x)
+            if self.shared_expert_gate is not None:  # Qwen2MoeSparseMoeBlock: sigmoid(x W_s) * shared(x)
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + shared
         self.last_aux_loss = routing.aux_loss.detach()
         attached: torch.Tensor = AttachAuxLoss.apply(out, routing.aux_loss, self.aux_loss_scale)  # type: ignore[no-untyped-call]  # torch leaves apply untyped
         return attached.reshape(shape)
+
+
+def moe_options(model: ModelSpec) -> MoeOptions | None:
+    """The runner's MoE feed-forward of ``model`` (None: dense): its experts, top-k, widths, the
+    shared expert (DeepSeek's several shared experts of width w are one of their summed width: the
+    outputs add) and its gate, the capacity factor. What this layer does not model (sigmoid or
+    group-limited routing, biases, dense layers) is refused before any rank starts
+    (``pipette.fsdp_rules``)."""
+    spec = model.moe
+    if spec is None:
+        return None
+    return MoeOptions(experts=spec.experts, top_k=spec.top_k, expert_hidden=spec.expert_ffn,
+                      shared_hidden=spec.shared_ffn, shared_gate=spec.shared_gate,
+                      capacity_factor=spec.capacity_factor)
 
 
 def use_moe(hf: Any, options: MoeOptions) -> None:

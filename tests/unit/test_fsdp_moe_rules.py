@@ -1,0 +1,76 @@
+"""The PyTorch-native runner and MoE models, pure: the tiny MoE presets, the runner's refusals of
+what its MoE layer does not build (``pipette.fsdp_rules.moe_problems``), the expert mesh of a plan
+(``FsdpPlan.expert_mesh``: torchtitan's ``efsdp x ep``, the layout's expert groups), and the
+DeepSpeed runner's refusal of an MoE model. No torch, no process."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipette.config import ParallelConfig
+from pipette.errors import SpecError
+from pipette.model import ModelSpec
+from pipette.runners import deepspeed_refusals
+from pipette.training import TrainingSpec
+from workers.fsdp_spec import check_fsdp, plan_for
+
+TINY = ModelSpec.preset("tiny-moe")
+SHARED = ModelSpec.preset("tiny-moe-shared")
+JOB = TrainingSpec(global_batch=8, seq_len=32, dtype="fp32")
+
+
+def config(**kw: object) -> ParallelConfig:
+    base: dict[str, object] = {"tp": 1, "pp": 1, "dp": 4, "mbs": 1, "global_batch": 8, "zero_stage": 3}
+    return ParallelConfig(**(base | kw))  # type: ignore[arg-type]
+
+
+def test_the_tiny_moe_presets_are_read_as_their_families_config_json() -> None:
+    assert TINY.moe is not None and SHARED.moe is not None
+    assert (TINY.moe.experts, TINY.moe.top_k, TINY.moe.expert_ffn, TINY.moe.shared_ffn) == (8, 2, 192, 0)
+    assert (SHARED.moe.experts, SHARED.moe.top_k, SHARED.moe.shared_ffn, SHARED.moe.shared_gate) == (8, 2, 192, True)
+    assert TINY.attention is None and SHARED.attention is None  # Llama's attention: the runner builds them
+    assert 1e6 < TINY.total_params() < 4e6
+
+
+@pytest.mark.parametrize(("model", "kw", "field", "words"), [
+    (TINY, {"ep": 4, "dp": 4, "cp": 1}, None, None),
+    (TINY, {"dp": 2, "tp": 2}, "config.tp", "not tensor-parallel"),
+    (TINY, {"dp": 6, "ep": 3, "global_batch": 12}, "config.ep", "ep=3 does not divide the 8 experts"),
+    (TINY, {"dp": 2, "cp": 2, "ep": 2}, "config.ep", "expert and context parallelism"),
+    (TINY, {"dp": 4, "ep": 2, "zero_stage": 0}, "config.ep", "does not divide dp_shard"),
+    (ModelSpec.preset("tiny-llama"), {"ep": 2}, "config.ep", "dense model"),
+    (ModelSpec.preset("deepseek-v3"), {}, "model", "router scoring 'sigmoid'"),
+    (ModelSpec.preset("gpt-oss-20b"), {}, "model", "biases"),
+    (ModelSpec.preset("qwen3-30b-a3b"), {}, "model", "attention other than Llama's"),
+])
+def test_what_the_runners_moe_layer_does_not_build_is_refused_in_one_line(
+        model: ModelSpec, kw: dict[str, object], field: str | None, words: str | None) -> None:
+    c = config(**kw)
+    if field is None:
+        check_fsdp(model, JOB, c, "cpu", c.world)
+        return
+    with pytest.raises(SpecError) as e:
+        check_fsdp(model, JOB, c, "cpu", c.world)
+    assert e.value.field == field and str(words) in e.value.message and "\n" not in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize(("kw", "sizes"), [
+    ({"ep": 2}, (1, 1, 2, 2, 1)),
+    ({"ep": 4}, (1, 1, 1, 4, 1)),
+    ({"ep": 2, "dp_shard": 2}, (1, 2, 1, 2, 1)),
+    ({"ep": 2, "dp": 2, "pp": 2, "global_batch": 8}, (2, 1, 1, 2, 1)),
+])
+def test_the_expert_mesh_is_torchtitans_and_its_ep_groups_are_the_layouts(kw: dict[str, object],
+                                                                         sizes: tuple[int, ...]) -> None:
+    plan = plan_for(TINY, JOB, config(**kw))
+    mesh = plan.expert_mesh
+    assert mesh.names == ("pp", "dp_replicate", "efsdp", "ep", "tp") and mesh.sizes == sizes
+    assert plan.ep == kw["ep"] and mesh.world == plan.world
+    assert mesh.groups("ep") == plan.mesh.groups("ep")  # the ranks that exchange tokens
+    assert mesh.groups("dp_replicate", "efsdp") == plan.mesh.groups("edp")  # the ranks holding the same experts
+
+
+def test_deepspeeds_runner_refuses_an_moe_model_and_names_the_fsdp_stack() -> None:
+    said = deepspeed_refusals(TINY, JOB, config(), "cpu")
+    assert len(said) == 1 and "Mixture-of-Experts" in said[0] and "--stack fsdp" in said[0]
+    assert deepspeed_refusals(ModelSpec.preset("tiny-llama"), JOB, config(), "cpu") == []
