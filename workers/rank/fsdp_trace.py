@@ -236,6 +236,10 @@ def trace_rank(trial: TrialSpec, rank: int = 0) -> TracedMemory:
     world = trial.config.world
     if not 0 <= rank < world:
         raise SpecError(f"rank {rank} is not in a world of {world}", field="rank", fix=f"give 0..{world - 1}")
+    if trial.model.moe is not None:  # its all-to-all's split sizes are read from the routing: values
+        raise SpecError(f"{trial.model.name} is a Mixture-of-Experts model: its token exchange's sizes come from "
+                        "the router's choices, which fake tensors do not have", field="model",
+                        fix="run a trial of the candidate to measure its memory")
     trial = replace(trial, device_kind="cpu")  # fake tensors on the host: no device is needed
     plan = plan_for(trial.model, trial.training, trial.config, "cpu", world)
     _fake_world(world, rank)
