@@ -29,8 +29,9 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import update
 from sqlalchemy.exc import SQLAlchemyError
@@ -38,14 +39,16 @@ from sqlalchemy.orm import Session
 
 from pipette.cluster import ClusterProfile
 from pipette.clusterfile import cluster_from_dict
+from pipette.config import ParallelConfig
 from pipette.errors import PipetteError
 from pipette.model import ModelSpec
 from pipette.options import defaults
-from pipette.plan import DEFAULT_MARGIN, make_plan
-from pipette.registry import job_kind
+from pipette.plan import DEFAULT_MARGIN, Plan, make_plan
+from pipette.registry import TrialKind, job_kind
 from pipette.result_text import result_dict
 from pipette.training import TrainingSpec
 from pipette.trials import TrialRecord
+from pipette.tune_result import TuneResult
 from pipette.tuner import Tuner
 from service.db import Database
 from service.errors import stored_error
@@ -61,6 +64,9 @@ from service.repositories.jobs import set_state
 from service.settings import Settings
 from service.specs import tune_options
 
+if TYPE_CHECKING:
+    from workers.host.runner import RayTrialRunner
+
 log = logging.getLogger("pipette.service")
 
 #: How often the driver reads the job's cancel flag while a trial runs (seconds).
@@ -70,6 +76,20 @@ CHARGE_EVERY_S = 2.0
 #: Jobs this process let go when the database became unreachable, with the driver's error: its
 #: resume (once the database is back) says so in the job's events, which it could not write then.
 LOST_DATABASE: dict[str, str] = {}
+
+
+@dataclass(frozen=True)
+class StoredJob:
+    """What a job runs, as its row stores it, read when the driver takes the job."""
+
+    model: ModelSpec
+    training: TrainingSpec
+    #: the tuning options, each one the job was stored without at its default
+    options: dict[str, Any]
+    #: the profile it planned with (a resumed job), else None
+    profile_id: str | None
+    cluster_row: Cluster
+    kind: TrialKind
 
 
 class Interrupted(Exception):
@@ -134,28 +154,43 @@ class JobDriver:
                     "database is back", self.job_id, reason)
 
     def _run(self) -> None:
+        job = self._take_job()
+        if job is None:
+            return
+        cluster, profile_id = self._cluster(job.cluster_row, job.profile_id)
+        self._check_interrupt()
+
+        with self.db.write() as session:
+            set_state(session, self._job(session), "planning", profile_id=profile_id)
+        runner = self._trial_runner(job, cluster)
+        plan, planned = _plan_job(job, cluster, runner.refusals)
+
+        history, prior, used = self._start_running(job, planned)
+        self._check_interrupt()
+
+        tune = tune_options(job.options, used)
+        tuner = Tuner(plan, tune, history=history, prior=prior, runnable=runner.refusals)
+        with self._charging():
+            result = tuner.run(runner, on_event=self.on_event, should_stop=self.should_stop)
+        self._check_interrupt()
+        self._finish_tuned(result)
+
+    def _take_job(self) -> StoredJob | None:
+        """Take the job for this attempt (its running trials marked interrupted; on resume, said so in
+        its events) and read what it runs; None: it is over, or cancelled now."""
         with self.db.write() as session:
             job = self._job(session)
             if job.state in FINAL_STATES:
-                return
+                return None
             if job.cancel_requested:
                 set_state(session, job, "cancelled", stop_reason="cancelled")
-                return
+                return None
             rerun = trials.interrupt_running(session, job.id)
             job.attempts += 1
             job.worker = self.keeper.holder
             job.started_at = job.started_at or utcnow()
             if self.resumed:
-                # The dead holder's trial never got its end: say it was interrupted, so its step
-                # events in the stream are closed the way a graceful stop closes them.
-                lost = LOST_DATABASE.pop(job.id, None)
-                reason = (f"the database was unreachable mid-trial ({lost}); rerun on resume" if lost else
-                          "its service stopped mid-trial; rerun on resume")
-                for number in rerun:
-                    events.add_event(session, job.id, "trial_interrupted", {"reason": reason}, trial=number)
-                # every trial to rerun: a dead holder's, and those a graceful stop interrupted
-                events.add_event(session, job.id, "resumed", {
-                    "attempt": job.attempts, "interrupted_trials": trials.interrupted_numbers(session, job.id)})
+                _say_resumed(session, job, rerun)
             model = ModelSpec.from_dict(job.model)
             training = TrainingSpec.from_dict(job.training)
             # a job stored before an option existed gets its default
@@ -168,42 +203,37 @@ class JobDriver:
             script = unpack_for_job(job.script, job.script_files, self.settings.home, job.id,
                                     self.settings.script_user)
             kind = job_kind(options.get("stack"), script)
-        cluster, profile_id = self._cluster(cluster_row, profile_id)
-        self._check_interrupt()
+            return StoredJob(model, training, options, profile_id, cluster_row, kind)
 
-        with self.db.write() as session:
-            set_state(session, self._job(session), "planning", profile_id=profile_id)
+    def _trial_runner(self, job: StoredJob, cluster: ClusterProfile) -> RayTrialRunner:
+        """The runner of the job's trials on ``cluster``, stopped by ``should_stop``, waiting for lost nodes."""
         from workers.host.runner import RayTrialRunner
 
+        options, kind = job.options, job.kind
         timeout = float(options["trial_timeout_s"] or self.settings.trial_timeout_s)
         steps = int(options["steps"])
-        runner = RayTrialRunner(model, training, cluster, device_kind=cluster.device_spec.kind, timeout_s=timeout,
-                                max_steps=steps, min_steps=min(3, steps), seed=int(options["seed"]),
-                                node_wait_s=self.settings.node_wait_s, on_wait=self.on_wait,
-                                script=kind.script, ship_workdir=kind.ships_workdir,
-                                should_stop=self.should_stop, stack=kind.runner_stack)
-        start = time.perf_counter()
-        margin = DEFAULT_MARGIN if options["margin"] is None else float(options["margin"])
-        plan = make_plan(model, training, cluster, margin=margin, seed=int(options["seed"]),
-                         stack=options.get("stack"))  # a job stored before stacks: Pipette's runner
-        planned = plan_dict(plan, planning_seconds=time.perf_counter() - start, refusals=runner.refusals)
+        return RayTrialRunner(job.model, job.training, cluster, device_kind=cluster.device_spec.kind,
+                              timeout_s=timeout, max_steps=steps, min_steps=min(3, steps), seed=int(options["seed"]),
+                              node_wait_s=self.settings.node_wait_s, on_wait=self.on_wait,
+                              script=kind.script, ship_workdir=kind.ships_workdir,
+                              should_stop=self.should_stop, stack=kind.runner_stack)
 
+    def _start_running(self, job: StoredJob, planned: dict[str, Any]) -> tuple[list[TrialRecord], list[TrialRecord],
+                                                                                float]:
+        """The job ``running`` with its plan; its own trials so far, the other jobs' it learns from, and
+        the tuning seconds it has used."""
         with self.db.write() as session:
-            job = self._job(session)
-            history = trials.SqlTrialStore(session, job.id).records()
+            row = self._job(session)
+            history = trials.SqlTrialStore(session, row.id).records()
             # Which other jobs' trials tell about this one is the trial kind's answer (pipette.registry).
-            prior = trials.prior_records(session, cluster_row.resource, exclude_job=job.id) \
-                if kind.learns_from_other_jobs else []
-            used = job.tuning_s
-            set_state(session, job, "running", plan=planned)
-        self._check_interrupt()
+            prior = trials.prior_records(session, job.cluster_row.resource, exclude_job=row.id) \
+                if job.kind.learns_from_other_jobs else []
+            used = row.tuning_s
+            set_state(session, row, "running", plan=planned)
+        return history, prior, used
 
-        tune = tune_options(options, used)
-        tuner = Tuner(plan, tune, history=history, prior=prior, runnable=runner.refusals)
-        with self._charging():
-            result = tuner.run(runner, on_event=self.on_event, should_stop=self.should_stop)
-        self._check_interrupt()
-
+    def _finish_tuned(self, result: TuneResult) -> None:
+        """The job's outcome once the tuner stopped: cancelled, succeeded with a best, or failed."""
         outcome = result_dict(result)
         outcome.pop("trials", None)  # every attempt is in the trials table already
         best = _best_summary(result.best) if result.best is not None else None
@@ -404,6 +434,30 @@ def _add_seconds(session: Session, job_id: str, seconds: float) -> None:
     both add, and neither may overwrite the other's sum with its own stale copy."""
     if seconds > 0:
         session.execute(update(Job).where(Job.id == job_id).values(tuning_s=Job.tuning_s + seconds))
+
+
+def _say_resumed(session: Session, job: Job, rerun: list[int]) -> None:
+    """The dead holder's trial never got its end: say it was interrupted, so its step events in the
+    stream are closed the way a graceful stop closes them; then every trial that reruns."""
+    lost = LOST_DATABASE.pop(job.id, None)
+    reason = (f"the database was unreachable mid-trial ({lost}); rerun on resume" if lost else
+              "its service stopped mid-trial; rerun on resume")
+    for number in rerun:
+        events.add_event(session, job.id, "trial_interrupted", {"reason": reason}, trial=number)
+    # every trial to rerun: a dead holder's, and those a graceful stop interrupted
+    events.add_event(session, job.id, "resumed", {
+        "attempt": job.attempts, "interrupted_trials": trials.interrupted_numbers(session, job.id)})
+
+
+def _plan_job(job: StoredJob, cluster: ClusterProfile,
+              refusals: Callable[[ParallelConfig], list[str]]) -> tuple[Plan, dict[str, Any]]:
+    """The job's plan on ``cluster``, and as the job stores it (with the seconds planning took)."""
+    start = time.perf_counter()
+    options = job.options
+    margin = DEFAULT_MARGIN if options["margin"] is None else float(options["margin"])
+    plan = make_plan(job.model, job.training, cluster, margin=margin, seed=int(options["seed"]),
+                     stack=options.get("stack"))  # a job stored before stacks: Pipette's runner
+    return plan, plan_dict(plan, planning_seconds=time.perf_counter() - start, refusals=refusals)
 
 
 def record_profile(db: Database, profile_id: str, *, profile: dict[str, Any] | None = None,
