@@ -402,7 +402,7 @@ def write_launch_files(
         "launch.sh": lambda: launch_script(config, cluster, stack=chosen),
         MEGATRON_ARGS: lambda: megatron_args_file(training, config, model.layers, header, chosen.options,
                                                   "fp8" in cluster.device_spec.peak_flops,
-                                                  "fp4" in cluster.device_spec.peak_flops),
+                                                  "fp4" in cluster.device_spec.peak_flops, model.moe),
         NANOTRON_CONFIG: lambda: nanotron_config(training, config, header),
     }
     written = {}

@@ -26,6 +26,7 @@ leaves the model, data and optimizer to the user's job:
 from __future__ import annotations
 
 from pipette.config import ParallelConfig
+from pipette.moe import MoeSpec
 from pipette.training import TrainingSpec
 
 MEGATRON_ARGS = "megatron_args.txt"
@@ -42,9 +43,11 @@ def tf32_note(training: TrainingSpec) -> list[str]:
 
 
 def megatron_arguments(training: TrainingSpec, config: ParallelConfig, layers: int,
-                       options: tuple[str, ...] = (), device_fp8: bool = True, device_fp4: bool = True) -> list[str]:
+                       options: tuple[str, ...] = (), device_fp8: bool = True, device_fp4: bool = True,
+                       moe: MoeSpec | None = None) -> list[str]:
     """``pretrain_gpt.py`` arguments for ``config``, one flag (with its value) per item; FP8 or FP4
-    only where the option is chosen and the device has it (on an A100 the option prices nothing)."""
+    only where the option is chosen and the device has it (on an A100 the option prices nothing);
+    an MoE model's experts and their parallelism with ``moe`` (``moe_arguments``)."""
     args = [
         f"--tensor-model-parallel-size {config.tp}",
         f"--pipeline-model-parallel-size {config.pp}",
@@ -66,7 +69,35 @@ def megatron_arguments(training: TrainingSpec, config: ParallelConfig, layers: i
         args.append("--recompute-granularity selective")
     if training.dtype in ("bf16", "fp16"):
         args.append(f"--{training.dtype}")
-    return args + precision_flags(options, device_fp8, device_fp4)
+    return args + moe_arguments(config, moe) + precision_flags(options, device_fp8, device_fp4)
+
+
+def moe_arguments(config: ParallelConfig, moe: MoeSpec | None) -> list[str]:
+    """Megatron-Core's MoE arguments (megatron/training/arguments.py, ``_add_moe_args``) for an MoE
+    model, as the megatron stack prices it: the experts' shape and routing (``--num-experts``,
+    ``--moe-ffn-hidden-size``, ``--moe-router-topk``, the shared experts' width, sigmoid scores and
+    group-limited routing where the model has them), the expert-parallel and expert tensor-parallel
+    degrees (``--expert-tensor-parallel-size`` defaults to tp, written either way), the all-to-all
+    token dispatcher (Megatron's recommendation with ep; its default is ``allgather``) with grouped
+    GEMMs, and the capacity factor where the model sets one (dropless otherwise, Megatron's default).
+    Which layers are dense (``--moe-layer-freq``, a Python expression) is the model's: said in a
+    comment line, not as a flag a shell would glob."""
+    if moe is None:
+        return []
+    args = [f"--num-experts {moe.experts}", f"--moe-ffn-hidden-size {moe.expert_ffn}",
+            f"--moe-router-topk {moe.top_k}"]
+    if moe.shared_ffn:
+        args.append(f"--moe-shared-expert-intermediate-size {moe.shared_ffn}")
+    if moe.scoring == "sigmoid":
+        args.append("--moe-router-score-function sigmoid")
+    if moe.groups > 1:
+        args += [f"--moe-router-num-groups {moe.groups}", f"--moe-router-group-topk {moe.group_top_k}"]
+    args += [f"--expert-model-parallel-size {config.ep}",
+             f"--expert-tensor-parallel-size {config.tp if config.etp is None else config.etp}",
+             "--moe-token-dispatcher-type alltoall", "--moe-grouped-gemm"]
+    if moe.capacity_factor is not None:
+        args.append(f"--moe-expert-capacity-factor {moe.capacity_factor:g}")
+    return args
 
 
 def precision_flags(options: tuple[str, ...], device_fp8: bool, device_fp4: bool) -> list[str]:
@@ -84,7 +115,8 @@ def precision_flags(options: tuple[str, ...], device_fp8: bool, device_fp4: bool
 
 
 def megatron_args_file(training: TrainingSpec, config: ParallelConfig, layers: int, header: str,
-                       options: tuple[str, ...] = (), device_fp8: bool = True, device_fp4: bool = True) -> str:
+                       options: tuple[str, ...] = (), device_fp8: bool = True, device_fp4: bool = True,
+                       moe: MoeSpec | None = None) -> str:
     """``megatron_args.txt``: the arguments after a header of ``#`` lines saying how to use them."""
     lora = ["# LoRA: these are Megatron-LM's pretraining arguments; under NeMo's PEFT give the same",
             "# degrees and batch in its trainer and model config."] if training.method == "lora" else []
@@ -97,9 +129,19 @@ def megatron_args_file(training: TrainingSpec, config: ParallelConfig, layers: i
         "# start the nodes in the hostfile's order.",
         *lora,
         *tf32_note(training),
-        *megatron_arguments(training, config, layers, options, device_fp8, device_fp4),
+        *_dense_layers_note(moe, layers),
+        *megatron_arguments(training, config, layers, options, device_fp8, device_fp4, moe),
         "",
     ])
+
+
+def _dense_layers_note(moe: MoeSpec | None, layers: int) -> list[str]:
+    """The comment that names an MoE model's dense layers in ``--moe-layer-freq``'s words."""
+    if moe is None or not moe.dense_layers:
+        return []
+    freq = [0 if i in moe.dense_layers else 1 for i in range(layers)]
+    return [f"# MoE: layers {list(moe.dense_layers)} are dense: add --moe-layer-freq \"{freq}\" (quoted) to your "
+            "model arguments"]
 
 
 def nanotron_config(training: TrainingSpec, config: ParallelConfig, header: str) -> str:

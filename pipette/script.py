@@ -168,6 +168,9 @@ class ScriptSpec:
         out = said
         if config.dp_shard is not None or config.offload:
             out.append("HSDP (dp_shard) and CPU offload are FSDP options: a DeepSpeed script has neither")
+        if config.ep > 1:
+            out.append(f"ep={config.ep}: a DeepSpeed script's expert groups are its model code's "
+                       "(deepspeed.moe.layer.MoE's ep_size), which no config Pipette writes can set")
         if config.pp > 1 and not self.pipeline:
             out.append(f"pp={config.pp}: the script does not build a PipelineModule (say pipeline: true if it does)")
         if config.tp > 1 and not self.autotp:
@@ -284,7 +287,10 @@ def fsdp_script_refusals(script: ScriptSpec, config: ParallelConfig) -> list[str
     if c.dp_shard is not None and not sharded(c):
         out.append(f"dp_shard={c.dp_shard} with zero_stage {c.zero_stage} (NO_SHARD): nothing is sharded")
     if kind == "torchtitan":
-        return out  # torchtitan composes FSDP2/HSDP with TP, PP (1F1B, interleaved), CP and per-op selective AC
+        return out  # torchtitan composes FSDP2/HSDP with TP, PP (1F1B, interleaved), CP, EP and per-op selective AC
+    if c.ep > 1:
+        out.append(f"ep={c.ep}: {kind or 'the script'} has no expert parallelism (FSDP shards the experts as any "
+                   "weight); torchtitan runs ep")
     if c.cp > 1:
         out.append(f"cp={c.cp}: {kind or 'the script'} splits sequences only inside its own loop "
                    "(Accelerate's maybe_context_parallel), which Pipette cannot see; torchtitan runs cp")

@@ -190,6 +190,11 @@ def torchtitan_settings(training: TrainingSpec, config: ParallelConfig, model: M
     }
     if c.cp > 1:  # ring attention over cp, FSDP over dp_shard x cp (ParallelDims)
         parallelism["context_parallel_degree"] = c.cp
+    if model.moe is not None:
+        # ParallelismConfig's expert keys ("no effect for non-MoE models"): ep borrowed from
+        # dp_shard x cp, the experts' tp either tp (Pipette's default, etp None) or 1
+        parallelism["expert_parallel_degree"] = c.ep
+        parallelism["expert_tensor_parallel_degree"] = c.tp if c.etp is None else c.etp
     # Without pp a rank runs mbs sequences a micro-step and accumulates (global / (mbs * dp)
     # micro-steps); with pp its local batch is the pipeline's micro-batches of mbs each.
     local = c.mbs * c.grad_accum if c.pp > 1 else c.mbs

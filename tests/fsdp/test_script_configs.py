@@ -79,7 +79,7 @@ CONFIG_0_3: dict[str, dict[str, Any]] = {
         "pipeline_parallel_degree": int, "pipeline_parallel_first_stage_less_layers": int,
         "pipeline_parallel_last_stage_less_layers": int, "pipeline_parallel_layers_per_stage": int,
         "pipeline_parallel_schedule": str, "pipeline_parallel_microbatch_size": int, "context_parallel_degree": int,
-        "expert_parallel_degree": int,
+        "expert_parallel_degree": int, "expert_tensor_parallel_degree": int,
     },
     "training": {
         "local_batch_size": int, "global_batch_size": int, "seq_len": int, "max_norm": float, "steps": int,
@@ -143,6 +143,25 @@ def test_every_flag_of_a_torchtitan_trial_is_a_0_3_config_field(config: Parallel
         * p["pipeline_parallel_degree"] * p.get("context_parallel_degree", 1) == config.world
     assert ("context_parallel_degree" in p) is (config.cp > 1)  # cp = 1: the flags as before cp existed
     assert flags.get(("parallelism", "pipeline_parallel_schedule"), "1F1B") in SCHEDULES
+
+
+@pytest.mark.parametrize("config", [
+    ParallelConfig(tp=1, pp=1, dp=4, ep=2, mbs=2, global_batch=16, zero_stage=3),
+    ParallelConfig(tp=1, pp=2, dp=2, ep=2, mbs=1, global_batch=16, zero_stage=2, dp_shard=2),
+], ids=["ep2xdp4", "pp2-ep2"])
+def test_an_moe_candidates_torchtitan_flags_name_its_expert_degrees(config: ParallelConfig) -> None:
+    """An MoE model's candidate: ``expert_parallel_degree`` and ``expert_tensor_parallel_degree``
+    (0.3.0's ``ParallelismConfig``), each a field; a dense model's flags have neither."""
+    from pipette.script_fsdp import torchtitan_args
+
+    training = TrainingSpec(global_batch=16, seq_len=64, dtype="bf16")
+    flags = _flags(torchtitan_args(training, config, ModelSpec.preset("tiny-moe")))
+    assert all(key[1] in CONFIG_0_3[key[0]] for key in flags), sorted(flags)
+    assert int(flags[("parallelism", "expert_parallel_degree")]) == config.ep
+    assert int(flags[("parallelism", "expert_tensor_parallel_degree")]) == config.tp
+    dense = _flags(torchtitan_args(training, ParallelConfig(tp=1, pp=1, dp=4, mbs=2, global_batch=16,
+                                                            zero_stage=3), MODEL))
+    assert not any(name.startswith("expert_") for _, name in dense)
 
 
 @pytest.mark.parametrize("config", TITAN_CANDIDATES, ids=TITAN_IDS)
