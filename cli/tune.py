@@ -24,6 +24,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -33,15 +34,20 @@ from cli.signals import Terminated, exit_code, signal_name, terminate_like_inter
 from pipette.datafiles import check_checkpoint, jsonl_token_ids
 from pipette.errors import SpecError
 from pipette.options import TRIAL_TIMEOUT_S
-from pipette.registry import job_kind, stack_choice_of
+from pipette.registry import TrialKind, job_kind, stack_choice_of
 from pipette.script import KINDS, KNOBS, ScriptSpec
 from pipette.stack_choice import StackChoice, pricing_lines
 from pipette.stacks import get_stacks
 
 if TYPE_CHECKING:
+    from pipette.cluster import ClusterProfile
     from pipette.measurement import Measurement
-    from pipette.trials import TrialRecord, TrialStore
-    from pipette.tuner import TuneEvent
+    from pipette.model import ModelSpec
+    from pipette.plan import Plan
+    from pipette.training import TrainingSpec
+    from pipette.trials import JsonlTrialStore, TrialRecord, TrialStore
+    from pipette.tuner import TuneEvent, TuneOptions, Tuner, TuneResult
+    from workers.host.runner import RayTrialRunner
 
 GiB = 1024**3
 #: A profile younger than this is reused instead of measuring again.
@@ -139,9 +145,68 @@ def add_parser(sub: Any) -> None:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    from pipette.plan import DEFAULT_MARGIN, check_recipe, make_plan
     from pipette.trials import JsonlTrialStore
-    from pipette.tuner import TuneOptions, Tuner, cluster_key
+    from pipette.tuner import Tuner, cluster_key
+
+    job = _read_job(args)
+    ui = Progress(job.options.max_trials, stream=sys.stderr)
+    pricing = pricing_lines(job.choice)
+    for line in pricing:  # never another framework's prices silently (issue 45): said first
+        ui.say(line)
+    cluster = _cluster(args, job.home, ui, job.model)
+    plan = _plan_job(job, cluster, ui)
+    # A script's trials measure the script: they are kept apart from the runner's. Read before
+    # Ray starts: a store it cannot read is refused at once.
+    suffix = job.kind.store_suffix(_script_key)
+    store = None if args.no_memory else JsonlTrialStore(job.home / "trials" / f"{cluster_key(plan)}{suffix}.jsonl")
+    prior = store.records() if store is not None else []
+    from workers.host.ray_cluster import check_devices, ensure_ray
+
+    ensure_ray()
+    check_devices(cluster)  # GPUs in the file where Ray has none (or the reverse): refused before any trial
+    # Every rank of this job carries a tag, so an operator (or a test) can find them: `ps e`.
+    tag = os.environ.get("PIPETTE_RANK_TAG") or f"tune-{uuid.uuid4().hex[:12]}"
+    stop = StopSignal(ui)
+    runner = _trial_runner(args, job, cluster, ui, stop, tag)
+    tuner = Tuner(plan, job.options, prior=prior, runnable=runner.refusals)
+    _say_candidates(ui, plan, tuner, job.kind, prior, store)
+    result = _run_trials(runner, tuner, ui, store, stop, tag)
+    files = _write_best(args.out, job.kind, result)
+    if args.json:
+        _print_result_json(result, files, cluster, plan, pricing)
+    else:
+        _print_result(result, args.out, files)
+    if result.interrupted:
+        return exit_code(stop.signum if stop.signum is not None else signal.SIGINT)
+    return 0 if result.best is not None else 1
+
+
+@dataclass(frozen=True)
+class TuneJob:
+    """The job ``pipette tune`` is asked to tune, read from its flags and checked before anything
+    is measured."""
+
+    model: ModelSpec
+    training: TrainingSpec
+    options: TuneOptions
+    #: steps per trial (0: the runner's default)
+    steps: int
+    #: a trial's timeout (seconds)
+    timeout: float
+    #: the memory safety margin of the plan
+    margin: float
+    #: where profiles and trial records live
+    home: Path
+    choice: StackChoice
+    #: Pipette's runner or the user's script, and its stacks (``pipette.registry``)
+    kind: TrialKind
+
+
+def _read_job(args: argparse.Namespace) -> TuneJob:
+    """The job's own inputs before measuring anything: a bad one would fail every trial (and
+    charge the candidates for it)."""
+    from pipette.plan import DEFAULT_MARGIN, check_recipe
+    from pipette.tuner import TuneOptions
 
     if args.devices < 1:
         raise SpecError(f"is {args.devices}", field="--devices", fix="give 1 or more")
@@ -153,8 +218,6 @@ def cmd_tune(args: argparse.Namespace) -> int:
     model = load_model(args.model)
     training = load_recipe(args.recipe, _with_defaults(args))
     home = Path(args.home or os.environ.get("PIPETTE_HOME") or Path.home() / ".pipette")
-    # The job's own inputs before measuring anything: a bad one would fail every trial (and
-    # charge the candidates for it).
     check_recipe(model, training)
     if args.data:
         jsonl_token_ids(args.data, model.vocab, training.seq_len)
@@ -164,41 +227,39 @@ def cmd_tune(args: argparse.Namespace) -> int:
     script = _script(args)
     choice = stack_choice(args, script)
     kind = job_kind(choice.stack, script, field="--stack")
-    stacks, script = kind.stacks, kind.script
     from workers.host.script_trial import check_script
 
-    check_script(script)
-    ui = Progress(options.max_trials, stream=sys.stderr)
-    pricing = pricing_lines(choice)
-    for line in pricing:  # never another framework's prices silently (issue 45): said first
-        ui.say(line)
+    check_script(kind.script)
+    return TuneJob(model, training, options, steps, timeout, margin, home, choice, kind)
 
+
+def _plan_job(job: TuneJob, cluster: ClusterProfile, ui: Progress) -> Plan:
+    """The job's plan on ``cluster``, for its stacks."""
+    from pipette.plan import make_plan
+
+    model, training = job.model, job.training
+    ui.say(f"planning {model.name} ({training.method}, global batch {training.global_batch} x {training.seq_len}) "
+           f"on {cluster.world} x {cluster.device_spec.name}, stack {','.join(s.key for s in job.kind.stacks)} ...")
+    return make_plan(model, training, cluster, margin=job.margin, seed=job.options.seed, stack=job.kind.stacks)
+
+
+def _trial_runner(args: argparse.Namespace, job: TuneJob, cluster: ClusterProfile, ui: Progress, stop: StopSignal,
+                  tag: str) -> RayTrialRunner:
+    """The runner of the job's trials on Ray: each rank tagged ``tag``, stopped by ``stop``, its
+    notes and phases shown by ``ui``."""
     from workers.host.runner import RayTrialRunner
 
-    cluster = _cluster(args, home, ui, model)
-    device_kind = cluster.device_spec.kind
-    ui.say(f"planning {model.name} ({training.method}, global batch {training.global_batch} x {training.seq_len}) "
-           f"on {cluster.world} x {cluster.device_spec.name}, stack {','.join(s.key for s in stacks)} ...")
-    plan = make_plan(model, training, cluster, margin=margin, seed=options.seed, stack=stacks)
-    # A script's trials measure the script: they are kept apart from the runner's. Read before
-    # Ray starts: a store it cannot read is refused at once.
-    suffix = kind.store_suffix(_script_key)
-    store = None if args.no_memory else JsonlTrialStore(home / "trials" / f"{cluster_key(plan)}{suffix}.jsonl")
-    prior = store.records() if store is not None else []
-    from workers.host.ray_cluster import check_devices, ensure_ray
+    return RayTrialRunner(job.model, job.training, cluster, device_kind=cluster.device_spec.kind,
+                          timeout_s=job.timeout, max_steps=job.steps, seed=job.options.seed, data=args.data,
+                          checkpoint=args.checkpoint, script=job.kind.script,
+                          ship_workdir=bool(os.environ.get("RAY_ADDRESS")), stack=job.kind.runner_stack,
+                          env={"PIPETTE_RANK_TAG": tag}, should_stop=stop.is_set, on_note=ui.say,
+                          on_phase=ui.phase)
 
-    ensure_ray()
-    check_devices(cluster)  # GPUs in the file where Ray has none (or the reverse): refused before any trial
-    # Every rank of this job carries a tag, so an operator (or a test) can find them: `ps e`.
-    tag = os.environ.get("PIPETTE_RANK_TAG") or f"tune-{uuid.uuid4().hex[:12]}"
-    stop = StopSignal(ui)
-    runner = RayTrialRunner(model, training, cluster, device_kind=device_kind, timeout_s=timeout,
-                            max_steps=steps, seed=options.seed, data=args.data, checkpoint=args.checkpoint,
-                            script=script, ship_workdir=bool(os.environ.get("RAY_ADDRESS")),
-                            stack=kind.runner_stack,
-                            env={"PIPETTE_RANK_TAG": tag}, should_stop=stop.is_set, on_note=ui.say,
-                            on_phase=ui.phase)
-    tuner = Tuner(plan, options, prior=prior, runnable=runner.refusals)
+
+def _say_candidates(ui: Progress, plan: Plan, tuner: Tuner, kind: TrialKind, prior: list[TrialRecord],
+                    store: JsonlTrialStore | None) -> None:
+    """How many candidates the trials choose among, and what the tuner starts from."""
     runs = kind.runs
     unsure = sum(not p.sure_to_fit for p in tuner.candidates)
     near = f" ({unsure} next to the memory limit, tried as their chance to fit earns)" if unsure else ""
@@ -209,6 +270,11 @@ def cmd_tune(args: argparse.Namespace) -> int:
         ui.say(hint)
     for note in plan.calibration_notes:  # the trials measure; the order they come in is the model's
         ui.say(f"not calibrated here: {note}")
+
+
+def _run_trials(runner: RayTrialRunner, tuner: Tuner, ui: Progress, store: TrialStore | None, stop: StopSignal,
+                tag: str) -> TuneResult:
+    """The trials, each shown and kept as it ends, until the stop rule or a signal stops them."""
     runner.prepare()  # DeepSpeed's CPU op where the job's stack uses it, outside any trial's timeout
     ui.header()
     terminate_like_interrupt()  # ensure_ray installed Ray's handler (exit 15, silently)
@@ -225,28 +291,31 @@ def cmd_tune(args: argparse.Namespace) -> int:
             "the running trial was abandoned, not recorded" if abandoned else
             "the running trial was stopped, what it measured is kept")
     ui.done(result.stop_reason)
-    files: dict[str, str] = {}
-    if result.best is not None:
-        try:
-            files = {k: str(v) for k, v in kind.write_best(args.out, result).items()}
-        except OSError as e:
-            raise SpecError(f"cannot write {args.out!r} ({e.strerror})", field="--out",
-                            fix="give a writable folder") from None
-    if args.json:
-        from pipette.result_text import result_dict
+    return result
 
-        out = result_dict(result)
-        out["files"] = files
-        out["cluster"] = {"name": cluster.name, "devices": cluster.world, "measured_at": cluster.measured_at}
-        out["stack"] = plan.stack_key
-        out["pricing"] = pricing
-        json.dump(out, sys.stdout, indent=2)
-        sys.stdout.write("\n")
-    else:
-        _print_result(result, args.out, files)
-    if result.interrupted:
-        return exit_code(stop.signum if stop.signum is not None else signal.SIGINT)
-    return 0 if result.best is not None else 1
+
+def _write_best(out: str, kind: TrialKind, result: TuneResult) -> dict[str, str]:
+    """The best configuration's launch files in ``out`` (none without a best), by name."""
+    if result.best is None:
+        return {}
+    try:
+        return {k: str(v) for k, v in kind.write_best(out, result).items()}
+    except OSError as e:
+        raise SpecError(f"cannot write {out!r} ({e.strerror})", field="--out", fix="give a writable folder") from None
+
+
+def _print_result_json(result: TuneResult, files: dict[str, str], cluster: ClusterProfile, plan: Plan,
+                       pricing: list[str]) -> None:
+    """``--json``: the result, its files, the cluster, the stack and its pricing lines, on stdout."""
+    from pipette.result_text import result_dict
+
+    out = result_dict(result)
+    out["files"] = files
+    out["cluster"] = {"name": cluster.name, "devices": cluster.world, "measured_at": cluster.measured_at}
+    out["stack"] = plan.stack_key
+    out["pricing"] = pricing
+    json.dump(out, sys.stdout, indent=2)
+    sys.stdout.write("\n")
 
 
 class StopSignal:
