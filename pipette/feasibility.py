@@ -2,8 +2,8 @@
 
 Memory. A Gaussian process (Rasmussen & Williams 2006, eq. 2.25-2.26) on the estimator's
 log error ``r = log(measured peak / predicted peak)`` over the candidate's memory features
-(its degrees, micro-batch, ZeRO stage, recomputation and the shares of its predicted
-memory breakdown), with a kernel of a small constant term (the estimator is off by a
+(its degrees, cp and ep included, micro-batch, ZeRO stage, recomputation and the shares of
+its predicted memory breakdown), with a kernel of a small constant term (the estimator is off by a
 common factor on this cluster) plus an RBF term (it is off differently for different
 families of candidates). A trial that ran gives ``r`` from its measured peak (its tensors,
 plus the estimate's ``overhead``, which no tensor counter sees). A trial that ran out of
@@ -90,36 +90,61 @@ _RECOMPUTE = {"none": 0.0, "selective": 0.5, "full": 1.0}
 
 def needs_at_least(config: ParallelConfig, other: ParallelConfig) -> bool:
     """Whether ``config`` needs at least the memory ``other`` needs, whatever the estimator's
-    error: the same layout (degrees, schedule, FSDP sharding and offload) with a micro-batch no
+    error: the same layout (degrees cp and ep included, schedule, FSDP sharding and offload) with a micro-batch no
     smaller (activations grow with it: Korthikanti et al. 2022, eq. 2), no more recomputation
     (none keeps every activation, selective all but attention's, full only the layer inputs)
     and a ZeRO stage no higher (each stage partitions one more of optimizer states, gradients,
     parameters across dp and keeps the rest whole: Rajbhandari et al. 2020, fig. 1). So an
     out-of-memory trial of ``other`` is one of ``config`` too: a monotonicity rule, not a
     neighbourhood."""
-    same_layout = (config.tp, config.pp, config.dp, config.schedule, config.virtual_stages, config.dp_shard,
-                   config.offload) == (other.tp, other.pp, other.dp, other.schedule, other.virtual_stages,
-                                       other.dp_shard, other.offload)
+    same_layout = _layout(config) == _layout(other)
     recompute = _RECOMPUTE.get(config.recompute)
     other_recompute = _RECOMPUTE.get(other.recompute)
     return (same_layout and config.mbs >= other.mbs and config.zero_stage <= other.zero_stage
             and recompute is not None and other_recompute is not None and recompute <= other_recompute)
 
 
+def _layout(config: ParallelConfig) -> tuple[object, ...]:
+    return (config.tp, config.pp, config.dp, config.cp, config.ep, config.etp, config.schedule,
+            config.virtual_stages, config.dp_shard, config.offload)
+
+
 def layout_features(config: ParallelConfig) -> list[float]:
-    """The candidate's shape: degrees, micro-batch, ZeRO stage and recomputation."""
+    """The candidate's shape: degrees, micro-batch, ZeRO stage and recomputation (the degrees that
+    split sequences and experts: ``degree_features``)."""
     return [
         math.log2(config.tp), math.log2(config.pp), math.log2(config.dp), math.log2(config.mbs),
         config.zero_stage / 1.5, 2.0 * _RECOMPUTE.get(config.recompute, 0.0), math.log2(config.virtual_stages),
     ]
 
 
+def degree_features(config: ParallelConfig) -> list[float]:
+    """The degrees that split each sequence (cp) and the experts (ep), log2 as tp's and pp's: two
+    more features of the candidate's shape, 0 for a candidate that splits neither. They are kept
+    apart from ``layout_features`` and ``memory_features`` and enter every RBF as a factor of
+    their own (``near``), which is the RBF over all the features together
+    (exp(-(d1 + d2) / 2l^2) = exp(-d1 / 2l^2) exp(-d2 / 2l^2)) and leaves a job without cp or ep
+    its kernels to the bit (appending two zero columns reorders numpy's pairwise sum)."""
+    return [math.log2(config.cp), math.log2(config.ep)]
+
+
+def degree_array(configs: Sequence[ParallelConfig]) -> FloatArray:
+    """``degree_features`` of every candidate, one row each."""
+    return np.array([degree_features(c) for c in configs], dtype=np.float64).reshape(len(configs), 2)
+
+
+def near(xa: FloatArray, da: FloatArray, xb: FloatArray, db: FloatArray, length_scale: float) -> FloatArray:
+    """The RBF over features ``x`` and degrees ``d`` together (``degree_features``)."""
+    return np.asarray(gp.rbf(xa, xb, length_scale) * gp.rbf(da, db, length_scale), dtype=np.float64)
+
+
 def memory_features(config: ParallelConfig, memory: MemoryEstimate) -> FloatArray:
     """Degrees and micro-batch plus where the estimator says the bytes go (two candidates whose
-    peaks are both mostly activations err alike). The ZeRO stage and the recomputation enter
-    only through those shares: where they change no byte (ZeRO 0-2 under LoRA, selective
-    recomputation with flash attention) the candidates need the same memory, and an OOM of one
-    is an OOM of the other."""
+    peaks are both mostly activations err alike); cp and ep join them in the kernel
+    (``degree_features``: a cp = 2 trial's error is its neighbours' more than a cp = 1 twin's).
+    The ZeRO stage and the recomputation enter only through those shares: where they change no
+    byte (ZeRO 0-2 under LoRA, selective recomputation with flash attention) the candidates need
+    the same memory, and an OOM of one is an OOM of the other."""
     total = memory.peak_bytes if memory.peak_bytes > 0 else 1
     shares = [2.0 * memory.breakdown.get(k, 0) / total for k in MEMORY_PARTS]
     shape = [math.log2(config.tp), math.log2(config.pp), math.log2(config.dp), math.log2(config.mbs),
@@ -152,7 +177,7 @@ class MemoryModel:
 
     def __init__(self, points: Sequence[MemoryPoint] = (), prior: FitsPrior = CPU) -> None:
         self.prior = prior
-        xs, ys, noise = [], [], []
+        xs, ys, noise, kept = [], [], [], []
         #: the candidates that ran out of memory (``needs_at_least``: what dominates one does too)
         self.out_of_memory: list[ParallelConfig] = [p.config for p in points if p.measurement.status == "oom"]
         for p in points:
@@ -161,16 +186,18 @@ class MemoryModel:
             m = p.measurement
             need = measured_need(p.memory, m) if m.status in ("ok", "pruned") else None
             if m.status == "oom":
-                xs.append(memory_features(p.config, p.memory))
                 y, sd = censored_point(math.log(p.memory.capacity_bytes / p.memory.peak_bytes) - prior.mu, prior.sd)
-                ys.append(y)
-                noise.append(sd)
             elif need:
-                xs.append(memory_features(p.config, p.memory))
-                ys.append(math.log(need / p.memory.peak_bytes) - prior.mu)
-                noise.append(PEAK_NOISE_SD)
+                y, sd = math.log(need / p.memory.peak_bytes) - prior.mu, PEAK_NOISE_SD
+            else:
+                continue
+            xs.append(memory_features(p.config, p.memory))
+            ys.append(y)
+            noise.append(sd)
+            kept.append(p.config)
         self.n = len(ys)
         self._x = np.array(xs) if xs else np.zeros((0, 0))
+        self._d = degree_array(kept)
         self._y = np.array(ys, dtype=np.float64)
         self._noise2 = np.array(noise, dtype=np.float64) ** 2
         self.offset_sd, self.residual_sd = _prior_sds(prior)
@@ -181,11 +208,12 @@ class MemoryModel:
             )
         self._fit = self._factor(self.offset_sd, self.residual_sd) if self.n else None
 
-    def _k(self, xa: FloatArray, xb: FloatArray, b: float, s: float) -> FloatArray:
-        return np.asarray(b**2 + s**2 * gp.rbf(xa, xb, MEMORY_LENGTH_SCALE), dtype=np.float64)
+    def _k(self, xa: FloatArray, da: FloatArray, b: float, s: float) -> FloatArray:
+        """The covariance of points ``(xa, da)`` (memory and degree features) with the trials'."""
+        return np.asarray(b**2 + s**2 * near(xa, da, self._x, self._d, MEMORY_LENGTH_SCALE), dtype=np.float64)
 
     def _factor(self, b: float, s: float) -> gp.Factor:
-        return gp.factor(self._k(self._x, self._x, b, s) + np.diag(self._noise2), self._y)
+        return gp.factor(self._k(self._x, self._d, b, s) + np.diag(self._noise2), self._y)
 
     def error(
         self, configs: Sequence[ParallelConfig], memories: Sequence[MemoryEstimate]
@@ -197,7 +225,7 @@ class MemoryModel:
         if self._fit is None:
             return np.full(len(configs), self.prior.mu), np.full(len(configs), math.sqrt(prior + PEAK_NOISE_SD**2))
         x = np.array([memory_features(c, m) for c, m in zip(configs, memories, strict=True)])
-        ks = self._k(x, self._x, self.offset_sd, self.residual_sd)
+        ks = self._k(x, degree_array(configs), self.offset_sd, self.residual_sd)
         var = self._fit.variance(ks, prior)
         return self._fit.mean(ks) + self.prior.mu, np.sqrt(var + PEAK_NOISE_SD**2)
 
@@ -247,7 +275,7 @@ class RunsModel:
     def __init__(self, outcomes: Sequence[tuple[ParallelConfig, Measurement, int]] = ()) -> None:
         """``outcomes``: (candidate, its trial's last attempt, the attempts it took). A trial
         that failed after its retries failed that many times: each attempt counts."""
-        xs, ran, pps, weight = [], [], [], []
+        xs, ran, pps, weight, kept = [], [], [], [], []
         for config, m, attempts in outcomes:
             if m.status in ("failed", "timeout"):
                 if m.lost_nodes:
@@ -258,11 +286,13 @@ class RunsModel:
             else:
                 continue
             xs.append(layout_features(config))
+            kept.append(config)
             ran.append(outcome)
             pps.append(config.pp)
             weight.append(times)
         self.n_failed = int(sum(w for r, w in zip(ran, weight, strict=True) if r == 0.0))
         self._x = np.array(xs, dtype=np.float64) if xs else np.zeros((0, 0))
+        self._d = degree_array(kept)
         self._ran = np.array(ran, dtype=np.float64)
         self._pp = np.array(pps, dtype=np.int64)
         self._weight = np.array(weight, dtype=np.float64)
@@ -270,7 +300,8 @@ class RunsModel:
     def p_runs(self, configs: Sequence[ParallelConfig]) -> list[float]:
         if self.n_failed == 0 or not configs:
             return [RUNS_PRIOR] * len(configs)
-        w = gp.rbf(np.array([layout_features(c) for c in configs], dtype=np.float64), self._x, RUNS_LENGTH_SCALE)
+        x = np.array([layout_features(c) for c in configs], dtype=np.float64)
+        w = near(x, degree_array(configs), self._x, self._d, RUNS_LENGTH_SCALE)
         same_pp = np.equal.outer(np.array([c.pp for c in configs], dtype=np.int64), self._pp)
         w = np.maximum(w, RUNS_SAME_PP_WEIGHT * same_pp) * self._weight
         ran = w @ self._ran
@@ -279,6 +310,6 @@ class RunsModel:
 
 
 __all__ = [
-    "P_FIT_MIN", "P_RUNS_MIN", "RUNS_PRIOR", "MemoryModel", "MemoryPoint", "RunsModel", "layout_features",
-    "measured_need", "memory_features", "needs_at_least",
+    "P_FIT_MIN", "P_RUNS_MIN", "RUNS_PRIOR", "MemoryModel", "MemoryPoint", "RunsModel", "degree_array",
+    "degree_features", "layout_features", "measured_need", "memory_features", "near", "needs_at_least",
 ]

@@ -99,25 +99,33 @@ def solve_cholesky(chol: FloatArray, b: FloatArray) -> FloatArray:
 @dataclass(frozen=True)
 class KernelInputs:
     """What the step-time kernel reads of a set of candidates: their features, their regimes
-    (tp, pp, ZeRO stage, recompute), whether each is this job's, and each one's stack."""
+    (tp, pp, ZeRO stage, recompute; and cp, ep in a space that splits them), whether each is this
+    job's, each one's stack, and the features of the degrees that split sequences and experts
+    (``degrees``: log2 cp and log2 ep, ``pipette.feasibility.degree_features``; None: none)."""
 
     x: FloatArray
     regimes: IntArray
     own_job: list[bool]
     stacks: list[str]
+    degrees: FloatArray | None = None
 
 
 def step_time_kernel(a: KernelInputs, b: KernelInputs, s: float, ell: float, regime_sd: float) -> FloatArray:
     """The covariance of the log corrections of ``a`` and ``b``: ``PRIOR_OFFSET_SD^2 + (s^2 RBF(ell)
     + regime_sd^2 shared regimes) rho_job``, times the coregionalization of stacks where they differ
     (Bonilla, Chai & Williams 2008, eq. 2)."""
-    d2 = squared_distances(a.x, b.x)
+    near = rbf(a.x, b.x, ell)
+    if a.degrees is not None and b.degrees is not None:
+        # the RBF over the features and the degrees together, as the product of the two groups'
+        # (exp(-(d1 + d2) / 2l^2) = exp(-d1 / 2l^2) exp(-d2 / 2l^2)): where every degree is 1 the
+        # second factor is exactly 1, and a job without cp or ep keeps its kernel to the bit
+        near = near * rbf(a.degrees, b.degrees, ell)
     eq = a.regimes[:, None, :] == b.regimes[None, :, :]
     # the regimes two candidates share, main effects and pairs (``REGIME_INTERACTION``)
     shared = (eq.mean(-1) + REGIME_INTERACTION * pairs_shared(eq)) / (1.0 + REGIME_INTERACTION)
     same = np.equal.outer(np.array(a.own_job), np.array(b.own_job))
     rho = np.where(same, 1.0, CROSS_JOB_CORRELATION)
-    k = PRIOR_OFFSET_SD**2 + (s**2 * np.exp(-d2 / (2 * ell**2)) + regime_sd**2 * shared) * rho
+    k = PRIOR_OFFSET_SD**2 + (s**2 * near + regime_sd**2 * shared) * rho
     if len(set(a.stacks) | set(b.stacks)) > 1:
         k = k * np.where(np.equal.outer(np.array(a.stacks, dtype=object), np.array(b.stacks, dtype=object)), 1.0,
                          CROSS_STACK_CORRELATION)

@@ -7,15 +7,20 @@ mean and variance) with a kernel (``gp.step_time_kernel``; its priors and grids 
 - a constant term ``b^2``: one offset shared by every candidate (the analytic model's
   efficiency on this cluster is off by a common factor; one trial learns it);
 - an RBF term ``s^2 exp(-|x - x'|^2 / 2 l^2)`` over the candidate's features (its degrees,
-  micro-batch, ZeRO stage, recomputation, and the shares of its predicted breakdown), so a
-  trial corrects its neighbours more than distant candidates;
+  micro-batch, ZeRO stage, recomputation, and the shares of its predicted breakdown; log2 cp
+  and log2 ep, ``pipette.feasibility.degree_features``), so a trial corrects its neighbours
+  more than distant candidates: a cp = 2 trial its cp = 2 neighbours more than their cp = 1 twins;
 - a regime term ``a^2 (1/D) sum_d [x_d = x'_d]`` over the candidate's tp, pp, ZeRO stage and
   recompute mode (an additive kernel over categorical dimensions, after Duvenaud, Nickisch &
   Rasmussen 2011, "Additive Gaussian Processes"): the analytic model is often wrong by a
   factor per regime (the 80B runs were 2-7x slow at tp 8-32 and pp 2-8), so one trial at tp 8
   moves every tp-8 candidate, however far its other features are; and its term of order 2
   (``gp.REGIME_INTERACTION``), one factor per pair of regimes (a tp at one pp, a pp at one ZeRO
-  stage), so a slowness of tp 4 at pp 2 only is learned as that cell's;
+  stage), so a slowness of tp 4 at pp 2 only is learned as that cell's. In a space that splits
+  sequences or experts (a candidate or a trial with cp or ep above 1) cp and ep are regimes too
+  (``split_degrees``): the ring's and the all-to-all's terms are new to the analytic model and
+  may be off by a factor of their own; a space without them keeps the four regimes, and its
+  kernel to the bit;
 - observations from another job on the same cluster (``job_key`` differs) enter the RBF
   and regime terms scaled by ``gp.CROSS_JOB_CORRELATION``: they inform, but less than this job's own;
 - a plan over several stacks (``ParallelConfig.stack``): the stack is a task of a multi-task GP
@@ -65,7 +70,7 @@ import numpy as np
 from pipette import gp
 from pipette.config import ParallelConfig
 from pipette.estimates import TIME_PARTS, MemoryEstimate, PerfEstimate
-from pipette.feasibility import MemoryModel, MemoryPoint, RunsModel, layout_features
+from pipette.feasibility import MemoryModel, MemoryPoint, RunsModel, degree_array, layout_features
 from pipette.fits import CPU, FitsPrior
 from pipette.measurement import Measurement
 
@@ -135,15 +140,21 @@ class LearnedModel:
     """The analytic estimates corrected by a set of observations (see the module docstring)."""
 
     def __init__(self, observations: Sequence[Observation] = (), *, job_key: str = "",
-                 fits_prior: FitsPrior = CPU) -> None:
+                 fits_prior: FitsPrior = CPU, space: Sequence[ParallelConfig] = ()) -> None:
+        """``space``: the candidates it will predict (their cp and ep degrees make regimes,
+        ``split_degrees``; without it, the observations' alone)."""
         self.job_key = job_key
         self.observations = tuple(observations)
+        #: cp and ep where the space or a trial splits sequences or experts: regimes of the kernel
+        self.split = split_degrees([*(o.config for o in self.observations), *space])
         timed = [o for o in self.observations if _observed_time(o) is not None]
         self._keys = [o.job_key == job_key for o in timed]
         self._stacks = [o.config.stack or "" for o in timed]
         self._x = np.array([features(o.config, o.perf) for o in timed]) if timed else np.zeros((0, 0))
-        self._r = np.array([regimes(o.config) for o in timed], dtype=np.int64) if timed else np.zeros((0, 0), np.int64)
-        self._inputs = gp.KernelInputs(self._x, self._r, self._keys, self._stacks)
+        self._r = np.array([regimes(o.config, self.split) for o in timed], dtype=np.int64) if timed \
+            else np.zeros((0, 0), np.int64)
+        self._inputs = gp.KernelInputs(self._x, self._r, self._keys, self._stacks,
+                                       degree_array([o.config for o in timed]))
         self.trial_noise_sd, self.noise_dof = trial_noise(timed)
         self._noise = np.array([math.hypot(_step_noise_sd(o.measurement), self.trial_noise_sd) for o in timed])
         self._y = np.array([math.log(_observed_time(o) or 1.0) - math.log(o.perf.step_time) for o in timed])
@@ -213,8 +224,8 @@ class LearnedModel:
             prior_sd = math.sqrt(gp.step_time_prior_variance(self.residual_sd, self.regime_sd))
             return np.ones(1), np.zeros((1, n)), np.full((1, n), prior_sd)
         x = np.array([features(c, p) for c, p in zip(configs, perfs, strict=True)])
-        r = np.array([regimes(c) for c in configs], dtype=np.int64)
-        new = gp.KernelInputs(x, r, [True] * n, [c.stack or "" for c in configs])
+        r = np.array([regimes(c, self.split) for c in configs], dtype=np.int64)
+        new = gp.KernelInputs(x, r, [True] * n, [c.stack or "" for c in configs], degree_array(configs))
         weights, means, sds = [], [], []
         for w, (s, ell, a), fit in self._mixture:
             ks = gp.step_time_kernel(new, self._inputs, s, ell, a)
@@ -287,7 +298,9 @@ def outlier_distances(configs: Sequence[ParallelConfig], residuals: FloatArray) 
 
     Peers are the runs of its regime cell (same tp and pp, two at least); without those, the
     runs of its row and of its column (same tp at another pp, same pp at another tp, one at
-    least of each), when it is slower than both by more than ``OUTLIER_LOG``: the regime term is
+    least of each); every peer splits sequences and experts as it does (same cp and ep: a cp = 2
+    run slower than its cp = 1 mates is the ring's cost until another cp = 2 run says otherwise,
+    not an odd run), when it is slower than both by more than ``OUTLIER_LOG``: the regime term is
     additive over tp and pp (``gp.step_time_kernel``), so a run slower than its tp-mates and
     its pp-mates alike is one no regime factor explains, and taken at face value it moves every
     candidate of its tp by its whole residual. Replay, Ultra-Scale 8B on 1 node: the first
@@ -308,7 +321,7 @@ def outlier_distances(configs: Sequence[ParallelConfig], residuals: FloatArray) 
     out = [0.0] * len(configs)
     for i, c in enumerate(configs):
         others = [j for j in range(len(configs)) if j != i]
-        cell = [residuals[j] for j in others if (configs[j].tp, configs[j].pp) == (c.tp, c.pp)]
+        cell = [residuals[j] for j in others if _cell(configs[j]) == _cell(c)]
         if len(cell) >= 2:
             dist = float(residuals[i] - np.median(cell))
         elif _confirmed(configs, residuals, excess, i):
@@ -329,8 +342,9 @@ def _row_column_excess(
     """How far run ``i``'s residual lies above the median of its row (same tp, another pp) and of
     its column (same pp, another tp); None where it has no such mate."""
     c = configs[i]
-    row = [residuals[j] for j, o in enumerate(configs) if o.tp == c.tp and o.pp != c.pp]
-    column = [residuals[j] for j, o in enumerate(configs) if o.pp == c.pp and o.tp != c.tp]
+    mates = [(j, o) for j, o in enumerate(configs) if _splits(o) == _splits(c)]
+    row = [residuals[j] for j, o in mates if o.tp == c.tp and o.pp != c.pp]
+    column = [residuals[j] for j, o in mates if o.pp == c.pp and o.tp != c.tp]
     return (float(residuals[i] - np.median(row)) if row else None,
             float(residuals[i] - np.median(column)) if column else None)
 
@@ -342,7 +356,7 @@ def _confirmed(configs: Sequence[ParallelConfig], residuals: FloatArray,
     ``OUTLIER_LOG`` above its own column, or one of its pp at another tp above its own row."""
     c = configs[i]
     for j, o in enumerate(configs):
-        if j == i:
+        if j == i or _splits(o) != _splits(c):
             continue
         row, column = excess[j]
         if (o.tp, o.pp) == (c.tp, c.pp):
@@ -355,9 +369,32 @@ def _confirmed(configs: Sequence[ParallelConfig], residuals: FloatArray,
     return False
 
 
-def regimes(config: ParallelConfig) -> tuple[int, ...]:
-    """The categorical regimes of the regime term: tp, pp, ZeRO stage, recompute mode."""
-    return (config.tp, config.pp, config.zero_stage, _RECOMPUTE_CODE.get(config.recompute, len(_RECOMPUTE_CODE)))
+def _splits(config: ParallelConfig) -> tuple[int, int]:
+    """cp and ep: a run's peers (``outlier_distances``) split sequences and experts as it does."""
+    return config.cp, config.ep
+
+
+def _cell(config: ParallelConfig) -> tuple[int, int, int, int]:
+    return config.tp, config.pp, *_splits(config)
+
+
+def regimes(config: ParallelConfig, split: Sequence[str] = ()) -> tuple[int, ...]:
+    """The categorical regimes of the regime term: tp, pp, ZeRO stage, recompute mode, and the
+    degrees of ``split`` (``split_degrees``)."""
+    return (config.tp, config.pp, config.zero_stage, _RECOMPUTE_CODE.get(config.recompute, len(_RECOMPUTE_CODE)),
+            *(int(getattr(config, d)) for d in split))
+
+
+#: The degrees that split sequences (context parallelism) and experts (expert parallelism).
+SPLIT_DEGREES: tuple[str, ...] = ("cp", "ep")
+
+
+def split_degrees(configs: Sequence[ParallelConfig]) -> tuple[str, ...]:
+    """The ``SPLIT_DEGREES`` some of ``configs`` take above 1: regimes of the kernel in a space
+    that has them. Only there: a regime every candidate shares would still change the kernel
+    (the share of regimes two candidates have in common, ``gp.step_time_kernel``), and a job
+    without cp or ep keeps the four regimes it was tuned with."""
+    return tuple(d for d in SPLIT_DEGREES if any(getattr(c, d) != 1 for c in configs))
 
 
 _RECOMPUTE_CODE = {"none": 0, "selective": 1, "full": 2}

@@ -42,27 +42,36 @@ from pipette.learned import LearnedModel, Observation, Prediction, collapse
 from pipette.plan import Planned
 from pipette.trials import TrialRecord
 
-#: The parameters that name a candidate in the study.
-PARAMS: tuple[str, ...] = ("tp", "pp", "dp", "mbs", "zero_stage", "recompute", "schedule", "variant")
+#: The parameters that name a candidate in the study: cp and ep beside tp, pp and dp (1 for a
+#: candidate that splits no sequence and no expert; ep is carved out of dp x cp, so two candidates
+#: of one world can differ in ep alone), the expert tensor-parallel degree in ``variant``.
+PARAMS: tuple[str, ...] = ("tp", "pp", "dp", "cp", "ep", "mbs", "zero_stage", "recompute", "schedule", "variant")
+#: What a trial's parameters from before cp and ep were parameters mean by them.
+_DEFAULTS: dict[str, Any] = {"cp": 1, "ep": 1}
 #: The user attribute holding a trial's record (``pipette.tuner.TrialRecord.to_dict``).
 RECORD_ATTR = "record"
 
 
 def candidate_params(config: ParallelConfig) -> dict[str, Any]:
     sched = "1f1b" if config.schedule == "1f1b" else f"interleaved-{config.virtual_stages}"
-    # the stack of a plan over several, FSDP2's HSDP shard degree and CPU offload: "" for a
-    # DeepSpeed candidate of a one-stack plan
+    # the stack of a plan over several, FSDP2's HSDP shard degree, CPU offload and an expert
+    # tensor-parallel degree other than tp: "" for a DeepSpeed candidate of a one-stack plan
     variant = "/".join(part for part in (
         config.stack or "", "" if config.dp_shard is None else f"hsdp{config.dp_shard}",
-        "offload" if config.offload else "") if part)
+        "offload" if config.offload else "", "" if config.etp is None else f"etp{config.etp}") if part)
     return {
-        "tp": config.tp, "pp": config.pp, "dp": config.dp, "mbs": config.mbs,
+        "tp": config.tp, "pp": config.pp, "dp": config.dp, "cp": config.cp, "ep": config.ep, "mbs": config.mbs,
         "zero_stage": config.zero_stage, "recompute": config.recompute, "schedule": sched, "variant": variant,
     }
 
 
 def params_key(params: dict[str, Any]) -> tuple[Any, ...]:
-    return tuple(params[p] for p in PARAMS)
+    return tuple(params[p] if p in params else _DEFAULTS[p] for p in PARAMS)
+
+
+def names_candidate(params: dict[str, Any]) -> bool:
+    """Whether a trial's parameters name a candidate (all of ``PARAMS``; cp and ep may be left out)."""
+    return all(p in params or p in _DEFAULTS for p in PARAMS)
 
 
 def search_space(candidates: Sequence[Planned]) -> dict[str, BaseDistribution]:
@@ -96,7 +105,7 @@ def observations(
     out = []
     for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED)):
         record = study_record(t)
-        planned = by_key.get(params_key(t.params)) if set(PARAMS) <= t.params.keys() else None
+        planned = by_key.get(params_key(t.params)) if names_candidate(t.params) else None
         if record is None or planned is None:
             continue
         # the study keeps a trial's last attempt; the attempts before it failed (a retry
@@ -116,7 +125,7 @@ def tried_keys(study: Study) -> set[tuple[Any, ...]]:
     """Candidates already tried or running (never proposed twice)."""
     return {
         params_key(t.params) for t in study.get_trials(deepcopy=False)
-        if set(PARAMS) <= t.params.keys() and t.state != TrialState.WAITING
+        if names_candidate(t.params) and t.state != TrialState.WAITING
     }
 
 
@@ -249,7 +258,7 @@ class PerfModelSampler(BaseSampler):
 
     def learned(self, study: Study) -> LearnedModel:
         return LearnedModel([*self.prior, *observations(study, self.by_key, self.job_key)], job_key=self.job_key,
-                            fits_prior=self.fits_prior)
+                            fits_prior=self.fits_prior, space=[c.config for c in self.candidates])
 
     def ranking(self, study: Study) -> list[Scored]:
         """Untried candidates, best first, with the learned model of the study so far."""
