@@ -47,25 +47,30 @@ BASELINE = {"tiny-moe": "ep1-dp4", "tiny-moe-shared": "shared-ep1-dp4"}
 LOSS_TOL, NORM_RTOL = 1e-4, 1e-4
 
 
-def _trial(preset: str, fields: dict[str, Any], method: str) -> TrialSpec:
+def _trial(preset: str, fields: dict[str, Any], method: str, device_kind: str = "cpu") -> TrialSpec:
     lora = LoraSpec(rank=4, alpha=8, targets=("q_proj", "v_proj", "gate_proj", "down_proj"))
     training = TrainingSpec(global_batch=GLOBAL_BATCH, seq_len=SEQ, dtype="fp32", method=method,  # type: ignore[arg-type]
                             lora=lora if method == "lora" else None)
     config = ParallelConfig(**({"tp": 1, "pp": 1, "mbs": 1, "global_batch": GLOBAL_BATCH, "zero_stage": 3} | fields))
     return TrialSpec(ModelSpec.preset(preset), training, config, warmup_steps=1, min_steps=STEPS - 1,
-                     max_steps=STEPS - 1, device_kind="cpu", lr=1e-2)
+                     max_steps=STEPS - 1, device_kind=device_kind, lr=1e-2)
+
+
+def run_cases(device_kind: str, timeout_s: float) -> dict[str, Any]:
+    """Every case in one set of 4 rank processes (shared with ``tests/gpu/test_gpu_fsdp_moe.py``)."""
+    trials = {name: _trial(*case, device_kind=device_kind) for name, case in CASES.items()}
+    assert all(t.config.grad_accum >= 2 for t in trials.values())
+    out = fc.run_batch(trials, 4, device_kind, timeout_s)
+    print(f"\n4-rank MoE batch ({device_kind}): {len(trials)} cases in {out['wall_s']:.1f} s")
+    return out
 
 
 @pytest.fixture(scope="module")
 def batch() -> dict[str, Any]:
-    trials = {name: _trial(*case) for name, case in CASES.items()}
-    assert all(t.config.grad_accum >= 2 for t in trials.values())
-    out = fc.run_batch(trials, 4, "cpu", 240)
-    print(f"\n4-rank MoE batch: {len(trials)} cases in {out['wall_s']:.1f} s")
-    return out
+    return run_cases("cpu", 240)
 
 
-def _done(batch: dict[str, Any], name: str) -> dict[str, Any]:
+def done_of(batch: dict[str, Any], name: str) -> dict[str, Any]:
     done = batch["cases"][name]["done"]
     assert len(done) == 4, f"{name}: {len(done)} ranks reported; exit codes {batch['codes']}\n" + \
         "\n".join(batch["tails"])[-4000:]
@@ -74,10 +79,18 @@ def _done(batch: dict[str, Any], name: str) -> dict[str, Any]:
     return dict(done[0])
 
 
-@pytest.mark.parametrize("name", [n for n, (_, f, _) in CASES.items() if f.get("ep", 1) > 1])
+EP_CASES = [n for n, (_, f, _) in CASES.items() if f.get("ep", 1) > 1]
+
+
+@pytest.mark.parametrize("name", EP_CASES)
 def test_expert_parallel_trains_as_every_expert_on_every_rank(batch: dict[str, Any], name: str) -> None:
+    check_case(batch, name)
+
+
+def check_case(batch: dict[str, Any], name: str) -> dict[str, Any]:
+    """Case ``name`` trained as its model's ep=1 case did; its rank 0's ``done``."""
     preset, fields, _ = CASES[name]
-    run, ref = _done(batch, name), _done(batch, BASELINE[preset])
+    run, ref = done_of(batch, name), done_of(batch, BASELINE[preset])
     loss, norm = fc.deltas(run, ref)
     print(f"| {name} | {run['backend']} | {max(map(abs, loss)):.1e} | {max(norm):.1e} |")
     assert run["backend"].startswith("fsdp2-") and f"moe-ep{fields['ep']}" in run["backend"], run["backend"]
@@ -85,6 +98,7 @@ def test_expert_parallel_trains_as_every_expert_on_every_rank(batch: dict[str, A
     assert max(map(abs, loss)) <= LOSS_TOL, f"{name}: loss - ep=1's = {loss}"
     assert max(norm) <= NORM_RTOL, f"{name}: gradient norm off ep=1's by {norm} (relative)"
     assert run["losses"][-1] < run["losses"][0], f"{name}: it did not learn: {run['losses']}"
+    return run
 
 
 def test_the_trainable_parameters_are_the_whole_models_at_every_ep(batch: dict[str, Any]) -> None:
@@ -92,4 +106,5 @@ def test_the_trainable_parameters_are_the_whole_models_at_every_ep(batch: dict[s
     stage's under a pipeline, as for a dense model)."""
     for name, (preset, fields, _) in CASES.items():
         if fields.get("pp", 1) == 1:
-            assert _done(batch, name)["trainable_params"] == _done(batch, BASELINE[preset])["trainable_params"], name
+            ref = done_of(batch, BASELINE[preset])
+            assert done_of(batch, name)["trainable_params"] == ref["trainable_params"], name
