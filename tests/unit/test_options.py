@@ -30,7 +30,7 @@ CLI_INPUTS: dict[str, set[str]] = {
              "script_shares_flags", "workdir", "script"},
     "plan": {"help", "model", "cluster", "recipe", "global_batch", "seq_len", "dtype", "optimizer", "method",
              "lora_rank", "lora_alpha", "lora_targets", "recompute", "zero", "schedules", "micro_batches", "stack",
-             "out", "no_files", "json", "trace"},
+             "out", "no_files", "json", "trace", "explain"},
     "submit": {"help", "file", "set", "name", "watch", "json"},
 }
 #: The API bodies that carry options, and their fields that are inputs.
