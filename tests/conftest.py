@@ -1,30 +1,61 @@
-"""Suite-wide collection rule: the groups that may run at the same time.
+"""Which tests may run at the same time, and in what order the suite hands them out.
 
-``./dev test`` runs the suite on two pytest-xdist workers with ``--dist loadgroup``. Each test
-file is one group (its module and session fixtures, e.g. a local Ray or a served API, are built
-once in one worker, and its tests keep their order). The multi-host tests of ``tests/cluster`` are
-one group together: they share one shaped cluster whose network namespaces and Ray ports have
-fixed names, so two workers must never build it at once.
+``./dev test`` runs the suite on two pytest-xdist workers. Each test file is one unit of work
+(its module and session fixtures, e.g. a local Ray or a served API, are built once in one worker,
+and its tests keep their order). The multi-host tests of ``tests/cluster`` are one unit together:
+they share one shaped cluster whose network namespaces and Ray ports have fixed names, so two
+workers must never build it at once. The units go out slowest folder first (``FOLDER_ORDER``), so
+the last ones to finish are short unit-test files rather than a tune that started late.
+
+xdist's own ``--dist loadgroup`` does not group under pytest 9.2 (it renames ``item._nodeid``,
+which pytest no longer reads), so the grouping is a scheduler of this suite
+(``pytest_xdist_make_scheduler``): xdist's load-scope scheduling with this file's scope rule.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 _TESTS = Path(__file__).resolve().parent
 #: test folders whose files must all run in one worker (they share a machine-wide resource)
-SHARED_GROUPS = {"cluster": "shaped-cluster"}
+SHARED_UNITS = {"cluster": "tests/cluster"}
+#: folders, slowest first (a full run's time per folder on the 2-core VM: integration about 60%)
+FOLDER_ORDER = ("cluster", "integration", "e2e", "fsdp", "service", "unit", "deploy", "gpu")
 
 
-def group_of(path: Path) -> str:
-    """The xdist group of a test file: its folder's shared group, else the file itself."""
-    relative = path.resolve().relative_to(_TESTS)
-    return SHARED_GROUPS.get(relative.parts[0], relative.as_posix())
+def unit_of(nodeid: str) -> str:
+    """The unit of work of a test id (``tests/unit/test_x.py::test_y``): its folder's shared unit,
+    else its file."""
+    path = nodeid.split("::", 1)[0]
+    parts = path.split("/")
+    folder = parts[1] if len(parts) > 2 and parts[0] == "tests" else ""
+    return SHARED_UNITS.get(folder, path)
+
+
+def _order(item: pytest.Item) -> tuple[int, str]:
+    relative = item.path.resolve().relative_to(_TESTS)
+    folder = relative.parts[0] if len(relative.parts) > 1 else ""
+    rank = FOLDER_ORDER.index(folder) if folder in FOLDER_ORDER else len(FOLDER_ORDER)
+    return rank, relative.as_posix()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    for item in items:
-        if not any(m.name == "xdist_group" for m in item.iter_markers()):
-            item.add_marker(pytest.mark.xdist_group(group_of(item.path)))
+    # stable: the tests of a file keep their order; every worker collects the same order
+    items.sort(key=_order)
+
+
+if importlib.util.find_spec("xdist") is not None:
+
+    def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+        from xdist.scheduler import LoadScopeScheduling
+
+        class UnitScheduling(LoadScopeScheduling):  # type: ignore[misc]
+            def _split_scope(self, nodeid: str) -> str:
+                return unit_of(nodeid)
+
+        config.option.loadscopereorder = False  # the collection's order (slowest folders first)
+        return UnitScheduling(config, log)

@@ -240,6 +240,15 @@ def test_other_processes_on_the_gpus_are_named_beside_the_noise(monkeypatch: pyt
     sleep = [sys.executable, "-c", "import time; time.sleep(30)"]
     other = subprocess.Popen(sleep)
     rank = subprocess.Popen(sleep, env={**os.environ, "PIPETTE_RANK_TAG": "gpu-tag"})
+    # until the child has exec'd, /proc/PID/environ is the parent's (no tag): a loaded machine
+    # read it in that moment and called the job's own rank interference
+    import time
+    from pathlib import Path
+
+    deadline = time.monotonic() + 30
+    while b"PIPETTE_RANK_TAG=gpu-tag" not in Path(f"/proc/{rank.pid}/environ").read_bytes():
+        assert time.monotonic() < deadline, "the rank's environment never showed its tag"
+        time.sleep(0.01)
     Proc = namedtuple("Proc", "pid usedGpuMemory")
     fake = types.ModuleType("pynvml")
 
