@@ -43,7 +43,8 @@ def test_each_stack_has_its_own_cpu_terms_and_keeps_its_gpu_constants() -> None:
     assert PIPETTE.constants_for("gpu") is HF_DEEPSPEED_CONSTANTS
     # HF Trainer / Accelerate scripts run the same model code and engine as the runner
     assert HF_DEEPSPEED.constants_for("cpu") is PIPETTE_CPU_CONSTANTS
-    assert HF_DEEPSPEED.constants_for("gpu") is HF_DEEPSPEED_CONSTANTS
+    # ... with DeepSpeed's own sequence parallelism (Ulysses' all-to-all) for cp (issue 48)
+    assert HF_DEEPSPEED.constants_for("gpu") == replace(HF_DEEPSPEED_CONSTANTS, cp_comm="a2a")
     # the pipette CPU fit moves only the terms it fitted
     assert PIPETTE_CPU_CONSTANTS.curves == HF_DEEPSPEED_CONSTANTS.curves
     assert PIPETTE_CPU_CONSTANTS.ffn_passes == HF_DEEPSPEED_CONSTANTS.ffn_passes
