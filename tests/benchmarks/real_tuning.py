@@ -9,6 +9,8 @@ tokens, fp32, rank 8, alpha 16) on 4 CPU devices, local Ray, real DeepSpeed tria
     .venv/bin/python tests/benchmarks/real_tuning.py --wide           # the recipe's full space (228)
     .venv/bin/python tests/benchmarks/real_tuning.py --limit 6 --top 2 --repeats 1   # a smoke run
     .venv/bin/python tests/benchmarks/real_tuning.py --stack pipette,fsdp  # both families (99 candidates)
+    .venv/bin/python tests/benchmarks/real_tuning.py --stack fsdp --model M.json --seq-len 4096 --global-batch 2 \\
+        --method full --zero 0 --fsdp-full  # context parallelism offered (issue 48)
 
 ``--stack pipette,fsdp`` plans both stacks as ``pipette tune --stack pipette,fsdp`` does, each
 candidate trained by its stack's runner; the restriction is per stack (``RESTRICTED_ZERO``,
@@ -103,8 +105,9 @@ def recipe(args: argparse.Namespace) -> TrainingSpec:
             except ValueError:
                 raise SpecError(f"is {raw!r}", field="--" + name.replace("_", "-"),
                                 fix="give a comma-separated list, e.g. 1,2,4") from None
-    return TrainingSpec(global_batch=16, seq_len=128, dtype="fp32", method="lora", lora=LoraSpec(rank=8, alpha=16.0),
-                        **limits)
+    lora = {"lora": LoraSpec(rank=8, alpha=16.0)} if args.method == "lora" else {}
+    return TrainingSpec(global_batch=args.global_batch, seq_len=args.seq_len, dtype="fp32", method=args.method,
+                        **lora, **limits)
 
 
 def stack_names(args: argparse.Namespace) -> list[str]:
@@ -206,7 +209,8 @@ def run(args: argparse.Namespace, model: ModelSpec | None = None, training: Trai
     from workers.host.runner import RayTrialRunner
 
     started = time.monotonic()
-    model = model or ModelSpec.preset(args.model)
+    model = model or (ModelSpec.from_hf_config(args.model) if args.model.endswith(".json")
+                      else ModelSpec.preset(args.model))
     own_recipe = training is None  # a caller's recipe is taken as given (no per-stack restriction)
     training = training or recipe(args)
     ensure_ray()
@@ -383,7 +387,12 @@ def report(out: dict[str, Any]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    ap.add_argument("--model", default="tiny-llama")
+    ap.add_argument("--model", default="tiny-llama", help="a preset or a config.json (default tiny-llama)")
+    # the recipe: pipette tune's default (16 x 128 tokens, LoRA) unless given; a long --seq-len
+    # is where context parallelism is offered (docs/context-parallel.md)
+    ap.add_argument("--global-batch", type=int, default=16, help="sequences per step (default 16)")
+    ap.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (default 128)")
+    ap.add_argument("--method", choices=("lora", "full"), default="lora", help="fine-tuning method (default lora)")
     ap.add_argument("--stack", default="pipette",
                     help="the stack(s) to plan and tune, as `pipette tune --stack` (pipette,fsdp: both families)")
     ap.add_argument("--devices", type=int, default=4, help="CPU devices to probe (default 4)")
