@@ -70,3 +70,34 @@ def test_on_a_gpu_cluster_only_gpu_nodes_are_measured() -> None:
     assert kept == gpus and dropped == [head]
     cpus = [head, {**head, "name": "w1", "address": "10.0.0.9"}]
     assert training_nodes(cpus) == (cpus, [])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_probe_whose_rendezvous_port_was_taken_starts_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0 binds the rendezvous port a moment after its node picked it free; another process
+    took it in between once ("Address already in use", two test workers starting ranks at once)
+    and the probe failed. The probe starts again on a new port."""
+    from workers.host import probe
+    from workers.host.monitor import Watched
+    from workers.host.outcome import Outcome
+
+    real, calls = probe.run_ranks, []
+
+    def first_port_taken(*args: object, **kwargs: object) -> Watched:
+        calls.append(1)
+        if len(calls) == 1:
+            return Watched(Outcome("failed", "rank 0 exited with status 1\nOSError: [Errno 98] Address already "
+                                   "in use"), 0.1, "", ())
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(probe, "run_ranks", first_port_taken)
+    profile = probe_cluster(cpu_devices_per_node=2, model=ModelSpec.preset("tiny-llama"))
+    assert len(calls) == 2 and profile.world == 2
+
+    calls.clear()
+    monkeypatch.setattr(probe, "run_ranks", lambda *a, **k: calls.append(1) or Watched(
+        Outcome("failed", "OSError: [Errno 98] Address already in use"), 0.1, "", ()))
+    with pytest.raises(probe.PipetteError, match="the probe failed"):
+        probe_cluster(cpu_devices_per_node=2, model=ModelSpec.preset("tiny-llama"))
+    assert len(calls) == probe.PORT_RACE_ATTEMPTS  # and not for ever

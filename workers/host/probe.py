@@ -13,6 +13,7 @@ of devices (``extra["link_kind"]``: ``nvlink``, a PCIe path, ``network`` across 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import time
@@ -35,6 +36,8 @@ from workers.host.ray_cluster import alive_nodes, ensure_ray, node_gpus
 from workers.host.ray_transport import RayTransport
 from workers.host.transport import Launch, Transport
 from workers.probe_plan import SIZES, probe_shapes
+
+log = logging.getLogger("pipette.workers")
 
 
 def inventory(cpu_devices: int) -> dict[str, Any]:
@@ -148,6 +151,13 @@ def training_nodes(found: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], l
     return found, []
 
 
+#: The rendezvous port is picked free on rank 0's node and bound by rank 0 a moment later: another
+#: process on the node can take it in between (seen with two test workers starting ranks at once).
+#: The probe is one run with no retry around it, so it starts again on a new port.
+PORT_TAKEN = "Address already in use"
+PORT_RACE_ATTEMPTS = 3
+
+
 def _run_probe(
     found: list[dict[str, Any]], slots: list[tuple[int, dict[str, Any]]], options: dict[str, Any], timeout_s: float
 ) -> list[dict[str, Any]]:
@@ -159,13 +169,18 @@ def _run_probe(
                 f"NVML shows {len(node['devices'])} GPU(s) on {node['name']} ({node['address']}), Ray has {have}",
                 field="cluster", fix="start Ray on that node with its GPUs (ray start --num-gpus N)",
             )
-    transport = RayTransport([(n, int(d["local_index"])) for n, d in slots], [f["address"] for f in found],
-                             "gpu" if gpu else "cpu", zygote=False)
-    kind = ProbeRun(len(slots), options)
-    try:
-        watched = run_ranks(transport, kind, timeout_s)
-    finally:
-        transport.close()
+    for attempt in range(1, PORT_RACE_ATTEMPTS + 1):
+        transport = RayTransport([(n, int(d["local_index"])) for n, d in slots], [f["address"] for f in found],
+                                 "gpu" if gpu else "cpu", zygote=False)
+        kind = ProbeRun(len(slots), options)
+        try:
+            watched = run_ranks(transport, kind, timeout_s)
+        finally:
+            transport.close()
+        if not (watched.outcome.status != "ok" and PORT_TAKEN in watched.outcome.error):
+            break
+        log.info("the probe's rendezvous port was taken before rank 0 bound it (attempt %d of %d): again on "
+                 "a new port", attempt, PORT_RACE_ATTEMPTS)
     if watched.outcome.status == "timeout":
         raise PipetteError(f"the probe ran past {timeout_s:g} s", fix="raise the timeout or check the network")
     if watched.outcome.status != "ok" or kind.ranks is None:
