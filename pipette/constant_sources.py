@@ -83,7 +83,8 @@ SOURCES: tuple[Source, ...] = (
              "tests/benchmarks/moe_fit.py")
       for n in ("grouped_share", "a2a_overlap", "layer_host_s", "imbalance")),
     Source("pipette.perf_moe.DEFAULT_MOE.grouped_half_tokens", "all", FITTED,
-           "../shared/data/kernels/gemm.csv (SimuMax's B200 Transformer Engine grouped GEMMs)", 108,
+           "data/kernels/grouped_gemm.csv (SimuMax's B200 Transformer Engine grouped GEMMs; "
+           "tests/benchmarks/grouped_gemm_fit.py)", 108,
            "0.485 M / (M + 268) of the B200 bf16 peak"),
     Source("tests.benchmarks.calibration.TORCHTITAN_POWER_CAP_SHARE", "fsdp", FITTED, f"{_TT} tt00, tt07", 2),
     Source("pipette.stacks.FSDP_COMPILE_ELEMENTWISE_SHARE", "fsdp+compile", FITTED, f"{_TT} tt01, tt08", 2),

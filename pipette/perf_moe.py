@@ -15,7 +15,7 @@ Per MoE layer, forward, on one rank with ``T_r = s b / t`` tokens to route (sequ
   on the busiest rank. Each local expert gets ``M = T_r k ep / E`` tokens (the group's tokens
   ``T_r ep`` times ``k / E``), small matrices that do not reach the dense curve: the efficiency is
   the device's large-GEMM efficiency times ``grouped_share x M / (M + grouped_half_tokens)``, fitted
-  on the measured grouped GEMMs of ../shared/data/kernels/gemm.csv (SimuMax's Transformer Engine
+  on the measured grouped GEMMs of data/kernels/grouped_gemm.csv (SimuMax's Transformer Engine
   grouped GEMM on B200, 108 rows, forward and both backward GEMMs: 0.485 M / (M + 268) of the
   peak, where a large dense bf16 GEMM of that device runs at 0.488 in the same stack's fit,
   ``pipette.efficiency.B200_MAX_FRACTION``);
