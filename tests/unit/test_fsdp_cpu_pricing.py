@@ -131,7 +131,8 @@ def test_the_dedicated_trials_keep_the_tensor_parallel_terms() -> None:
 
 def _args(**over: object) -> argparse.Namespace:
     base: dict[str, object] = {"stack": "pipette,fsdp", "wide": False, "zero": None, "micro_batches": None,
-                               "recompute": None, "schedules": None, "fsdp_full": False}
+                               "recompute": None, "schedules": None, "fsdp_full": False, "global_batch": 16,
+                               "seq_len": 128, "method": "lora"}
     base.update(over)
     return argparse.Namespace(**base)
 
