@@ -351,7 +351,9 @@ def ground_truth_certainty(medians: dict[str, list[float]], picks: Sequence[str]
 def report(out: dict[str, Any]) -> None:
     ex = out["exhaustive"]
     picks = {r["pick"] for r in out["runs"]}
-    print(f"Real tuning: {out['model']} LoRA on {out['cluster']['devices']} CPU devices "
+    method = "LoRA" if out["training"].get("method", "lora") == "lora" else "full fine-tuning"
+    print(f"Real tuning: {out['model']} {method} at {out['training'].get('seq_len')} tokens on "
+          f"{out['cluster']['devices']} CPU devices "
           f"({'restricted' if out['restricted'] else 'full'} space"
           + (f", --limit {out['limit']}" if out["limit"] is not None else "") + ")")
     print(f"  candidates: {out['candidates']} runnable, {out['feasible']} ran ok "
