@@ -78,7 +78,7 @@ def _init_local(num_cpus: int | None) -> None:
     from workers.host import ray_reaper
 
     _REAPER = _REAPER or ray_reaper.start()  # ends this Ray if the driver dies unstopped (SIGKILL)
-    with _single_host_mode(), _quiet_token_notice(), _out_of_the_callers_group():
+    with _single_host_mode(), _quiet_start_notices(), _out_of_the_callers_group():
         ray.init(
             address="local",
             num_cpus=num_cpus or max(8, os.cpu_count() or 1),
@@ -151,7 +151,7 @@ class _DropNotice(logging.Filter):
 
 
 @contextlib.contextmanager
-def _quiet_token_notice() -> Iterator[None]:
+def _quiet_start_notices() -> Iterator[None]:
     """Drop Ray's start notices (``_START_NOTICES``) while the embedded Ray starts: printed at every
     tune, they were noise the user could not act on (issue 43 item 24). Ray's other messages pass,
     and the same loggers speak again after the start."""
