@@ -46,9 +46,9 @@ def sweep_orphans(root: str) -> list[str]:
 
 def _alive(pid: int) -> bool:
     try:
-        os.kill(pid, 0)
+        os.kill(pid, 0)  # PermissionError: another user's process, alive
     except ProcessLookupError:
         return False
-    except PermissionError:  # another user's process: alive
-        return True
+    except PermissionError:
+        pass
     return True
