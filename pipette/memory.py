@@ -15,6 +15,8 @@ flight, the last the LM head and the logits; the estimate reports the heaviest.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from pipette import memory_moe
 from pipette.config import ParallelConfig
 from pipette.errors import SpecError
@@ -96,9 +98,20 @@ def stage_breakdowns(
     # attention's KV exchange in flight (pipette.memory_cp)
     exchange = exchange_bytes(model, training, config, options.cp_comm)
     training, config = fold(training, config)
-    s, b, h = training.seq_len, config.mbs, model.hidden
-    t, p, n_d, d = config.tp, config.pp, config.dp, training.dtype_bytes
-    V, m, v = model.vocab, config.grad_accum, config.virtual_stages
+    layers = _stage_layers(model, config, options)
+    nbytes = _bytes_per_param(training, config, options)
+    moe = None if model.moe is None else memory_moe.stage_terms(model, training, config, layers, memory_moe.StateBytes(
+        training.dtype_bytes, nbytes.grad, nbytes.state, nbytes.master, options.shard_master_weights, options.fsdp2))
+    terms = _StageTerms(
+        model, training, config, options, _params_per_rank(model, training, config, options), nbytes,
+        _activations(model, training, config, options), moe, exchange, device_kind == "gpu",
+    )
+    return [_stage(terms, i, layers_i, host) for i, layers_i in enumerate(layers)]
+
+
+def _stage_layers(model: ModelSpec, config: ParallelConfig, options: MemoryOptions) -> tuple[int, ...]:
+    """Decoder layers per pipeline stage: the options' own split, or ``MemoryOptions.stage_balance``'s."""
+    p = config.pp
     layers = options.stage_layers or (compute_balanced_stage_layers(model, p) if options.stage_balance == "compute"
                                       else tuple(config.layers_per_stage(model.layers)))
     if len(layers) != p or sum(layers) != model.layers:
@@ -106,12 +119,29 @@ def stage_breakdowns(
             f"stage_layers {list(layers)} do not split {model.layers} layers over pp={p}",
             field="options.stage_layers", fix="give pp counts that add up to the layers",
         )
+    return layers
 
-    # ---- parameters per rank (Psi) ----------------------------------------------------
-    # Megatron tensor parallelism (Shoeybi et al. 2019, sec. 3): every linear layer is split
-    # over t; norms are replicated; embedding and LM head are vocab-parallel (V/t rows).
-    # Grouped-query attention with t > kv_heads replicates each k/v head on t / kv_heads
-    # ranks: k and v split over min(t, kv_heads) only.
+
+@dataclass(frozen=True)
+class _ParamsPerRank:
+    """Parameters (Psi) one rank holds of one decoder layer, of the embedding, of the head and of
+    one layer's adapters; and the bytes FP8 weights save on one layer."""
+
+    layer: float
+    embed: float
+    head: float
+    lora: float
+    fp8_saved: float
+
+
+def _params_per_rank(
+    model: ModelSpec, training: TrainingSpec, config: ParallelConfig, options: MemoryOptions
+) -> _ParamsPerRank:
+    """Megatron tensor parallelism (Shoeybi et al. 2019, sec. 3): every linear layer is split over t;
+    norms are replicated; embedding and LM head are vocab-parallel (V/t rows). Grouped-query attention
+    with t > kv_heads replicates each k/v head on t / kv_heads ranks: k and v split over min(t, kv_heads)
+    only."""
+    t, p, h, V, d = config.tp, config.pp, model.hidden, model.vocab, training.dtype_bytes
     t_kv = min(t, model.kv_heads)
     linear = sum(i * o for i, o in model.linear_shapes().values())
     kv_linear = memory_moe.kv_linear(model)
@@ -122,9 +152,28 @@ def stage_breakdowns(
     # A tied head on another stage than the embedding keeps its own copy (Megatron, nanotron
     # and DeepSpeed's TiedLayerSpec all-reduce the two copies' gradients).
     head_psi = final_norm + (0 if model.tied_embeddings and p == 1 else V * h / t)
-    lora_psi = _lora_params_per_layer(model, training, t)
+    # FP8 weights: each linear weight 1 byte instead of d (``MemoryOptions.fp8_weights``)
+    fp8_saved = ((linear - kv_linear) / t + kv_linear / t_kv) * (d - 1) if options.fp8_weights else 0.0
+    return _ParamsPerRank(layer_psi, embed_psi, head_psi, _lora_params_per_layer(model, training, t), fp8_saved)
 
-    # ---- bytes per parameter (Rajbhandari et al. 2020, sec. 3: 2 + 2 + K with K = 12) ----
+
+@dataclass(frozen=True)
+class _BytesPerParam:
+    """Bytes per parameter of gradients, optimizer moments and master weights, the ZeRO shards of
+    weights and gradients, and the optimizer's bytes per trainable parameter on one rank."""
+
+    grad: int
+    state: int
+    master: int
+    weight_shard: int
+    grad_shard: int
+    optimizer: float
+
+
+def _bytes_per_param(training: TrainingSpec, config: ParallelConfig, options: MemoryOptions) -> _BytesPerParam:
+    """Rajbhandari et al. 2020, sec. 3: 2 + 2 + K bytes per parameter with K = 12, sharded over N_d by
+    ZeRO stage (P_os, P_os+g, P_os+g+p)."""
+    d, n_d, z = training.dtype_bytes, config.dp, config.zero_stage
     mixed = training.mixed_precision
     bf16_optimizer = options.deepspeed_bf16_fp32_grads and training.dtype == "bf16" and config.zero_stage == 0
     bf16_grads = options.bf16_fp32_grads and training.dtype == "bf16"
@@ -132,110 +181,152 @@ def stage_breakdowns(
     # Adam: m and v in fp32; SGD: one momentum buffer. Mixed precision adds the fp32 master.
     state_bytes = (2 if training.optimizer in ("adam", "adamw") else 1) * FP32_BYTES
     master_bytes = FP32_BYTES if mixed else 0
-    z = config.zero_stage
     w_shard = n_d if z >= 3 else 1  # P_os+g+p
     g_shard = n_d if z >= 2 else 1  # P_os+g
     o_shard = n_d if z >= 1 else 1  # P_os
+    master_shard = o_shard if options.shard_master_weights else 1
+    opt_per_psi = state_bytes / o_shard + master_bytes / master_shard
+    return _BytesPerParam(grad_bytes, state_bytes, master_bytes, w_shard, g_shard, opt_per_psi)
 
-    # ---- activations of one layer for one micro-batch (Korthikanti sec. 4.1, eq. 1-2) ----
+
+@dataclass(frozen=True)
+class _Activations:
+    """Bytes of one rank's activations: kept per layer and micro-batch, rebuilt in the backward (one
+    layer at a time), and the last stage's: the head's inputs and the logits with the loss."""
+
+    per_layer: float
+    rebuilt: float
+    head: float
+    logits: float
+
+
+def _activations(
+    model: ModelSpec, training: TrainingSpec, config: ParallelConfig, options: MemoryOptions
+) -> _Activations:
+    """Korthikanti et al. 2022, sec. 4.1 (eq. 1-2) for one layer and one micro-batch, sec. 4.2-4.3 for
+    what recomputation keeps, sec. 4.4 for the last stage (final norm, logits and loss)."""
+    s, b, h, t, d = training.seq_len, config.mbs, model.hidden, config.tp, training.dtype_bytes
     act_split, act_kv, act_seq, act_scores = _layer_activations(model, s, b, d)
     if training.lora is not None and not options.frozen_inputs_saved:
         act_split, act_seq = _without_frozen_inputs(model, training, s, b, d, act_split, act_seq)
-    act_sharded = act_split / t + act_kv / t_kv
+    act_sharded = act_split / t + act_kv / min(t, model.kv_heads)
     act_seq_t = act_seq / t if options.sequence_parallel else act_seq
     # the two norm outputs a layer gathers whole under DTensor's sequence parallelism, beyond their
     # 1/t shard counted in act_seq_t (``MemoryOptions.tp_saves_gathered_inputs``)
     gathered = 0.0
     if options.tp_saves_gathered_inputs and options.sequence_parallel and t > 1:
         gathered = 2 * d * s * b * h * (1 - 1 / t)
+    layer = act_sharded + act_seq_t + gathered
+    per_layer, rebuilt = _kept_and_rebuilt(model, training, config, options, layer, act_scores / t)
+    head_act = 2 * d * s * b * h / (t if options.sequence_parallel else 1) + gathered / 2
+    copies = options.tp_loss_fp32_copies if t > 1 and options.tp_loss_fp32_copies is not None \
+        else options.loss_fp32_copies
+    logits = b * s * model.vocab / t * (2 * d if options.fused_loss else d + copies * FP32_BYTES)
+    return _Activations(per_layer, rebuilt, head_act, logits)
+
+
+def _kept_and_rebuilt(
+    model: ModelSpec, training: TrainingSpec, config: ParallelConfig, options: MemoryOptions,
+    layer: float, scores: float,
+) -> tuple[float, float]:
+    """(kept per layer and micro-batch, rebuilt in the backward) under the candidate's recomputation,
+    from one layer's activations without the scores (``layer``) and its scores (both per rank)."""
+    s, b, h, t, d = training.seq_len, config.mbs, model.hidden, config.tp, training.dtype_bytes
     if config.recompute == "full":
         # Only the layer input is kept (Korthikanti sec. 4.3: 2sbh per layer, /t with
         # sequence parallelism) ...
         per_layer = d * s * b * h / (t if options.sequence_parallel else 1)
         # ... and during the backward one layer's activations are rebuilt at a time.
-        rebuilt = act_sharded + act_seq_t + gathered + (0 if options.flash_attention else act_scores / t)
-    elif config.recompute == "selective" and options.op_sac and model.arch == "llama":
-        per_layer = _op_sac_saved(model, s, b, d, t, t_kv, options.sequence_parallel)
+        return per_layer, layer + (0 if options.flash_attention else scores)
+    if config.recompute == "selective" and options.op_sac and model.arch == "llama":
+        per_layer = _op_sac_saved(model, s, b, d, t, min(t, model.kv_heads), options.sequence_parallel)
         # ... and during the backward one layer's activations are rebuilt at a time
-        rebuilt = act_sharded + act_seq_t + gathered
+        return per_layer, layer
+    # Selective recomputation drops the a*s^2 score terms (Korthikanti sec. 4.2.1,
+    # eq. 7: sbh*34/t); flash attention never stores them.
+    keep_scores = config.recompute == "none" and not options.flash_attention
+    return layer + (scores if keep_scores else 0), 0.0
+
+
+@dataclass(frozen=True)
+class _StageTerms:
+    """What every pipeline stage of one candidate is worked out from (its recipe and layout folded
+    over cp: ``pipette.memory_cp.fold``)."""
+
+    model: ModelSpec
+    training: TrainingSpec
+    config: ParallelConfig
+    options: MemoryOptions
+    params: _ParamsPerRank
+    nbytes: _BytesPerParam
+    acts: _Activations
+    moe: list[dict[str, float]] | None
+    exchange: float
+    gpu: bool
+
+
+def _held_layers(config: ParallelConfig, i: int, layers_i: int) -> float:
+    """Layers' activations stage ``i`` holds at its peak. Micro-batches in flight: 1F1B stage i holds
+    min(p - i, m) (Narayanan et al. 2021, sec. 2.2); the interleaved schedule holds
+    (p - i - 1) * 2 + (v - 1) * p + 1 model chunks of L_i / v layers in its warm-up (Megatron-LM's
+    interleaved schedule, Narayanan et al. 2021, sec. 2.2), so its first stage holds more."""
+    p, m, v = config.pp, config.grad_accum, config.virtual_stages
+    if v == 1:
+        return min(p - i, m) * layers_i
+    return min((p - i - 1) * 2 + (v - 1) * p + 1, m * v) * layers_i / v
+
+
+def _stage(c: _StageTerms, i: int, layers_i: int, host: bool) -> dict[str, int]:
+    """One rank of pipeline stage ``i`` (``layers_i`` decoder layers) over ``MEMORY_PARTS``."""
+    config, options, P, nb, d = c.config, c.options, c.params, c.nbytes, c.training.dtype_bytes
+    p, m = config.pp, config.grad_accum
+    trainable_full = c.training.method == "full"
+    psi = layers_i * P.layer + (P.embed if i == 0 else 0) + (P.head if i == p - 1 else 0)
+    trainable = psi if trainable_full else layers_i * P.lora
+    frozen = 0 if trainable_full else psi
+    weights = ((frozen + trainable) * d - layers_i * P.fp8_saved) / nb.weight_shard
+    gradients = trainable * nb.grad / nb.grad_shard
+    optimizer = trainable * nb.optimizer
+    held_layers = _held_layers(config, i, layers_i)
+    activations = held_layers * c.acts.per_layer + (c.acts.rebuilt if layers_i else 0)
+    stage_logits = 0.0
+    if i == p - 1:
+        activations += c.acts.head
+        stage_logits = c.acts.logits
+    buffers = _buffers(config, trainable, P.layer, nb.grad, d, options)
+    offloaded = 0.0
+    if options.fsdp2:
+        root = (P.embed if i == 0 else 0) + (P.head if i == p - 1 else 0)
+        weights, gradients, optimizer, buffers, offloaded = _fsdp2_state(
+            config, c.training, layers_i, P.layer + P.lora, root, psi, trainable,
+            P.lora if not trainable_full else P.layer + P.lora, offload=config.offload and c.gpu,
+        )
+        if p == 1 and m == 1:
+            # One micro-batch and no pipeline: the peak is the loss's backward, before any layer's
+            # gradient is reduce-scattered (the previous step's were freed by zero_grad), so the
+            # sharded gradients count only where they outgrow the transient bytes freed by the time
+            # they are whole (a trace of the runner, workers.rank.fsdp_trace: Llama 3 8B dp 8, 0
+            # gradient bytes at the peak; docs/results.md, "Traced memory")
+            gradients = max(0.0, gradients - activations - stage_logits)
+    buffers += c.exchange if layers_i else 0.0
+    if c.moe is not None:  # the MLPs of a model with experts (pipette.memory_moe)
+        held = held_layers / layers_i if layers_i else 0.0
+        mlp = c.moe[i]
+        weights, gradients, optimizer = (weights + mlp["weights"], gradients + mlp["gradients"],
+                                         optimizer + mlp["optimizer"])
+        activations += mlp["one_layer"] if config.recompute == "full" else held * mlp["per_micro_batch"]
+        buffers += mlp["buffers"]
+    if c.gpu:
+        overhead = GPU_OVERHEAD_BYTES + (options.fragmentation - 1.0) * (activations + stage_logits)
     else:
-        # Selective recomputation drops the a*s^2 score terms (Korthikanti sec. 4.2.1,
-        # eq. 7: sbh*34/t); flash attention never stores them.
-        keep_scores = config.recompute == "none" and not options.flash_attention
-        per_layer = act_sharded + act_seq_t + gathered + (act_scores / t if keep_scores else 0)
-        rebuilt = 0.0
-
-    # ---- last stage: final norm, logits and loss (Korthikanti sec. 4.4) ----------------
-    head_act = 2 * d * s * b * h / (t if options.sequence_parallel else 1) + gathered / 2
-    copies = options.tp_loss_fp32_copies if t > 1 and options.tp_loss_fp32_copies is not None \
-        else options.loss_fp32_copies
-    logits = b * s * V / t * (2 * d if options.fused_loss else d + copies * FP32_BYTES)
-
-    trainable_full = training.method == "full"
-    # FP8 weights: each linear weight 1 byte instead of d (``MemoryOptions.fp8_weights``)
-    fp8_saved = ((linear - kv_linear) / t + kv_linear / t_kv) * (d - 1) if options.fp8_weights else 0.0
-    master_shard = o_shard if options.shard_master_weights else 1
-    opt_per_psi = state_bytes / o_shard + master_bytes / master_shard
-    gpu = device_kind == "gpu"
-    moe = None if model.moe is None else memory_moe.stage_terms(model, training, config, layers, memory_moe.StateBytes(
-        d, grad_bytes, state_bytes, master_bytes, options.shard_master_weights, options.fsdp2))
-    stages = []
-    for i, layers_i in enumerate(layers):
-        psi = layers_i * layer_psi + (embed_psi if i == 0 else 0) + (head_psi if i == p - 1 else 0)
-        trainable = psi if trainable_full else layers_i * lora_psi
-        frozen = 0 if trainable_full else psi
-        weights = ((frozen + trainable) * d - layers_i * fp8_saved) / w_shard
-        gradients = trainable * grad_bytes / g_shard
-        optimizer = trainable * opt_per_psi
-        # Micro-batches in flight: 1F1B stage i holds min(p - i, m) (Narayanan et al. 2021,
-        # sec. 2.2); the interleaved schedule holds (p - i - 1) * 2 + (v - 1) * p + 1 model
-        # chunks of L_i / v layers in its warm-up (Megatron-LM's interleaved schedule,
-        # Narayanan et al. 2021, sec. 2.2), so its first stage holds more.
-        held_layers: float
-        if v == 1:
-            held_layers = min(p - i, m) * layers_i
-        else:
-            held_layers = min((p - i - 1) * 2 + (v - 1) * p + 1, m * v) * layers_i / v
-        activations = held_layers * per_layer + (rebuilt if layers_i else 0)
-        stage_logits = 0.0
-        if i == p - 1:
-            activations += head_act
-            stage_logits = logits
-        buffers = _buffers(config, trainable, layer_psi, grad_bytes, d, options)
-        offloaded = 0.0
-        if options.fsdp2:
-            root = (embed_psi if i == 0 else 0) + (head_psi if i == p - 1 else 0)
-            weights, gradients, optimizer, buffers, offloaded = _fsdp2_state(
-                config, training, layers_i, layer_psi + lora_psi, root, psi, trainable,
-                lora_psi if not trainable_full else layer_psi + lora_psi, offload=config.offload and gpu,
-            )
-            if p == 1 and m == 1:
-                # One micro-batch and no pipeline: the peak is the loss's backward, before any layer's
-                # gradient is reduce-scattered (the previous step's were freed by zero_grad), so the
-                # sharded gradients count only where they outgrow the transient bytes freed by the time
-                # they are whole (a trace of the runner, workers.rank.fsdp_trace: Llama 3 8B dp 8, 0
-                # gradient bytes at the peak; docs/results.md, "Traced memory")
-                gradients = max(0.0, gradients - activations - stage_logits)
-        buffers += exchange if layers_i else 0.0
-        if moe is not None:  # the MLPs of a model with experts (pipette.memory_moe)
-            held = held_layers / layers_i if layers_i else 0.0
-            mlp = moe[i]
-            weights, gradients, optimizer = (weights + mlp["weights"], gradients + mlp["gradients"],
-                                             optimizer + mlp["optimizer"])
-            activations += mlp["one_layer"] if config.recompute == "full" else held * mlp["per_micro_batch"]
-            buffers += mlp["buffers"]
-        if gpu:
-            overhead = GPU_OVERHEAD_BYTES + (options.fragmentation - 1.0) * (activations + stage_logits)
-        else:
-            overhead = CPU_PROCESS_OVERHEAD_BYTES
-        # Same keys and order as MEMORY_PARTS (checked by the unit tests).
-        stages.append({
-            "weights": int(weights), "gradients": int(gradients), "optimizer": int(optimizer),
-            "activations": int(activations), "logits": int(stage_logits),
-            "buffers": int(buffers), "overhead": int(overhead),
-            **({HOST_KEY: int(offloaded)} if host else {}),
-        })
-    return stages
+        overhead = CPU_PROCESS_OVERHEAD_BYTES
+    # Same keys and order as MEMORY_PARTS (checked by the unit tests).
+    return {
+        "weights": int(weights), "gradients": int(gradients), "optimizer": int(optimizer),
+        "activations": int(activations), "logits": int(stage_logits),
+        "buffers": int(buffers), "overhead": int(overhead),
+        **({HOST_KEY: int(offloaded)} if host else {}),
+    }
 
 
 def compute_balanced_stage_layers(model: ModelSpec, pp: int) -> tuple[int, ...]:
