@@ -13,6 +13,7 @@ from typing import Any
 from pipette.errors import SpecError, UnknownPresetError
 
 GiB = 1024**3
+MiB = 1024**2
 GB = 1000**3
 TFLOPS = 1e12
 
@@ -169,6 +170,10 @@ def _gpu(name: str, mem: float, bf16: float | None, fp16: float, fp32: float, bw
 # B300: HGX B300 data sheet (8 GPUs): FP4 144 | 108 PFLOPS (sparse | dense), FP8/FP6 72, FP16/BF16 36,
 #   TF32 18 (sparse), FP32 600 TFLOPS, 2.3 TB HBM3e at 64 TB/s, NVLink 14.4 TB/s: per GPU dense FP4
 #   13,500, FP8 4,500, BF16 2,250, TF32 1,125, FP32 75 TFLOPS, 288 GB at 8 TB/s, NVLink 1.8 TB/s.
+# Memory of the Blackwell parts: what nvidia-smi reports as the device's total (the data sheets' "180 GB"
+# and "186 GB" are GiB-sized stacks less what the driver keeps): B200 183,359 MiB, GB200 189,471 MiB,
+# GB300 284,208 MiB, B300 SXM6 275,040 MiB (public nvidia-smi outputs of each part; the data sheets' GB
+# figures were 6.8% below the B200's and GB200's).
 DEVICE_PRESETS: dict[str, DeviceSpec] = {
     d.name.lower(): d
     for d in [
@@ -176,10 +181,10 @@ DEVICE_PRESETS: dict[str, DeviceSpec] = {
         _gpu("A100-80GB", 80 * GiB, 312, 312, 19.5, 2.039, tf32=156),
         _gpu("H100-80GB", 80 * GiB, 989, 989, 67, 3.35, fp8=1979, tf32=494.5),
         _gpu("H200-141GB", 141 * GB, 989, 989, 67, 4.8, fp8=1979, tf32=494.5),
-        _gpu("B200-180GB", 180 * GB, 2250, 2250, 75, 8.0, fp8=4500, tf32=1100, fp4=9000),
-        _gpu("B300-288GB", 288 * GB, 2250, 2250, 75, 8.0, fp8=4500, tf32=1125, fp4=13500),
-        _gpu("GB200-186GB", 186 * GB, 2500, 2500, 80, 8.0, fp8=5000, tf32=1250, fp4=10000),
-        _gpu("GB300-288GB", 288 * GB, 2500, 2500, 80, 8.0, fp8=5000, tf32=1250, fp4=15000),
+        _gpu("B200-180GB", 183359 * MiB, 2250, 2250, 75, 8.0, fp8=4500, tf32=1100, fp4=9000),
+        _gpu("B300-288GB", 275040 * MiB, 2250, 2250, 75, 8.0, fp8=4500, tf32=1125, fp4=13500),
+        _gpu("GB200-186GB", 189471 * MiB, 2500, 2500, 80, 8.0, fp8=5000, tf32=1250, fp4=10000),
+        _gpu("GB300-288GB", 284208 * MiB, 2500, 2500, 80, 8.0, fp8=5000, tf32=1250, fp4=15000),
         _gpu("GH200-96GB", 96 * GB, 989, 989, 67, 4.0, fp8=1979, tf32=494.5),
         _gpu("GH200-144GB", 144 * GB, 989, 989, 67, 4.9, fp8=1979, tf32=494.5),
         _gpu("V100-32GB", 32 * GiB, None, 125, 15.7, 0.9),

@@ -84,9 +84,12 @@ NANOTRON_GPU = FitsPrior("nanotron-gpu", mu=0.060, sd=0.180, source="ultrascale_
 #: Megatron-LM (SimuMax's B200 runs: peak reserved, max over ranks, against the megatron stack's
 #: estimate; 24 runs with memory, none out of memory; fitted by ``fits_boundary.py --fit``). One
 #: set of one framework's runs (Llama3 70B and 405B shapes, 8 B200s): until a second Megatron-LM
-#: set with memory is in, its sd is in-sample.
-MEGATRON_GPU = FitsPrior("megatron-gpu", mu=-0.002, sd=0.044,
-                         source="simumax_b200_megatron.csv, 24 runs (peak reserved, 2026-12-01)")
+#: set with memory is in, its sd is in-sample. Refitted (2026-12-04, issue 46) on the estimate with
+#: Megatron-Core's fused SwiGLU and the allocator's reserve as a share of the live bytes
+#: (``memory_options.MEGATRON_RESERVED_SHARE``) instead of nanotron's activation multiplier; checked on
+#: Megatron-Bridge's runs, which ran and give no memory figure (docs/results.md).
+MEGATRON_GPU = FitsPrior("megatron-gpu", mu=-0.003, sd=0.038,
+                         source="simumax_b200_megatron.csv, 24 runs (peak reserved, 2026-12-04)")
 #: PyTorch FSDP2 (torchtitan's H100 runs: peak reserved, max over ranks, against the estimate
 #: with the ``fsdp`` stack's options; 14 runs with memory, none out of memory), fitted by
 #: ``fits_boundary.py --fit`` on the estimate as it is now (per-op recomputation, FSDP2 under

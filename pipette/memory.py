@@ -112,8 +112,7 @@ def stage_breakdowns(
 def _stage_layers(model: ModelSpec, config: ParallelConfig, options: MemoryOptions) -> tuple[int, ...]:
     """Decoder layers per pipeline stage: the options' own split, or ``MemoryOptions.stage_balance``'s."""
     p = config.pp
-    layers = options.stage_layers or (compute_balanced_stage_layers(model, p) if options.stage_balance == "compute"
-                                      else tuple(config.layers_per_stage(model.layers)))
+    layers = options.stage_layers or _balanced_stage_layers(model, config, options.stage_balance)
     if len(layers) != p or sum(layers) != model.layers:
         raise SpecError(
             f"stage_layers {list(layers)} do not split {model.layers} layers over pp={p}",
@@ -209,6 +208,7 @@ def _activations(
     act_split, act_kv, act_seq, act_scores = _layer_activations(model, s, b, d)
     if training.lora is not None and not options.frozen_inputs_saved:
         act_split, act_seq = _without_frozen_inputs(model, training, s, b, d, act_split, act_seq)
+    act_split, act_seq = _te_layer(model, training, s, b, d, act_split, act_seq, options)
     act_sharded = act_split / t + act_kv / min(t, model.kv_heads)
     act_seq_t = act_seq / t if options.sequence_parallel else act_seq
     # the two norm outputs a layer gathers whole under DTensor's sequence parallelism, beyond their
@@ -318,6 +318,8 @@ def _stage(c: _StageTerms, i: int, layers_i: int, host: bool) -> dict[str, int]:
         buffers += mlp["buffers"]
     if c.gpu:
         overhead = GPU_OVERHEAD_BYTES + (options.fragmentation - 1.0) * (activations + stage_logits)
+        live = weights + gradients + optimizer + activations + stage_logits + buffers
+        overhead += options.reserved_share * live
     else:
         overhead = CPU_PROCESS_OVERHEAD_BYTES
     # Same keys and order as MEMORY_PARTS (checked by the unit tests).
@@ -327,6 +329,31 @@ def _stage(c: _StageTerms, i: int, layers_i: int, host: bool) -> dict[str, int]:
         "buffers": int(buffers), "overhead": int(overhead),
         **({HOST_KEY: int(offloaded)} if host else {}),
     }
+
+
+def _balanced_stage_layers(model: ModelSpec, config: ParallelConfig, balance: str) -> tuple[int, ...]:
+    """Layers per pipeline stage under ``MemoryOptions.stage_balance``."""
+    if balance == "compute":
+        return compute_balanced_stage_layers(model, config.pp)
+    if balance == "embedding_loss":
+        split = embedding_loss_stage_layers(model.layers, config.pp, config.virtual_stages)
+        if split is not None:
+            return split
+    return tuple(config.layers_per_stage(model.layers))
+
+
+def embedding_loss_stage_layers(layers: int, pp: int, virtual_stages: int = 1) -> tuple[int, ...] | None:
+    """Layers per pipeline stage as Megatron-Core splits them with ``account_for_embedding_in_pipeline_split``
+    and ``account_for_loss_in_pipeline_split`` (megatron/core/transformer/transformer_block.py,
+    ``get_num_layers_to_build``: the embedding and the loss each count as one layer, and layers + 2 split
+    evenly over pp x virtual stages; Megatron-Bridge's Llama 3.1 405B recipes set both: 126 + 2 over 8 x 4):
+    the first and the last stage hold one decoder layer fewer. None where the layers alone split evenly
+    (the flags are not needed) or layers + 2 do not either."""
+    chunks = pp * virtual_stages
+    if pp == 1 or layers % chunks == 0 or (layers + 2) % chunks:
+        return None
+    per_stage = (layers + 2) // pp
+    return tuple(per_stage - (1 if i in (0, pp - 1) else 0) for i in range(pp))
 
 
 def compute_balanced_stage_layers(model: ModelSpec, pp: int) -> tuple[int, ...]:
@@ -459,6 +486,27 @@ def _op_sac_saved(model: ModelSpec, s: int, b: int, d: int, t: int, t_kv: int, s
     seq_t = t if sequence_parallel else 1
     split = sb * (h + h + memory_moe.dense_ffn(model)) / t  # wq, SDPA output, w1
     return float(d * (split + sb * model.kv_dim / t_kv + 2 * sb * h / seq_t))
+
+
+def _te_layer(
+    model: ModelSpec, training: TrainingSpec, s: int, b: int, d: int, split: float, seq: float,
+    options: MemoryOptions,
+) -> tuple[float, float]:
+    """``_layer_activations``' split and sequence parts of a dense Llama layer as Megatron-Core with
+    Transformer Engine stores them: the fused SwiGLU keeps no SiLU output (``fused_swiglu``: minus
+    ``dsbf``); under a low-precision recipe (``linear_input_bytes`` q, full training) the two norm
+    outputs and the down projection's input are kept at q bytes instead of d, and the output
+    projection keeps a q-byte copy of the attention's output beside the bf16 one the attention keeps."""
+    if model.arch != "llama" or model.moe is not None or model.attention is not None:
+        return split, seq
+    sb, f, h = s * b, model.ffn_hidden, model.hidden
+    if options.fused_swiglu:
+        split -= d * sb * f
+    q = options.linear_input_bytes
+    if q is not None and training.lora is None:
+        seq -= 2 * (d - q) * sb * h
+        split += q * sb * h - (d - q) * sb * f
+    return split, seq
 
 
 def _without_frozen_inputs(

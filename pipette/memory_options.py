@@ -81,6 +81,18 @@ EVERY_GRADIENT = 10**15
 #: tests/benchmarks/memory_accuracy.py --fit on the Ultra-Scale rows of the (model, nodes) groups it
 #: fits on (the split of tests/benchmarks/pressure_fit.py), checked on the others (docs/stacks.md).
 NANOTRON_FRAGMENTATION = 1.31
+#: ``FRAGMENTATION`` for the megatron stack: fitted by least sd of log(peak reserved / estimate) on
+#: SimuMax's 24 Megatron-LM runs with both figures (simumax_b200_megatron.csv), at its bound 1.0 (sd 0.038;
+#: 0.040 at nanotron's 1.237, which it carried before): their reserved bytes stand 3-7% above the
+#: allocated ones whatever the activations' share of the peak (Spearman 0.10), a share of the whole
+#: (``MEGATRON_RESERVED_SHARE``), not a multiplier on the activations. At 1.237, Megatron-Bridge's 405B
+#: layouts on GB200 (132 GiB of activations in flight) would need 31 GiB more than their device has,
+#: and they ran.
+MEGATRON_FRAGMENTATION = 1.0
+#: ``MemoryOptions.reserved_share`` of the megatron stack: the geometric mean of SimuMax's peak reserved
+#: over the estimate's live bytes, less 1, on the same 24 runs (``tests/benchmarks/fits_boundary.py --fit``
+#: prints it; the live estimate's own error on their allocated bytes: +0.4% in log)
+MEGATRON_RESERVED_SHARE = 0.044
 #: One CPU worker process (device_kind "cpu"): the Python interpreter, PyTorch and the gloo
 #: process group resident in RAM before the model is built. A documented planning figure,
 #: not fitted (no CPU measurements in the calibration sets).
@@ -90,7 +102,7 @@ DEVICE_KINDS: tuple[str, ...] = ("gpu", "cpu")
 
 
 #: The ways ``MemoryOptions.stage_balance`` splits the layers over the pipeline stages.
-STAGE_BALANCES = ("uniform", "compute")
+STAGE_BALANCES = ("uniform", "compute", "embedding_loss")
 
 
 @dataclass(frozen=True)
@@ -169,10 +181,27 @@ class MemoryOptions:
     #: fragmentation and short-lived tensors (``FRAGMENTATION``, fitted on nanotron's figures); a
     #: stack whose sets measure reserved memory fits its own.
     fragmentation: float = FRAGMENTATION
+    #: The caching allocator's reserve beyond the live tensors as a share of them (reserved = live x
+    #: (1 + share)), where a stack's runs show a gap flat in the peak's make-up (``MEGATRON_RESERVED_SHARE``)
+    reserved_share: float = 0.0
     #: How the layers are split over the pipeline stages where ``stage_layers`` does not say:
-    #: "uniform" (DeepSpeed's and Megatron-LM's even split, heaviest first) or "compute"
-    #: (nanotron's: ``compute_balanced_stage_layers``).
+    #: "uniform" (DeepSpeed's and Megatron-LM's even split, heaviest first), "compute"
+    #: (nanotron's: ``compute_balanced_stage_layers``) or "embedding_loss" (Megatron-Core's
+    #: ``account_for_embedding_in_pipeline_split`` / ``account_for_loss_in_pipeline_split`` where the
+    #: layers alone do not split evenly: ``embedding_loss_stage_layers``).
     stage_balance: str = "uniform"
+    #: Megatron-Core's fused SwiGLU (``bias_activation_fusion``: ``bias_swiglu_impl``, on by default in
+    #: Megatron-LM, ``--no-bias-swiglu-fusion`` turns it off; megatron/core/fusions/fused_bias_swiglu.py
+    #: saves the fc1 output only and recomputes the SiLU in the backward): no SiLU output is stored
+    fused_swiglu: bool = False
+    #: Bytes per element of a linear layer's input kept for its weight gradient where the stack keeps
+    #: it quantized (None: the training dtype). Transformer Engine's FP8/MXFP8/NVFP4 linears save the
+    #: input as their quantizer cast it (transformer_engine/pytorch/module/linear.py and
+    #: layernorm_linear.py: ``inputmat`` / ``ln_out`` saved as the quantized tensor, column-wise usage
+    #: only, for the wgrad GEMM): the attention's and the MLP's norm outputs and the down projection's
+    #: input; the output projection's input is saved quantized beside the attention's own bf16 output.
+    #: Full training of a dense Llama only (a LoRA adapter reads the same input in bf16).
+    linear_input_bytes: float | None = None
     #: How context parallelism exchanges the keys and values (``pipette.memory_cp.CP_COMMS``): what
     #: a cp rank holds in flight during a layer's attention (``memory_cp.exchange_bytes``)
     cp_comm: str = "p2p"
@@ -185,9 +214,17 @@ class MemoryOptions:
 
 DEFAULT_OPTIONS = MemoryOptions()
 #: Megatron-LM's loss (vocab-parallel cross entropy), no DeepSpeed BF16_Optimizer, Transformer
-#: Engine's frozen linear inputs not kept, and its fp32 gradient buffer under bf16: the megatron stack.
+#: Engine's frozen linear inputs not kept, its fp32 gradient buffer under bf16, its fused SwiGLU, and
+#: the embedding and loss counted as pipeline layers where the layers alone do not split: the megatron stack.
 MEGATRON_OPTIONS = MemoryOptions(loss_fp32_copies=2, deepspeed_bf16_fp32_grads=False, frozen_inputs_saved=False,
-                                 bf16_fp32_grads=True)
+                                 bf16_fp32_grads=True, fused_swiglu=True, stage_balance="embedding_loss",
+                                 fragmentation=MEGATRON_FRAGMENTATION, reserved_share=MEGATRON_RESERVED_SHARE)
+#: Bytes per element of a linear input Transformer Engine saves under each low-precision recipe
+#: (``MemoryOptions.linear_input_bytes``): FP8 1; MXFP8 1 and one E8M0 scale per 32 elements; NVFP4
+#: 4 bits and one E4M3 scale per 16 elements (TE's ``MXFP8BlockScaling`` / ``NVFP4BlockScaling`` recipes)
+FP8_INPUT_BYTES = 1.0
+MXFP8_INPUT_BYTES = 1.0 + 1.0 / 32
+NVFP4_INPUT_BYTES = 0.5 + 1.0 / 16
 #: nanotron (Hugging Face's 3D-parallel trainer) as it holds a model, read from its source:
 #: the fp32 gradient buffer of every parameter kept unsharded, even under ZeRO-1
 #: (``accumulate_grad_in_fp32``: ``FP32GradientAccumulator`` builds "grad buffers for all model's

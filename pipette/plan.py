@@ -215,7 +215,8 @@ def make_plan(
     rejected: Counter[str] = Counter()
     for st in chosen_all:
         base = enumerate_space(model, training, cluster.world, sharded_pipeline=st.sharded_pipeline,
-                               uneven_virtual_stages=st.uneven_virtual_stages, stack=st.name)
+                               uneven_virtual_stages=st.uneven_virtual_stages, stack=st.name,
+                               embedding_loss_split=st.embedding_loss_split)
         refuse_stack(model, st.name)  # a stack that runs no model with experts, in one line
         base = Space([v for c in base.candidates for v in expert_variants(model, c, st.name)], base.rejected)
         runnable = _runnable(_stack_space(base, st, cluster), st, model, training, kind)

@@ -72,12 +72,14 @@ def cp_rules(model: ModelSpec, training: TrainingSpec, config: ParallelConfig, s
 
 
 def check(model: ModelSpec, training: TrainingSpec, config: ParallelConfig, world: int, *,
-          sharded_pipeline: bool = False, uneven_virtual_stages: bool = False, stack: str | None = None) -> list[str]:
+          sharded_pipeline: bool = False, uneven_virtual_stages: bool = False, stack: str | None = None,
+          embedding_loss_split: bool = False) -> list[str]:
     """The codes of every rule ``config`` breaks (empty when it is valid); ``sharded_pipeline``:
     the stack shards gradients and parameters under a pipeline (FSDP2 with
     ``torch.distributed.pipelining``), so ``zero_pipeline`` is not a rule; ``uneven_virtual_stages``:
     it splits the layers over an interleaved schedule's stages as evenly as they go, so
-    ``interleaved_layers`` is not one either; ``stack``: whose cp rules apply (``cp_rules``)."""
+    ``interleaved_layers`` is not one either, nor where ``embedding_loss_split`` and the layers plus the
+    embedding and the loss split evenly (Megatron-Core's); ``stack``: whose cp rules apply (``cp_rules``)."""
     broken = []
     if config.world != world:
         broken.append("world_mismatch")
@@ -93,7 +95,9 @@ def check(model: ModelSpec, training: TrainingSpec, config: ParallelConfig, worl
     if config.schedule == "interleaved":
         if config.pp == 1:
             broken.append("interleaved_pp")
-        if model.layers % (config.pp * config.virtual_stages) and not uneven_virtual_stages:
+        chunks = config.pp * config.virtual_stages
+        if model.layers % chunks and not uneven_virtual_stages \
+                and not (embedding_loss_split and (model.layers + 2) % chunks == 0):
             broken.append("interleaved_layers")
         # Megatron-LM's interleaved 1F1B runs micro-batches in groups of pp.
         if config.grad_accum % config.pp:
@@ -140,10 +144,11 @@ def micro_batch_sizes(training: TrainingSpec, dp: int) -> list[int]:
 
 
 def enumerate_space(model: ModelSpec, training: TrainingSpec, world: int, *, sharded_pipeline: bool = False,
-                    uneven_virtual_stages: bool = False, stack: str | None = None) -> Space:
+                    uneven_virtual_stages: bool = False, stack: str | None = None,
+                    embedding_loss_split: bool = False) -> Space:
     """All candidates for ``world`` devices; each rejection is counted by its first rule
-    (``sharded_pipeline``, ``uneven_virtual_stages``: as ``check``; ``stack``: the cp degrees it
-    runs, ``cp_degrees``).
+    (``sharded_pipeline``, ``uneven_virtual_stages``, ``embedding_loss_split``: as ``check``; ``stack``: the
+    cp degrees it runs, ``cp_degrees``).
 
     Degree tuples whose tp or pp break a model rule are counted once per tuple, not once
     per (mbs, zero, recompute, schedule) combination, so the counts stay readable.
@@ -179,7 +184,8 @@ def enumerate_space(model: ModelSpec, training: TrainingSpec, world: int, *, sha
                             recompute=recompute, schedule=schedule, virtual_stages=v, cp=cp,
                         )
                         broken = check(model, training, config, world, sharded_pipeline=sharded_pipeline,
-                                       uneven_virtual_stages=uneven_virtual_stages, stack=stack)
+                                       uneven_virtual_stages=uneven_virtual_stages, stack=stack,
+                                       embedding_loss_split=embedding_loss_split)
                         if broken:
                             space.rejected[broken[0]] += 1
                         else:

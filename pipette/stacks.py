@@ -31,10 +31,13 @@ from pipette.fits import CPU, FSDP_GPU, MEGATRON_GPU, NANOTRON_GPU, PIPETTE_GPU,
 from pipette.fsdp_rules import fsdp_problems
 from pipette.memory_options import (
     DEFAULT_OPTIONS,
+    FP8_INPUT_BYTES,
     FSDP_COMPILE_FRAGMENTATION,
     FSDP_OPTIONS,
     MEGATRON_OPTIONS,
+    MXFP8_INPUT_BYTES,
     NANOTRON_OPTIONS,
+    NVFP4_INPUT_BYTES,
     MemoryOptions,
 )
 from pipette.model import ModelSpec
@@ -159,6 +162,12 @@ class Stack:
     #: than FP8 GEMMs (None: the stack's own with ``fp8_gemms``)
     fp8_constants: PerfConstants | None = None
     fp8_memory_options: MemoryOptions | None = None
+    #: per recipe option (``mxfp8``, ``nvfp4``): the memory options under it (None: ``fp8_memory_options``)
+    recipe_memory_options: tuple[tuple[str, MemoryOptions], ...] = ()
+    #: an interleaved (or plain) pipeline whose stages the layers alone do not split evenly runs where the
+    #: layers plus the embedding and the loss do (Megatron-Core's ``account_for_embedding_in_pipeline_split``
+    #: and ``account_for_loss_in_pipeline_split``: ``pipette.memory.embedding_loss_stage_layers``)
+    embedding_loss_split: bool = False
     #: the constants on CPU workers where the stack's own CPU trials gave them (None: ``constants``
     #: on every device; ``constants_for``)
     cpu_constants: PerfConstants | None = None
@@ -354,7 +363,14 @@ MEGATRON = Stack(
     #: Llama-2-70B LoRA reference (NVTE_FUSED_ATTN=1, TP_COMM_OVERLAP=True, FP8=True sets fp8 and
     #: fp8_params; docs/stacks.md); its efficiency fitted on Megatron-Bridge's runs (above).
     fp8_constants=MEGATRON_FP8_CONSTANTS,
-    fp8_memory_options=replace(MEGATRON_OPTIONS, fp8_weights=True),
+    fp8_memory_options=replace(MEGATRON_OPTIONS, fp8_weights=True, linear_input_bytes=FP8_INPUT_BYTES),
+    #: the linear inputs saved in the recipe's format (``MemoryOptions.linear_input_bytes``); the weights
+    #: not in FP8: an MXFP8 weight keeps a row-wise and a column-wise copy, each with its scales (TE's
+    #: ``MXFP8Tensor``), and Megatron-Bridge's NVFP4 recipe keeps bf16 parameters (``bf16_with_nvfp4_mixed``:
+    #: ``fp8_param_gather = False``; megatron/bridge/training/mixed_precision.py)
+    recipe_memory_options=(("mxfp8", replace(MEGATRON_OPTIONS, linear_input_bytes=MXFP8_INPUT_BYTES)),
+                           ("nvfp4", replace(MEGATRON_OPTIONS, linear_input_bytes=NVFP4_INPUT_BYTES))),
+    embedding_loss_split=True,
     calibrated_on=(("a100", "vTrain"), ("h100", "Ultra-Scale's nanotron runs; Megatron-Bridge's FP8 runs"),
                    ("b200", "SimuMax; Megatron-Bridge's B200, GB200 and GB300 runs")),
 )
@@ -512,7 +528,7 @@ def get_stack(stack: str | Stack | None, *, field: str = "stack") -> Stack:
     constants, memory = found.constants, found.memory_options
     if recipes:
         constants = found.fp8_constants or replace(found.constants, fp8_gemms=True)
-        memory = found.fp8_memory_options or found.memory_options
+        memory = dict(found.recipe_memory_options).get(recipes[0], found.fp8_memory_options or found.memory_options)
         efficiency = dict(found.recipe_efficiencies).get(recipes[0])
         if efficiency is not None:
             constants = replace(constants, fp8_efficiency=efficiency,

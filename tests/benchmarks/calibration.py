@@ -88,6 +88,8 @@ class Row:
     #: the allocator's peak reserved bytes where the set measured them beside ``peak_memory``
     #: (SimuMax's ``meas_mem2_gib``: allocated first, reserved second)
     reserved_memory: float | None = None
+    #: memory options the run's own recipe set apart from its stack's (``as_run``), as (field, value)
+    recipe_memory: tuple[tuple[str, object], ...] = ()
 
     @property
     def measured_kind(self) -> str:
@@ -302,8 +304,10 @@ def fused_loss(r: dict[str, str]) -> bool | None:
 
 
 def as_run(row: Row, options: MemoryOptions) -> MemoryOptions:
-    """``options`` (the row's own stack's) with the loss as the run had it (``Row.fused_loss``)."""
-    return options if row.fused_loss is None else replace(options, fused_loss=row.fused_loss)
+    """``options`` (the row's own stack's) with the loss as the run had it (``Row.fused_loss``) and what
+    else its recipe set (``Row.recipe_memory``)."""
+    options = options if row.fused_loss is None else replace(options, fused_loss=row.fused_loss)
+    return replace(options, **dict(row.recipe_memory)) if row.recipe_memory else options  # type: ignore[arg-type]
 
 
 def row_memory_options(row: Row) -> MemoryOptions:
@@ -410,7 +414,7 @@ def _bridge_row(r: dict[str, str]) -> Row:
                             zero_stages=(1,), schedules=(schedule,), method="lora" if lora else "full",
                             lora=lora)
     config = ParallelConfig(tp=tp, pp=pp, dp=dp, mbs=mbs, global_batch=gb, zero_stage=1, recompute="none",
-                            schedule=schedule, virtual_stages=vp)
+                            schedule=schedule, virtual_stages=vp, cp=int(r["cp"]))
     if r["grad_accum"] and config.grad_accum != int(r["grad_accum"]):
         raise ValueError("grad_accum disagrees with global_batch / (dp x mbs)")
     recipe = BRIDGE_RECIPES[r["precision"]]
@@ -420,19 +424,19 @@ def _bridge_row(r: dict[str, str]) -> Row:
                model=model, training=training, config=config,
                cluster=_bridge_cluster(r["gpu"], int(r["nodes"]), int(r["gpus_per_node"])), ok=True,
                step_time=float(r["meas_step_s"]), tokens_per_s_per_gpu=float(r["tps_per_gpu"]), stack=stack,
-               row_id=r["row_id"])
+               row_id=r["row_id"], fused_loss=BRIDGE_FUSED_LOSS, recipe_memory=BRIDGE_LLAMA_RECIPE_MEMORY)
 
 
-def load_megatron_bridge(directory: Path) -> StackSet:
+def load_megatron_bridge(directory: Path, *, cp: bool = False) -> StackSet:
     """The dense rows of ``megatron_bridge_moe_dense.csv`` Pipette can express: MoE models (no shapes),
-    context parallelism, Megatron FSDP and partial recomputation are skipped and counted by reason; so
-    is a layout Pipette's rules refuse (its message)."""
+    context parallelism (unless ``cp``), Megatron FSDP and partial recomputation are skipped and counted
+    by reason; so is a layout Pipette's rules refuse (its message)."""
     out = StackSet("megatron_bridge", "megatron", [])
     with open(directory / "megatron_bridge_moe_dense.csv", newline="") as f:
         for r in csv.DictReader(f):
             if not r["layers"]:
                 out.skipped["MoE (no shape in the set)"] += 1
-            elif int(r["cp"]) > 1:
+            elif int(r["cp"]) > 1 and not cp:
                 out.skipped["context parallel (cp>1)"] += 1
             elif int(r["fsdp"]) > 0:
                 out.skipped["Megatron FSDP"] += 1

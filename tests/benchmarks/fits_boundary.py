@@ -45,7 +45,7 @@ from pipette.memory import NANOTRON_OPTIONS, estimate_memory
 from pipette.model import ModelSpec
 from pipette.stacks import get_stack
 from pipette.training import LoraSpec, TrainingSpec
-from tests.benchmarks.calibration import calibration_dir, load_h100_single_gpu, load_ultrascale
+from tests.benchmarks.calibration import Row, calibration_dir, load_h100_single_gpu, load_ultrascale
 
 RESULTS = Path(__file__).resolve().parent / "results"
 H100_BYTES = 81559 * 2**20
@@ -144,6 +144,114 @@ def stack_points(directory: Path, name: str) -> list[Point]:
         error = math.log(float(need) / est.peak_bytes) if need else math.nan
         out.append(Point(f"{r.model.name} {r.config.label} {r.stack}", math.log(capacity / est.peak_bytes), error))
     return out
+
+
+def megatron_reserved_share(directory: Path) -> float:
+    """``memory_options.MEGATRON_RESERVED_SHARE`` refitted: SimuMax's peak reserved over the megatron
+    estimate's live bytes, geometric mean over the runs with both figures, less 1."""
+    from tests.benchmarks.calibration import load_stack_set, row_memory_options
+
+    logs = []
+    for r in load_stack_set(directory, "simumax_b200_megatron.csv").rows:
+        if r.reserved_memory:
+            est = estimate_memory(r.model, r.training, r.config, r.cluster.min_usable_memory,
+                                  options=row_memory_options(r))
+            logs.append(math.log(r.reserved_memory / est.live_bytes))
+    return math.exp(sum(logs) / len(logs)) - 1.0
+
+
+def rule_breaks(row: Row) -> list[str]:
+    """The plan's rules ``row``'s layout breaks on its own stack (``pipette.space.check``): a run that ran
+    and is refused by a rule is dropped as surely as one below the keep threshold."""
+    from pipette.space import check
+
+    stack = get_stack(row.stack)
+    extra = {"embedding_loss_split": True} if getattr(stack, "embedding_loss_split", False) else {}
+    return [c for c in check(row.model, row.training, row.config, row.config.world,
+                             sharded_pipeline=stack.sharded_pipeline, uneven_virtual_stages=stack.uneven_virtual_stages,
+                             stack=stack.name, **extra) if c != "world_mismatch"]
+
+
+def row_points(rows: list[Row]) -> list[tuple[str, Point]]:
+    """(stack, point) of each row that ran, estimated with the row's stack and recipe
+    (``calibration.row_memory_options``); ``error`` is log(peak reserved / estimate) where the set
+    measured it (SimuMax's second figure, torchtitan's only one), else NaN."""
+    from tests.benchmarks.calibration import row_memory_options
+
+    out = []
+    for r in rows:
+        capacity = r.cluster.min_usable_memory
+        est = estimate_memory(r.model, r.training, r.config, capacity, options=row_memory_options(r))
+        need = r.needed_memory
+        error = math.log(float(need) / est.peak_bytes) if need else math.nan
+        label = f"{r.model.name} {r.config.label} {r.row_id}" + (" rule: " + ",".join(rule_breaks(r)) if rule_breaks(r)
+                                                                   else "")
+        out.append((r.stack, Point(label, math.log(capacity / est.peak_bytes), error)))
+    return out
+
+
+#: The sets the per-stack table covers: each a loader of its rows that ran (every one of these sets' rows ran)
+def _stack_sets(directory: Path) -> dict[str, list[Row]]:
+    from tests.benchmarks.calibration import load_megatron_bridge, load_stack_set
+    from tests.benchmarks.moe_rows import load_bridge_moe, load_simumax_moe
+
+    dense = load_megatron_bridge(directory, cp=True).rows
+    return {
+        "torchtitan (FSDP2, H100)": load_stack_set(directory, "torchtitan_h100_fsdp2.csv").rows,
+        "llm-foundry (FSDP, H100)": load_stack_set(directory, "llmfoundry_h100_fsdp.csv").rows,
+        "SimuMax (Megatron-LM, B200) dense": load_stack_set(directory, "simumax_b200_megatron.csv").rows,
+        "SimuMax (Megatron-LM, B200) MoE": load_simumax_moe(directory).rows,
+        "Megatron-Bridge dense": [r for r in dense if r.config.cp == 1],
+        "Megatron-Bridge dense, cp > 1": [r for r in dense if r.config.cp > 1],
+        "Megatron-Bridge MoE": load_bridge_moe(directory).rows,
+    }
+
+
+TABLE_HEADER = ("| set | stack (its prior) | ran | ran, dropped: < 2% to fit / a rule | out of memory | "
+                "OOM called >= 50% sure |\n|---|---|---|---|---|---|")
+
+
+def table_line(set_name: str, stack: str, prior: FitsPrior, ran: list[Point], failed: list[Point]) -> tuple[str, bool]:
+    """One line of the per-stack table, and whether it misses a target (> 2% of the runs that ran
+    dropped, or an out-of-memory run called >= 50% sure to fit)."""
+    def p(pt: Point) -> float:
+        return float(norm.cdf((pt.headroom - prior.mu) / prior.sd))
+
+    by_memory = [pt for pt in ran if p(pt) < KEEP_THRESHOLD]
+    by_rule = [pt for pt in ran if " rule: " in pt.label]
+    dropped = len({pt.label for pt in by_memory + by_rule})
+    called = sum(p(pt) >= 0.5 for pt in failed)
+    pct = 100 * dropped / max(1, len(ran))
+    oom = f"{len(failed)}" if failed else "-"
+    sure = f"{called} ({100 * called / len(failed):.1f}%)" if failed else "-"
+    return (f"| {set_name} | {stack} ({prior.name}) | {len(ran)} | {dropped} ({pct:.1f}%): {len(by_memory)} / "
+            f"{len(by_rule)} | {oom} | {sure} |", pct > 2.0 or called > 0)
+
+
+def stack_table(directory: Path, fixed: dict[str, tuple[str, FitsPrior, list[Point], list[Point]]],
+                verbose: bool = False) -> bool:
+    """Print the per-set, per-stack table (``fixed``: the sets of one stack with out-of-memory runs,
+    by name); True when a stack set misses a target (the sets in ``fixed`` are checked by ``main``)."""
+    print(TABLE_HEADER)
+    for name, (stack, prior, ran, failed) in fixed.items():
+        print(table_line(name, stack, prior, ran, failed)[0])
+    missed = False
+    for name, rows in _stack_sets(directory).items():
+        by_stack: dict[str, list[Point]] = {}
+        for stack, pt in row_points(rows):
+            by_stack.setdefault(stack, []).append(pt)
+        for stack in sorted(by_stack):
+            prior = get_stack(stack).gpu_fits_prior
+            line, miss = table_line(name, stack, prior, by_stack[stack], [])
+            print(line)
+            missed |= miss
+            if verbose:
+                for pt in by_stack[stack]:
+                    chance = float(norm.cdf((pt.headroom - prior.mu) / prior.sd))
+                    if chance < KEEP_THRESHOLD or " rule: " in pt.label:
+                        print(f"|   dropped: {pt.label}, predicted/capacity {math.exp(-pt.headroom):.2f}, "
+                              f"chance to fit {chance:.1%} | | | | | |")
+    return missed
 
 
 @dataclass(frozen=True)
@@ -269,6 +377,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fit", action="store_true", help="print each set's maximum-likelihood prior")
     ap.add_argument("--check", action="store_true", help="exit 1 when a target is missed")
     ap.add_argument("--quiet", action="store_true", help="no per-run lines")
+    ap.add_argument("--tables-only", action="store_true", help="stop after the per-stack table (no replays)")
     args = ap.parse_args(argv)
     directory = calibration_dir()
     h100 = h100_points(directory)
@@ -285,6 +394,8 @@ def main(argv: list[str] | None = None) -> int:
             mu, sd = fit(pts)
             print(f"fit {name}: mu {mu:+.3f} sd {sd:.3f} ({sum(p.ran for p in pts)} ran, "
                   f"{sum(not p.ran for p in pts)} OOM)")
+        share = megatron_reserved_share(directory)
+        print(f"megatron reserved share (SimuMax, geometric mean of peak reserved / live estimate - 1): {share:.4f}")
     missed = False
     for name, prior, pts, verbose in (("h100_single_gpu", PIPETTE_GPU, h100, not args.quiet),
                                       ("llama3-8b LoRA H100 (not fitted)", PIPETTE_GPU, b8, not args.quiet),
@@ -298,6 +409,16 @@ def main(argv: list[str] | None = None) -> int:
                              foundry), ("simumax B200 (megatron, fitted)", "megatron", simumax)):
         out = score(name, get_stack(stack).gpu_fits_prior, pts, [], False)
         missed |= out["dropped_pct"] > 2.0
+    print("\nper set and stack (every set's rows with its own stack's memory options and prior):")
+    stack_missed = stack_table(directory, {
+        "h100_single_gpu (Pipette's runner, fitted)": ("pipette", PIPETTE_GPU, [p for p in h100 if p.ran],
+                                                       [p for p in h100 if not p.ran]),
+        "Llama-3-8B LoRA, H100": ("pipette", PIPETTE_GPU, [p for p in b8 if p.ran], [p for p in b8 if not p.ran]),
+        "Llama-3-8B LoRA, H200": ("pipette", PIPETTE_GPU, [p for p in h200 if p.ran], [p for p in h200 if not p.ran]),
+        "Ultra-Scale (nanotron; failures nothing but memory explains)": ("nanotron", NANOTRON_GPU, nano_ran,
+                                                                         nano_failed)}, verbose=not args.quiet)
+    if args.tables_only:
+        return 1 if args.check and stack_missed else 0
     replays = [replay_job(job) for job in single_gpu_jobs(directory)]
     for r in replays:
         print(f"replay {r['job']}: pick {r['pick']} ({'the measured best' if r['pick_is_best'] else 'NOT the best: '}"

@@ -140,7 +140,8 @@ def metrics(rows: Sequence[Row], stack: Stack) -> dict[str, float]:
             reserved_err.append(abs(est.reserved_bytes / r.needed_memory - 1.0))
         invalid = [c for c in check(r.model, r.training, r.config, r.config.world,
                                     sharded_pipeline=stack.sharded_pipeline,
-                                    uneven_virtual_stages=stack.uneven_virtual_stages) if c != "world_mismatch"]
+                                    uneven_virtual_stages=stack.uneven_virtual_stages,
+                                    embedding_loss_split=stack.embedding_loss_split) if c != "world_mismatch"]
         chance = stack.fits_prior("gpu").chance_to_fit(est, capacity)
         by_stack += bool(stack.refusals(r.config))
         by_rule += bool(invalid)

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from pipette.device import GB, DeviceSpec, GiB
+from pipette.device import GB, DeviceSpec, GiB, MiB
 from pipette.efficiency import family
 
 
 @pytest.mark.parametrize(("name", "memory", "bf16", "bandwidth", "fam"), [
-    ("B200-180GB", 180 * GB, 2250e12, 8.0e12, "b200"),
+    ("B200-180GB", 183359 * MiB, 2250e12, 8.0e12, "b200"),  # nvidia-smi's total (issue 46)
     ("GH200-96GB", 96 * GB, 989e12, 4.0e12, "h100"),
     ("GH200-144GB", 144 * GB, 989e12, 4.9e12, "h100"),
     ("H200-141GB", 141 * GB, 989e12, 4.8e12, "h100"),

@@ -115,8 +115,10 @@ def test_an_moe_model_is_planned_with_its_experts() -> None:
 #: planned by the tree before issue 47's planner (commit babcff0): its candidate count and its ranking
 DENSE_BEFORE = {"pipette": (3180, 574, ("tp1-pp1-dp16-mbs2-z1-rc:none-1f1b", 3.196122),
                             ("tp1-pp1-dp16-mbs2-z0-rc:none-1f1b", 3.196415128)),
-                "megatron": (3180, 922, ("tp1-pp1-dp16-mbs2-z1-rc:none-1f1b", 2.973579175),
-                             ("tp1-pp1-dp16-mbs2-z0-rc:none-1f1b", 2.973872303))}
+                # issue 46: megatron's memory with its fused SwiGLU and the allocator's reserve as a share of
+                # the live bytes (was 922 feasible, mbs2 first)
+                "megatron": (3180, 958, ("tp1-pp1-dp16-mbs4-z1-rc:none-1f1b", 2.951332839),
+                             ("tp1-pp1-dp16-mbs4-z0-rc:none-1f1b", 2.951625967))}
 
 
 @pytest.mark.slow
