@@ -32,25 +32,24 @@ collective.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 
-from pipette import comm, flops, memory_moe, perf_moe
+from pipette import comm, flops, perf_moe
 from pipette.cluster import ClusterProfile
 from pipette.config import ParallelConfig
 from pipette.device import DeviceSpec
-from pipette.efficiency import EfficiencyCurve, default_curve, family, kernel_attention, kernel_curve
+from pipette.efficiency import EfficiencyCurve, default_curve, family, kernel_curve
 from pipette.errors import SpecError
 from pipette.estimates import TIME_PARTS, PerfEstimate
 from pipette.memory import estimate_memory
 from pipette.memory_cp import fold
 from pipette.model import ModelSpec
+from pipette.perf_compute import Kernels, compute_times, moe_times
 from pipette.perf_constants import (
     ADAM_BYTES_PER_PARAM,
     DEFAULT_CONSTANTS,
-    FP8_CAST_BYTES,
     FUSED_LOSS_BYTES_PER_LOGIT,
     HF_DEEPSPEED_CONSTANTS,
     MEGATRON_CONSTANTS,
@@ -65,18 +64,6 @@ from pipette.training import TrainingSpec
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
 
-
-
-@dataclass(frozen=True)
-class _Compute:
-    """Placement-independent per-stage times of one micro-batch (seconds)."""
-
-    forward: FloatArray  # (p,)
-    backward: FloatArray  # (p,), recomputation included
-    #: the linear layers' GEMM time of both passes (recomputation included): what TP overlap hides under
-    linear: FloatArray  # (p,)
-    #: one layer's attention (forward, backward): what a cp ring's transfers hide under (pipette.perf_cp)
-    attention: tuple[float, float] = (0.0, 0.0)
 
 
 class PerfModel:
@@ -101,15 +88,8 @@ class PerfModel:
         self.model, self.training, self.config, self.cluster = model, training, config, cluster
         self.layout = config.layout
         self.k = constants or DEFAULT_CONSTANTS
-        self.device = _slowest_device(cluster, training.dtype)
-        self.peak = self.device.peak(training.dtype)
-        #: the linear layers' peak: FP8 where the stack runs them so and the device has it
-        self.fp8 = self.k.fp8_gemms and self.k.low_precision_peak in self.device.peak_flops
-        self.linear_peak = self.device.peak_flops[self.k.low_precision_peak] if self.fp8 else self.peak
-        self.curve = _curve(self.k, self.device)
-        #: the GEMM sizes at which the curve is read: scaled to the duration of the bf16 GEMM it was
-        #: calibrated on (see ``_curve_scale``)
-        self.curve_scale = _curve_scale(self.device, training.dtype)
+        self.kernels = _kernels(self.k, cluster, training, config)
+        self.device, self.peak, self.curve = self.kernels.device, self.kernels.peak, self.kernels.curve
         self.layers = np.asarray(config.layers_per_stage(model.layers), dtype=np.float64)
         self.m = config.grad_accum
         self.v = config.virtual_stages if config.schedule == "interleaved" else 1
@@ -117,8 +97,8 @@ class PerfModel:
         b = training.dtype_bytes
         self.act_bytes = float(self.tokens * model.hidden * b)  # one activation tensor
         #: the MLPs of a model with experts (pipette.perf_moe); None for a dense model
-        self.moe = self._moe_times() if model.moe is not None else None
-        self.compute = self._compute_times()
+        self.moe = moe_times(self.kernels, model, training, config) if model.moe is not None else None
+        self.compute = compute_times(self.kernels, model, training, config, self.layers, self.kv_seq, self.moe)
         self.pressure_stall = self._pressure_stall()
         self.stage_params = _stage_params(model, training, config)  # (p,) per device
         self.grad_bytes = self.stage_params * b
@@ -140,128 +120,6 @@ class PerfModel:
         capacity = self.cluster.min_usable_memory
         est = estimate_memory(self.model, self.job_training, self.job_config, capacity, options=mp.options)
         return mp.stall(float(est.peak_bytes), float(capacity))
-
-    # ---- compute (Narayanan et al. 2021 sec. 5.1 FLOP counts) -------------------------
-    def _gemm_time(self, flops_per_gemm: float, count: float) -> float:
-        """Time of ``count`` GEMMs of ``flops_per_gemm`` each at the curve's efficiency."""
-        if count <= 0 or flops_per_gemm <= 0:
-            return 0.0
-        eff = float(self.curve(flops_per_gemm * self.curve_scale))
-        return count * flops_per_gemm / (self.peak * eff)
-
-    def _linear_time(self, flops_per_gemm: float, tokens: float, fan_in: int, fan_out: int) -> float:
-        """One linear layer's forward GEMM, in the training dtype or in FP8 (``fp8_gemms``). An FP8
-        GEMM runs at the FP8 peak times the bf16 curve at the same duration (the curve's size
-        scaled by bf16 / fp8 peak: a kernel fills the SMs in the same time), times
-        ``fp8_efficiency``; plus the dynamic-scaling casts of its input, weight and (in the
-        backward, counted here at 2x with the GEMMs) output gradient: an amax read (2 B) and a
-        scaled cast (2 B read, 1 B written) per element (torchao float8 / Transformer Engine
-        delayed or dynamic scaling), at the memory bandwidth."""
-        if not self.fp8:
-            return self._gemm_time(flops_per_gemm, 1)
-        if flops_per_gemm <= 0:
-            return 0.0
-        eff = float(self.curve(flops_per_gemm * self.curve_scale * self.peak / self.linear_peak)) \
-            * self.k.fp8_efficiency
-        gemm = flops_per_gemm / (self.linear_peak * eff)
-        if self.k.fp8_casts_fused:
-            return gemm
-        tp = self.config.tp
-        cast_elements = tokens * fan_in / (tp if self.k.sequence_parallel else 1) + fan_in * fan_out / tp
-        return gemm + FP8_CAST_BYTES * cast_elements / self.device.memory_bandwidth
-
-    def _adapter_time(self, tokens: float, rank: int, fan_in: int, fan_out: int) -> float:
-        """One LoRA adapter's forward (``x A`` then ``(x A) B``), or with ``thin_gemm_roofline`` the
-        roofline of it: its FLOPs at the curve's large-GEMM efficiency or its bytes (``x`` read, the
-        rank-wide product written and read, the output added to; weights negligible) at the memory
-        bandwidth, whichever is longer (Williams et al. 2009)."""
-        tp, work = self.config.tp, 2.0 * tokens * rank * (fan_in + fan_out) / self.config.tp
-        if not self.k.thin_gemm_roofline:
-            return self._gemm_time(work, 1)
-        b = self.training.dtype_bytes
-        nbytes = b * tokens * (fan_in / tp + 2.0 * rank + 2.0 * fan_out / tp)
-        return max(work / (self.peak * float(self.curve(1e15))), nbytes / self.device.memory_bandwidth)
-
-    def _compute_times(self) -> _Compute:
-        model, cfg, tr = self.model, self.config, self.training
-        t, tp, s = float(self.tokens), cfg.tp, self.kv_seq  # s: the keys a query attends over
-        lora = tr.lora if tr.is_lora else None
-        targets = set(lora.targets) if lora is not None else set()
-        # Linear layers: forward 2 T in out / tp FLOPs each; backward 2x (data and weight
-        # gradients), 1x for a frozen LoRA base, which needs no weight gradient.
-        lin_f = lin_b = 0.0
-        for name, (i, o) in model.linear_shapes().items():
-            g = self._linear_time(2.0 * t * i * o / tp, t, i, o)
-            lin_f += g
-            lin_b += g if lora is not None else 2.0 * g
-            if lora is not None and name in targets:
-                # Adapter B A x (Hu et al. 2021): two thin GEMMs, forward and 2x backward.
-                a = self._adapter_time(t, lora.rank, i, o)
-                lin_f += a
-                lin_b += 2.0 * a
-        # Attention core QK^T and softmax x V: 2 x 2 T s h / tp FLOPs, causal half skipped
-        # by fused kernels (FlashAttention; Dao et al. 2022).
-        attn_gemm = 2.0 * t * s * perf_moe.attention_width(model) / tp * 0.5
-        attention_efficiency = dict(self.k.attention_efficiencies).get(family(self.device), self.k.attention_efficiency)
-        measured = kernel_attention(self.device) if self.k.kernel_tables_first and self.k.flash_attention else None
-        if measured is not None:
-            # the fused kernel's measured rates, forward and backward (pipette.kernel_tables)
-            attn_f = 2.0 * attn_gemm / (self.peak * measured[0])
-        elif self.k.flash_attention and attention_efficiency > 0:
-            attn_f = 2.0 * attn_gemm / (self.peak * attention_efficiency)
-        else:
-            attn_f = self._gemm_time(attn_gemm, 2)
-        # FlashAttention-2's backward recomputes the scores: 5 matmuls against the forward's 2
-        # (Dao 2023, sec. 3.1); an unfused backward runs 4 (the gradients of both inputs).
-        attn_b = (2.5 if self.k.flash_attention else 2.0) * attn_f
-        if measured is not None:
-            attn_b = 2.5 * 2.0 * attn_gemm / (self.peak * measured[1])
-        # Memory-bound ops: activation passes and attention-score passes, at the device's
-        # memory bandwidth (roofline: bytes / bandwidth; Williams et al. 2009). A fused
-        # attention kernel never writes the scores.
-        b, bw = tr.dtype_bytes, self.device.memory_bandwidth
-        sp = tp if self.k.sequence_parallel else 1
-        passes = self.k.elementwise_passes * model.hidden / sp + self.k.ffn_passes * memory_moe.dense_ffn(model) / tp
-        elementwise = passes * t * b / bw
-        score_passes = 0.0 if self.k.flash_attention else self.k.score_passes
-        scores = score_passes * t * s * model.heads / tp * b / bw
-        over = self.k.layer_overhead_s
-        layer_f = lin_f + attn_f + elementwise + scores + over
-        layer_b = lin_b + attn_b + 2.0 * (elementwise + scores + over)
-        # Recomputation (Korthikanti et al. 2022, sec. 4): full re-runs the layer's forward
-        # in the backward; selective re-runs only the attention core.
-        if cfg.recompute == "full":
-            layer_b += layer_f
-        elif cfg.recompute == "selective" and self.k.op_sac_linear_share > 0:
-            # Per-op selective checkpointing (torchtitan's "op" mode): the attention kernel's
-            # output and a share of the matmuls' outputs are saved, everything else (the other
-            # matmuls, norms, activations) is recomputed in the backward.
-            layer_b += self.k.op_sac_linear_share * lin_f + elementwise + over
-        elif cfg.recompute == "selective":
-            layer_b += attn_f
-        forward = self.layers * layer_f
-        backward = self.layers * layer_b
-        linear = self.layers * (lin_f + lin_b + (lin_f if cfg.recompute == "full" else 0.0))
-        # LM head on the last stage: the logits GEMM 2 T h V / tp (2x backward) and the
-        # memory-bound fp32 loss over the T V / tp logits.
-        head = self._gemm_time(2.0 * t * model.hidden * model.vocab / tp, 1)
-        loss = t * model.vocab / tp * self.k.loss_bytes_per_logit / self.device.memory_bandwidth
-        forward[-1] += head + loss / 2.0
-        backward[-1] += (head if lora is not None else 2.0 * head) + loss / 2.0
-        if self.moe is not None:
-            forward, backward = forward + self.moe.forward, backward + self.moe.backward
-        return _Compute(forward=forward, backward=backward, linear=linear, attention=(attn_f, attn_b))
-
-    def _moe_times(self) -> perf_moe.MoeTimes:
-        """The MLPs of a model with experts, per stage and micro-batch (``pipette.perf_moe``): their
-        GEMMs at this stack's curve and dtype (FP8 where it runs the linear layers so)."""
-        large = float(self.curve(1e15 * self.curve_scale)) * (self.k.fp8_efficiency if self.fp8 else 1.0)
-        tokens = float(self.config.mbs * self.training.seq_len)
-        return perf_moe.moe_times(
-            self.model, self.training, self.config,
-            gemm=lambda f: self._linear_time(f, tokens, self.model.hidden, self.model.hidden),
-            grouped_peak=self.linear_peak, large=large, bandwidth=self.device.memory_bandwidth,
-            ffn_passes=self.k.ffn_passes, k=self.k.moe)
 
     def _optimizer_time(self) -> FloatArray:
         """Memory-bound update of the local shard (Rajbhandari et al. 2020, ZeRO >= 1)."""
@@ -289,90 +147,16 @@ class PerfModel:
         return arr
 
     def _parts(self, placement: Sequence[int] | npt.NDArray[np.integer] | None) -> dict[str, float]:
+        """The step's time parts under ``placement``: each kind of communication's exposed time per
+        micro-batch and stage, then the critical path over the pipeline replicas."""
         cfg, k = self.config, self.k
-        p, dp, tp, m, v = cfg.pp, cfg.dp, cfg.tp, self.m, self.v
-        devices, layout = self._placement(placement), self.layout
-        frac = k.link_fraction
-
-        # Tensor parallelism (Shoeybi et al. 2019, sec. 3): per layer 2 all-reduces of
-        # T h forward, 2 backward, 2 more when full recomputation re-runs the forward;
-        # plus the vocabulary-parallel embedding's and LM head's input all-reduce.
-        # A TP group spanning nodes crosses each node cut on one channel per member
-        # (comm.channel_links); within a node this is the clique's slowest link.
-        bw, lat = comm.channel_links(self.cluster, comm.device_groups(layout, devices, "tp"), k.cut_fraction)
-        per_ar = comm.allreduce_time(self.act_bytes, tp, bw * frac, lat).reshape(p, dp)
-        if tp > 1:
-            per_ar = per_ar + k.collective_overhead_s
-        n_ar = 4.0 + (2.0 if cfg.recompute == "full" else 0.0)
-        if cfg.recompute == "selective" and k.op_sac_linear_share > 0 and k.sequence_parallel:
-            # per-op checkpointing saves the reduce-scatters' outputs but recomputes the two
-            # sequence-parallel all-gathers (torchtitan's ``_save_list`` holds
-            # ``_c10d_functional.reduce_scatter_tensor``, not the all-gather): half an all-reduce each
-            n_ar += 1.0
-        n_layer_ar = self.layers * n_ar
-        n_layer_ar[0] += 2.0
-        n_layer_ar[-1] += 2.0
-        t_tp = per_ar * n_layer_ar[:, None]  # (p, dp)
-        if k.tp_overlap > 0:
-            t_tp = np.maximum(t_tp - k.tp_overlap * self.compute.linear[:, None], 0.0)
-
-        # Pipeline p2p: one activation forward and one gradient backward per boundary
-        # and micro-batch; v chunks per device cross v times, the last wrapping to stage 0.
-        t_pp = np.zeros((p, dp))
-        if p > 1:
-            pipes = comm.device_groups(layout, devices, "pp").reshape(dp, tp, p)
-            nxt = np.roll(pipes, -1, axis=2)
-            bw_n, lat_n = comm.pair_links(self.cluster, pipes, nxt)
-            p2p_bytes = self.act_bytes / tp if k.p2p_sequence_sharded else self.act_bytes
-            hop = comm.p2p_time(p2p_bytes, bw_n * frac, lat_n).max(axis=1).T  # (p, dp)
-            hop = hop + (k.collective_overhead_s if k.p2p_overhead_s is None else k.p2p_overhead_s)
-            if v == 1:
-                hop[-1] = 0.0  # no wrap-around for plain 1F1B
-            # Stage s sends forward over hop s and receives the backward gradient over it.
-            t_pp = v * (hop + np.roll(hop, 1, axis=0))
-
-        # Data parallelism: ring all-reduce of the gradients (ZeRO-1 reduce-scatter +
-        # all-gather moves the same bytes; Rajbhandari et al. 2020, sec. 7).
-        if k.dp_cut_fraction is None:
-            bw_d, lat_d = comm.ring_links(self.cluster, comm.device_groups(layout, devices, "dp"))
-        else:
-            bw_d, lat_d = comm.channel_links(self.cluster, comm.device_groups(layout, devices, "dp"),
-                                             k.dp_cut_fraction)
-        bw_d = (bw_d * frac).reshape(p, tp)
-        lat_d = lat_d.reshape(p, tp)
-        gb = self.grad_bytes[:, None]
-        t_z3 = np.zeros((p, dp))
-        t_dp_mb = np.zeros(p)
-        back = self.compute.backward
-        if cfg.zero_stage <= 1:
-            t_dp = comm.allreduce_time(gb, dp, bw_d, lat_d).max(axis=1)
-        else:
-            # ZeRO-2/3 reduce-scatter the gradients at every micro-batch's backward and
-            # all-gather the updated parameters once (stage 2) or at use (stage 3).
-            rs = comm.reduce_scatter_time(gb, dp, bw_d, lat_d).max(axis=1)
-            t_dp_mb = np.maximum(rs - k.dp_overlap * back, 0.0)
-            ag = comm.allgather_time(gb, dp, bw_d, lat_d).max(axis=1)
-            t_dp = ag if cfg.zero_stage == 2 else np.zeros(p)
-            gather = np.zeros(p)
-            n_g = 0.0
-            if cfg.zero_stage == 3:
-                # Parameter gathers before each forward and backward (and the recomputed
-                # forward), prefetched under compute (Rajbhandari et al. 2020, sec. 5.3), of
-                # every partitioned parameter: under LoRA the frozen base is sharded too and
-                # gathered at every use, though only the adapters' gradients are reduced.
-                wb = self.weight_bytes[:, None]
-                gather = comm.allgather_time(wb, dp, bw_d, lat_d).max(axis=1)
-                regather = cfg.recompute == "full" and k.recompute_regathers
-                n_g = 2.0 + (1.0 if regather else 0.0)
-                comp = self.compute.forward + back
-                t_z3 = np.maximum(n_g * gather - k.dp_overlap * comp, 0.0)[:, None] * np.ones(dp)
-            if k.shard_overlap is not None:
-                t_z3_p, t_dp_mb = _shard_exposed(gather, n_g, rs, self.compute.forward, back, k.shard_overlap)
-                t_z3 = t_z3_p[:, None] * np.ones(dp)
+        p, dp, m, v = cfg.pp, cfg.dp, self.m, self.v
+        devices = self._placement(placement)
+        t_dp, t_dp_mb, t_z3 = _dp_times(self, devices)
         t_ep = np.zeros((p, dp))
         if self.moe is not None:
             t_ep, t_dp = self._moe_comm(devices, t_dp)
-        t_dp_exposed = np.maximum(t_dp - k.dp_overlap * back, 0.0)
+        t_dp_exposed = np.maximum(t_dp - k.dp_overlap * self.compute.backward, 0.0)
         if k.unit_collective_s > 0 and dp > 1:
             per_mb, per_step = _unit_collectives(cfg.zero_stage, p)
             units = self.layers + 1.0  # each decoder layer and the stage's root unit
@@ -382,35 +166,13 @@ class PerfModel:
         # Critical path: per pipeline replica, then the slowest replica. A memory-pressure stall
         # (``MemoryPressure``) lengthens every stage's micro-batch, as compute on its stream does.
         comp = self.compute.forward + self.compute.backward + self.pressure_stall  # (p,)
-        comms = {"tp_comm": t_tp, "pp_comm": t_pp, "zero3_gather": t_z3, "ep_comm": t_ep,
-                 "dp_comm": np.repeat(t_dp_mb[:, None], dp, axis=1)}
+        comms = {"tp_comm": _tp_time(self, devices), "pp_comm": _pp_time(self, devices), "zero3_gather": t_z3,
+                 "ep_comm": t_ep, "dp_comm": np.repeat(t_dp_mb[:, None], dp, axis=1)}
         if self.job_config.cp > 1:
             cp_mb = stage_exposed(self.model, self.job_training, self.job_config, self.cluster, k,
                                   self.compute.attention, self.layers, devices)
             comms[CP_PART] = np.repeat(cp_mb[:, None], dp, axis=1)
-        stage = comp[:, None] + sum(comms.values())  # (p, dp)
-        beta = k.bubble_share
-        pipe = _pipeline(stage, m, v, beta)
-        d = int(np.argmax(pipe))
-        # Attribution: compute and its bubble are the pipeline without communication
-        # (placement-independent); what communication adds to the critical path is split
-        # over its kinds by their weight in the same formula.
-        ideal = float(_pipeline(comp[:, None], m, v, beta)[0])
-        exposed = float(pipe[d]) - ideal
-        weights = {key: float(_pipeline(c[:, d : d + 1], m, v, beta)[0]) for key, c in comms.items()}
-        total = sum(weights.values())
-        share = {key: (exposed * w / total if total > 0 else 0.0) for key, w in weights.items()}
-
-        # Tied embeddings split over stages: all-reduce of the embedding gradient between
-        # the first and last stage (Shoeybi et al. 2019, Megatron-LM's embedding group).
-        t_emb = 0.0
-        if p > 1 and self.model.tied_embeddings:
-            chains = comm.device_groups(layout, devices, "pp")  # (dp * tp, pp)
-            first, last = chains[:, 0], chains[:, -1]
-            bw_e, lat_e = comm.pair_links(self.cluster, first, last)
-            nbytes = self.model.vocab * self.model.hidden / tp * self.training.dtype_bytes
-            t_emb = float(comm.allreduce_time(nbytes, 2, bw_e * frac, lat_e).max())
-
+        ideal, share = _critical_path(comp, comms, m, v, k.bubble_share)
         return {
             "compute": m * float(comp.max()),
             "tp_comm": share["tp_comm"],
@@ -419,7 +181,7 @@ class PerfModel:
             "zero3_gather": share["zero3_gather"],
             "bubble": ideal - m * float(comp.max()),
             "optimizer": float(self.opt_time.max()),
-            "embedding_sync": t_emb,
+            "embedding_sync": _embedding_sync(self, devices),
             **({CP_PART: share[CP_PART]} if CP_PART in share else {}),
             **({"ep_comm": share["ep_comm"]} if self.moe is not None else {}),
         }
@@ -473,6 +235,123 @@ def estimate_perf(
     if stack is not None:
         constants = get_stack(stack).constants_for(cluster.device_spec.kind)
     return PerfModel(model, training, config, cluster, constants=constants).estimate()
+
+
+# ---- communication under a placement: each kind's exposed time per micro-batch, (p, dp) -----------
+def _tp_time(pm: PerfModel, devices: IntArray) -> FloatArray:
+    """Tensor parallelism (Shoeybi et al. 2019, sec. 3): per layer 2 all-reduces of T h forward, 2
+    backward, 2 more when full recomputation re-runs the forward; plus the vocabulary-parallel
+    embedding's and LM head's input all-reduce. A TP group spanning nodes crosses each node cut on
+    one channel per member (comm.channel_links); within a node this is the clique's slowest link."""
+    cfg, k = pm.config, pm.k
+    p, dp, tp = cfg.pp, cfg.dp, cfg.tp
+    bw, lat = comm.channel_links(pm.cluster, comm.device_groups(pm.layout, devices, "tp"), k.cut_fraction)
+    per_ar = comm.allreduce_time(pm.act_bytes, tp, bw * k.link_fraction, lat).reshape(p, dp)
+    if tp > 1:
+        per_ar = per_ar + k.collective_overhead_s
+    n_ar = 4.0 + (2.0 if cfg.recompute == "full" else 0.0)
+    if cfg.recompute == "selective" and k.op_sac_linear_share > 0 and k.sequence_parallel:
+        # per-op checkpointing saves the reduce-scatters' outputs but recomputes the two
+        # sequence-parallel all-gathers (torchtitan's ``_save_list`` holds
+        # ``_c10d_functional.reduce_scatter_tensor``, not the all-gather): half an all-reduce each
+        n_ar += 1.0
+    n_layer_ar = pm.layers * n_ar
+    n_layer_ar[0] += 2.0
+    n_layer_ar[-1] += 2.0
+    t_tp = per_ar * n_layer_ar[:, None]  # (p, dp)
+    if k.tp_overlap > 0:
+        t_tp = np.maximum(t_tp - k.tp_overlap * pm.compute.linear[:, None], 0.0)
+    return np.asarray(t_tp, dtype=np.float64)
+
+
+def _pp_time(pm: PerfModel, devices: IntArray) -> FloatArray:
+    """Pipeline p2p: one activation forward and one gradient backward per boundary and micro-batch;
+    v chunks per device cross v times, the last wrapping to stage 0 (Narayanan et al. 2021, sec. 2.2)."""
+    cfg, k = pm.config, pm.k
+    p, dp, tp, v = cfg.pp, cfg.dp, cfg.tp, pm.v
+    if p == 1:
+        return np.zeros((p, dp))
+    pipes = comm.device_groups(pm.layout, devices, "pp").reshape(dp, tp, p)
+    nxt = np.roll(pipes, -1, axis=2)
+    bw_n, lat_n = comm.pair_links(pm.cluster, pipes, nxt)
+    p2p_bytes = pm.act_bytes / tp if k.p2p_sequence_sharded else pm.act_bytes
+    hop = comm.p2p_time(p2p_bytes, bw_n * k.link_fraction, lat_n).max(axis=1).T  # (p, dp)
+    hop = hop + (k.collective_overhead_s if k.p2p_overhead_s is None else k.p2p_overhead_s)
+    if v == 1:
+        hop[-1] = 0.0  # no wrap-around for plain 1F1B
+    # Stage s sends forward over hop s and receives the backward gradient over it.
+    return np.asarray(v * (hop + np.roll(hop, 1, axis=0)), dtype=np.float64)
+
+
+def _dp_times(pm: PerfModel, devices: IntArray) -> tuple[FloatArray, FloatArray, FloatArray]:
+    """Data parallelism: (once a step per stage, per micro-batch per stage, ZeRO-3's gathers per
+    micro-batch (p, dp)). A ring all-reduce of the gradients (ZeRO-1 reduce-scatter + all-gather moves
+    the same bytes; Rajbhandari et al. 2020, sec. 7); ZeRO-2/3 reduce-scatter the gradients at every
+    micro-batch's backward and all-gather the updated parameters once (stage 2) or at use (stage 3)."""
+    cfg, k = pm.config, pm.k
+    p, dp, tp = cfg.pp, cfg.dp, cfg.tp
+    if k.dp_cut_fraction is None:
+        bw_d, lat_d = comm.ring_links(pm.cluster, comm.device_groups(pm.layout, devices, "dp"))
+    else:
+        bw_d, lat_d = comm.channel_links(pm.cluster, comm.device_groups(pm.layout, devices, "dp"),
+                                         k.dp_cut_fraction)
+    bw_d = (bw_d * k.link_fraction).reshape(p, tp)
+    lat_d = lat_d.reshape(p, tp)
+    gb = pm.grad_bytes[:, None]
+    t_z3 = np.zeros((p, dp))
+    back = pm.compute.backward
+    if cfg.zero_stage <= 1:
+        return comm.allreduce_time(gb, dp, bw_d, lat_d).max(axis=1), np.zeros(p), t_z3
+    rs = comm.reduce_scatter_time(gb, dp, bw_d, lat_d).max(axis=1)
+    t_dp_mb = np.maximum(rs - k.dp_overlap * back, 0.0)
+    ag = comm.allgather_time(gb, dp, bw_d, lat_d).max(axis=1)
+    t_dp = ag if cfg.zero_stage == 2 else np.zeros(p)
+    gather = np.zeros(p)
+    n_g = 0.0
+    if cfg.zero_stage == 3:
+        # Parameter gathers before each forward and backward (and the recomputed
+        # forward), prefetched under compute (Rajbhandari et al. 2020, sec. 5.3), of
+        # every partitioned parameter: under LoRA the frozen base is sharded too and
+        # gathered at every use, though only the adapters' gradients are reduced.
+        wb = pm.weight_bytes[:, None]
+        gather = comm.allgather_time(wb, dp, bw_d, lat_d).max(axis=1)
+        regather = cfg.recompute == "full" and k.recompute_regathers
+        n_g = 2.0 + (1.0 if regather else 0.0)
+        comp = pm.compute.forward + back
+        t_z3 = np.maximum(n_g * gather - k.dp_overlap * comp, 0.0)[:, None] * np.ones(dp)
+    if k.shard_overlap is not None:
+        t_z3_p, t_dp_mb = _shard_exposed(gather, n_g, rs, pm.compute.forward, back, k.shard_overlap)
+        t_z3 = t_z3_p[:, None] * np.ones(dp)
+    return t_dp, t_dp_mb, t_z3
+
+
+def _critical_path(
+    comp: FloatArray, comms: dict[str, FloatArray], m: int, v: int, beta: float
+) -> tuple[float, dict[str, float]]:
+    """(the pipeline's time without communication, what each kind of communication adds to the
+    slowest replica's critical path). Compute and its bubble are the pipeline without communication
+    (placement-independent); what communication adds is split over its kinds by their weight in the
+    same formula (``_pipeline``)."""
+    stage = comp[:, None] + sum(comms.values())  # (p, dp)
+    pipe = _pipeline(stage, m, v, beta)
+    d = int(np.argmax(pipe))
+    ideal = float(_pipeline(comp[:, None], m, v, beta)[0])
+    exposed = float(pipe[d]) - ideal
+    weights = {key: float(_pipeline(c[:, d : d + 1], m, v, beta)[0]) for key, c in comms.items()}
+    total = sum(weights.values())
+    return ideal, {key: (exposed * w / total if total > 0 else 0.0) for key, w in weights.items()}
+
+
+def _embedding_sync(pm: PerfModel, devices: IntArray) -> float:
+    """Tied embeddings split over stages: all-reduce of the embedding gradient between the first and
+    last stage (Shoeybi et al. 2019, Megatron-LM's embedding group)."""
+    if pm.config.pp == 1 or not pm.model.tied_embeddings:
+        return 0.0
+    chains = comm.device_groups(pm.layout, devices, "pp")  # (dp * tp, pp)
+    first, last = chains[:, 0], chains[:, -1]
+    bw_e, lat_e = comm.pair_links(pm.cluster, first, last)
+    nbytes = pm.model.vocab * pm.model.hidden / pm.config.tp * pm.training.dtype_bytes
+    return float(comm.allreduce_time(nbytes, 2, bw_e * pm.k.link_fraction, lat_e).max())
 
 
 # ---- helpers ----------------------------------------------------------------------------
@@ -557,6 +436,18 @@ def _curve_scale(device: DeviceSpec, dtype: str) -> float:
         return 1.0
     half = device.peak_flops.get("bf16", device.peak_flops.get("fp16"))
     return half / device.peak_flops["tf32"] if half else 1.0
+
+
+def _kernels(k: PerfConstants, cluster: ClusterProfile, training: TrainingSpec, config: ParallelConfig) -> Kernels:
+    """The GEMM pricing of the slowest device: its peak in the training dtype; the linear layers' peak,
+    FP8 where the stack runs them so and the device has it; the curve (``_curve``) read at GEMM sizes
+    scaled to the duration of the bf16 GEMM it was calibrated on (``_curve_scale``)."""
+    device = _slowest_device(cluster, training.dtype)
+    peak = device.peak(training.dtype)
+    fp8 = k.fp8_gemms and k.low_precision_peak in device.peak_flops
+    linear_peak = device.peak_flops[k.low_precision_peak] if fp8 else peak
+    return Kernels(k, device, peak, fp8, linear_peak, _curve(k, device), _curve_scale(device, training.dtype),
+                   config.tp, training.dtype_bytes)
 
 
 def _slowest_device(cluster: ClusterProfile, dtype: str) -> DeviceSpec:

@@ -99,7 +99,7 @@ def test_the_curve_is_read_at_the_bf16_gemm_of_the_same_duration() -> None:
     model = PerfModel(MODEL, job("tf32"), CONFIG, cluster)
     flops = 2.0 * 4096 * 2048 * 2048
     expected = flops / (494.5e12 * float(model.curve(flops * 2.0)))
-    assert model._gemm_time(flops, 1) == pytest.approx(expected)
+    assert model.kernels.gemm_time(flops, 1) == pytest.approx(expected)
 
 
 @pytest.mark.parametrize("device", ["V100-32GB", "cpu"])
