@@ -4,7 +4,9 @@
 (its module and session fixtures, e.g. a local Ray or a served API, are built once in one worker,
 and its tests keep their order). The multi-host tests of ``tests/cluster`` are one unit together:
 they share one shaped cluster whose network namespaces and Ray ports have fixed names, so two
-workers must never build it at once. The units go out slowest folder first (``FOLDER_ORDER``), so
+workers must never build it at once. The end-to-end tests of ``tests/e2e`` are one unit too: their
+session's service, profile, browser and finished job (``tests/e2e/conftest.py``) are built once, not
+once per worker. The units go out slowest folder first (``FOLDER_ORDER``), so
 the last ones to finish are short unit-test files rather than a tune that started late.
 
 xdist's own ``--dist loadgroup`` does not group under pytest 9.2 (it renames ``item._nodeid``,
@@ -21,8 +23,9 @@ from typing import Any
 import pytest
 
 _TESTS = Path(__file__).resolve().parent
-#: test folders whose files must all run in one worker (they share a machine-wide resource)
-SHARED_UNITS = {"cluster": "tests/cluster"}
+#: test folders whose files must all run in one worker (they share a machine-wide resource, or
+#: an expensive session fixture that each worker would otherwise build again)
+SHARED_UNITS = {"cluster": "tests/cluster", "e2e": "tests/e2e"}
 #: folders, slowest first (a full run's time per folder on the 2-core VM: integration about 60%)
 FOLDER_ORDER = ("cluster", "integration", "e2e", "fsdp", "service", "unit", "deploy", "gpu")
 
