@@ -87,15 +87,20 @@ class MoeConstants:
     #: layer takes at least that (``--moe-token-dispatcher-type alltoall`` waits on the tokens per
     #: expert on the host before sizing its all-to-all; a small layer is launch-bound). 0: not counted
     layer_host_s: float = 0.0
+    #: whether the MoE layer's forward runs again in its backward (Megatron-Core's ``--recompute-modules
+    #: mlp``, which checkpoints the whole MoE layer: router, permutation, experts)
+    layer_recompute: bool = False
 
 
 #: Counted: the grouped GEMM from the kernel table, every all-to-all exposed, no imbalance, no launch floor
 DEFAULT_MOE = MoeConstants()
 #: The megatron stack's, fitted on the MoE rows of Megatron-Bridge (29, one per layout) and SimuMax's B200
-#: DeepSeek runs (12) together, by tests/benchmarks/moe_fit.py (cross-validated figures: docs/moe.md).
-#: ``imbalance`` stays at its bound 1: these rows cannot tell it from ``grouped_share`` (most cap the
-#: experts' load with a capacity factor, and a dropless row's imbalance and slower grouped GEMMs look alike).
-MEGATRON_MOE = MoeConstants(grouped_share=0.831, a2a_overlap=0.844, layer_host_s=7.818e-3, imbalance=1.0)
+#: DeepSeek runs (12) together, by tests/benchmarks/moe_fit.py (cross-validated figures: docs/moe.md):
+#: ``grouped_share`` on all 41, ``layer_host_s`` on the 22 dropless ones. ``imbalance`` is 1, not fitted:
+#: these rows cannot tell it from ``grouped_share``. ``a2a_overlap`` is 0 and the dispatcher the
+#: all-to-all because that is what the emitted megatron_args.txt runs (no
+#: ``--overlap-moe-expert-parallel-comm``); where a recipe overlaps, the fit hides 0.705 of it (9 rows).
+MEGATRON_MOE = MoeConstants(grouped_share=0.681, a2a_overlap=0.0, layer_host_s=6.05e-3, imbalance=1.0)
 
 
 @dataclass(frozen=True)
@@ -160,9 +165,12 @@ def layer_times(model: ModelSpec, training: TrainingSpec, config: ParallelConfig
     adapters = _adapter_times(model, training, config, gemm, tokens, load)
     dense_b = back * dense_f + 2.0 * adapters[0]
     moe_b = back * (experts_f + shared_f) + 2.0 * (router_f + permute_f) + 2.0 * adapters[1]
-    # a launch-bound layer: the host's share a third forward, two thirds backward (twice the kernels)
-    return dense_f + adapters[0], dense_b, max(moe_f + adapters[1], k.layer_host_s / 3.0), \
-        max(moe_b, 2.0 * k.layer_host_s / 3.0)
+    moe_b += (moe_f + adapters[1]) if k.layer_recompute else 0.0
+    # a launch-bound layer: the host's share a third forward, two thirds backward (twice the kernels).
+    # Only dropless routing waits on the host: with a capacity the splits are known on the device
+    # (Megatron-Core's MoEAlltoAllTokenDispatcher.preprocess returns before any sync point when it drops and pads)
+    host = k.layer_host_s if moe.capacity_factor is None else 0.0
+    return dense_f + adapters[0], dense_b, max(moe_f + adapters[1], host / 3.0), max(moe_b, 2.0 * host / 3.0)
 
 
 def _adapter_times(model: ModelSpec, training: TrainingSpec, config: ParallelConfig, gemm: Callable[[float], float],

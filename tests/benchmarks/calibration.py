@@ -385,9 +385,12 @@ def _bridge_cluster(gpu: str, nodes: int, per_node: int) -> ClusterProfile:
     key = (f"bridge-{gpu}", nodes * per_node)
     if key not in _STACK_CLUSTERS:
         nvlink = BRIDGE_NVLINK[gpu]
-        # an NVL72 rack is one NVLink domain: trays of 4 reach each other at NVLink speed (up to 72 GPUs;
-        # the set's GB runs of more than 72 GPUs cross racks on the 400 Gbit/s NICs)
-        domain = 72 if gpu.startswith("GB") else per_node
+        # an NVL72 rack is one NVLink domain: trays of 4 reach each other at NVLink speed. A run beyond one
+        # rack is placed in Slurm segments of the largest divisor of its trays up to 18 (Megatron-Bridge's
+        # scripts/performance/utils/executors.py, slurm_executor: "--segment" when 4 GPUs a node and over
+        # 18 nodes): 64 trays run as 4 racks of 16, so a 64-GPU group is one domain; beyond it the NICs
+        segment = next(n for n in range(18, 0, -1) if nodes % n == 0) if nodes > 18 else nodes
+        domain = segment * per_node if gpu.startswith("GB") else per_node
         data = {"name": f"{gpu}-{nodes}x{per_node}", "device": BRIDGE_GPUS[gpu], "nodes": nodes,
                 "devices_per_node": per_node, "intra_node": {"bandwidth": nvlink, "latency": 3e-6},
                 "inter_node": {"bandwidth": H100_NODE_NIC_PER_GPU, "latency": 10e-6}}

@@ -41,10 +41,10 @@ from tests.benchmarks.crossval import (  # noqa: E402
     scores,
     table_lines,
 )
-from tests.benchmarks.moe_rows import load_bridge_moe, load_simumax_moe  # noqa: E402
+from tests.benchmarks.moe_rows import BridgeMoeRecipe, bridge_recipe, load_bridge_moe, load_simumax_moe  # noqa: E402
 
 PARAMS = (Param("a2a_overlap", 0.5, 0.0, 0.95), Param("layer_host_s", 1e-3, 0.0, 0.05),
-          Param("grouped_share", 1.0, 0.3, 2.0), Param("imbalance", 1.1, 1.0, 2.0))
+          Param("grouped_share", 1.0, 0.3, 2.0))
 
 
 def moe_constants(x: np.ndarray, row: Row) -> MoeConstants:
@@ -53,10 +53,10 @@ def moe_constants(x: np.ndarray, row: Row) -> MoeConstants:
     launcher runs ``--moe-token-dispatcher-type alltoall`` with every overlap off (its B200 guide,
     docs/b200/b200_real_repro_guide.md: "the public B200 workflow currently follows a non-overlap
     contract"), so ``a2a_overlap`` is 0 there."""
-    bridge = row.source == "megatron_bridge"
-    return MoeConstants(a2a_overlap=float(x[0]) if bridge else 0.0, layer_host_s=float(x[1]),
-                        grouped_share=float(x[2]), imbalance=float(x[3]),
-                        dispatcher="deepep" if bridge else "alltoall")
+    recipe = bridge_recipe(row) if row.source == "megatron_bridge" else BridgeMoeRecipe("alltoall", False, False)
+    return MoeConstants(a2a_overlap=float(x[0]) if recipe.overlap else 0.0, layer_host_s=float(x[1]),
+                        grouped_share=float(x[2]), imbalance=1.0, dispatcher=recipe.dispatcher,
+                        layer_recompute=recipe.mlp_recompute)
 
 
 def predict(x: np.ndarray, row: Row) -> float:

@@ -45,6 +45,42 @@ from tests.benchmarks.calibration import (
 BRIDGE_MODELS = {"DeepSeekV3": "deepseek-v3", "Qwen3_30B_a3B": "qwen3-30b-a3b"}
 #: GPUs of the set with a device preset Pipette's clusters can be built on (calibration.BRIDGE_GPUS)
 BRIDGE_MOE_GPUS = ("H100-80GB", "B200-180GB", "GB200", "GB300")
+@dataclass(frozen=True)
+class BridgeMoeRecipe:
+    """What a Megatron-Bridge MoE perf recipe sets that the step time reads."""
+
+    #: ``deepep`` for the flex dispatcher (DeepEP or HybridEP), else ``alltoall``
+    dispatcher: str
+    #: ``moe_a2a_overlap``: the all-to-all hidden under the other micro-batch's compute
+    overlap: bool
+    #: ``"mlp" in recompute_modules``: the MoE layer's forward run again in the backward
+    mlp_recompute: bool
+
+
+def bridge_recipe(row: Row) -> BridgeMoeRecipe:
+    """The recipe a Megatron-Bridge MoE row ran, matched on its layout and release to the perf configs:
+    the newest (scripts/performance/configs/deepseek/deepseek_workload_base_configs.py at 0426418 and
+    configs/qwen/qwen3_workload_base_configs.py at 01b2977 of github.com/NVIDIA-NeMo/Megatron-Bridge)
+    for the 26.x rows and the layouts they list, the 25.x ones (configs/{deepseek,qwen3}/
+    workload_base_configs.py of github.com/pufanyi/Megatron-Bridge at 68aeacf / 3ee64eb) otherwise.
+    DeepSeek-V3: MXFP8 on GB200 / GB300 and the B200 ep 32 layout overlap the all-to-all (the latter
+    with DeepEP and ``mlp`` recomputed); H100 runs DeepEP with overlap and recomputes ``mlp``; the
+    others HybridEP (B200 ep 8: an all-to-all inside a node) without overlap. Qwen3-30B-A3B: HybridEP
+    without overlap, except the H100 pp 2 x vp 12 recipe (alltoall with overlap) and B200 at
+    micro-batch 1 (the alltoall dispatcher)."""
+    model, _, gpu, _, precision = row.group[:5]
+    cfg, new = row.config, row.row_id.startswith("mb:26.")
+    if model.startswith("DeepSeekV3"):
+        if gpu.startswith("GB"):
+            return BridgeMoeRecipe("deepep", new and precision == "MXFP8", False)
+        if gpu == "B200-180GB":
+            return BridgeMoeRecipe("deepep", cfg.ep == 32, cfg.ep == 32)
+        return BridgeMoeRecipe("deepep", True, True)
+    if gpu == "H100-80GB" and cfg.pp > 1:
+        return BridgeMoeRecipe("alltoall", True, False)
+    if gpu == "B200-180GB" and cfg.mbs == 1:
+        return BridgeMoeRecipe("alltoall", False, False)
+    return BridgeMoeRecipe("deepep", False, False)
 
 
 @dataclass
@@ -148,4 +184,5 @@ def load_simumax_moe(directory: Path) -> MoeSet:
     return out
 
 
-__all__ = ["BRIDGE_MODELS", "MoeSet", "bridge_model", "load_bridge_moe", "load_simumax_moe", "simumax_model"]
+__all__ = ["BRIDGE_MODELS", "BridgeMoeRecipe", "MoeSet", "bridge_model", "bridge_recipe", "load_bridge_moe",
+           "load_simumax_moe", "simumax_model"]

@@ -1,0 +1,70 @@
+"""The MoE step-time terms read from the frameworks' sources (issue 47): the host-bound floor only
+under dropless routing, a recomputed MoE layer, the NVL72 Slurm segments of Megatron-Bridge's runs,
+and the recipe each Megatron-Bridge MoE row ran."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from pipette import perf_moe
+from pipette.clusterfile import homogeneous_cluster
+from pipette.config import ParallelConfig
+from pipette.model import MODEL_PRESETS, ModelSpec
+from pipette.perf import estimate_perf
+from pipette.perf_constants import MEGATRON_CONSTANTS
+from pipette.training import TrainingSpec
+from tests.benchmarks.calibration import _bridge_cluster, calibration_dir
+from tests.benchmarks.moe_rows import bridge_recipe, load_bridge_moe
+
+QWEN = MODEL_PRESETS["qwen3-30b-a3b"]
+TRAINING = TrainingSpec(global_batch=64, seq_len=4096)
+CONFIG = ParallelConfig(tp=1, pp=1, dp=8, ep=8, mbs=1, global_batch=64)
+CLUSTER = homogeneous_cluster("H100-80GB", 1, 8, 450e9, 50e9, name="h8")
+
+
+def _step(model: ModelSpec, moe: perf_moe.MoeConstants) -> float:
+    k = replace(MEGATRON_CONSTANTS, moe=moe)
+    return estimate_perf(model, TRAINING, CONFIG, CLUSTER, constants=k).step_time
+
+
+def test_only_dropless_routing_waits_on_the_host() -> None:
+    """Megatron-Core's all-to-all dispatcher syncs with the host for the splits only when dropless; a
+    capacity factor (drop and pad) sizes everything on the device."""
+    slow_host = replace(perf_moe.DEFAULT_MOE, layer_host_s=1.0)
+    dropless = _step(QWEN, slow_host)
+    assert dropless >= 48 * 8 * 1.0  # 48 MoE layers, 8 micro-batches, at least 1 s each
+    assert QWEN.moe is not None
+    capped = replace(QWEN, moe=replace(QWEN.moe, capacity_factor=1.0))
+    assert _step(capped, slow_host) == pytest.approx(_step(capped, perf_moe.DEFAULT_MOE), rel=1e-12)
+
+
+def test_a_recomputed_moe_layer_runs_its_forward_again_in_the_backward() -> None:
+    def times(k: perf_moe.MoeConstants) -> tuple[float, float, float, float]:
+        return perf_moe.layer_times(QWEN, TRAINING, CONFIG, gemm=lambda f: f / 400e12, grouped_peak=989e12,
+                                    large=0.6, bandwidth=3.35e12, ffn_passes=2.0, k=k)
+
+    plain, again = times(perf_moe.DEFAULT_MOE), times(replace(perf_moe.DEFAULT_MOE, layer_recompute=True))
+    assert again[:3] == plain[:3]
+    assert again[3] == pytest.approx(plain[3] + plain[2], rel=1e-12)
+
+
+def test_nvl72_runs_beyond_a_rack_are_segments_of_16_trays() -> None:
+    """64 trays of 4 GB200s: Slurm segments of 16 trays (the largest divisor of 64 up to 18), so 64
+    consecutive GPUs share NVLink and the 65th is across the NICs; 18 trays are one rack."""
+    big = _bridge_cluster("GB200", 64, 4)
+    assert big.link_domain_of[0] == big.link_domain_of[63] != big.link_domain_of[64]
+    assert big.bandwidth[0, 63] > big.bandwidth[0, 64]
+    rack = _bridge_cluster("GB300", 18, 4)
+    assert len(set(rack.link_domain_of.tolist())) == 1
+
+
+def test_each_bridge_row_runs_its_recipe_s_dispatcher_and_overlap() -> None:
+    rows = {r.row_id: r for r in load_bridge_moe(calibration_dir()).rows}
+    gb300 = bridge_recipe(rows["mb:26.08:DGX-GB300:DeepSeekV3:MXFP8:pretrain:main"])
+    assert (gb300.dispatcher, gb300.overlap, gb300.mlp_recompute) == ("deepep", True, False)
+    b200 = bridge_recipe(rows["mb:26.04.01:DGX-B200:DeepSeekV3:MXFP8:pretrain:main"])  # ep 32: DeepEP, mlp recomputed
+    assert (b200.dispatcher, b200.overlap, b200.mlp_recompute) == ("deepep", True, True)
+    qwen = bridge_recipe(rows["mb:26.02:DGX-B200:Qwen3_30B_a3B:MXFP8:pretrain:main"])  # micro-batch 1: alltoall
+    assert (qwen.dispatcher, qwen.overlap) == ("alltoall", False)
