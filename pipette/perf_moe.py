@@ -96,11 +96,11 @@ class MoeConstants:
 DEFAULT_MOE = MoeConstants()
 #: The megatron stack's, fitted on the MoE rows of Megatron-Bridge (29, one per layout) and SimuMax's B200
 #: DeepSeek runs (12) together, by tests/benchmarks/moe_fit.py (cross-validated figures: docs/moe.md):
-#: ``grouped_share`` on all 41, ``layer_host_s`` on the 22 dropless ones. ``imbalance`` is 1, not fitted:
-#: these rows cannot tell it from ``grouped_share``. ``a2a_overlap`` is 0 and the dispatcher the
-#: all-to-all because that is what the emitted megatron_args.txt runs (no
-#: ``--overlap-moe-expert-parallel-comm``); where a recipe overlaps, the fit hides 0.705 of it (9 rows).
-MEGATRON_MOE = MoeConstants(grouped_share=0.681, a2a_overlap=0.0, layer_host_s=6.05e-3, imbalance=1.0)
+#: ``grouped_share`` on all 41, ``layer_host_s`` on the 19 dropless ones not run as one CUDA graph.
+#: ``imbalance`` is 1, not fitted: these rows cannot tell it from ``grouped_share``. ``a2a_overlap`` is
+#: 0 and the dispatcher the all-to-all because that is what the emitted megatron_args.txt runs (no
+#: ``--overlap-moe-expert-parallel-comm``); where a recipe overlaps, the fit hides 0.586 of it (8 rows).
+MEGATRON_MOE = MoeConstants(grouped_share=0.692, a2a_overlap=0.0, layer_host_s=6.04e-3, imbalance=1.0)
 
 
 @dataclass(frozen=True)

@@ -54,7 +54,8 @@ def moe_constants(x: np.ndarray, row: Row) -> MoeConstants:
     docs/b200/b200_real_repro_guide.md: "the public B200 workflow currently follows a non-overlap
     contract"), so ``a2a_overlap`` is 0 there."""
     recipe = bridge_recipe(row) if row.source == "megatron_bridge" else BridgeMoeRecipe("alltoall", False, False)
-    return MoeConstants(a2a_overlap=float(x[0]) if recipe.overlap else 0.0, layer_host_s=float(x[1]),
+    return MoeConstants(a2a_overlap=float(x[0]) if recipe.overlap else 0.0,
+                        layer_host_s=0.0 if recipe.full_graph else float(x[1]),
                         grouped_share=float(x[2]), imbalance=1.0, dispatcher=recipe.dispatcher,
                         layer_recompute=recipe.mlp_recompute)
 

@@ -55,6 +55,8 @@ class BridgeMoeRecipe:
     overlap: bool
     #: ``"mlp" in recompute_modules``: the MoE layer's forward run again in the backward
     mlp_recompute: bool
+    #: ``cuda_graph_impl="full_iteration"``: the whole step one CUDA graph, so no layer waits on the host
+    full_graph: bool = False
 
 
 def bridge_recipe(row: Row) -> BridgeMoeRecipe:
@@ -63,16 +65,18 @@ def bridge_recipe(row: Row) -> BridgeMoeRecipe:
     configs/qwen/qwen3_workload_base_configs.py at 01b2977 of github.com/NVIDIA-NeMo/Megatron-Bridge)
     for the 26.x rows and the layouts they list, the 25.x ones (configs/{deepseek,qwen3}/
     workload_base_configs.py of github.com/pufanyi/Megatron-Bridge at 68aeacf / 3ee64eb) otherwise.
-    DeepSeek-V3: MXFP8 on GB200 / GB300 and the B200 ep 32 layout overlap the all-to-all (the latter
-    with DeepEP and ``mlp`` recomputed); H100 runs DeepEP with overlap and recomputes ``mlp``; the
-    others HybridEP (B200 ep 8: an all-to-all inside a node) without overlap. Qwen3-30B-A3B: HybridEP
-    without overlap, except the H100 pp 2 x vp 12 recipe (alltoall with overlap) and B200 at
-    micro-batch 1 (the alltoall dispatcher)."""
+    DeepSeek-V3: MXFP8 on GB300 (pp 2, ep 32, micro-batch 1) and GB200 (pp 4, ep 64) overlap the
+    all-to-all and run the step as one CUDA graph, the B200 ep 32 layout overlaps with DeepEP and
+    recomputes ``mlp``; H100 runs DeepEP with overlap and recomputes ``mlp``; the others HybridEP
+    (B200 ep 8: an all-to-all inside a node) without overlap. Qwen3-30B-A3B: HybridEP without overlap,
+    except the H100 pp 2 x vp 12 recipe (alltoall with overlap) and B200 at micro-batch 1 (alltoall)."""
     model, _, gpu, _, precision = row.group[:5]
     cfg, new = row.config, row.row_id.startswith("mb:26.")
     if model.startswith("DeepSeekV3"):
         if gpu.startswith("GB"):
-            return BridgeMoeRecipe("deepep", new and precision == "MXFP8", False)
+            newest = (cfg.pp, cfg.ep, cfg.mbs) == ((2, 32, 1) if gpu == "GB300" else (4, 64, 1))
+            graphed = new and precision == "MXFP8" and newest
+            return BridgeMoeRecipe("deepep", graphed, False, full_graph=graphed)
         if gpu == "B200-180GB":
             return BridgeMoeRecipe("deepep", cfg.ep == 32, cfg.ep == 32)
         return BridgeMoeRecipe("deepep", True, True)

@@ -63,8 +63,10 @@ def test_nvl72_runs_beyond_a_rack_are_segments_of_16_trays() -> None:
 def test_each_bridge_row_runs_its_recipe_s_dispatcher_and_overlap() -> None:
     rows = {r.row_id: r for r in load_bridge_moe(calibration_dir()).rows}
     gb300 = bridge_recipe(rows["mb:26.08:DGX-GB300:DeepSeekV3:MXFP8:pretrain:main"])
-    assert (gb300.dispatcher, gb300.overlap, gb300.mlp_recompute) == ("deepep", True, False)
+    assert (gb300.dispatcher, gb300.overlap, gb300.mlp_recompute, gb300.full_graph) == ("deepep", True, False, True)
     b200 = bridge_recipe(rows["mb:26.04.01:DGX-B200:DeepSeekV3:MXFP8:pretrain:main"])  # ep 32: DeepEP, mlp recomputed
     assert (b200.dispatcher, b200.overlap, b200.mlp_recompute) == ("deepep", True, True)
     qwen = bridge_recipe(rows["mb:26.02:DGX-B200:Qwen3_30B_a3B:MXFP8:pretrain:main"])  # micro-batch 1: alltoall
     assert (qwen.dispatcher, qwen.overlap) == ("alltoall", False)
+    older = bridge_recipe(rows["mb:26.04.01:DGX-GB300:DeepSeekV3:MXFP8:pretrain:main"])  # micro-batch 2: not the newest
+    assert (older.overlap, older.full_graph) == (False, False)
