@@ -224,6 +224,21 @@ def riskier_lines(plan: Any) -> list[str]:
             f"{_chance(first.chance_to_fit)} chance to fit{more}; `pipette tune` tries it and keeps it if it runs"]
 
 
+def memory_figure_lines(memory: Any, stack: str) -> list[str]:
+    """The estimate's three figures (``pipette.estimates.CAPACITY_FIGURES``), and which of them the stack
+    compares with the device's capacity: the one its fits prior was fitted on."""
+    lines = [f"    {'live tensors':<15} {memory.live_bytes / GiB:>9.2f} GiB  (what max_memory_allocated reports)",
+             f"    {'reserved':<15} {memory.reserved_bytes / GiB:>9.2f} GiB  (the caching allocator's reserve: "
+             "max_memory_reserved)"]
+    if memory.outside_bytes:
+        lines.append(f"    {'device-used':<15} {memory.device_used_bytes / GiB:>9.2f} GiB  (the reserve and "
+                     f"{memory.outside_bytes / GiB:.2f} GiB of CUDA context, NCCL buffers and workspaces: what "
+                     "nvidia-smi shows)")
+    lines.append(f"  compared with the device's {memory.capacity_bytes / GiB:.1f} GiB: the {memory.capacity_figure} "
+                 f"figure ({stack}'s fits prior was fitted on it)")
+    return lines
+
+
 def fits_sentence(planned: Any, prior: Any) -> str:
     """How close to the memory limit a candidate runs, in words: its chance to fit and the
     headroom to expect (what a longer sequence or a larger micro-batch would eat)."""
@@ -307,10 +322,8 @@ def _print_plan(plan: Any, top: int, elapsed: float) -> None:
         value = best.memory.breakdown.get(part, 0)
         if value > 0:
             print(f"    {part:<15} {value / GiB:>9.2f} GiB")
-    print(f"    {'live tensors':<15} {best.memory.live_bytes / GiB:>9.2f} GiB  (what max_memory_allocated reports)")
-    reserved, capacity = best.memory.reserved_bytes / GiB, best.memory.capacity_bytes / GiB
-    print(f"    {'reserved':<15} {reserved:>9.2f} GiB of {capacity:.1f} GiB"
-          "  (what the device must hold: compared with the capacity)")
+    for line in memory_figure_lines(best.memory, plan.stack_of(best.config).key):
+        print(line)
     if plan.fits_prior is not None:
         print(f"  {fits_sentence(best, plan.fits_prior)}")
         if not best.sure_to_fit:

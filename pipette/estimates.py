@@ -19,13 +19,24 @@ TIME_PARTS: tuple[str, ...] = (
 )
 
 
+#: The three figures of a memory estimate (``MemoryEstimate``), one of which a stack compares with the
+#: device's capacity (``MemoryOptions.capacity_figure``).
+CAPACITY_FIGURES: dict[str, str] = {
+    "live": "the live tensors (torch.cuda.max_memory_allocated)",
+    "reserved": "the caching allocator's reserve (torch.cuda.max_memory_reserved)",
+    "device-used": "the allocator's reserve + CUDA context, NCCL buffers and workspaces (what nvidia-smi shows)",
+}
+
+
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Peak bytes on the heaviest rank (the heaviest pipeline stage), as two figures: the live
-    tensors (``live_bytes``, what ``torch.cuda.max_memory_allocated`` reports) and what the device
-    must hold (``peak_bytes`` = ``reserved_bytes``: the live tensors, the caching allocator's
-    fragmentation and short-lived blocks, library workspaces; on a CPU rank the interpreter's
-    resident memory). Capacity is compared with the reserved figure."""
+    """Peak bytes on the heaviest rank (the heaviest pipeline stage), as three figures: the live
+    tensors (``live_bytes``, what ``torch.cuda.max_memory_allocated`` reports), the caching allocator's
+    reserve (``reserved_bytes``: the live tensors, its fragmentation and short-lived blocks; on a CPU rank
+    the interpreter's resident memory) and what the device shows used (``device_used_bytes``: the reserve
+    and ``outside_bytes``, the CUDA context, NCCL's buffers and library workspaces, which the allocator
+    never sees). ``peak_bytes`` is the figure the stack compares with the capacity (``capacity_figure``,
+    a key of ``CAPACITY_FIGURES``)."""
 
     peak_bytes: int
     capacity_bytes: int
@@ -34,16 +45,29 @@ class MemoryEstimate:
     notes: tuple[str, ...] = field(default=())
     #: bytes of this rank held in host memory, not the device's (FSDP2's CPU offload); 0: none
     host_bytes: int = 0
+    #: the device's bytes outside the caching allocator (CUDA context, NCCL buffers, workspaces)
+    outside_bytes: int = 0
+    #: which figure ``peak_bytes`` is
+    capacity_figure: str = "reserved"
 
     @property
     def reserved_bytes(self) -> int:
-        """What the device must hold at the peak (the same as ``peak_bytes``)."""
-        return self.peak_bytes
+        """The caching allocator's peak reserve."""
+        return self.peak_bytes - (self.outside_bytes if self.capacity_figure == "device-used" else 0)
 
     @property
     def live_bytes(self) -> int:
-        """The tensors alone at the peak: ``peak_bytes`` without the ``overhead`` part."""
-        return self.peak_bytes - self.breakdown.get("overhead", 0)
+        """The tensors alone at the peak: the reserve without the ``overhead`` part."""
+        return self.reserved_bytes - self.breakdown.get("overhead", 0)
+
+    @property
+    def device_used_bytes(self) -> int:
+        """What the device shows used at the peak: the reserve and the bytes outside the allocator."""
+        return self.reserved_bytes + self.outside_bytes
+
+    def figure(self, name: str) -> int:
+        """One of the three figures by its name in ``CAPACITY_FIGURES``."""
+        return {"live": self.live_bytes, "reserved": self.reserved_bytes, "device-used": self.device_used_bytes}[name]
 
     def fits(self, margin: float = 0.0) -> bool:
         """True when ``peak * (1 + margin)`` is within capacity."""
@@ -58,6 +82,9 @@ class MemoryEstimate:
             "peak_bytes": self.peak_bytes,
             "live_bytes": self.live_bytes,
             "reserved_bytes": self.reserved_bytes,
+            "device_used_bytes": self.device_used_bytes,
+            "outside_bytes": self.outside_bytes,
+            "capacity_figure": self.capacity_figure,
             "capacity_bytes": self.capacity_bytes,
             "stage": self.stage,
             "breakdown": dict(self.breakdown),

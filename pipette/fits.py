@@ -75,8 +75,11 @@ class FitsPrior:
 #: Pipette's own runner (DeepSpeed + Hugging Face Llama, bf16) on a GPU. Fitted on the
 #: ``h100_single_gpu.csv`` runs re-run with the allocator's figures on an H100 (9 ran and 4 out of
 #: memory); checked on the Llama-3-8B LoRA allocator table (docs/models.md).
-PIPETTE_GPU = FitsPrior("pipette-gpu", mu=-0.019, sd=0.105,
-                        source="h100_single_gpu.csv re-run with reserved bytes, H100 2026-11-23")
+#: Refitted (2026-12-04, issue 46) on the device-used figure it is now compared on (the estimate's
+#: reserve + CUDA context + NCCL buffers, ``memory_options.capacity_figure``): mu -0.019 sd 0.105 on the
+#: reserve alone before.
+PIPETTE_GPU = FitsPrior("pipette-gpu", mu=-0.055, sd=0.100,
+                        source="h100_single_gpu.csv re-run, reserved + outside the allocator, H100 2026-11-23")
 #: nanotron (the Ultra-Scale H100 set: rank 0's logged peak against the nanotron stack's estimate,
 #: ``NANOTRON_OPTIONS``; 1620 runs that ran), fitted by ``fits_boundary.py --fit``. Each prior's
 #: earlier fits: docs/results.md, "The chance to fit: each stack's prior".

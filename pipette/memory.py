@@ -24,6 +24,7 @@ from pipette.estimates import MemoryEstimate
 from pipette.memory_cp import exchange_bytes, fold
 from pipette.memory_options import (
     CPU_PROCESS_OVERHEAD_BYTES,
+    CUDA_CONTEXT_BYTES,
     DEFAULT_OPTIONS,
     DEVICE_KINDS,
     FP32_BYTES,
@@ -35,6 +36,9 @@ from pipette.memory_options import (
     MEGATRON_OPTIONS,
     NANOTRON_FRAGMENTATION,
     NANOTRON_OPTIONS,
+    NCCL_BUFFSIZE_BYTES,
+    NCCL_CHANNELS,
+    NCCL_PEERS_PER_CHANNEL,
     SAFETY_MARGIN,
     ZERO3_MAX_LIVE_PARAMETERS,
     ZERO3_PREFETCH_ELEMENTS,
@@ -73,10 +77,24 @@ def estimate_memory(
     heaviest = max(range(len(totals)), key=totals.__getitem__)
     notes = _notes(training, config, options)
     host = [part.pop(HOST_KEY, 0) for part in stages]
+    outside = outside_allocator_bytes(config) if device_kind == "gpu" else 0
+    # the figure the stack compares with the capacity (MemoryOptions.capacity_figure); live is not one a
+    # prior was fitted on, so a stack naming it compares the reserve
+    compared = outside if options.capacity_figure == "device-used" else 0
     return MemoryEstimate(
-        peak_bytes=totals[heaviest] - host[heaviest], capacity_bytes=int(capacity_bytes),
-        breakdown=stages[heaviest], stage=heaviest, notes=notes, host_bytes=max(host),
+        peak_bytes=totals[heaviest] - host[heaviest] + compared, capacity_bytes=int(capacity_bytes),
+        breakdown=stages[heaviest], stage=heaviest, notes=notes, host_bytes=max(host), outside_bytes=outside,
+        capacity_figure="device-used" if compared else "reserved",
     )
+
+
+def outside_allocator_bytes(config: ParallelConfig) -> int:
+    """A GPU rank's bytes outside the caching allocator: the CUDA context and workspaces
+    (``CUDA_CONTEXT_BYTES``, measured) and NCCL's buffers, ``NCCL_CHANNELS`` x ``NCCL_PEERS_PER_CHANNEL``
+    x ``NCCL_BUFFSIZE_BYTES`` for each communicator of more than one rank it belongs to (tensor, pipeline,
+    data, context and expert parallel groups)."""
+    groups = sum(degree > 1 for degree in (config.tp, config.pp, config.dp, config.cp, config.ep))
+    return CUDA_CONTEXT_BYTES + groups * NCCL_CHANNELS * NCCL_PEERS_PER_CHANNEL * NCCL_BUFFSIZE_BYTES
 
 
 def stage_breakdowns(

@@ -100,6 +100,19 @@ CPU_PROCESS_OVERHEAD_BYTES = int(0.5 * GiB)
 
 DEVICE_KINDS: tuple[str, ...] = ("gpu", "cpu")
 
+# ---- outside the caching allocator (the device-used figure, ``MemoryEstimate.device_used_bytes``) ----
+#: The CUDA context, cuBLAS/cuDNN workspaces and loaded kernels of one GPU rank: measured as nvidia-smi's
+#: used bytes less the allocator's reserve, 1.68 GiB in every run of results/h100-2026-11-27 that ran
+#: (one H100, torch 2.11, CUDA 13: no NCCL communicator; 1.61 at an OOM)
+CUDA_CONTEXT_BYTES = int(1.68 * GiB)
+#: NCCL's buffer per channel and peer connection: ``NCCL_BUFFSIZE``'s documented default, 4 MiB
+#: (NCCL User Guide, "Environment Variables": NCCL_BUFFSIZE, default 4194304)
+NCCL_BUFFSIZE_BYTES = 4 * 1024**2
+#: Channels of one communicator and connections per channel (a ring's previous and next rank): a planning
+#: figure, not measured (``NCCL_MAX_NCHANNELS`` allows up to 32; NVLink rings of 8 GPUs run 16 or more)
+NCCL_CHANNELS = 16
+NCCL_PEERS_PER_CHANNEL = 2
+
 
 #: The ways ``MemoryOptions.stage_balance`` splits the layers over the pipeline stages.
 STAGE_BALANCES = ("uniform", "compute", "embedding_loss")
@@ -202,17 +215,26 @@ class MemoryOptions:
     #: input; the output projection's input is saved quantized beside the attention's own bf16 output.
     #: Full training of a dense Llama only (a LoRA adapter reads the same input in bf16).
     linear_input_bytes: float | None = None
+    #: The figure the stack's capacity check compares (``pipette.estimates.CAPACITY_FIGURES``, reserved or
+    #: device-used): the one its
+    #: fits prior was fitted on. Pipette's runner's prior (``pipette.fits.PIPETTE_GPU``) was fitted on the
+    #: device's used bytes (the allocator's reserve + what lies outside it); the other stacks' sets measured
+    #: the allocator's reserve only
+    capacity_figure: str = "reserved"
     #: How context parallelism exchanges the keys and values (``pipette.memory_cp.CP_COMMS``): what
     #: a cp rank holds in flight during a layer's attention (``memory_cp.exchange_bytes``)
     cp_comm: str = "p2p"
 
     def __post_init__(self) -> None:
+        if self.capacity_figure not in ("reserved", "device-used"):
+            raise SpecError(f"unknown capacity_figure {self.capacity_figure!r}", field="options.capacity_figure",
+                            fix="use reserved or device-used (the figures a prior is fitted on)")
         if self.stage_balance not in STAGE_BALANCES:
             raise SpecError(f"unknown stage_balance {self.stage_balance!r}", field="options.stage_balance",
                             fix=f"use one of {', '.join(STAGE_BALANCES)}")
 
 
-DEFAULT_OPTIONS = MemoryOptions()
+DEFAULT_OPTIONS = MemoryOptions(capacity_figure="device-used")
 #: Megatron-LM's loss (vocab-parallel cross entropy), no DeepSpeed BF16_Optimizer, Transformer
 #: Engine's frozen linear inputs not kept, its fp32 gradient buffer under bf16, its fused SwiGLU, and
 #: the embedding and loss counted as pipeline layers where the layers alone do not split: the megatron stack.

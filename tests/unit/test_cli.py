@@ -335,5 +335,6 @@ def test_plan_writes_launch_files_for_the_fastest_candidate_sure_to_fit(tmp_path
     assert f"launch files for #{rank} {fastest_sure['label']}, the fastest sure to fit" in r.stdout
     assert "sure means 90% or more" in r.stdout
     riskier = next(line for line in r.stdout.splitlines() if "faster but riskier" in line)
-    assert f"#1 {best['label']}" in riskier and "43% chance to fit" in riskier
+    # 49% since the runner's capacity check compares the device-used figure (issue 46; 43% on the reserve)
+    assert f"#1 {best['label']}" in riskier and "49% chance to fit" in riskier
     assert fastest_sure["label"] in (tmp_path / "o" / "launch.sh").read_text().splitlines()[1]

@@ -222,7 +222,8 @@ def test_the_search_weighs_a_chance_the_trials_lowered_once_more(plan_8b: Plan) 
 
     learned = LearnedModel([Observation(p.config, p.perf, p.memory, Measurement("ok", (t0,) * 4, 1))],
                            fits_prior=prior)
-    risky, sure = scaled(0.65, 1.08), scaled(0.9, 0.5)
+    # 1.116: a 29% chance under the device-used prior (issue 46; 1.08 under the reserve's before)
+    risky, sure = scaled(0.65, 1.116), scaled(0.9, 0.5)
 
     def ranked(*candidates: Planned) -> list[tuple[float, float, float]]:
         out = score(list(candidates), learned, (math.log(t0), 1), 0.02)
