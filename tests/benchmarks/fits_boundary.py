@@ -192,10 +192,12 @@ def row_points(rows: list[Row]) -> list[tuple[str, Point]]:
 
 #: The sets the per-stack table covers: each a loader of its rows that ran (every one of these sets' rows ran)
 def _stack_sets(directory: Path) -> dict[str, list[Row]]:
-    from tests.benchmarks.calibration import load_megatron_bridge, load_stack_set
+    from tests.benchmarks.calibration import BRIDGE_FUSED_LOSS, load_megatron_bridge, load_stack_set
     from tests.benchmarks.moe_rows import load_bridge_moe, load_simumax_moe
 
     dense = load_megatron_bridge(directory, cp=True).rows
+    # the perf scripts' fused cross entropy is set for every model (calibration.BRIDGE_FUSED_LOSS), MoE too
+    moe = [replace(r, fused_loss=BRIDGE_FUSED_LOSS) for r in load_bridge_moe(directory).rows]
     return {
         "torchtitan (FSDP2, H100)": load_stack_set(directory, "torchtitan_h100_fsdp2.csv").rows,
         "llm-foundry (FSDP, H100)": load_stack_set(directory, "llmfoundry_h100_fsdp.csv").rows,
@@ -203,7 +205,7 @@ def _stack_sets(directory: Path) -> dict[str, list[Row]]:
         "SimuMax (Megatron-LM, B200) MoE": load_simumax_moe(directory).rows,
         "Megatron-Bridge dense": [r for r in dense if r.config.cp == 1],
         "Megatron-Bridge dense, cp > 1": [r for r in dense if r.config.cp > 1],
-        "Megatron-Bridge MoE": load_bridge_moe(directory).rows,
+        "Megatron-Bridge MoE": moe,
     }
 
 
