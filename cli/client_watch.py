@@ -115,7 +115,6 @@ class WatchView:
         self.max_trials = int(job["budget"].get("max_trials") or job["progress"].get("max_trials") or 1)
         self.model = job["model"].get("name", "?")
         self.method = job["training"].get("method", "")
-        self.retries = int(job["budget"].get("retries", 1) or 0)
         self.ended: set[int] = set()
         self.best: dict[str, Any] | None = None
         self.running: int | None = None
@@ -204,6 +203,7 @@ class WatchView:
 
     def _trial_ended(self, stamp: str, number: int | None, data: dict[str, Any]) -> None:
         from pipette.errors import PipetteError
+        from pipette.retry import LOST_NODE_RETRIES
         from pipette.trials import TrialRecord
 
         self.running, self.step = None, ""
@@ -214,8 +214,9 @@ class WatchView:
             return
         m = record.measurement
         status = m.status
-        # A failed or timed-out attempt is retried (same number) while retries are left: not done yet.
-        retried = status in ("failed", "timeout") and record.attempt <= self.retries
+        # An attempt that lost a node is rerun (same number) a few times: not done yet. A retry of a
+        # crash is a later trial of its own (pipette.retry), so the crash's trial is done.
+        retried = status in ("failed", "timeout") and bool(m.lost_nodes) and record.attempt <= LOST_NODE_RETRIES
         if number is not None and not retried:
             self.ended.add(int(number))
         text = f"{stamp} trial {number:<3} {record.label}  {out.state(f'{status:<7}', self.stream)}"

@@ -552,6 +552,10 @@ def _peak_text(m: Measurement) -> str:
     return f"{max(rss) / 2**20:.0f} RSS" if rss else "-"
 
 
+#: how a trial's line says why it ran, beside the search's own proposals
+_PURPOSE = {"retime": " (re-time)", "retry": " (retry)"}
+
+
 class Progress:
     """Progress on stderr: one line per trial, and a live bar on a terminal."""
 
@@ -583,7 +587,7 @@ class Progress:
 
     def start(self, number: int, data: dict[str, Any]) -> None:
         self.current = (f"#{number} {data['label']}" + (f" (attempt {data['attempt']})" if data["attempt"] > 1 else "")
-                        + (" (re-time)" if data.get("purpose") == "retime" else ""))
+                        + _PURPOSE.get(str(data.get("purpose")), ""))
         self.steps = 0
         self.where = ""
         self._bar()
@@ -614,7 +618,7 @@ class Progress:
             self.best, self.best_label = m.step_time, r.label
         self.done_trials = r.number + 1
         label = (r.label + (f" (attempt {r.attempt})" if r.attempt > 1 else "")
-                 + (" (re-time)" if r.purpose == "retime" else ""))
+                 + _PURPOSE.get(r.purpose, ""))
         self.say(f"{'#' + str(r.number):>5}  {label:<38} {self._c(f'{status:<8}', colour)} "
                  f"{r.predicted_step_time:>8.3f} s {measured:>10} {error:>7} {peak:>9}")
         if status not in ("ok", "pruned", "interrupted") and m.error:

@@ -50,6 +50,11 @@ PARAMS: tuple[str, ...] = ("tp", "pp", "dp", "cp", "ep", "mbs", "zero_stage", "r
 _DEFAULTS: dict[str, Any] = {"cp": 1, "ep": 1}
 #: The user attribute holding a trial's record (``pipette.tuner.TrialRecord.to_dict``).
 RECORD_ATTR = "record"
+#: Until a trial has run, the search proposes the fastest candidate (by expected step time, as
+#: the plan ranks) among those at least this sure to fit and run (``first_trials``), so that a user
+#: who stops after the first trials has one that ran. Chosen on the Ultra-Scale replay by
+#: leave-one-model-size-out (docs/results.md, "First trials that run").
+FIRST_SURE_TO_FIT = 0.8
 
 
 def candidate_params(config: ParallelConfig) -> dict[str, Any]:
@@ -206,7 +211,14 @@ def score(
         p_beat = float(weights @ norm.cdf(gap / np.hypot(sds[:, i], incumbent_sd))) * taught
         out.append(Scored(c, p, ei, p_beat, p_fit, p_runs))
     out.sort(key=lambda s: (-s.expected_improvement, s.prediction.step_time, s.planned.config.label))
-    return out
+    return out if best is not None else first_trials(out)
+
+
+def first_trials(ranked: list[Scored]) -> list[Scored]:
+    """Before any trial ran: the candidates at least ``FIRST_SURE_TO_FIT`` sure to fit and run
+    (``Scored.p_beat`` holds that chance then: the plan's chance to fit, lowered where a trial ran
+    out of memory or crashed nearby) first, each part in the order it had."""
+    return sorted(ranked, key=lambda s: s.p_beat < FIRST_SURE_TO_FIT)
 
 
 def _lowered(candidate: Planned, p_fit: float) -> float:

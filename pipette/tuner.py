@@ -36,12 +36,14 @@ from pipette.model import ModelSpec
 from pipette.plan import Plan, Planned
 from pipette.registry import job_key_fields
 from pipette.retiming import RetimeBudget, contenders, round_order
-from pipette.retry import RetryPolicy
+from pipette.retry import RETRY, RetryPolicy, deferred, retries_of
 from pipette.search import (
     RECORD_ATTR,
     IncumbentPruner,
     PerfModelSampler,
     Scored,
+    candidate_params,
+    incumbent_step_time,
     measured_means,
     new_study,
     params_key,
@@ -154,9 +156,7 @@ class Tuner:
         """Probability that the pick is within the tolerance of the best candidate, tried or not:
         ``confidence`` times the chance that no untried one beats it, as if independent."""
         tried, untried = self.confidence(), self.untried()
-        if tried is None or untried is None:
-            return None
-        return tried * (1.0 - untried.chance())
+        return None if tried is None or untried is None else tried * (1.0 - untried.chance())
 
     def contenders(self) -> list[str]:
         """The pick and the candidates to re-time it against (``pipette.retiming.contenders``)."""
@@ -171,11 +171,10 @@ class Tuner:
             len(self.study.trials), self.best is not None, elapsed_s)
         if spent is not None:
             return spent
-        ranked = self.ranking()
-        if not ranked:
-            return self.stop_rule.nothing_left(self.records)
-        best = self.best
-        return self.stop_rule.converged(ranked, None if best is None else best.label, len(measured_means(self.study)))
+        ranked, best = self.ranking(), self.best
+        stop = (self.stop_rule.nothing_left(self.records) if not ranked else
+                self.stop_rule.converged(ranked, None if best is None else best.label, len(measured_means(self.study))))
+        return None if stop is not None and _due_retry(self, not ranked) is not None else stop  # retry first
 
     def script_fault(self) -> str | None:
         """A failure of the user's script in this run (not a stored record's) that stops the search."""
@@ -292,8 +291,10 @@ class Tuner:
 
     def step(self, runner: TrialRunner, emit: Emit = lambda event: None,
              should_stop: Callable[[], bool] | None = None) -> str:
-        """Run one trial (with its retries: ``pipette.retry``); returns its final status, or "cancelled"."""
+        """Run one trial, or a crash's retry that is due (``pipette.retry``); its final status or "cancelled"."""
         learned = self.sampler.learned(self.study)
+        if (retry := _due_retry(self)) is not None:
+            self.study.enqueue_trial(candidate_params(retry.config))
         trial = self.study.ask(fixed_distributions=self.space)
         try:
             planned = self.sampler.by_key[params_key(trial.params)]
@@ -304,7 +305,8 @@ class Tuner:
         prediction = learned.predict(planned.config, planned.perf)
         trial.set_user_attr("tokens_per_step", self.plan.training.tokens_per_step)
         try:
-            record, cancelled = self._attempts(trial, planned, prediction, runner, emit, should_stop)
+            record, cancelled = self._attempts(trial, planned, prediction, runner, emit, should_stop,
+                                               "search" if retry is None else RETRY)
         except BaseException:
             self.study.tell(trial, state=TrialState.FAIL)
             raise
@@ -316,25 +318,43 @@ class Tuner:
         return "cancelled" if cancelled else record.measurement.status
 
     def _attempts(self, trial: optuna.Trial, planned: Planned, prediction: Prediction, runner: TrialRunner,
-                  emit: Emit, should_stop: Callable[[], bool] | None) -> tuple[TrialRecord, bool]:
+                  emit: Emit, should_stop: Callable[[], bool] | None, purpose: str) -> tuple[TrialRecord, bool]:
         """A trial's attempts until the retry policy says done: its last record, and whether cancelled."""
-        policy = RetryPolicy(self.options.retries)
+        policy = RetryPolicy(self.options.retries - retries_of(self.records, planned.config.label))
         report = Reporter(trial, self.plan.training.tokens_per_step, self.options.prune)
         attempt = 0
         while True:
             attempt += 1
-            m, cancelled, started = run_attempt(runner, planned, prediction, trial.number, attempt, "search", emit,
+            m, cancelled, started = run_attempt(runner, planned, prediction, trial.number, attempt, purpose, emit,
                                                 should_stop, report)
             if cancelled:
                 m = replace(m, status="pruned", error=STOPPED)
             record = attempt_record(trial.number, planned, prediction, m, attempt, self.job_key,
-                                    self.stack_of(planned.config), started)
+                                    self.stack_of(planned.config), started, purpose)
             after, record = policy.after(record, self.records, cancelled)
             self.records.append(record)
             emit(TuneEvent("trial_ended", trial.number, record.to_dict(), record))
             if after == "done":
                 return record, cancelled
             report.prune = report.prune and after != "rerun"
+
+
+def _due_retry(tuner: Tuner, nothing_left: bool | None = None) -> TrialRecord | None:
+    """The crash whose retry is due now (``pipette.retry``): a trial of another candidate ran since
+    (or nothing else is left: ``not tuner.ranking()`` where not given), and its candidate, if it
+    runs, is predicted faster than the best measured (any, before one)."""
+    pending = deferred(tuner.records)
+    if pending and nothing_left is None and not all(ran_since for _, ran_since in pending):
+        nothing_left = not tuner.ranking()
+    waiting = [r for r, ran_since in pending if ran_since or nothing_left]
+    if not waiting:
+        return None
+    learned, best = tuner.sampler.learned(tuner.study), incumbent_step_time(tuner.study)
+    for r in waiting:
+        planned = next(p for p in tuner.candidates if p.config.label == r.label)
+        if best is None or learned.predict(planned.config, planned.perf).step_time < best:
+            return r
+    return None
 
 
 def _runnable_candidates(

@@ -72,7 +72,14 @@ successful trial within 2% of the group's measured best (median and 90th percent
 nearest rank; a run that never gets there counts as ``> budget``), regret after 3, 5 and
 10 trials (best measured step time found / group best - 1; mean and 90th percentile; a run
 with no successful trial yet counts with the group's worst successful row), failed and
-out-of-memory trials spent over the whole run and before reaching 2%.
+out-of-memory trials spent over the whole run and before reaching 2%. What a user who stops
+early gets (issue 46, "First trials that run"): per run, whether one of its first three trials
+ran (``ok``), and the median regret after three trials; for the tuner, the median regret of its
+pick at its own stop too.
+
+``--first-sure X`` sets ``pipette.search.FIRST_SURE_TO_FIT`` for the run (the chance to fit and
+run a first trial needs; 0: the expected step time alone orders the first trials, as before
+issue 46); ``first_trials_cv.py`` chooses it across the Ultra-Scale model sizes from such runs.
 """
 
 from __future__ import annotations
@@ -96,6 +103,7 @@ import numpy as np  # noqa: E402
 import optuna  # noqa: E402
 from optuna.distributions import BaseDistribution, CategoricalDistribution  # noqa: E402
 
+from pipette import search  # noqa: E402
 from pipette.clusterfile import load_cluster  # noqa: E402
 from pipette.config import ParallelConfig  # noqa: E402
 from pipette.errors import PipetteError, SpecError  # noqa: E402
@@ -126,6 +134,8 @@ CPU4 = REPO / "examples" / "clusters" / "cpu-4.yaml"
 #: Within this fraction of the group's measured best counts as found (the issue's 2%).
 WITHIN = 0.02
 REGRET_AT: tuple[int, ...] = (3, 5, 10)
+#: What a user who stops early gets: the first this many trials (issue 46).
+FIRST = 3
 #: Timed steps per replayed trial and their spread within a trial (1%).
 STEPS = 5
 NOISE_SD = 0.01
@@ -518,6 +528,8 @@ class RunFigures:
     within_tried: bool | None = None
     learned: dict[str, Any] = field(default_factory=dict)
     confidence_overall: float | None = None
+    #: one of the first ``FIRST`` attempts ran (``ok``)
+    ran_early: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -528,7 +540,7 @@ class RunFigures:
             "would_stop": self.would_stop, "regret_at_stop": self.regret_at_stop,
             "invalid_proposals": self.invalid_proposals, "end": self.end,
             "confidence": self.confidence, "confidence_overall": self.confidence_overall,
-            "within_tried": self.within_tried, "learned": self.learned,
+            "within_tried": self.within_tried, "learned": self.learned, "ran_early": self.ran_early,
             "trials": [list(t) for t in self.trials],
         }
 
@@ -559,7 +571,7 @@ def figures(group: Group, seed: int, trace: Trace) -> RunFigures:
         trace.invalid_proposals, trace.end,
         tuple((group.configs[k].label, s) for k, s in zip(trace.keys, trace.statuses, strict=True)),
         confidence=trace.confidence, within_tried=trace.within_tried, learned=trace.learned,
-        confidence_overall=trace.confidence_overall,
+        confidence_overall=trace.confidence_overall, ran_early="ok" in trace.statuses[:FIRST],
     )
 
 
@@ -579,6 +591,8 @@ def summarize(runs: Sequence[RunFigures], budget: int) -> dict[str, Any]:
         "failed_mean": float(np.mean([r.failed for r in runs])),
         "oom_mean": float(np.mean([r.oom for r in runs])),
         "failed_before_found_mean": float(np.mean([r.failed_before_found for r in runs])),
+        "ran_early_pct": 100.0 * sum(r.ran_early for r in runs) / len(runs),
+        f"regret@{FIRST}_median": float(np.median([r.regret[FIRST] for r in runs])),
     }
     for k in REGRET_AT:
         values = [r.regret[k] for r in runs]
@@ -589,6 +603,7 @@ def summarize(runs: Sequence[RunFigures], budget: int) -> dict[str, Any]:
         out["would_stop_median"] = nearest_rank([float(r.would_stop or 0) for r in stops], 0.5)
         out["would_stop_p90"] = nearest_rank([float(r.would_stop or 0) for r in stops], 0.9)
         out["regret_at_stop_mean"] = float(np.mean([r.regret_at_stop or 0.0 for r in stops]))
+        out["regret_at_stop_median"] = float(np.median([r.regret_at_stop or 0.0 for r in stops]))
         out["regret_at_stop_p90"] = nearest_rank([r.regret_at_stop or 0.0 for r in stops], 0.9)
         out["within_2pct_at_stop_pct"] = 100.0 * sum((r.regret_at_stop or 0.0) <= WITHIN for r in stops) / len(stops)
     sure = [r for r in runs if r.confidence is not None and r.confidence >= 0.9]
@@ -633,6 +648,10 @@ def verdict(table: dict[str, dict[str, Any]], budget: int) -> list[str]:
         f"{'MET' if t['not_reached_pct'] == 0 else 'MISSED'}: never within 2% in 0% of runs "
         f"(is {t['not_reached_pct']:.1f}%)",
     ]
+    ran, early = t["ran_early_pct"], t[f"regret@{FIRST}_median"]
+    lines += [f"{'MET' if ran >= 95 else 'MISSED'}: one of the first {FIRST} trials ran in >= 95% of runs "
+              f"(is {ran:.1f}%)",
+              f"{'MET' if early <= 0.10 else 'MISSED'}: median regret after {FIRST} trials <= 10% (is {early:.2%})"]
     if "regret_at_stop_mean" in t:
         r = t["regret_at_stop_mean"]
         lines.append(f"{'MET' if r <= WITHIN else 'MISSED'}: mean regret of the pick at its own stop <= 2% "
@@ -670,7 +689,8 @@ def print_table(title: str, table: dict[str, dict[str, Any]], budget: int) -> No
     print(f"\n{title}")
     head = (f"  {'method':<9}{'runs':>6}{'to2% med':>10}{'p90':>6}{'miss%':>7}"
             + "".join(f"{'reg@' + str(k) + ' mean':>14}{'p90':>8}" for k in REGRET_AT)
-            + f"{'fail+OOM':>10}{'OOM':>6}{'before2%':>10}{'stop@med':>10}{'reg@stop':>10}")
+            + f"{'fail+OOM':>10}{'OOM':>6}{'before2%':>10}{'ran@' + str(FIRST):>7}{'reg@3 med':>10}"
+            + f"{'stop@med':>10}{'reg@stop':>10}")
     print(head)
     for method, s in table.items():
         line = (f"  {method:<9}{s['runs']:>6}{_show(s['trials_to_2pct_median'], budget):>10}"
@@ -678,6 +698,7 @@ def print_table(title: str, table: dict[str, dict[str, Any]], budget: int) -> No
         for k in REGRET_AT:
             line += f"{s[f'regret@{k}_mean']:>13.2%} {s[f'regret@{k}_p90']:>7.1%}"
         line += f"{s['failed_mean']:>10.2f}{s['oom_mean']:>6.2f}{s['failed_before_found_mean']:>10.2f}"
+        line += f"{s['ran_early_pct']:>6.1f}%{s[f'regret@{FIRST}_median']:>10.2%}"
         if "would_stop_median" in s and method == "tuner":
             line += f"{s['would_stop_median']:>10.0f}{s['regret_at_stop_mean']:>9.2%}"
         print(line)
@@ -740,6 +761,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="stress test: distort the analytic predictions per regime (module docstring), seeded")
     ap.add_argument("--trial-noise", type=float, default=TRIAL_NOISE_SD, metavar="SD",
                     help=f"trial-to-trial spread of one configuration, log sd (default {TRIAL_NOISE_SD})")
+    ap.add_argument("--first-sure", type=float, metavar="X",
+                    help=f"chance to fit a first trial needs (default {search.FIRST_SURE_TO_FIT}; module docstring)")
     ap.add_argument("--out", help="write every run's figures and the tables as JSON here")
     ap.add_argument("--check", action="store_true", help="exit 1 when a target is missed")
     ap.add_argument("--quiet", action="store_true", help="no per-group progress on stderr")
@@ -749,6 +772,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise SpecError(f"is {args.seeds}", field="--seeds", fix="give 1 or more")
         if args.budget < 1:
             raise SpecError(f"is {args.budget}", field="--budget", fix="give 1 or more")
+        if args.first_sure is not None and not 0 <= args.first_sure <= 1:
+            raise SpecError(f"is {args.first_sure}", field="--first-sure", fix="give a chance between 0 and 1")
         if not 0 <= args.trial_noise <= 1:
             raise SpecError(f"is {args.trial_noise}", field="--trial-noise",
                             fix="give a log sd between 0 and 1, e.g. 0.02 (a quiet GPU cluster) or 0.08")
@@ -766,10 +791,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         start = time.perf_counter()
         groups = load_groups(directory or REPO, sources, args.group, args.distort)
         ReplayRunner.trial_noise_sd = args.trial_noise
+        first_sure = search.FIRST_SURE_TO_FIT
+        if args.first_sure is not None:
+            search.FIRST_SURE_TO_FIT = args.first_sure
         try:
             runs = run_all(groups, args.seeds, args.budget, methods, not args.no_peak_memory, progress=not args.quiet)
+            used_first_sure = search.FIRST_SURE_TO_FIT
         finally:
             ReplayRunner.trial_noise_sd = TRIAL_NOISE_SD
+            search.FIRST_SURE_TO_FIT = first_sure
     except PipetteError as e:
         print(f"replay: {e}", file=sys.stderr)
         return 2
@@ -777,6 +807,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"Replay on real measurements: {len(groups)} groups, {args.seeds} seeds, budget {args.budget} trials"
           + (f", analytic prior distorted (seed {args.distort})" if args.distort is not None else "")
           + (f", trial noise {args.trial_noise:g}" if args.trial_noise != TRIAL_NOISE_SD else "")
+          + (f", first trials need {used_first_sure:g} sure to fit" if args.first_sure is not None else "")
           + f" ({time.perf_counter() - start:.0f} s)")
     for scope, table in result.items():
         n = len({r.group for r in runs if scope == "overall" or r.source == scope})
@@ -793,7 +824,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"targets ({scope}): " + ("all met" if not missed else f"{len(missed)} missed"))
     if out_path is not None:
         payload = {"budget": args.budget, "seeds": args.seeds, "within": WITHIN, "noise_sd": NOISE_SD,
-                   "trial_noise_sd": args.trial_noise, "distort": args.distort,
+                   "trial_noise_sd": args.trial_noise, "distort": args.distort, "first_sure": used_first_sure,
                    "steps": STEPS, "oom_fraction": OOM_FRACTION, "peak_memory": not args.no_peak_memory,
                    "tables": result, "targets": lines, "runs": [r.to_dict() for r in runs]}
         out_path.write_text(json.dumps(payload, indent=1))

@@ -15,7 +15,7 @@ from pipette.tuner import TuneOptions, Tuner
 def test_a_pick_that_alone_ran_ok_is_not_called_sure() -> None:
     cluster = homogeneous_cluster("a100-40gb", nodes=1, devices_per_node=8, intra_bandwidth=300e9, inter_bandwidth=25e9)
     plan = make_plan(ModelSpec.preset("llama2-7b"), TrainingSpec(global_batch=32, seq_len=2048), cluster)
-    ok = plan.ranked[0].config.label
+    ok = Tuner(plan, TuneOptions(max_trials=6)).ranking()[0].planned.config.label  # the first proposed
     tokens = plan.training.tokens_per_step
 
     def runner(config: ParallelConfig, on_step: object) -> Measurement:
