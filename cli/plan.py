@@ -56,8 +56,6 @@ def add_parser(sub: Any) -> None:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from pipette.clusterfile import load_cluster
-    from pipette.emit import launch_sh_lines, stack_launch_command, write_launch_files
-    from pipette.fits import memory_headroom
     from pipette.plan import DEFAULT_MARGIN, make_plan
     from pipette.stack_choice import choose_stack, pricing_lines
     from pipette.stacks import get_stacks
@@ -79,56 +77,81 @@ def cmd_plan(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     plan = make_plan(model, training, cluster, margin=margin, stack=stacks)
     elapsed = time.perf_counter() - start
-    pick = plan.launch_pick  # the fastest sure to fit: a launch cannot retry after running out of memory
-    stack = plan.stack_of(pick.config)  # with several stacks: the one that runs it
-    files: dict[str, str] = {}
-    if not args.no_files:
-        try:
-            written = write_launch_files(
-                args.out, model, training, pick.config, cluster, stack=stack,
-                extra={"predicted": pick.to_dict(),
-                       "memory_headroom": memory_headroom(pick.memory, plan.fits_prior or stack.fits_prior(
-                           plan.cluster.device_spec.kind))},
-            )
-        except OSError as e:
-            raise SpecError(
-                f"cannot write {args.out!r} ({e.strerror})", field="--out", fix="give a writable folder"
-            ) from None
-        files = {k: str(v) for k, v in written.items()}
+    files = {} if args.no_files else _write_launch_files(args, plan)
     if args.json:
-        out = {"pricing": pricing, **plan.to_dict(top=top)}
-        out["planning_seconds"] = elapsed
-        out["files"] = files
-        out["launch_pick"] = {"rank": plan.ranked.index(pick) + 1, "label": pick.config.label,
-                              "chance_to_fit": pick.chance_to_fit, "sure_to_fit": pick.sure_to_fit}
-        # a stack Pipette writes no launcher for (megatron, an option its runner does not run): None
-        out["launch_command"] = stack_launch_command(pick.config, cluster, stack, args.out)
-        if args.trace:
-            out["traces"] = [entry for entry, _ in traced(plan, args.trace)]
-        json.dump(out, sys.stdout, indent=2)
+        json.dump(_plan_json(args, plan, pricing, top, elapsed, files), sys.stdout, indent=2)
         sys.stdout.write("\n")
         return EXIT_OK
     print("\n".join(pricing))
     _print_plan(plan, top, elapsed)
     if files:
-        print(f"\nlaunch files for {pick_words(plan)} in {args.out}/: {', '.join(sorted(files))}")
-        for line in riskier_lines(plan):
-            print(f"  {line}")
-        if "launch.sh" in files:
-            print("\n".join(launch_sh_lines(args.out, pick.config, cluster)))
-        elif MEGATRON_ARGS in files:
-            print(f"launch: your Megatron-LM job with the arguments in {args.out}/{MEGATRON_ARGS} "
-                  "(the parallel layout and batch; your model, data and optimizer arguments besides)")
-        elif NANOTRON_CONFIG in files:
-            print(f"launch: your nanotron job with the keys of {args.out}/{NANOTRON_CONFIG} merged into its config")
-        else:
-            print(f"launch: with {stack.frameworks}, from the candidate in {args.out}/candidate.json "
-                  "(Pipette writes no launcher for this stack yet)")
+        _print_launch(args, plan, files)
     if args.explain:
         print_explain(plan)
     if args.trace:
         print_traces(plan, args.trace)
     return EXIT_OK
+
+
+def _write_launch_files(args: argparse.Namespace, plan: Any) -> dict[str, str]:
+    """The launch files of ``Plan.launch_pick`` (the fastest sure to fit: a launch cannot retry after
+    running out of memory) in ``--out``, for the stack that runs it: name -> path."""
+    from pipette.emit import write_launch_files
+    from pipette.fits import memory_headroom
+
+    pick = plan.launch_pick
+    stack = plan.stack_of(pick.config)  # with several stacks: the one that runs it
+    try:
+        written = write_launch_files(
+            args.out, plan.model, plan.training, pick.config, plan.cluster, stack=stack,
+            extra={"predicted": pick.to_dict(),
+                   "memory_headroom": memory_headroom(pick.memory, plan.fits_prior or stack.fits_prior(
+                       plan.cluster.device_spec.kind))},
+        )
+    except OSError as e:
+        raise SpecError(
+            f"cannot write {args.out!r} ({e.strerror})", field="--out", fix="give a writable folder"
+        ) from None
+    return {k: str(v) for k, v in written.items()}
+
+
+def _plan_json(
+    args: argparse.Namespace, plan: Any, pricing: list[str], top: int, elapsed: float, files: dict[str, str]
+) -> dict[str, Any]:
+    """``--json``'s document: the pricing, the plan's top candidates, the launch pick and its command."""
+    from pipette.emit import stack_launch_command
+
+    pick = plan.launch_pick
+    out = {"pricing": pricing, **plan.to_dict(top=top)}
+    out["planning_seconds"] = elapsed
+    out["files"] = files
+    out["launch_pick"] = {"rank": plan.ranked.index(pick) + 1, "label": pick.config.label,
+                          "chance_to_fit": pick.chance_to_fit, "sure_to_fit": pick.sure_to_fit}
+    # a stack Pipette writes no launcher for (megatron, an option its runner does not run): None
+    out["launch_command"] = stack_launch_command(pick.config, plan.cluster, plan.stack_of(pick.config), args.out)
+    if args.trace:
+        out["traces"] = [entry for entry, _ in traced(plan, args.trace)]
+    return out
+
+
+def _print_launch(args: argparse.Namespace, plan: Any, files: dict[str, str]) -> None:
+    """Which candidate the launch files are for, the faster and riskier ones, and how to launch it."""
+    from pipette.emit import launch_sh_lines
+
+    pick = plan.launch_pick
+    print(f"\nlaunch files for {pick_words(plan)} in {args.out}/: {', '.join(sorted(files))}")
+    for line in riskier_lines(plan):
+        print(f"  {line}")
+    if "launch.sh" in files:
+        print("\n".join(launch_sh_lines(args.out, pick.config, plan.cluster)))
+    elif MEGATRON_ARGS in files:
+        print(f"launch: your Megatron-LM job with the arguments in {args.out}/{MEGATRON_ARGS} "
+              "(the parallel layout and batch; your model, data and optimizer arguments besides)")
+    elif NANOTRON_CONFIG in files:
+        print(f"launch: your nanotron job with the keys of {args.out}/{NANOTRON_CONFIG} merged into its config")
+    else:
+        print(f"launch: with {plan.stack_of(pick.config).frameworks}, from the candidate in {args.out}/candidate.json "
+              "(Pipette writes no launcher for this stack yet)")
 
 
 def print_explain(plan: Any) -> None:
@@ -264,9 +287,15 @@ def _variant(plan: Any, cfg: Any) -> str:
 
 
 def _print_plan(plan: Any, top: int, elapsed: float) -> None:
-    from pipette.estimates import MEMORY_PARTS, TIME_PARTS
-    from pipette.plan import DROP_REASONS
+    """The plan in text: what was planned, the ranked candidates, the dropped ones, the best one."""
+    _print_summary(plan, elapsed)
+    _print_ranked(plan, top)
+    _print_dropped(plan)
+    _print_best(plan)
 
+
+def _print_summary(plan: Any, elapsed: float) -> None:
+    """The model and recipe, the cluster, the stacks, and the candidate counts."""
     c = plan.cluster
     print(
         f"{plan.model.name} ({plan.model.total_params() / 1e9:.2f}B params), "
@@ -288,6 +317,10 @@ def _print_plan(plan: Any, top: int, elapsed: float) -> None:
     if plan.fits_prior is not None:
         print(f"fit: the chance to fit in memory, from the estimator's measured error ({plan.fits_prior.name}: "
               f"{plan.fits_prior.source}); ranked by the step time to expect from trying each\n")
+
+
+def _print_ranked(plan: Any, top: int) -> None:
+    """The table of the ``top`` ranked candidates."""
     cps = any(p.config.cp > 1 for p in plan.ranked[:top])  # a cp column only where a layout splits sequences
     eps = any(p.config.ep > 1 for p in plan.ranked[:top])  # an ep column only where one splits experts
     cp_head = (f" {'cp':>3}" if cps else "") + (f" {'ep':>3}" if eps else "")
@@ -305,10 +338,22 @@ def _print_plan(plan: Any, top: int, elapsed: float) -> None:
             f"{cfg.recompute:>9} {sched:>8} {p.perf.step_time:>9.3f} {p.perf.tokens_per_s:>11,.0f} "
             f"{p.perf.mfu:>6.1%} {p.perf.hfu:>6.1%} {mem:>15} {_chance(p.chance_to_fit):>5}  {_variant(plan, cfg)}"
         )
-    print("\ndropped:" if dropped else "\ndropped: none")
+
+
+def _print_dropped(plan: Any) -> None:
+    """How many candidates each rule dropped."""
+    from pipette.plan import DROP_REASONS
+
+    print("\ndropped:" if sum(plan.dropped.values()) else "\ndropped: none")
     for code, count in plan.dropped.most_common():
         if count:
             print(f"  {count:>6}  {DROP_REASONS.get(code, code)}")
+
+
+def _print_best(plan: Any) -> None:
+    """The best-ranked candidate: its placement, its time and memory part by part, its chance to fit."""
+    from pipette.estimates import MEMORY_PARTS, TIME_PARTS
+
     best = plan.best
     print(f"\nbest: {best.config.label}  (placement: {best.placement_method}; "
           f"default placement {best.default_step_time:.3f} s -> {best.perf.step_time:.3f} s)")

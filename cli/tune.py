@@ -648,8 +648,7 @@ class Progress:
 
 
 def _print_result(result: Any, out: str, files: dict[str, str]) -> None:
-    from pipette.emit import launch_sh_lines
-    from pipette.emit_script import per_node_launch_lines
+    """The tune's result in text: the verdict first, the pick, its estimates against its trials, the files."""
     from pipette.result_text import (
         confidence_lines,
         degrees,
@@ -668,13 +667,27 @@ def _print_result(result: Any, out: str, files: dict[str, str]) -> None:
     for line in interrupted_first(result) + verdict_first(result):  # before anything that reads like a result
         print(line)
     b = result.best
-    m = b.measurement
     cfg = b.config
     print(f"{'best so far' if not result.decided or result.interrupted else 'best'}: {b.label}")
     layout = " ".join(f"{k}={v}" for k, v in degrees(cfg.to_dict()))  # cp and ep only when not 1
     print(f"  {layout} micro-batch={cfg.mbs} grad-accum={cfg.grad_accum} "
           f"ZeRO-{cfg.zero_stage} recompute={cfg.recompute} schedule={cfg.schedule}")
     print(f"  {placement_line(cfg)}")
+    _print_measured(result)
+    print(f"  {what_happened(result)}")
+    for line in confidence_lines(result):
+        print(f"  {line}")
+    precision = precision_line(result)
+    if precision:
+        print(f"  {precision}")
+    if files:
+        _print_result_files(result, out, files)
+
+
+def _print_measured(result: Any) -> None:
+    """The pick's predicted and measured step time, tokens/s and peak memory, side by side."""
+    b = result.best
+    m = b.measurement
     n = result.pick_trials or 1
     measured = result.pick_step_time or m.step_time
     print(f"  {'':<18}{'predicted':>12}{'measured':>12}")
@@ -693,22 +706,22 @@ def _print_result(result: Any, out: str, files: dict[str, str]) -> None:
     headroom = result.memory_headroom()
     if headroom is not None:
         print(f"  {'memory':<18}{headroom['text']}")
-    print(f"  {what_happened(result)}")
-    for line in confidence_lines(result):
-        print(f"  {line}")
-    precision = precision_line(result)
-    if precision:
-        print(f"  {precision}")
-    if files:
-        print(f"\nfiles in {out}/: {', '.join(sorted(Path(f).name for f in files.values()))}")
-        if "launch.sh" in files:
-            print("\n".join(launch_sh_lines(out, result.best.config, result.plan.cluster)))
-        else:
-            launches = sorted(Path(f).name for f in files.values() if Path(f).name.startswith("launch-"))
-            said = {"ds_config.json": "HF Trainer: --deepspeed", "fsdp_config.json": "HF Trainer: --fsdp --fsdp_config",
-                    "torchtitan.toml": "torchtitan: --job.config_file",
-                    "accelerate_config.yaml": "accelerate launch --config_file"}
-            hint = next((f"{said[n]} {out}/{n}" for n in said if any(Path(f).name == n for f in files.values())), "")
-            print(f"launch your script: {' or '.join(f'{out}/{n}' for n in launches)}" + (f" ({hint})" if hint else ""))
-            for line in per_node_launch_lines(out, result.best.config, result.plan.cluster, launches[0]):
-                print(line)
+
+
+def _print_result_files(result: Any, out: str, files: dict[str, str]) -> None:
+    """The files written for the pick, and how to launch it: Pipette's launch.sh, or the user's script."""
+    from pipette.emit import launch_sh_lines
+    from pipette.emit_script import per_node_launch_lines
+
+    print(f"\nfiles in {out}/: {', '.join(sorted(Path(f).name for f in files.values()))}")
+    if "launch.sh" in files:
+        print("\n".join(launch_sh_lines(out, result.best.config, result.plan.cluster)))
+        return
+    launches = sorted(Path(f).name for f in files.values() if Path(f).name.startswith("launch-"))
+    said = {"ds_config.json": "HF Trainer: --deepspeed", "fsdp_config.json": "HF Trainer: --fsdp --fsdp_config",
+            "torchtitan.toml": "torchtitan: --job.config_file",
+            "accelerate_config.yaml": "accelerate launch --config_file"}
+    hint = next((f"{said[n]} {out}/{n}" for n in said if any(Path(f).name == n for f in files.values())), "")
+    print(f"launch your script: {' or '.join(f'{out}/{n}' for n in launches)}" + (f" ({hint})" if hint else ""))
+    for line in per_node_launch_lines(out, result.best.config, result.plan.cluster, launches[0]):
+        print(line)

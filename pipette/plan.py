@@ -210,10 +210,32 @@ def make_plan(
     chosen_all = get_stacks(stack)
     chosen = chosen_all[0]
     several = len(chosen_all) > 1
+    space = _candidates(model, training, cluster, chosen_all)
+    if not space.candidates:
+        raise _no_valid_candidate(model, training, cluster, space.rejected, chosen)
+    dropped: Counter[str] = Counter(space.rejected)
+    fitting, oom = _fitting(model, training, cluster, space, chosen_all, margin, memory_options, fits_prior)
+    prior = fits_prior or chosen.fits_prior(cluster.device_spec.kind)
+    dropped[OUT_OF_MEMORY] = len(oom)
+    if not fitting:
+        raise _nothing_fits(model, training, cluster, oom, margin, dropped)
+    planned = _estimated(model, training, cluster, fitting, chosen_all, constants)
+    ranked = _placed(planned, cluster, optimize_top, seed)
+    oom.sort(key=lambda d: -d.chance_to_fit)
+    return Plan(model, training, cluster, ranked, dropped, oom, margin, space.total, prior, chosen,
+                chosen_all if several else ())
+
+
+def _candidates(
+    model: ModelSpec, training: TrainingSpec, cluster: ClusterProfile, stacks: tuple[Stack, ...]
+) -> Space:
+    """The valid candidates every stack of ``stacks`` runs (each naming its stack when there are
+    several), and the others counted by the first rule they break."""
+    several = len(stacks) > 1
     kind = cluster.device_spec.kind
     candidates: list[ParallelConfig] = []
     rejected: Counter[str] = Counter()
-    for st in chosen_all:
+    for st in stacks:
         base = enumerate_space(model, training, cluster.world, sharded_pipeline=st.sharded_pipeline,
                                uneven_virtual_stages=st.uneven_virtual_stages, stack=st.name,
                                embedding_loss_split=st.embedding_loss_split)
@@ -222,17 +244,20 @@ def make_plan(
         runnable = _runnable(_stack_space(base, st, cluster), st, model, training, kind)
         rejected.update(runnable.rejected)
         candidates += [replace(c, stack=st.key) if several else c for c in runnable.candidates]
-    space = Space(candidates, rejected)
-    if not space.candidates:
-        raise _no_valid_candidate(model, training, cluster, space.rejected, chosen)
-    capacity = cluster.min_usable_memory
-    dropped: Counter[str] = Counter(space.rejected)
+    return Space(candidates, rejected)
+
+
+def _fitting(
+    model: ModelSpec, training: TrainingSpec, cluster: ClusterProfile, space: Space, stacks: tuple[Stack, ...],
+    margin: float, memory_options: MemoryOptions | None, fits_prior: FitsPrior | None,
+) -> tuple[list[tuple[ParallelConfig, MemoryEstimate, float]], list[Dropped]]:
+    """(the candidates likely enough to fit, with their memory estimate and chance to fit; the
+    others, each as its closest try), each under its stack's memory options and fits prior."""
+    kind = cluster.device_spec.kind
     fitting: list[tuple[ParallelConfig, MemoryEstimate, float]] = []
     oom: list[Dropped] = []
     for config in space.candidates:
-        st = chosen if config.stack is None else next(s for s in chosen_all if s.key == config.stack)
-        prior = fits_prior or st.fits_prior(kind)
-        options = memory_options or st.memory_options
+        st = stacks[0] if config.stack is None else _named(stacks, config.stack)
         tries = [config]
         if st.offload and kind == "gpu" and config.zero_stage >= 2:
             # CPU offload as the option of last resort: its host transfers are not priced by the
@@ -240,29 +265,48 @@ def make_plan(
             # to fit (an offload twin of a fitting candidate would tie it on time and win on memory);
             # sharded candidates only: under NO_SHARD every replica would keep the whole model on its host
             tries.append(replace(config, offload=True))
-        closest: Dropped | None = None
-        for each in tries:
-            mem = estimate_memory(model, training, each, capacity, device_kind=kind, options=options)
-            if mem.host_bytes:
-                host, fits_host = _host_check(mem, cluster)
-                if not fits_host and closest is not None:
-                    # the candidate stays out of memory: its offload twin's host bytes do not fit a node
-                    closest = replace(closest, memory=replace(closest.memory, notes=(*closest.memory.notes, host)))
-                    break
-                mem = replace(mem, notes=(*mem.notes, host))
-            chance = prior.chance_to_fit(mem, int(capacity / (1.0 + margin)))
-            if chance >= KEEP_THRESHOLD:
-                fitting.append((each, mem, chance))
-                closest = None
-                break
-            closest = Dropped(each, mem, chance)
+        fit, closest = _fit(model, training, cluster, tries, memory_options or st.memory_options,
+                            fits_prior or st.fits_prior(kind), margin)
+        if fit is not None:
+            fitting.append(fit)
         if closest is not None:
             oom.append(closest)
-    prior = fits_prior or chosen.fits_prior(kind)
-    dropped[OUT_OF_MEMORY] = len(oom)
-    if not fitting:
-        raise _nothing_fits(model, training, cluster, oom, margin, dropped)
+    return fitting, oom
 
+
+def _fit(
+    model: ModelSpec, training: TrainingSpec, cluster: ClusterProfile, tries: list[ParallelConfig],
+    options: MemoryOptions, prior: FitsPrior, margin: float,
+) -> tuple[tuple[ParallelConfig, MemoryEstimate, float] | None, Dropped | None]:
+    """The first of ``tries`` likely enough to fit (its memory estimate and chance), else the last
+    try as the dropped one; an offload try whose host bytes do not fit a node ends the tries."""
+    capacity = cluster.min_usable_memory
+    closest: Dropped | None = None
+    for each in tries:
+        mem = estimate_memory(model, training, each, capacity, device_kind=cluster.device_spec.kind, options=options)
+        if mem.host_bytes:
+            host, fits_host = _host_check(mem, cluster)
+            if not fits_host and closest is not None:
+                # the candidate stays out of memory: its offload twin's host bytes do not fit a node
+                closest = replace(closest, memory=replace(closest.memory, notes=(*closest.memory.notes, host)))
+                break
+            mem = replace(mem, notes=(*mem.notes, host))
+        chance = prior.chance_to_fit(mem, int(capacity / (1.0 + margin)))
+        if chance >= KEEP_THRESHOLD:
+            return (each, mem, chance), None
+        closest = Dropped(each, mem, chance)
+    return None, closest
+
+
+def _estimated(
+    model: ModelSpec, training: TrainingSpec, cluster: ClusterProfile,
+    fitting: list[tuple[ParallelConfig, MemoryEstimate, float]], stacks: tuple[Stack, ...],
+    constants: PerfConstants | None,
+) -> list[tuple[Planned, PerfModel]]:
+    """Each fitting candidate under the default placement of its degrees, with its step-time
+    estimate (its stack's constants for the cluster's devices, unless ``constants``) and the step
+    time to expect from trying it; best expected first."""
+    kind = cluster.device_spec.kind
     placements: dict[tuple[int, ...], tuple[int, ...]] = {}
     planned: list[tuple[Planned, PerfModel]] = []
     for config, mem, chance in fitting:
@@ -271,14 +315,20 @@ def make_plan(
             placements[key] = default_placement(config, cluster)
         placed = config.with_placement(placements[key])
         perf_model = PerfModel(model, training, placed, cluster,
-                               constants=constants or (chosen if config.stack is None else
-                                                       _named(chosen_all, config.stack)).constants_for(kind))
+                               constants=constants or (stacks[0] if config.stack is None else
+                                                       _named(stacks, config.stack)).constants_for(kind))
         perf = perf_model.estimate()
         planned.append((Planned(placed, mem, perf, perf.step_time, chance_to_fit=chance), perf_model))
     first = _fallback([q for q, _ in planned])  # once: per candidate it made planning quadratic in them
     planned = [(_with_expectation(p, first), m) for p, m in planned]
     planned.sort(key=lambda p: _rank_key(p[0]))
+    return planned
 
+
+def _placed(planned: list[tuple[Planned, PerfModel]], cluster: ClusterProfile, optimize_top: int,
+            seed: int) -> list[Planned]:
+    """The ranking after the placement optimizer has placed the ``optimize_top`` best (the others
+    keep their default placement), re-ranked by the step time to expect."""
     improved = []
     for item, perf_model in planned[:optimize_top]:
         result = optimize_placement(item.config, cluster, perf_model.step_time, seed=seed)
@@ -289,10 +339,7 @@ def make_plan(
         )
     ranked = improved + [p for p, _ in planned[optimize_top:]]
     fallback = _fallback(ranked)
-    ranked = sorted((_with_expectation(p, fallback) for p in ranked), key=_rank_key)
-    oom.sort(key=lambda d: -d.chance_to_fit)
-    return Plan(model, training, cluster, ranked, dropped, oom, margin, space.total, prior, chosen,
-                chosen_all if several else ())
+    return sorted((_with_expectation(p, fallback) for p in ranked), key=_rank_key)
 
 
 def _host_check(memory: MemoryEstimate, cluster: ClusterProfile) -> tuple[str, bool]:

@@ -13,14 +13,12 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("pipette", "workers", "service", "cli")
 MAX_CLASS_LINES = 250
 MAX_FUNCTION_LINES = 60
-#: still over the limit (file name: function), left to their owners' work
-FUNCTIONS_LEFT = {
-    "memory.py:stage_breakdowns", "perf.py:_compute_times", "perf.py:_parts",
-    "plan.py:make_plan", "plan.py:cmd_plan", "plan.py:_print_plan",
-    "tune.py:_print_result",
-}
-#: still over the limit in pipette/ (file name: class)
-CLASSES_LEFT = {"perf.py:PerfModel"}
+#: the definitions that have a name and lines
+NAMED = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+#: still over the limit (file name: function), left to their owners' work: none left (issue 44)
+FUNCTIONS_LEFT: set[str] = set()
+#: still over the limit in pipette/ (file name: class): none left
+CLASSES_LEFT: set[str] = set()
 
 
 def _files(*packages: str) -> list[Path]:
@@ -32,10 +30,10 @@ def too_long(files: list[Path], kinds: tuple[type, ...], limit: int) -> dict[str
     out: dict[str, int] = {}
     for path in files:
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, kinds) and node.end_lineno is not None:
+            if isinstance(node, NAMED) and isinstance(node, kinds) and node.end_lineno is not None:
                 lines = node.end_lineno - node.lineno + 1
                 if lines > limit:
-                    out[f"{path.name}:{node.name}"] = lines  # type: ignore[attr-defined]  # kinds have names
+                    out[f"{path.name}:{node.name}"] = lines
     return out
 
 
