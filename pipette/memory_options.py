@@ -103,7 +103,8 @@ DEVICE_KINDS: tuple[str, ...] = ("gpu", "cpu")
 # ---- outside the caching allocator (the device-used figure, ``MemoryEstimate.device_used_bytes``) ----
 #: The CUDA context, cuBLAS/cuDNN workspaces and loaded kernels of one GPU rank: measured as nvidia-smi's
 #: used bytes less the allocator's reserve, 1.68 GiB in every run of results/h100-2026-11-27 that ran
-#: (one H100, torch 2.11, CUDA 13: no NCCL communicator; 1.61 at an OOM)
+#: (one H100, torch 2.11, CUDA 13: no NCCL communicator; 1.61 at an OOM), 1.675-1.677 GiB on the H200 of
+#: results/h200-2026-11-27
 CUDA_CONTEXT_BYTES = int(1.68 * GiB)
 #: NCCL's buffer per channel and peer connection: ``NCCL_BUFFSIZE``'s documented default, 4 MiB
 #: (NCCL User Guide, "Environment Variables": NCCL_BUFFSIZE, default 4194304)
