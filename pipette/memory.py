@@ -119,12 +119,20 @@ def stage_breakdowns(
     layers = _stage_layers(model, config, options)
     nbytes = _bytes_per_param(training, config, options)
     moe = None if model.moe is None else memory_moe.stage_terms(model, training, config, layers, memory_moe.StateBytes(
-        training.dtype_bytes, nbytes.grad, nbytes.state, nbytes.master, options.shard_master_weights, options.fsdp2))
+        training.dtype_bytes, nbytes.grad, nbytes.state, nbytes.master, options.shard_master_weights, options.fsdp2),
+        _mlp_saving(training, options))
     terms = _StageTerms(
         model, training, config, options, _params_per_rank(model, training, config, options), nbytes,
         _activations(model, training, config, options), moe, exchange, device_kind == "gpu",
     )
     return [_stage(terms, i, layers_i, host) for i, layers_i in enumerate(layers)]
+
+
+def _mlp_saving(training: TrainingSpec, options: MemoryOptions) -> memory_moe.MlpSaving:
+    """How the stack stores an MoE model's MLPs (``memory_moe.MlpSaving``): as ``_te_layer`` the dense ones
+    (quantized inputs under full training only: an adapter reads the same input in bf16)."""
+    q = options.linear_input_bytes if training.lora is None else None
+    return memory_moe.MlpSaving(options.fused_swiglu, q, options.recompute_modules)
 
 
 def _stage_layers(model: ModelSpec, config: ParallelConfig, options: MemoryOptions) -> tuple[int, ...]:
@@ -197,6 +205,8 @@ def _bytes_per_param(training: TrainingSpec, config: ParallelConfig, options: Me
     grad_bytes = FP32_BYTES if (options.grad_accum_fp32 or bf16_optimizer or bf16_grads or not mixed) else d
     # Adam: m and v in fp32; SGD: one momentum buffer. Mixed precision adds the fp32 master.
     state_bytes = (2 if training.optimizer in ("adam", "adamw") else 1) * FP32_BYTES
+    if options.optimizer_moment_bytes is not None and training.optimizer in ("adam", "adamw"):
+        state_bytes = options.optimizer_moment_bytes
     master_bytes = FP32_BYTES if mixed else 0
     w_shard = n_d if z >= 3 else 1  # P_os+g+p
     g_shard = n_d if z >= 2 else 1  # P_os+g
@@ -227,6 +237,8 @@ def _activations(
     if training.lora is not None and not options.frozen_inputs_saved:
         act_split, act_seq = _without_frozen_inputs(model, training, s, b, d, act_split, act_seq)
     act_split, act_seq = _te_layer(model, training, s, b, d, act_split, act_seq, options)
+    if "mla_up_proj" in options.recompute_modules:
+        act_split, act_kv = memory_moe.without_mla_up_proj(model, s, b, d, act_split, act_kv)
     act_sharded = act_split / t + act_kv / min(t, model.kv_heads)
     act_seq_t = act_seq / t if options.sequence_parallel else act_seq
     # the two norm outputs a layer gathers whole under DTensor's sequence parallelism, beyond their
@@ -510,20 +522,23 @@ def _te_layer(
     model: ModelSpec, training: TrainingSpec, s: int, b: int, d: int, split: float, seq: float,
     options: MemoryOptions,
 ) -> tuple[float, float]:
-    """``_layer_activations``' split and sequence parts of a dense Llama layer as Megatron-Core with
+    """``_layer_activations``' split and sequence parts of a Llama-style layer as Megatron-Core with
     Transformer Engine stores them: the fused SwiGLU keeps no SiLU output (``fused_swiglu``: minus
-    ``dsbf``); under a low-precision recipe (``linear_input_bytes`` q, full training) the two norm
-    outputs and the down projection's input are kept at q bytes instead of d, and the output
-    projection keeps a q-byte copy of the attention's output beside the bf16 one the attention keeps."""
-    if model.arch != "llama" or model.moe is not None or model.attention is not None:
+    ``dsbf`` on a dense MLP; the experts' are ``memory_moe``'s); under a low-precision recipe
+    (``linear_input_bytes`` q, full training) the attention norm's output and the dense MLP norm's and
+    down projection's inputs are kept at q bytes instead of d, and the output projection keeps a q-byte
+    copy of the attention's output beside the bf16 one the attention keeps. An MoE layer's MLP norm
+    output stays in d: its router (a plain linear, not TE's) saves it for its weight gradient."""
+    if model.arch != "llama":
         return split, seq
-    sb, f, h = s * b, model.ffn_hidden, model.hidden
+    sb, f, h = s * b, memory_moe.dense_ffn(model), model.hidden
     if options.fused_swiglu:
         split -= d * sb * f
     q = options.linear_input_bytes
     if q is not None and training.lora is None:
-        seq -= 2 * (d - q) * sb * h
-        split += q * sb * h - (d - q) * sb * f
+        norms = 1 if model.moe is not None else 2
+        seq -= norms * (d - q) * sb * h
+        split += q * sb * memory_moe.attention_output_width(model) - (d - q) * sb * f
     return split, seq
 
 

@@ -169,6 +169,25 @@ def layer_activations(model: ModelSpec, s: int, b: int, d: int) -> tuple[float, 
     return float(split), float(d * sb * (k + v)), float(seq), float(d * model.heads * s * s * b)
 
 
+def attention_output_width(model: ModelSpec) -> int:
+    """The width of the attention's output (the output projection's input): heads x v_head_dim under MLA,
+    heads x head_dim otherwise."""
+    mla = model.attention.mla if model.attention is not None else None
+    return model.heads * (mla.v_head_dim if mla is not None else model.head_dim)
+
+
+def without_mla_up_proj(model: ModelSpec, s: int, b: int, d: int, split: float, kv: float) -> tuple[float, float]:
+    """``layer_activations``' split and k, v parts with MLA's up-projected q, k and v recomputed (Megatron-Core's
+    ``mla_up_proj`` recompute module: ``MLASelfAttention`` runs the up projections under
+    ``CheckpointWithoutOutput`` and discards their outputs once the core attention has saved them,
+    megatron/core/transformer/multi_latent_attention.py); the latents stay, as the checkpoint's inputs.
+    A model without MLA keeps its own."""
+    mla = model.attention.mla if model.attention is not None else None
+    if mla is None:
+        return split, kv
+    return split - d * s * b * model.heads * mla.qk_head_dim, 0.0
+
+
 def kv_linear(model: ModelSpec) -> int:
     """The k and v weights ``pipette.memory`` splits over ``min(t, kv_heads)`` (grouped-query
     attention); 0 under MLA, whose ``kv_b_proj`` splits over ``t`` with the heads."""
@@ -182,23 +201,52 @@ def dense_ffn(model: ModelSpec) -> int:
     return 0 if model.moe is not None else model.ffn_hidden
 
 
-def layer_mlp_activations(model: ModelSpec, config: ParallelConfig, s: int, d: int) -> tuple[float, float, float]:
+@dataclass(frozen=True)
+class MlpSaving:
+    """How a stack stores an MLP's activations (``pipette.memory_options.MemoryOptions``): the fused SwiGLU
+    (no SiLU output), the linear inputs in the recipe's format (q bytes, None: the training dtype) and the
+    recompute modules (``moe_act``: the routed experts' activation output dropped; ``mlp``: the layer's
+    MLP rebuilt from its input)."""
+
+    fused_swiglu: bool = False
+    input_bytes: float | None = None
+    recompute: tuple[str, ...] = ()
+
+
+def swiglu_bytes(f: float, d: int, saving: MlpSaving, act_recomputed: bool = False) -> float:
+    """Bytes per token a SwiGLU MLP of width ``f`` keeps between its two projections: the gate and up outputs
+    (``2 d f``), the SiLU output (``d f``) unless fused (Megatron-Core's ``bias_swiglu_impl`` recomputes it),
+    and the down projection's input (``d f``; q f where TE saves it quantized, none where ``moe_act``
+    drops it and nothing quantized keeps a copy)."""
+    down = saving.input_bytes if saving.input_bytes is not None else (0.0 if act_recomputed else d)
+    return 2 * d * f + (0 if saving.fused_swiglu else d * f) + down * f
+
+
+def layer_mlp_activations(model: ModelSpec, config: ParallelConfig, s: int, d: int,
+                          saving: MlpSaving = MlpSaving()) -> tuple[float, float, float]:
     """Bytes one micro-batch keeps of (a dense MLP layer, an MoE layer) and one MoE layer's
-    all-to-all buffers (the module docstring)."""
+    all-to-all buffers (the module docstring), the MLPs stored as ``saving`` says."""
     moe, h, t, b = moe_of(model), model.hidden, config.tp, config.mbs
     deg = ExpertDegrees.of(config, moe.experts)
     sb = s * b
     tokens = sb / t  # T_r: sequence-parallel tokens routed by each tensor rank
     copies = routed_tokens(moe, tokens)
     router = tokens * moe.experts * (d + FP32_BYTES) + INDEX_BYTES * tokens * moe.top_k
-    experts = d * copies * (2 * h + 4 * moe.expert_ffn / deg.etp)
-    shared = 4 * d * sb * moe.shared_ffn / t
-    dense = 4 * d * sb * model.ffn_hidden / t
+    # each copy: fc1's input (q bytes where TE's grouped linear saves it quantized), the SwiGLU, and the
+    # experts' output before the combine (d)
+    q_in = saving.input_bytes if saving.input_bytes is not None else d
+    act_recomputed = "moe_act" in saving.recompute
+    experts = copies * (q_in * h + d * h + swiglu_bytes(moe.expert_ffn / deg.etp, d, saving, act_recomputed))
+    # the shared experts read the norm output the router keeps in d, and keep a q copy of it where quantized
+    shared = 0.0
+    if moe.shared_ffn:
+        shared = sb / t * ((saving.input_bytes or 0.0) * h + swiglu_bytes(moe.shared_ffn, d, saving))
+    dense = sb / t * swiglu_bytes(model.ffn_hidden, d, saving)
     return float(dense), float(router + experts + shared), float(d * copies * h)
 
 
 def stage_terms(model: ModelSpec, training: TrainingSpec, config: ParallelConfig, layers: tuple[int, ...] | list[int],
-                nbytes: StateBytes) -> list[dict[str, float]]:
+                nbytes: StateBytes, saving: MlpSaving = MlpSaving()) -> list[dict[str, float]]:
     """Per stage: the MLPs' weights, gradients, optimizer states (bytes per rank), their activations
     for one micro-batch (``per_micro_batch``), the heaviest layer's (``one_layer``: rebuilt under full
     recomputation) and the all-to-all buffers."""
@@ -206,7 +254,7 @@ def stage_terms(model: ModelSpec, training: TrainingSpec, config: ParallelConfig
     deg = ExpertDegrees.of(config, moe.experts)
     dense_p, shared_p, expert_p = mlp_params(model, config)
     dense_a, shared_a, expert_a = lora_mlp_params(model, training, config)
-    act_dense, act_moe, dispatch = layer_mlp_activations(model, config, training.seq_len, training.dtype_bytes)
+    act_dense, act_moe, dispatch = layer_mlp_activations(model, config, training.seq_len, training.dtype_bytes, saving)
     z, n_d, full = config.zero_stage, config.dp * config.cp, training.method == "full"
     out = []
     for dense, sparse in stage_mlp_layers(model, layers):
@@ -223,6 +271,12 @@ def stage_terms(model: ModelSpec, training: TrainingSpec, config: ParallelConfig
             terms["optimizer"] += o
         one = act_moe if sparse else (act_dense if dense else 0.0)
         buffers = dispatch if sparse else 0.0
+        kept_dense, kept_moe = act_dense, act_moe
+        if "mlp" in saving.recompute:
+            # only the MLP's input is kept (the norm output, the dense path's); one layer's MLP is rebuilt
+            # at a time in the backward
+            kept_dense, kept_moe = 0.0, 0.0
+            buffers += one
         if nbytes.fsdp2 and dense + sparse:
             # FSDP2 gathers each layer's sharded MLP (its local experts over edp) in the parameter dtype
             # (pipette.memory._fsdp2_state): two layers in flight under FULL_SHARD without a pipeline,
@@ -232,7 +286,7 @@ def stage_terms(model: ModelSpec, training: TrainingSpec, config: ParallelConfig
                 buffers += whole * min(2, dense + sparse) / (dense + sparse)
             else:
                 terms["weights"] += whole
-        out.append({**terms, "per_micro_batch": dense * act_dense + sparse * act_moe, "one_layer": one,
+        out.append({**terms, "per_micro_batch": dense * kept_dense + sparse * kept_moe, "one_layer": one,
                     "buffers": buffers})
     return out
 
@@ -253,6 +307,6 @@ def _state(psi: float, trainable: float, shards: int, zero: int, nbytes: StateBy
     return w, g, o
 
 
-__all__ = ["EXPERT_TARGETS", "ExpertDegrees", "StateBytes", "dense_ffn", "kv_linear", "layer_activations",
-           "layer_mlp_activations", "lora_mlp_params", "mlp_params", "routed_tokens", "stage_mlp_layers",
-           "stage_terms"]
+__all__ = ["EXPERT_TARGETS", "ExpertDegrees", "MlpSaving", "StateBytes", "attention_output_width", "dense_ffn",
+           "kv_linear", "layer_activations", "layer_mlp_activations", "lora_mlp_params", "mlp_params", "routed_tokens",
+           "stage_mlp_layers", "stage_terms", "swiglu_bytes", "without_mla_up_proj"]

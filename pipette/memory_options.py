@@ -225,6 +225,16 @@ class MemoryOptions:
     #: How context parallelism exchanges the keys and values (``pipette.memory_cp.CP_COMMS``): what
     #: a cp rank holds in flight during a layer's attention (``memory_cp.exchange_bytes``)
     cp_comm: str = "p2p"
+    #: Megatron-Core's selective recomputation modules a recipe names (``recompute_modules``; its
+    #: ``recompute_granularity = "selective"``): ``mla_up_proj`` (MLA's up-projected q, k and v are dropped
+    #: once the core attention has run and rebuilt for the backward: ``qkv_up_checkpoint``), ``moe_act``
+    #: (the routed experts' activation output: ``activation_checkpoint``), ``mlp`` (the whole MLP or MoE
+    #: layer rebuilt from its input: megatron/core/transformer/transformer_layer.py, ``recompute_mlp``)
+    recompute_modules: tuple[str, ...] = ()
+    #: Bytes per parameter of Adam's two moments where a recipe runs Megatron-Core's precision-aware
+    #: optimizer (``use_precision_aware_optimizer`` with ``exp_avg_dtype`` / ``exp_avg_sq_dtype``; None: two
+    #: fp32 moments, 8). Megatron-Bridge's DeepSeek-V3 recipe keeps both in bf16: 4.
+    optimizer_moment_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.capacity_figure not in ("reserved", "device-used"):

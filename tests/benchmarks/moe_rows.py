@@ -87,6 +87,38 @@ def bridge_recipe(row: Row) -> BridgeMoeRecipe:
     return BridgeMoeRecipe("deepep", False, False)
 
 
+#: DeepSeek-V3's decoder layers per pipeline chunk (pp x vp of them) in Megatron-Bridge's layouts
+#: (``_get_deepseek_v3_pipeline_layout`` of megatron/bridge/recipes/deepseek/deepseek_v3.py, the perf configs'
+#: ``pp_layout``: "Et*4|(t*4|)*14tmL" for 16 chunks, "Et|(tt|)*30mL" for H100's 32): the embedding beside the
+#: first chunk's layers, the MTP module and the loss beside the last one's
+DEEPSEEK_V3_CHUNK_LAYERS = {8: (8,) * 7 + (5,), 16: (4,) * 15 + (1,), 32: (1,) + (2,) * 30 + (0,)}
+
+
+def bridge_moe_memory(row: Row) -> tuple[tuple[str, object], ...]:
+    """What a Megatron-Bridge MoE row's recipe sets that its memory reads (``Row.recipe_memory``): both
+    families' perf configs reduce the gradients in bf16 (``set_deepseek_v3_common_configs`` /
+    ``set_qwen3_common_configs``: ``grad_reduce_in_fp32 = False``); DeepSeek-V3's recipe keeps Adam's moments
+    in bf16 (``exp_avg_dtype`` / ``exp_avg_sq_dtype``), recomputes the perf config's ``recompute_modules``
+    (25.x, workload_base_configs.py: GB300 ``moe_act``, GB200 and B200 ``mla_up_proj``, H100 with ``mlp``;
+    26.x, deepseek_workload_base_configs.py: ``mla_up_proj`` (with ``mlp`` on B200 ep 32) except the
+    GB300 MXFP8 micro-batch-1 full-iteration graph, none) and splits its 61 layers by its layout per rank
+    (``DEEPSEEK_V3_CHUNK_LAYERS``). Qwen3-30B-A3B's recompute nothing."""
+    out: list[tuple[str, object]] = [("bf16_fp32_grads", False)]
+    if not row.group[0].startswith("DeepSeekV3"):
+        return tuple(out)
+    gpu, new, cfg = row.group[2], row.row_id.startswith("mb:26."), row.config
+    recipe = bridge_recipe(row)
+    if gpu == "GB300":
+        modules: tuple[str, ...] = (() if recipe.full_graph else ("mla_up_proj",)) if new else ("moe_act",)
+    else:
+        modules = ("mla_up_proj",) + (("mlp",) if recipe.mlp_recompute else ())
+    out += [("optimizer_moment_bytes", 4), ("recompute_modules", modules)]
+    chunks = DEEPSEEK_V3_CHUNK_LAYERS.get(cfg.pp * cfg.virtual_stages)
+    if chunks is not None:
+        out.append(("stage_layers", tuple(sum(chunks[r::cfg.pp]) for r in range(cfg.pp))))
+    return tuple(out)
+
+
 @dataclass
 class MoeSet:
     name: str
@@ -116,11 +148,12 @@ def _bridge_row(r: dict[str, str]) -> Row:
     config = ParallelConfig(tp=tp, pp=pp, dp=dp, ep=ep, etp=1, mbs=mbs, global_batch=gb, zero_stage=1,
                             recompute="none", schedule=schedule, virtual_stages=vp)
     recipe = BRIDGE_RECIPES[r["precision"]]
-    return Row(source="megatron_bridge", group=(r["model"], r["task"], r["gpu"], r["world"], r["precision"]),
+    row = Row(source="megatron_bridge", group=(r["model"], r["task"], r["gpu"], r["world"], r["precision"]),
                model=bridge_model(r["model"], seq), training=training, config=config,
                cluster=_bridge_cluster(r["gpu"], int(r["nodes"]), int(r["gpus_per_node"])), ok=True,
                step_time=float(r["meas_step_s"]), tokens_per_s_per_gpu=float(r["tps_per_gpu"]),
                stack="megatron" + (f"+{recipe}" if recipe else ""), row_id=r["row_id"])
+    return replace(row, recipe_memory=bridge_moe_memory(row))
 
 
 def load_bridge_moe(directory: Path) -> MoeSet:
@@ -188,5 +221,5 @@ def load_simumax_moe(directory: Path) -> MoeSet:
     return out
 
 
-__all__ = ["BRIDGE_MODELS", "BridgeMoeRecipe", "MoeSet", "bridge_model", "bridge_recipe", "load_bridge_moe",
-           "load_simumax_moe", "simumax_model"]
+__all__ = ["BRIDGE_MODELS", "DEEPSEEK_V3_CHUNK_LAYERS", "BridgeMoeRecipe", "MoeSet", "bridge_model",
+           "bridge_moe_memory", "bridge_recipe", "load_bridge_moe", "load_simumax_moe", "simumax_model"]
