@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -99,15 +101,31 @@ def launch(argv: list[str], world: int, device_kind: str, timeout_s: float,
            env: dict[str, str] | None = None) -> tuple[list[list[dict[str, Any]]], list[int], list[str]]:
     """Start ``world`` rank processes of ``python argv`` with the environment every transport
     gives a rank (``pipette.contract.rank_env``: on GPUs each rank sees only its own, GPU
-    ``rank``); returns each rank's events, exit status and output tail."""
+    ``rank``); returns each rank's events, exit status and output tail. CPU ranks of
+    ``-m MODULE`` fork from one warm process (``tests.fsdp.forkranks``), as the product's CPU
+    ranks fork from a node's zygote; GPU ranks start a fresh interpreter each."""
     master = ("127.0.0.1", free_port())
-    procs = []
-    logs = [tempfile.TemporaryFile(mode="w+") for _ in range(world)]
+    work = Path(tempfile.mkdtemp(prefix="pipette-ranks-"))
+    logs = [work / f"rank{rank}.log" for rank in range(world)]
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    for rank in range(world):
-        rank_environ = os.environ | rank_env(device_kind, rank, world, master, gpu=str(rank)) | {"PYTHONPATH": path}
-        procs.append(subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=rank_environ | (env or {}),
-                                      stdout=logs[rank], stderr=subprocess.STDOUT, text=True))
+    envs = [os.environ | rank_env(device_kind, rank, world, master, gpu=str(rank)) | {"PYTHONPATH": path} | (env or {})
+            for rank in range(world)]
+    codes_path = work / "codes.json"
+    procs: list[subprocess.Popen[bytes]] = []
+    forked = device_kind == "cpu" and argv[0] == "-m"
+    if forked:
+        spec = {"module": argv[1], "args": argv[2:], "envs": envs, "logs": [str(p) for p in logs],
+                "codes": str(codes_path)}
+        (work / "spec.json").write_text(json.dumps(spec))
+        with open(work / "fork.err", "wb") as err:
+            procs.append(subprocess.Popen([sys.executable, "-m", "tests.fsdp.forkranks", str(work / "spec.json")],
+                                          cwd=ROOT, env=envs[0], stdout=subprocess.DEVNULL, stderr=err,
+                                          start_new_session=True))
+    else:
+        for rank in range(world):
+            with open(logs[rank], "wb") as out:
+                procs.append(subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=envs[rank], stdout=out,
+                                              stderr=subprocess.STDOUT))
     deadline = time.monotonic() + timeout_s
     try:
         for p in procs:
@@ -117,15 +135,24 @@ def launch(argv: list[str], world: int, device_kind: str, timeout_s: float,
     finally:
         for p in procs:
             if p.poll() is None:
-                p.kill()
+                if forked:  # the launcher's process group: its ranks (a rank that left it dies with it)
+                    os.killpg(p.pid, signal.SIGKILL)
+                else:
+                    p.kill()
                 p.wait()
+    codes = [int(p.returncode) for p in procs]
+    if forked:  # each rank's status, or the launcher's for all when it ended first
+        codes = json.loads(codes_path.read_text()) if codes_path.exists() else codes * world
     events, tails = [], []
     for log in logs:
-        log.seek(0)
-        split = [split_event(line) for line in log.read().splitlines()]
+        text = log.read_text(errors="replace") if log.exists() else ""
+        split = [split_event(line) for line in text.splitlines()]
         events.append([json.loads(e) for e, _ in split if e is not None])
         tails.append("\n".join(text for e, text in split if e is None)[-6000:])
-    return events, [int(p.returncode) for p in procs], tails
+    if (work / "fork.err").exists() and (said := (work / "fork.err").read_text(errors="replace")):
+        tails[0] = f"{tails[0]}\nthe fork launcher: {said[-2000:]}"
+    shutil.rmtree(work, ignore_errors=True)
+    return events, codes, tails
 
 
 def run_batch(cases: dict[str, TrialSpec], world: int, device_kind: str, timeout_s: float,

@@ -194,16 +194,30 @@ def run(rank: int, world: int, backend: str, init: str, out_dir: str, names: lis
 
 
 def spawn(world: int, backend: str, tmp: Path, names: list[str]) -> list[dict[str, Any]]:
-    """``world`` ranks of ``run`` (torch.multiprocessing); each rank's results."""
-    from torch.multiprocessing.spawn import spawn as spawn_ranks
+    """``world`` ranks of ``run``; each rank's results. On gloo they fork from one warm process
+    (``tests.fsdp.cases.launch``: each rank would import torch and transformers itself), on NCCL
+    ``torch.multiprocessing`` spawns them."""
+    if backend == "gloo":
+        from tests.fsdp.cases import launch
 
-    init = f"file://{tmp / 'store'}"
-    spawn_ranks(run, args=(world, backend, init, str(tmp), names), nprocs=world, join=True)  # type: ignore[no-untyped-call]
+        _, codes, tails = launch(["-m", "tests.fsdp.expert_ranks", "rank", str(tmp), *names], world, "cpu", 300)
+        assert not any(codes), f"exit codes {codes}\n" + "\n".join(tails)[-6000:]
+    else:
+        from torch.multiprocessing.spawn import spawn as spawn_ranks
+
+        init = f"file://{tmp / 'store'}"
+        spawn_ranks(run, args=(world, backend, init, str(tmp), names), nprocs=world, join=True)  # type: ignore[no-untyped-call]
     return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(world)]
 
 
-if __name__ == "__main__":  # python -m tests.fsdp.expert_ranks WORLD BACKEND: print the results
+if __name__ == "__main__":
+    import os
+
+    if sys.argv[1] == "rank":  # python -m tests.fsdp.expert_ranks rank OUT_DIR CASE...: one rank (launch's env)
+        run(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), "gloo", "env://", sys.argv[2], sys.argv[3:])
+        sys.stdout.flush()
+        os._exit(0)
     import tempfile
 
-    with tempfile.TemporaryDirectory() as d:
+    with tempfile.TemporaryDirectory() as d:  # python -m tests.fsdp.expert_ranks WORLD BACKEND: print the results
         print(json.dumps(spawn(int(sys.argv[1]), sys.argv[2], Path(d), list(CASES)), indent=1))

@@ -4,6 +4,7 @@ states counted by hand, and the fsdp stack's estimate term by term."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 
 import pytest
@@ -54,8 +55,11 @@ def test_tiny_optimizer_state_is_two_fp32_moments_of_the_shard() -> None:
 @pytest.mark.slow
 def test_llama3_8b_fsdp2_over_8_fake_ranks_in_a_minute() -> None:
     model = MODEL_PRESETS["llama3-8b"]
+    cpu = time.process_time()
     trace = trace_rank(_trial(model, 8, 4096, "bf16", dp=8, mbs=1, zero_stage=3, recompute="selective"))
-    assert trace.seconds < 60
+    # this process's CPU seconds, not the wall's: on a loaded machine the wall counts other work
+    # too (86 s of wall on the 2-core VM at load 9, tests/fsdp run alone)
+    assert time.process_time() - cpu < 60, (time.process_time() - cpu, trace.seconds)
     # 8.03e9 parameters over 8 shards: 7.48 GiB of Adam moments (not the 50 GiB of an unsharded count)
     assert trace.at_peak["optimizer"] == _optimizer_by_hand(model, 8)
     assert 7.4 * GiB < trace.at_peak["optimizer"] < 7.6 * GiB
