@@ -42,8 +42,17 @@ def test_only_dropless_routing_waits_on_the_host() -> None:
 
 def test_a_recomputed_moe_layer_runs_its_forward_again_in_the_backward() -> None:
     def times(k: perf_moe.MoeConstants) -> tuple[float, float, float, float]:
-        return perf_moe.layer_times(QWEN, TRAINING, CONFIG, gemm=lambda f: f / 400e12, grouped_peak=989e12,
-                                    large=0.6, bandwidth=3.35e12, ffn_passes=2.0, k=k)
+        return perf_moe.layer_times(
+            QWEN,
+            TRAINING,
+            CONFIG,
+            gemm=lambda f: f / 400e12,
+            grouped_peak=989e12,
+            large=0.6,
+            bandwidth=3.35e12,
+            ffn_passes=2.0,
+            k=k,
+        )
 
     plain, again = times(perf_moe.DEFAULT_MOE), times(replace(perf_moe.DEFAULT_MOE, layer_recompute=True))
     assert again[:3] == plain[:3]
