@@ -122,7 +122,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("stop_probability", float, 0.05, "...with more than this chance", ge=0.0, lt=1.0),
     Option("prune", bool, True, "stop a trial early when it is clearly slower than the best"),
     Option("prune_slower", float, 0.25, "how much slower counts as clearly (a fraction)", ge=0.0, lt=1.0),
-    Option("retries", int, 1, "reruns of a trial that failed or timed out", ge=0, cap=5),
+    Option("retries", int, 1, "retries of a failed or timed-out candidate (each a later trial)", ge=0, cap=5),
     Option("seed", int, 0, "seed of the search and of the trials' data", ge=0, le=2**31 - 1),
     Option("retime", int, 3, "before the verdict, re-time the best this many candidates, interleaved "
            "(0: do not); {reserve} trials of {max_trials} are kept for it", ge=0, cap=10),
