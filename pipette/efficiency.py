@@ -83,7 +83,7 @@ CPU_STEEPNESS = 0.96
 
 
 #: bf16 matmul throughput of one H100 80GB HBM3 as the probe measured it (workers.rank.probe,
-#: CUDA events, 2026-11-23; tests/benchmarks/results/h100-2026-11-23/probe.json): (FLOPs of one
+#: CUDA events; the run: tests/benchmarks/results/h100-2026-11-23/probe.json): (FLOPs of one
 #: GEMM, fraction of the 989 TFLOP/s data-sheet peak), at 1024^3, 2048^3, 4096^3 (twice),
 #: 4096 x 4096 x 14336 and 8192^3. Small GEMMs are bound by the ~10 us a kernel takes at least.
 H100_MEASURED_BF16: tuple[tuple[float, float], ...] = (

@@ -29,6 +29,7 @@ from pipette.efficiency import family
 from pipette.errors import SpecError
 from pipette.fits import CPU, FSDP_GPU, MEGATRON_GPU, NANOTRON_GPU, PIPETTE_GPU, FitsPrior
 from pipette.fsdp_rules import fsdp_problems
+from pipette.layout import stack_layout
 from pipette.memory_options import (
     DEFAULT_OPTIONS,
     FP8_INPUT_BYTES,
@@ -235,6 +236,10 @@ class Stack:
         if self.native_rules and model is not None and training is not None \
                 and fsdp_problems(model, training, config, device_kind, world=None):
             broken.append("stack_native_split")
+        # the degrees its rank layout does not run (cp, ep and their rules: ``pipette.layout``); last, so a
+        # candidate the rules above refuse too is counted as before
+        if stack_layout(self.name).problems(config):
+            broken.append("stack_layout")
         return broken
 
     def calibration_note(self, device: DeviceSpec) -> str | None:
@@ -270,6 +275,8 @@ FAMILY_CURVES: dict[str, str] = {
 
 #: Why a candidate is refused by its stack, by code (the plan's drop reasons).
 STACK_RULES: dict[str, str] = {
+    "stack_layout": "the stack cannot lay out the ranks so (a cp or ep degree it does not run, or an ep its "
+                    "data-parallel ranks do not hold: pipette.layout)",
     "stack_tp": "the stack has no tensor parallelism",
     "stack_pp": "the stack has no pipeline parallelism",
     "stack_zero": "the stack has no such ZeRO/FSDP sharding mode",
@@ -281,10 +288,10 @@ STACK_RULES: dict[str, str] = {
 }
 
 #: Pipette's runner on CPU workers (gloo, fp32): ``HF_DEEPSPEED_CONSTANTS`` with the terms a CPU
-#: run spends its time in fitted on the runner's own CPU trials (the GPU constants priced them
-#: 2.7-3.0x fast, ranking the two stacks' candidates on different scales). Fitted by
-#: tests/benchmarks/pipette_cpu_fit.py on 36 of the 72 pipette candidates of real_tuning.py's
-#: exhaustive run over both families (tiny-llama LoRA, cpu-4, 2026-11-27); the other 36 held out.
+#: run spends its time in fitted on the runner's own CPU trials, since the GPU constants priced them
+#: fast and ranked the two stacks' candidates on different scales. Fitted by
+#: tests/benchmarks/pipette_cpu_fit.py on half the pipette rows of an exhaustive CPU run, the other
+#: half held out: docs/results.md, "The CPU terms of each stack".
 PIPETTE_CPU_CONSTANTS = replace(
     HF_DEEPSPEED_CONSTANTS,
     #: fixed time per layer per forward-equivalent pass: DeepSpeed's hooks and the small ops,
@@ -324,10 +331,9 @@ HF_DEEPSPEED = replace(
 #: tests/benchmarks/pressure_fit.py on the Ultra-Scale rows of 17 of its 21 (model, nodes) groups
 #: (nanotron, 8x H100 80GB nodes), checked on the other 4 (docs/stacks.md). Seconds per micro-batch
 #: at capacity, and the share of capacity where it starts. Only under the ``alloc-pressure``
-#: option: on by default it made the Ultra-Scale MAPE worse (46.2% -> 47.1%) and priced MLPerf's
-#: Llama-2-70B LoRA layout (66.4 GiB estimated of 80, which runs at full speed) 42% slow.
-#: Refitted (2026-12-01) on the estimate with Megatron's fp32 gradient buffer (was 1.118 s, 0.579:
-#: on the larger estimate they took the held-out Spearman min from 0.51 to -0.01).
+#: option: on by default it made the Ultra-Scale MAPE worse and priced MLPerf's Llama-2-70B LoRA
+#: layout, which runs at full speed near capacity, far too slow. Its fits: docs/results.md, "The
+#: memory-pressure stall".
 MEGATRON_PRESSURE_STALL_S = 1.057
 MEGATRON_PRESSURE_ONSET = 0.627
 MEGATRON_PRESSURE = MemoryPressure(MEGATRON_PRESSURE_STALL_S, MEGATRON_PRESSURE_ONSET, MEGATRON_OPTIONS)
@@ -430,11 +436,10 @@ FSDP_CONSTANTS = replace(
 #: The fsdp stack on CPU workers (gloo, fp32): ``FSDP_CONSTANTS`` with the terms a CPU run spends
 #: its time in fitted on the fsdp runner's own CPU trials, never borrowed from the pipette stack.
 #: Fitted (least squares on log(predicted / measured), soft-L1) by tests/benchmarks/fsdp_cpu_run_fit.py
-#: on the 27 fsdp rows of the exhaustive run both stacks' CPU terms come from
-#: (results/cpu-2026-11-27/real_tuning_both.json; the pipette rows fit PIPETTE_CPU_CONSTANTS), so
-#: both families sit on one scale; checked on the next day's run (results/cpu-2026-11-28), never
-#: fitted. The tensor-parallel collective, which that tp-1 space never shows, is kept from 8
-#: dedicated trials (tests/benchmarks/fsdp_cpu_calibration.py). Figures: docs/fsdp.md.
+#: on the fsdp rows of the exhaustive run the pipette rows of PIPETTE_CPU_CONSTANTS come from, so both
+#: families sit on one scale, and checked on another run. The tensor-parallel collective, which that
+#: tp-1 space never shows, is kept from dedicated trials (tests/benchmarks/fsdp_cpu_calibration.py).
+#: The runs and figures: docs/results.md, "The CPU terms of each stack"; docs/fsdp.md.
 FSDP_CPU_CONSTANTS = replace(
     FSDP_CONSTANTS,
     #: fixed time per layer per forward-equivalent pass: FSDP's per-unit hooks and the small ops,
