@@ -381,6 +381,19 @@ BRIDGE_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_
 BRIDGE_NVLINK = {"H100-80GB": H100_NVLINK, "B200-180GB": 900e9, "GB200": 900e9, "GB300": 900e9}
 
 
+#: Megatron-Bridge's performance runs fuse the cross entropy (scripts/performance/utils/overrides.py,
+#: ``_set_common_perf_overrides``: ``cross_entropy_fusion_impl = "te"``, with the providers'
+#: ``cross_entropy_loss_fusion = True``): Transformer Engine's kernel writes the logits' gradient in place
+#: (``MemoryOptions.fused_loss``)
+BRIDGE_FUSED_LOSS = True
+#: ... and reduce the Llama models' gradients in bf16: ``set_llama3_common_configs`` and
+#: ``set_llama31_common_configs`` (scripts/performance/configs/llama/llama3_llm_pretrain.py,
+#: llama31_llm_pretrain.py) set ``mixed_precision.grad_reduce_in_fp32 = False`` and
+#: ``ddp.grad_reduce_in_fp32 = False``, so the gradient buffer is bf16, not Megatron-LM's fp32 default
+#: (``MemoryOptions.bf16_fp32_grads``). Taken for every Llama row (the SFT and LoRA configs not re-read)
+BRIDGE_LLAMA_RECIPE_MEMORY: tuple[tuple[str, object], ...] = (("bf16_fp32_grads", False),)
+
+
 def _bridge_cluster(gpu: str, nodes: int, per_node: int) -> ClusterProfile:
     key = (f"bridge-{gpu}", nodes * per_node)
     if key not in _STACK_CLUSTERS:
