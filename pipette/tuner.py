@@ -351,8 +351,9 @@ def _due_retry(tuner: Tuner, nothing_left: bool | None = None) -> TrialRecord | 
         return None
     learned, best = tuner.sampler.learned(tuner.study), incumbent_step_time(tuner.study)
     for r in waiting:
-        planned = next(p for p in tuner.candidates if p.config.label == r.label)
-        if best is None or learned.predict(planned.config, planned.perf).step_time < best:
+        planned = tuner.sampler.by_key.get(params_key(candidate_params(r.config)))
+        # a resumed job's record may name a candidate this plan no longer holds: not retried
+        if planned is not None and (best is None or learned.predict(planned.config, planned.perf).step_time < best):
             return r
     return None
 

@@ -141,3 +141,21 @@ def test_once_a_trial_ran_the_expected_improvement_decides_again(plan: Plan) -> 
     # the order is the constrained EI's: a candidate below the threshold may lead now
     assert [s.expected_improvement for s in ranked] == sorted((s.expected_improvement for s in ranked),
                                                               reverse=True)
+
+
+def test_a_pending_retry_of_a_candidate_the_plan_lost_is_dropped(plan: Plan) -> None:  # noqa: F811
+    """A resumed job's crash may name a candidate this plan no longer holds (another recipe's
+    micro-batch): its retry is not due, and the search goes on without it."""
+    p = first_proposed(plan)
+    labels = {c.config.label for c in plan.ranked}
+    gone = next(c for c in (replace(p.config, mbs=m) for m in (16, 8, 4, 1) if 32 % (p.config.dp * m) == 0)
+                if c.label not in labels)
+    crash = Measurement("failed", error="rank 1 exited with status 1", extra={RETRY_LATER: "later"})
+    ran = Measurement("ok", (1.0, 1.0), plan.training.tokens_per_step)
+    other = plan.ranked[-1]
+    history = [TrialRecord(0, gone, crash, p.perf, p.memory, 1.0),
+               TrialRecord(1, other.config, ran, other.perf, other.memory, 1.0)]
+    tuner = Tuner(plan, TuneOptions(max_trials=4, stop_probability=0.0, retime=0), history=history)
+    world = World(plan)
+    tuner.step(world)
+    assert world.calls and world.calls[0] != gone.label and tuner.records[-1].purpose == "search"
