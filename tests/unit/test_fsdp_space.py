@@ -71,10 +71,12 @@ def test_every_fsdp_candidate_passes_the_runners_own_check(job: str) -> None:
 
 
 def test_the_deepspeed_stacks_space_is_unchanged() -> None:
-    # counts and label hashes of make_plan(..., stack="pipette") on main before the fsdp space (a784a50)
+    # counts and label hashes of make_plan(..., stack="pipette") on main before the fsdp space (a784a50);
+    # the 7B's ranked count moved 511 -> 519 when the pipette stack began comparing device-used bytes with its
+    # refitted prior (45f4351, issue 46): a change of the memory check, not of the space
     for (model, training, cluster), (enumerated, ranked, digest) in (
         ((TINY, TUNE_DEFAULT, CPU4), (816, 228, "4892b3544731489c")),
-        ((LLAMA7B, BF16, A100_2X8), (3180, 511, "e260f6ebd5c89fb9")),
+        ((LLAMA7B, BF16, A100_2X8), (3180, 519, "40a55e0f3c59ffdc")),
     ):
         plan = make_plan(model, training, cluster, stack="pipette")
         assert (plan.enumerated, len(plan.ranked), _labels(plan)) == (enumerated, ranked, digest)
