@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -21,6 +22,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 TAG = f"test-tune-{uuid.uuid4().hex[:8]}"
+#: the module's first tune: its output, and the folder its home and files are in
+FirstTune = tuple[subprocess.CompletedProcess[str], Path]
 
 
 def _env() -> dict[str, str]:
@@ -36,6 +39,24 @@ def _tune(tmp: Path, *extra: str) -> list[str]:
             "--home", str(tmp / "home"), "--out", str(tmp / "best"), *extra]
 
 
+@pytest.fixture(scope="module")
+def first_tune(tmp_path_factory: pytest.TempPathFactory) -> FirstTune:
+    """The module's first tune, on a fresh home: it measures the machine (its profile is what the
+    later tunes here start from, as a user's next tune on this machine does) and runs 2 trials."""
+    tmp = tmp_path_factory.mktemp("first")
+    done = subprocess.run(_tune(tmp, "--max-trials", "2", "--json"), capture_output=True, text=True,
+                          env=_env(), timeout=850)
+    return done, tmp
+
+
+def _with_its_profile(first_tune: FirstTune, tmp: Path) -> None:
+    """Give ``tmp``'s home the profile the first tune measured: these tunes reuse it ("reusing
+    the profile measured 0 min ago") instead of measuring the machine again each."""
+    profiles = first_tune[1] / "home" / "profiles"
+    assert list(profiles.glob("*.json")), first_tune[0].stderr[-3000:]
+    shutil.copytree(profiles, tmp / "home" / "profiles")
+
+
 def _no_rank_left() -> bool:
     """No process carries this test's rank tag (the CLI hands it to every rank it starts)."""
     for environ in Path("/proc").glob("[0-9]*/environ"):
@@ -47,9 +68,9 @@ def _no_rank_left() -> bool:
     return True
 
 
-def test_tune_runs_real_trials_and_writes_the_best(tmp_path: Path) -> None:
-    done = subprocess.run(_tune(tmp_path, "--max-trials", "2", "--json"), capture_output=True, text=True,
-                          env=_env(), timeout=850)
+def test_tune_runs_real_trials_and_writes_the_best(first_tune: FirstTune) -> None:
+    done, tmp_path = first_tune
+    assert "measuring the local cluster" in done.stderr  # a fresh home: it measured the machine
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout)
     assert result["trials_run"] == 2
@@ -79,7 +100,8 @@ def test_tune_runs_real_trials_and_writes_the_best(tmp_path: Path) -> None:
     assert _no_rank_left()
 
 
-def test_ctrl_c_stops_the_running_trial_and_keeps_what_was_measured(tmp_path: Path) -> None:
+def test_ctrl_c_stops_the_running_trial_and_keeps_what_was_measured(tmp_path: Path, first_tune: FirstTune) -> None:
+    _with_its_profile(first_tune, tmp_path)
     proc = subprocess.Popen(_tune(tmp_path, "--max-trials", "8", "--stop-probability", "0"),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
     out, text = _signal_during_the_second_trial(proc, signal.SIGINT)
@@ -134,8 +156,9 @@ def test_a_model_that_fits_nowhere_ends_at_planning(tmp_path: Path) -> None:
     assert time.monotonic() - start < 60
 
 
-def test_sigterm_of_tune_json_prints_the_best_so_far_and_exits_143(tmp_path: Path) -> None:
+def test_sigterm_of_tune_json_prints_the_best_so_far_and_exits_143(tmp_path: Path, first_tune: FirstTune) -> None:
     """Issue 32, item 7: SIGTERM of `pipette tune --json` printed nothing (Ray's handler exited 15)."""
+    _with_its_profile(first_tune, tmp_path)
     proc = subprocess.Popen(_tune(tmp_path, "--max-trials", "8", "--stop-probability", "0", "--json"),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
     out, text = _signal_during_the_second_trial(proc, signal.SIGTERM)
@@ -148,12 +171,14 @@ def test_sigterm_of_tune_json_prints_the_best_so_far_and_exits_143(tmp_path: Pat
     assert _no_rank_left()
 
 
-def test_sigterm_to_the_process_group_of_tune_json_still_prints_the_json_and_exits_143(tmp_path: Path) -> None:
+def test_sigterm_to_the_process_group_of_tune_json_still_prints_the_json_and_exits_143(
+        tmp_path: Path, first_tune: FirstTune) -> None:
     """Issue 43, item 13: ``timeout``, systemd and Slurm send SIGTERM to the whole process group.
     With its own local Ray (no RAY_ADDRESS), the tuner's GCS and raylet were in that group and died
     with it: the tuner waited 60 s for the GCS ("Failed to connect to GCS within 60 seconds") and
     died without the JSON. Ray's processes now live in a session of their own."""
     env = {k: v for k, v in _env().items() if k != "RAY_ADDRESS"}  # it starts a local Ray of its own
+    _with_its_profile(first_tune, tmp_path)
     proc = subprocess.Popen(_tune(tmp_path, "--max-trials", "8", "--stop-probability", "0", "--json"),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             start_new_session=True)  # its own process group, as under `timeout`
