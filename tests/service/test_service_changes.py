@@ -49,8 +49,17 @@ def test_another_processs_write_shows_in_the_next_reads(api: Api, job_body: Call
     first = [api.client.get(p, headers=headers).json() for p in paths]
     statements, stop = _counting(api)
     try:
-        assert [api.client.get(p, headers=headers).json() for p in paths] == first
-        assert statements == [], statements  # nothing changed: answered from memory
+        # nothing changed: answered from memory, once the submit's own notification has come (on
+        # a loaded 2-core machine it came after the first reads: issue 43, item 23)
+        deadline = time.monotonic() + 20.0
+        while True:
+            statements.clear()
+            again = [api.client.get(p, headers=headers).json() for p in paths]
+            if statements == [] or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert again == first
+        assert statements == [], statements
         other = create_engine(api.db.url)  # another process's writes: no hook of this one sees them
         try:
             with Session(other) as session, session.begin():
