@@ -2,7 +2,7 @@
 placement) and the rank layout every part of Pipette agrees on.
 
 The rank layout is ``pipette.layout`` (``ParallelConfig.layout``, a stack's own with
-``layout_of(config, stack)``): pp outermost, tp fastest, as Megatron-LM's and DeepSpeed's
+``pipette.stacks.rank_layout(config, stack)``): pp outermost, tp fastest, as Megatron-LM's and DeepSpeed's
 ``PipeModelDataParallelTopology``::
 
     rank = pp_index * (dp * tp) + dp_index * tp + tp_index        (cp = 1)

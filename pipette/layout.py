@@ -28,9 +28,10 @@ writes ``cp`` and ``ep`` only when not 1: every mesh of a candidate without them
 meshes and process groups, the rank maps) is what it was before they existed. Its coordinate is then
 0 and its groups single ranks.
 
-``STACK_LAYOUTS`` holds each stack's mesh order and rules, keyed by stack name: a stack that does not
-run ``cp > 1`` or ``ep > 1`` refuses them in one line naming the issue that brings them; that issue
-flips the stack's ``cp`` or ``ep`` here (and adds its own rule, such as ``ep_whole_cp``). Context
+A ``StackLayout`` holds one stack's mesh order and rules; the stack's entry in the registry carries it
+(``pipette.stacks.Stack.layout``), so adding a stack is one entry. A stack that does not run ``cp > 1``
+or ``ep > 1`` refuses them in one line naming the issue that brings them; that issue flips the stack's
+``cp`` or ``ep`` here (and adds its own rule, such as ``ep_whole_cp``). Context
 parallelism (issue 48): ``fsdp`` and ``megatron`` run it as a ring, ``hf-deepspeed`` as Ulysses
 (``StackLayout.cp_kind``; each stack's rule in ``cp_problems``, cited); ``pipette`` (Pipette's
 DeepSpeed runner) and ``nanotron`` refuse it.
@@ -174,45 +175,44 @@ class StackLayout:
 
 _DEEPSPEED = ("DeepSpeed's PipeModelDataParallelTopology (deepspeed/runtime/pipe/topology.py): axes pipe, data, "
               "model, model fastest")
-#: Each stack's mesh order and rules, by stack name (``pipette.stacks.STACKS``). Every order is pp outermost
-#: and tp fastest, with the data dimensions (and cp) between: one rank layout for all, so a placement,
-#: the planner's groups and every runner agree (tests/unit/test_layout.py checks it).
-STACK_LAYOUTS: dict[str, StackLayout] = {s.name: s for s in (
-    # Pipette's DeepSpeed runner builds no sequence-parallel attention: cp stays refused until it does
-    StackLayout("pipette", mesh=("pp", "dp", "tp"), axes=("pipe", "data", "model"), source=_DEEPSPEED),
-    StackLayout(
-        "hf-deepspeed", mesh=("pp", "dp", "cp", "tp"), axes=("pipe", "data", "sequence", "model"), source=_DEEPSPEED,
-        cp=True, cp_kind="ulysses",
-        cp_source="DeepSpeed Ulysses (deepspeed/sequence/layer.py DistributedAttention; Arctic Long Sequence "
-                  "Training's UlyssesSPAttentionHF for Hugging Face models, Accelerate's ParallelismConfig sp_size): "
-                  "sequence-parallel ranks inside the data-parallel ones, ZeRO partitioned over both; planned, not "
-                  "run by Pipette"),
-    StackLayout(
-        "megatron", mesh=("pp", "dp", "cp", "tp"), axes=("pp", "dp", "cp", "tp"),
-        source="Megatron-Core's initialize_model_parallel (megatron/core/parallel_state.py), order tp-cp-ep-dp-pp; "
-               "the experts' RankGenerator re-splits dp x cp as (expert dp, ep): ep divides dp x cp "
-               "(--expert-model-parallel-size; pipette.space_moe)",
-        cp=True, cp_kind="ring", ep=True,
-        cp_source="--context-parallel-size (Megatron-Core; Transformer Engine's attention with cp_comm_type p2p: "
-                  "KV blocks around the ring, 2 cp load-balanced chunks); gradients reduced and the distributed "
-                  "optimizer sharded over dp x cp (data_parallel_group with_context_parallel); with tp's sequence "
-                  "parallelism a cp rank's chunk is cut by tp. Planned and emitted, not run by Pipette"),
-    StackLayout(
-        "nanotron", mesh=("pp", "dp", "cp", "tp"), axes=("pp", "dp", "cp", "tp"),
-        source="nanotron's ParallelContext (src/nanotron/parallel/context.py) without MoE: ranks reshaped "
-               "(ep, pp, dp, cp, tp); its MoE path orders (dp, pp, cp, tp) instead, for issue 47 to take up"),
-    StackLayout(
-        "fsdp", mesh=("pp", "dp_replicate", "dp_shard", "cp", "tp"),
-        axes=("pp", "dp_replicate", "dp_shard", "cp", "tp"),
-        source="torchtitan's ParallelDims (torchtitan/distributed/parallel_dims.py): pp, dp_replicate, dp_shard, "
-               "cp, tp; its context parallelism is ring attention over cp (context_parallel_degree, "
-               "torchtitan/distributed/context_parallel.py), run by workers.rank.context_parallel; its expert "
-               "parallelism borrows all cp and some dp_shard (ParallelDims._validate: ep % cp == 0 and "
-               "(dp_shard * cp) % ep == 0), run by workers.rank.expert_parallel",
-        cp=True, ep=True, ep_within=("dp_shard", "cp"), ep_whole_cp=True, cp_kind="ring",
-        cp_source="torchtitan's context_parallel_degree (torch.distributed.tensor.experimental.context_parallel, "
-                  "rotate method allgather by default); FSDP shards over dp_shard x cp (the dp_shard_cp mesh)"),
-)}
+# Each stack's mesh order and rules, held by its entry in the one registry of stacks (``Stack.layout``,
+# ``pipette.stacks.STACKS``). Every order is pp outermost and tp fastest, with the data dimensions (and cp)
+# between: one rank layout for all, so a placement, the planner's groups and every runner agree
+# (tests/unit/test_layout.py checks it).
+# Pipette's DeepSpeed runner builds no sequence-parallel attention: cp stays refused until it does
+PIPETTE_LAYOUT = StackLayout("pipette", mesh=("pp", "dp", "tp"), axes=("pipe", "data", "model"), source=_DEEPSPEED)
+HF_DEEPSPEED_LAYOUT = StackLayout(
+    "hf-deepspeed", mesh=("pp", "dp", "cp", "tp"), axes=("pipe", "data", "sequence", "model"), source=_DEEPSPEED,
+    cp=True, cp_kind="ulysses",
+    cp_source="DeepSpeed Ulysses (deepspeed/sequence/layer.py DistributedAttention; Arctic Long Sequence "
+              "Training's UlyssesSPAttentionHF for Hugging Face models, Accelerate's ParallelismConfig sp_size): "
+              "sequence-parallel ranks inside the data-parallel ones, ZeRO partitioned over both; planned, not "
+              "run by Pipette")
+MEGATRON_LAYOUT = StackLayout(
+    "megatron", mesh=("pp", "dp", "cp", "tp"), axes=("pp", "dp", "cp", "tp"),
+    source="Megatron-Core's initialize_model_parallel (megatron/core/parallel_state.py), order tp-cp-ep-dp-pp; "
+           "the experts' RankGenerator re-splits dp x cp as (expert dp, ep): ep divides dp x cp "
+           "(--expert-model-parallel-size; pipette.space_moe)",
+    cp=True, cp_kind="ring", ep=True,
+    cp_source="--context-parallel-size (Megatron-Core; Transformer Engine's attention with cp_comm_type p2p: "
+              "KV blocks around the ring, 2 cp load-balanced chunks); gradients reduced and the distributed "
+              "optimizer sharded over dp x cp (data_parallel_group with_context_parallel); with tp's sequence "
+              "parallelism a cp rank's chunk is cut by tp. Planned and emitted, not run by Pipette")
+NANOTRON_LAYOUT = StackLayout(
+    "nanotron", mesh=("pp", "dp", "cp", "tp"), axes=("pp", "dp", "cp", "tp"),
+    source="nanotron's ParallelContext (src/nanotron/parallel/context.py) without MoE: ranks reshaped "
+           "(ep, pp, dp, cp, tp); its MoE path orders (dp, pp, cp, tp) instead, for issue 47 to take up")
+FSDP_LAYOUT = StackLayout(
+    "fsdp", mesh=("pp", "dp_replicate", "dp_shard", "cp", "tp"),
+    axes=("pp", "dp_replicate", "dp_shard", "cp", "tp"),
+    source="torchtitan's ParallelDims (torchtitan/distributed/parallel_dims.py): pp, dp_replicate, dp_shard, "
+           "cp, tp; its context parallelism is ring attention over cp (context_parallel_degree, "
+           "torchtitan/distributed/context_parallel.py), run by workers.rank.context_parallel; its expert "
+           "parallelism borrows all cp and some dp_shard (ParallelDims._validate: ep % cp == 0 and "
+           "(dp_shard * cp) % ep == 0), run by workers.rank.expert_parallel",
+    cp=True, ep=True, ep_within=("dp_shard", "cp"), ep_whole_cp=True, cp_kind="ring",
+    cp_source="torchtitan's context_parallel_degree (torch.distributed.tensor.experimental.context_parallel, "
+              "rotate method allgather by default); FSDP shards over dp_shard x cp (the dp_shard_cp mesh)")
 #: the mesh of a candidate of no particular stack: Megatron-Core's order, every other one's flattening
 CANONICAL: tuple[str, ...] = ("pp", "dp", "cp", "tp")
 
@@ -244,22 +244,13 @@ def degrees_of(config: Degrees) -> dict[str, int]:
     return {"pp": c.pp, "dp": c.dp, "cp": c.cp, "tp": c.tp, "dp_shard": shard, "dp_replicate": c.dp // shard}
 
 
-def stack_layout(stack: str) -> StackLayout:
-    """The rules of ``stack`` (a name, options after ``+`` ignored)."""
-    name = stack.split("+", 1)[0]
-    if name not in STACK_LAYOUTS:
-        raise SpecError(f"no rank layout for stack {name!r}", field="stack",
-                        fix=f"use one of {', '.join(STACK_LAYOUTS)}")
-    return STACK_LAYOUTS[name]
-
-
-def layout_of(config: Degrees, stack: str | None = None) -> Layout:
-    """The mesh of ``config`` in ``stack``'s order (None: ``CANONICAL``); a stack that does not run
-    its degrees refuses it in one line (``SpecError``)."""
-    if stack is None:
+def layout_of(config: Degrees, rules: StackLayout | None = None) -> Layout:
+    """The mesh of ``config`` in the order of a stack's ``rules`` (None: ``CANONICAL``; by a stack's name:
+    ``pipette.stacks.rank_layout``); a stack that does not run its degrees refuses it in one line
+    (``SpecError``)."""
+    if rules is None:
         order = CANONICAL
     else:
-        rules = stack_layout(stack)
         problems = rules.problems(config)
         if problems:
             message, field, fix = problems[0]

@@ -17,8 +17,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from pipette.config import ParallelConfig
-from pipette.layout import stack_layout
 from pipette.model import ModelSpec
+from pipette.stacks import stack_layout
 from pipette.training import TrainingSpec
 
 #: Every rule, by code, with the sentence a user reads.

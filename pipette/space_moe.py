@@ -2,7 +2,7 @@
 in every expert-parallel degree ``ep`` (and expert tensor-parallel degree ``etp``) its stack runs.
 
 ``ep`` divides the routed experts (each rank holds ``E / ep`` whole experts) and is carved out of the
-data-parallel ranks by each stack's own rule, ``pipette.layout.STACK_LAYOUTS`` (``StackLayout.problems``):
+data-parallel ranks by each stack's own rule, its ``Stack.layout`` (``pipette.layout.StackLayout.problems``):
 
 * ``megatron``: Megatron-Core folds ``ep`` into the ``dp x cp`` ranks of a stage (its expert
   ``RankGenerator``, megatron/core/parallel_state.py: ``tp=expert_tensor_parallel_size, ep=ep,
@@ -30,8 +30,8 @@ from dataclasses import replace
 
 from pipette.config import ParallelConfig
 from pipette.errors import SpecError
-from pipette.layout import stack_layout
 from pipette.model import ModelSpec
+from pipette.stacks import stack_layout
 
 #: the expert tensor-parallel degrees a stack plans, as "tp" (the dense degree) or a number
 ETP_CHOICES: dict[str, tuple[str | int, ...]] = {"megatron": ("tp", 1)}

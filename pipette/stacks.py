@@ -29,7 +29,16 @@ from pipette.efficiency import family
 from pipette.errors import SpecError
 from pipette.fits import CPU, FSDP_GPU, MEGATRON_GPU, NANOTRON_GPU, PIPETTE_GPU, FitsPrior
 from pipette.fsdp_rules import fsdp_problems
-from pipette.layout import stack_layout
+from pipette.layout import (
+    FSDP_LAYOUT,
+    HF_DEEPSPEED_LAYOUT,
+    MEGATRON_LAYOUT,
+    NANOTRON_LAYOUT,
+    PIPETTE_LAYOUT,
+    Layout,
+    StackLayout,
+    layout_of,
+)
 from pipette.memory_options import (
     DEFAULT_OPTIONS,
     FP8_INPUT_BYTES,
@@ -126,6 +135,8 @@ class Stack:
     schedules: tuple[str, ...]
     recompute: tuple[str, ...]
     launch_files: tuple[str, ...]
+    #: its rank layout: mesh order and the degrees it runs (cp, ep) with their rules (``pipette.layout``)
+    layout: StackLayout
     #: Pipette's own runner of it (``tune`` without ``--script``: ``pipette.runners``); None: Pipette
     #: plans it and tunes a user's script of it, never runs it itself
     runner: Runner | None = None
@@ -238,7 +249,7 @@ class Stack:
             broken.append("stack_native_split")
         # the degrees its rank layout does not run (cp, ep and their rules: ``pipette.layout``); last, so a
         # candidate the rules above refuse too is counted as before
-        if stack_layout(self.name).problems(config):
+        if self.layout.problems(config):
             broken.append("stack_layout")
         return broken
 
@@ -313,6 +324,7 @@ PIPETTE = Stack(
     gpu_fits_prior=PIPETTE_GPU,
     tensor_parallel=True, pipeline_parallel=True, zero_stages=(0, 1, 2, 3), schedules=("1f1b",),
     recompute=("none", "selective", "full"), launch_files=DEEPSPEED_FILES, runner=DEEPSPEED_RUNNER,
+    layout=PIPETTE_LAYOUT,
     calibrated_on=(("h100", "h100_single_gpu.csv"), ("cpu", "its own CPU trials")),
 )
 #: HF Trainer / Accelerate with DeepSpeed: the same eager HF model and DeepSpeed engine as
@@ -323,6 +335,7 @@ HF_DEEPSPEED = replace(
     PIPETTE, name="hf-deepspeed", frameworks="Hugging Face Trainer / Accelerate with DeepSpeed",
     description="`--script-kind hf-trainer` scripts; the runner's constants (same model code and engine)",
     recompute=("none", "full"), runner=None, available_options=("compile",), script_kinds=("hf-trainer",),
+    layout=HF_DEEPSPEED_LAYOUT,
     # its context parallelism is DeepSpeed Ulysses' all-to-all (pipette.layout: hf-deepspeed's cp_kind)
     constants=replace(HF_DEEPSPEED_CONSTANTS, cp_comm="a2a"), memory_options=replace(DEFAULT_OPTIONS, cp_comm="a2a"),
 )
@@ -360,6 +373,7 @@ MEGATRON = Stack(
     constants=MEGATRON_CONSTANTS, memory_options=MEGATRON_OPTIONS, gpu_fits_prior=MEGATRON_GPU,
     tensor_parallel=True, pipeline_parallel=True, zero_stages=(0, 1), schedules=("1f1b", "interleaved"),
     recompute=("none", "selective", "full"), launch_files=(*CANDIDATE_FILES, "megatron_args.txt"),
+    layout=MEGATRON_LAYOUT,
     framework_files=("megatron_args.txt",),
     available_options=("fp8", "mxfp8", "nvfp4", "alloc-pressure"), memory_pressure=MEGATRON_PRESSURE,
     recipe_efficiencies=(("mxfp8", MEGATRON_MXFP8_EFFICIENCY), ("nvfp4", MEGATRON_NVFP4_EFFICIENCY)),
@@ -392,6 +406,7 @@ NANOTRON = Stack(
     constants=MEGATRON_CONSTANTS, memory_options=NANOTRON_OPTIONS, gpu_fits_prior=NANOTRON_GPU,
     tensor_parallel=True, pipeline_parallel=True, zero_stages=(0, 1), schedules=("1f1b",),
     recompute=("none", "full"), launch_files=(*CANDIDATE_FILES, "nanotron.yaml"), framework_files=("nanotron.yaml",),
+    layout=NANOTRON_LAYOUT,
     calibrated_on=(("h100", "Ultra-Scale"), ("a100", "vTrain's Megatron-DeepSpeed runs, fitted with it")),
 )
 #: ``FSDP_CONSTANTS.attention_efficiency`` (0.181, fitted on H100 runs) carried to an A100: 0.181 x
@@ -494,7 +509,7 @@ FSDP = Stack(
     constants=FSDP_CONSTANTS, cpu_constants=FSDP_CPU_CONSTANTS,
     memory_options=FSDP_OPTIONS, gpu_fits_prior=FSDP_GPU,
     tensor_parallel=True, pipeline_parallel=True, zero_stages=(0, 2, 3), schedules=("1f1b", "interleaved"),
-    recompute=("none", "selective", "full"), launch_files=NATIVE_FILES,
+    recompute=("none", "selective", "full"), launch_files=NATIVE_FILES, layout=FSDP_LAYOUT,
     available_options=("compile", "fp8", "fp8-rowwise", "async-tp"), async_tp_overlap=FSDP_ASYNC_TP_OVERLAP,
     fp8_rowwise_efficiency=FSDP_FP8_ROWWISE_EFFICIENCY,
     runner=NATIVE_RUNNER, script_kinds=("accelerate-fsdp", "torchtitan"), fsdp_scripts=True,
@@ -554,6 +569,20 @@ def get_stack(stack: str | Stack | None, *, field: str = "stack") -> Stack:
 
 #: Between the stacks of a plan that ranks several side by side: ``pipette,fsdp``.
 STACK_SEPARATOR = ","
+
+
+def stack_layout(stack: str) -> StackLayout:
+    """The rank layout of ``stack`` (a name, options after ``+`` ignored): its entry's ``Stack.layout``."""
+    name = stack.split("+", 1)[0].strip().lower()
+    if name not in STACKS:
+        raise SpecError(f"no rank layout for stack {name!r}", field="stack", fix=f"use one of {', '.join(STACKS)}")
+    return STACKS[name].layout
+
+
+def rank_layout(config: ParallelConfig, stack: str | None) -> Layout:
+    """The mesh of ``config`` in ``stack``'s order (None: the canonical one): ``pipette.layout.layout_of``
+    by the stack's name."""
+    return layout_of(config, None if stack is None else stack_layout(stack))
 
 
 def get_stacks(stacks: str | Stack | Sequence[str | Stack] | None, *, field: str = "stack") -> tuple[Stack, ...]:
@@ -641,7 +670,9 @@ __all__ = [
     "check_runner_runs",
     "get_stack",
     "get_stacks",
+    "rank_layout",
     "runner_stacks",
+    "stack_layout",
     "stacks_key",
     "stacks_named",
 ]

@@ -4,7 +4,7 @@ process starts, a candidate the PyTorch-native runner cannot split the model by.
 No torch here: the host calls ``check_fsdp`` with the candidate and the number of processes it
 is about to start, and a bad candidate ends in one line (``SpecError``: what, and the fix).
 
-The mesh is the ``fsdp`` stack's layout (``pipette.layout.layout_of(config, "fsdp")``: torchtitan's
+The mesh is the ``fsdp`` stack's layout (``pipette.stacks.rank_layout(config, "fsdp")``: torchtitan's
 ``ParallelDims`` order ``pp, dp_replicate, dp_shard, cp, tp``, row-major, cp only above 1), so a
 rank's coordinates are Pipette's rank layout with ``dp`` flattened from ``dp_replicate, dp_shard``.
 
@@ -22,8 +22,9 @@ from dataclasses import dataclass
 from pipette.config import ParallelConfig
 from pipette.errors import SpecError
 from pipette.fsdp_rules import fsdp_problems as fsdp_problems  # the rules live with the planner
-from pipette.layout import Layout, layout_of, stack_layout
+from pipette.layout import Layout
 from pipette.model import ModelSpec
+from pipette.stacks import rank_layout, stack_layout
 from pipette.training import MIXED_DTYPES, TrainingSpec
 
 #: ``torch.distributed.pipelining`` schedules by name; a ParallelConfig says 1f1b or interleaved,
@@ -134,7 +135,7 @@ def plan_for(model: ModelSpec, training: TrainingSpec, config: ParallelConfig, d
     c = config
     # NO_SHARD (zero_stage 0) is dp_shard 1: every replica holds the whole model (pipette.layout.degrees_of)
     return FsdpPlan(
-        mesh=layout_of(c, "fsdp"), reshard_after_forward=c.zero_stage == 3,
+        mesh=rank_layout(c, "fsdp"), reshard_after_forward=c.zero_stage == 3,
         offload=c.offload, schedule=c.schedule, stages_per_rank=c.virtual_stages if c.schedule == "interleaved" else 1,
         microbatches=c.grad_accum, mbs=c.mbs, recompute=c.recompute, dtype=training.dtype,
         cp_kind=CP_KIND, shard_cp=c.cp > 1 and c.zero_stage != 0,

@@ -10,7 +10,6 @@ import pytest
 from pipette.clusterfile import homogeneous_cluster
 from pipette.config import ParallelConfig
 from pipette.errors import SpecError
-from pipette.layout import layout_of, stack_layout
 from pipette.memory import stage_breakdowns
 from pipette.memory_cp import exchange_bytes, fold, kv_block_bytes
 from pipette.memory_options import DEFAULT_OPTIONS
@@ -19,7 +18,7 @@ from pipette.perf import PerfModel
 from pipette.perf_cp import CP_PART, ring_step_exposed
 from pipette.plan import check_recipe
 from pipette.space import CP_MIN_SEQ_PER_HIDDEN, cp_degrees, enumerate_space
-from pipette.stacks import get_stack
+from pipette.stacks import get_stack, rank_layout, stack_layout
 from pipette.training import TrainingSpec
 
 #: one Llama layer, 8 query and 2 key/value heads of 64: h 512, kv 128, f 1024
@@ -81,7 +80,7 @@ def test_short_ring_blocks_on_slow_links_expose_the_exchange() -> None:
 def test_a_stack_that_refuses_cp_says_so_in_one_line(stack: str) -> None:
     config = ParallelConfig(tp=1, pp=1, dp=2, mbs=1, global_batch=2, cp=2)
     with pytest.raises(SpecError) as e:
-        layout_of(config, stack)
+        rank_layout(config, stack)
     assert "\n" not in str(e.value) and "cp=2" in str(e.value) and "issue 48" in str(e.value)
 
 

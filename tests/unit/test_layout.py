@@ -15,14 +15,14 @@ from pipette.layout import (
     CANONICAL,
     FLATTENED,
     OPTIONAL_DIMS,
-    STACK_LAYOUTS,
     Layout,
     StackLayout,
     degrees_of,
-    layout_of,
-    stack_layout,
 )
-from pipette.stacks import STACKS
+from pipette.stacks import STACKS, rank_layout, stack_layout
+
+#: each stack's rank layout, from its entry in the registry
+STACK_LAYOUTS = {name: s.layout for name, s in STACKS.items()}
 
 #: (tp, pp, dp, cp, dp_shard, zero_stage)
 SHAPES = [(1, 1, 1, 1, None, 3), (2, 2, 2, 1, None, 3), (2, 1, 4, 1, 2, 3), (1, 3, 4, 1, None, 0),
@@ -48,8 +48,8 @@ def orders(c: ParallelConfig) -> list[tuple[str, Layout]]:
 
 
 def test_every_stack_has_a_layout_rule() -> None:
-    assert set(STACK_LAYOUTS) == set(STACKS)
     for name, rules in STACK_LAYOUTS.items():
+        assert rules.name == name, "a stack's layout is its own"
         assert rules.mesh[0] == "pp" and rules.mesh[-1] == "tp", name
         assert len(rules.axes) == len(rules.mesh) and rules.source
         assert stack_layout(name + "+compile") is rules
@@ -139,7 +139,7 @@ def test_hsdp_flattens_to_dp_and_dp_shard_cp_is_torchtitans() -> None:
     assert lay.groups("dp_shard_cp") == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert [lay.index(r, "dp") for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
     # zero_stage 0 replicates: the mesh's shard dimension is 1 (FSDP's NO_SHARD)
-    assert layout_of(config(1, 1, 4, zero_stage=0), "fsdp").sizes == (1, 4, 1, 1)
+    assert rank_layout(config(1, 1, 4, zero_stage=0), "fsdp").sizes == (1, 4, 1, 1)
 
 
 def test_expert_groups_are_carved_out_of_dp_times_cp() -> None:
@@ -176,7 +176,7 @@ def test_every_stack_refuses_cp_and_ep_naming_the_issue_to_come(stack: str) -> N
         assert len(problems) == 1 and issue in problems[0][0] and problems[0][1] == f"config.{next(iter(kw))}"
         assert f"the {stack} stack" in problems[0][0]
         with pytest.raises(SpecError, match=issue):
-            layout_of(c, stack)
+            rank_layout(c, stack)
     assert stack_layout(stack).problems(config(2, 2, 2)) == []
 
 
@@ -199,7 +199,7 @@ def test_flipping_a_stacks_rule_is_all_it_takes() -> None:
 def test_the_fsdp_stack_runs_cp_in_torchtitans_mesh() -> None:
     c = config(1, 1, 2, cp=2)
     assert stack_layout("fsdp").problems(c) == []
-    lay = layout_of(c, "fsdp")
+    lay = rank_layout(c, "fsdp")
     assert lay.names == ("pp", "dp_replicate", "dp_shard", "cp", "tp") and lay.groups("cp") == [[0, 1], [2, 3]]
 
 

@@ -12,13 +12,13 @@ from pipette import memory_moe, perf_moe
 from pipette.clusterfile import homogeneous_cluster, load_cluster
 from pipette.config import ParallelConfig
 from pipette.errors import SpecError
-from pipette.layout import layout_of
 from pipette.model import MODEL_PRESETS, ModelSpec
 from pipette.moe import MoeSpec
 from pipette.perf import estimate_perf
 from pipette.perf_constants import MEGATRON_CONSTANTS
 from pipette.plan import make_plan
 from pipette.space_moe import expert_variants
+from pipette.stacks import rank_layout
 from pipette.training import LoraSpec, TrainingSpec
 
 H, E, K, F, S = 64, 8, 2, 32, 128  # hidden, experts, top-k, expert width, sequence
@@ -89,7 +89,7 @@ def test_stacks_refuse_what_they_cannot_run_in_one_line() -> None:
     config = ParallelConfig(tp=1, pp=1, dp=8, ep=2, mbs=1, global_batch=8)
     for stack in ("hf-deepspeed", "nanotron", "pipette"):
         with pytest.raises(SpecError) as e:
-            layout_of(config, stack)
+            rank_layout(config, stack)
         assert "ep=2" in str(e.value) and "\n" not in str(e.value)
         assert {c.ep for c in expert_variants(TINY, config, stack)} == {1}
     assert {c.ep for c in expert_variants(TINY, config, "megatron")} == {1, 2, 4, 8}

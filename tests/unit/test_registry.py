@@ -27,7 +27,7 @@ from pipette.registry import (
 )
 from pipette.runners import DEEPSPEED_RUNNER, NATIVE_RUNNER, Runner
 from pipette.script import KINDS, ScriptSpec, bind_stack
-from pipette.stacks import FSDP, HF_DEEPSPEED, PIPETTE, SCRIPT_KIND_STACKS, STACKS, get_stack
+from pipette.stacks import FSDP, HF_DEEPSPEED, PIPETTE, SCRIPT_KIND_STACKS, STACKS, get_stack, rank_layout, stack_layout
 from pipette.training import TrainingSpec
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -150,8 +150,13 @@ def test_a_new_stack_is_its_entry(monkeypatch: pytest.MonkeyPatch) -> None:
 
     refused = ["the toy runner has no pipeline"]
     toy = replace(FSDP, name="toy", runner=Runner(entry="workers.rank.toy", deepspeed=False,
-                                                  refusals=lambda m, t, c, d: refused if c.pp > 1 else []))
+                                                  refusals=lambda m, t, c, d: refused if c.pp > 1 else []),
+                  layout=replace(FSDP.layout, name="toy", cp=False, ep=False))
     monkeypatch.setitem(STACKS, "toy", toy)
+    # its rank layout is a field of the entry: the planner, the runners and the emitters read it by name
+    cp2 = ParallelConfig(tp=1, pp=1, dp=2, mbs=1, global_batch=8, cp=2)
+    assert stack_layout("toy+compile") is toy.layout and toy.refusals(cp2) == ["stack_layout"]
+    assert rank_layout(replace(cp2, cp=1), "toy").names == ("pp", "dp_replicate", "dp_shard", "tp")
     model, training = ModelSpec.preset("tiny-llama"), TrainingSpec(global_batch=8, seq_len=64)
     pp2 = ParallelConfig(tp=1, pp=2, dp=1, mbs=1, global_batch=8)
     assert candidate_refusals(model, training, pp2, "cpu", None, toy) == refused

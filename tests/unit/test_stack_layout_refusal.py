@@ -1,5 +1,5 @@
 """A rank layout a stack cannot run is one of the stack's refusals (issue 44): ``Stack.refusals`` reads
-``pipette.layout.stack_layout(name).problems``, so the planner drops such a candidate under one code,
+its entry's ``Stack.layout.problems``, so the planner drops such a candidate under one code,
 ``stack_layout``, with the stack's other rules."""
 
 from __future__ import annotations
@@ -7,10 +7,9 @@ from __future__ import annotations
 from collections import Counter
 
 from pipette.config import ParallelConfig
-from pipette.layout import STACK_LAYOUTS, stack_layout
 from pipette.plan import DROP_REASONS, _runnable
 from pipette.space import Space
-from pipette.stacks import STACKS, get_stack
+from pipette.stacks import STACKS, get_stack, stack_layout
 
 CP2 = ParallelConfig(tp=1, pp=1, dp=2, mbs=1, global_batch=8, cp=2)
 #: ep 2 beside cp 4: Megatron-Core carves it out of dp x cp; torchtitan wants whole cp groups (ep % cp)
@@ -28,7 +27,7 @@ def test_a_degree_the_stacks_layout_does_not_run_is_refused() -> None:
 def test_the_refusal_is_the_layouts_own_rule_on_every_stack() -> None:
     dense = ParallelConfig(tp=2, pp=1, dp=2, mbs=1, global_batch=8)
     for name in STACKS:
-        assert name in STACK_LAYOUTS
+        assert stack_layout(name) is STACKS[name].layout
         for config in (dense, CP2, EP_IN_CP):
             refused = "stack_layout" in get_stack(name).refusals(config)
             assert refused == bool(stack_layout(name).problems(config)), (name, config.label)

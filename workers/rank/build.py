@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipette.layout import layout_of
+from pipette.stacks import rank_layout
 from workers.rank.init import init_for, initial_values
 from workers.spec import TrialSpec
 
@@ -81,7 +81,7 @@ def prepare(trial: TrialSpec, rank: int, dtype: torch.dtype) -> Prepared:
     from workers.rank.tp_shard import shard_layers, shard_vocabulary
 
     c, t = trial.config, trial.training
-    tp_index = layout_of(c, trial.stack).index(rank, "tp")
+    tp_index = rank_layout(c, trial.stack).index(rank, "tp")
     model = build_llama(trial.model, device="meta", dtype=dtype)
     tag_names(model)
     hf: Any = model
@@ -108,7 +108,7 @@ def held_modules(prepared: Prepared, trial: TrialSpec, rank: int) -> list[nn.Mod
 
     if prepared.layers is None:
         return [prepared.module]
-    pp_index = layout_of(trial.config, trial.stack).index(rank, "pp")
+    pp_index = rank_layout(trial.config, trial.stack).index(rank, "pp")
     return stage_modules(prepared.layers, trial.config.pp, pp_index)
 
 
@@ -129,7 +129,7 @@ def build_rank_model(trial: TrialSpec, rank: int, device: torch.device, dtype: t
 
     if prep.layers is not None:
         fill(held_modules(prep, trial, rank))
-        module = pipeline_module(prep.layers, layout_of(c, trial.stack), recompute_layers=c.recompute == "full",
+        module = pipeline_module(prep.layers, rank_layout(c, trial.stack), recompute_layers=c.recompute == "full",
                                  loss_fn=loss_fn)
         if c.tp > 1:
             set_groups(module, module.mpu().get_slice_parallel_group(), prep.vocab_loss)

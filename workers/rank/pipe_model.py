@@ -26,7 +26,8 @@ from torch import nn
 from transformers import LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
-from pipette.layout import Layout, stack_layout
+from pipette.layout import Layout
+from pipette.stacks import stack_layout
 from workers.rank.lora import copy_to_tp
 
 

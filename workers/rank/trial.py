@@ -20,7 +20,7 @@ import torch.distributed as dist
 from scipy import stats
 
 from pipette.contract import OOM_EXIT, event_line
-from pipette.layout import layout_of
+from pipette.stacks import rank_layout
 from workers.phases import PHASES, Phases
 from workers.rank.devices import (
     backend_for,
@@ -75,7 +75,7 @@ class Engine:
         from workers.rank.tp_shard import set_groups
 
         c, t = trial.config, trial.training
-        dp_index = layout_of(c, trial.stack).index(rank, "dp")
+        dp_index = rank_layout(c, trial.stack).index(rank, "dp")
         self.trial, self.config = trial, c
         self.device = rank_device(trial.device_kind)
         set_matmul_precision(t.dtype, self.device)
