@@ -74,10 +74,9 @@ class FitsPrior:
 
 #: Pipette's own runner (DeepSpeed + Hugging Face Llama, bf16) on a GPU. Fitted on the
 #: ``h100_single_gpu.csv`` runs re-run with the allocator's figures on an H100 (9 ran and 4 out of
-#: memory); checked on the Llama-3-8B LoRA allocator table (docs/models.md).
-#: Refitted (2026-12-04, issue 46) on the device-used figure it is now compared on (the estimate's
-#: reserve + CUDA context + NCCL buffers, ``memory_options.capacity_figure``): mu -0.019 sd 0.105 on the
-#: reserve alone before.
+#: memory); checked on the Llama-3-8B LoRA allocator table (docs/models.md). Fitted on the device-used
+#: figure it is compared on (reserve + CUDA context + NCCL buffers, ``memory_options.capacity_figure``);
+#: its earlier fits: docs/results.md, "The chance to fit: each stack's prior".
 PIPETTE_GPU = FitsPrior("pipette-gpu", mu=-0.055, sd=0.100,
                         source="h100_single_gpu.csv re-run, reserved + outside the allocator, H100 2026-11-23")
 #: nanotron (the Ultra-Scale H100 set: rank 0's logged peak against the nanotron stack's estimate,
@@ -87,10 +86,9 @@ NANOTRON_GPU = FitsPrior("nanotron-gpu", mu=0.060, sd=0.180, source="ultrascale_
 #: Megatron-LM (SimuMax's B200 runs: peak reserved, max over ranks, against the megatron stack's
 #: estimate; 24 runs with memory, none out of memory; fitted by ``fits_boundary.py --fit``). One
 #: set of one framework's runs (Llama3 70B and 405B shapes, 8 B200s): until a second Megatron-LM
-#: set with memory is in, its sd is in-sample. Refitted (2026-12-04, issue 46) on the estimate with
-#: Megatron-Core's fused SwiGLU and the allocator's reserve as a share of the live bytes
-#: (``memory_options.MEGATRON_RESERVED_SHARE``) instead of nanotron's activation multiplier; checked on
-#: Megatron-Bridge's runs, which ran and give no memory figure (docs/results.md).
+#: set with memory is in, its sd is in-sample. Fitted on the estimate with Megatron-Core's fused SwiGLU
+#: and the allocator's reserve as a share of the live bytes (``memory_options.MEGATRON_RESERVED_SHARE``);
+#: checked on Megatron-Bridge's runs, which ran and give no memory figure. Its earlier fits: docs/results.md.
 MEGATRON_GPU = FitsPrior("megatron-gpu", mu=-0.003, sd=0.038,
                          source="simumax_b200_megatron.csv, 24 runs (peak reserved, 2026-12-04)")
 #: PyTorch FSDP2 (torchtitan's H100 runs: peak reserved, max over ranks, against the estimate
