@@ -176,10 +176,6 @@ class Stack:
     fp8_memory_options: MemoryOptions | None = None
     #: per recipe option (``mxfp8``, ``nvfp4``): the memory options under it (None: ``fp8_memory_options``)
     recipe_memory_options: tuple[tuple[str, MemoryOptions], ...] = ()
-    #: an interleaved (or plain) pipeline whose stages the layers alone do not split evenly runs where the
-    #: layers plus the embedding and the loss do (Megatron-Core's ``account_for_embedding_in_pipeline_split``
-    #: and ``account_for_loss_in_pipeline_split``: ``pipette.memory.embedding_loss_stage_layers``)
-    embedding_loss_split: bool = False
     #: the constants on CPU workers where the stack's own CPU trials gave them (None: ``constants``
     #: on every device; ``constants_for``)
     cpu_constants: PerfConstants | None = None
@@ -252,6 +248,14 @@ class Stack:
         if self.layout.problems(config):
             broken.append("stack_layout")
         return broken
+
+    @property
+    def embedding_loss_split(self) -> bool:
+        """An interleaved (or plain) pipeline whose stages the layers alone do not split evenly runs where
+        the layers plus the embedding and the loss do (Megatron-Core's ``account_for_embedding_in_pipeline_split``
+        and ``account_for_loss_in_pipeline_split``): the stack's memory splits its stages so
+        (``MemoryOptions.stage_balance`` "embedding_loss", ``pipette.memory.embedding_loss_stage_layers``)."""
+        return self.memory_options.stage_balance == "embedding_loss"
 
     def calibration_note(self, device: DeviceSpec) -> str | None:
         """What a plan on ``device`` should say when no run of this stack on its family priced the
@@ -390,7 +394,6 @@ MEGATRON = Stack(
     #: ``fp8_param_gather = False``; megatron/bridge/training/mixed_precision.py)
     recipe_memory_options=(("mxfp8", replace(MEGATRON_OPTIONS, linear_input_bytes=MXFP8_INPUT_BYTES)),
                            ("nvfp4", replace(MEGATRON_OPTIONS, linear_input_bytes=NVFP4_INPUT_BYTES))),
-    embedding_loss_split=True,
     calibrated_on=(("a100", "vTrain"), ("h100", "Ultra-Scale's nanotron runs; Megatron-Bridge's FP8 runs"),
                    ("b200", "SimuMax; Megatron-Bridge's B200, GB200 and GB300 runs")),
 )
