@@ -556,6 +556,12 @@ def _peak_text(m: Measurement) -> str:
 _PURPOSE = {"retime": " (re-time)", "retry": " (retry)"}
 
 
+def _trial_label(label: str, attempt: int, purpose: str) -> str:
+    """A trial's candidate as its progress lines name it: with its attempt after the first, and why it ran
+    where it was not the search's own proposal."""
+    return label + (f" (attempt {attempt})" if attempt > 1 else "") + _PURPOSE.get(purpose, "")
+
+
 class Progress:
     """Progress on stderr: one line per trial, and a live bar on a terminal."""
 
@@ -586,8 +592,7 @@ class Progress:
                  f"{'vs pred':>7} {'peak MiB':>9}")
 
     def start(self, number: int, data: dict[str, Any]) -> None:
-        self.current = (f"#{number} {data['label']}" + (f" (attempt {data['attempt']})" if data["attempt"] > 1 else "")
-                        + _PURPOSE.get(str(data.get("purpose")), ""))
+        self.current = f"#{number} {_trial_label(data['label'], data['attempt'], str(data.get('purpose')))}"
         self.steps = 0
         self.where = ""
         self._bar()
@@ -617,8 +622,7 @@ class Progress:
         if status == "ok" and m.step_time and (self.best is None or m.step_time < self.best):
             self.best, self.best_label = m.step_time, r.label
         self.done_trials = r.number + 1
-        label = (r.label + (f" (attempt {r.attempt})" if r.attempt > 1 else "")
-                 + _PURPOSE.get(r.purpose, ""))
+        label = _trial_label(r.label, r.attempt, r.purpose)
         self.say(f"{'#' + str(r.number):>5}  {label:<38} {self._c(f'{status:<8}', colour)} "
                  f"{r.predicted_step_time:>8.3f} s {measured:>10} {error:>7} {peak:>9}")
         if status not in ("ok", "pruned", "interrupted") and m.error:
