@@ -166,13 +166,13 @@ def rule_breaks(row: Row) -> list[str]:
     from pipette.space import check
 
     stack = get_stack(row.stack)
-    extra = {"embedding_loss_split": True} if getattr(stack, "embedding_loss_split", False) else {}
     # a recipe that gives its own layers per stage (Megatron-Core's pipeline_model_parallel_layout) is not held
     # to the even split
     uneven = stack.uneven_virtual_stages or dict(row.recipe_memory).get("stage_layers") is not None
     return [c for c in check(row.model, row.training, row.config, row.config.world,
                              sharded_pipeline=stack.sharded_pipeline, uneven_virtual_stages=uneven,
-                             stack=stack.name, **extra) if c != "world_mismatch"]
+                             stack=stack.name, embedding_loss_split=stack.embedding_loss_split)
+            if c != "world_mismatch"]
 
 
 def row_points(rows: list[Row]) -> list[tuple[str, Point]]:
