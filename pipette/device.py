@@ -32,6 +32,10 @@ class DeviceSpec:
     memory_bandwidth: float
     kind: str = "gpu"
     efficiency: tuple[tuple[float, float], ...] = field(default=())
+    #: The 16-bit rate the fused attention kernel is priced against where it is not ``peak_flops``' (None:
+    #: the same): a power-capped part lowers its clocks under the power-bound GEMMs its peaks are
+    #: scaled for, not under FlashAttention, which keeps its tensor cores about a third as busy
+    attention_flops: float | None = None
 
     def __post_init__(self) -> None:
         if self.memory_bytes <= 0:
@@ -51,6 +55,12 @@ class DeviceSpec:
                 f"memory bandwidth must be positive, got {self.memory_bandwidth!r}",
                 field="device.memory_bandwidth",
                 fix="give it in bytes/s (e.g. 2.0e12)",
+            )
+        if self.attention_flops is not None and not self.attention_flops > 0:
+            raise SpecError(
+                f"attention FLOP/s must be positive, got {self.attention_flops!r}",
+                field="device.attention_flops",
+                fix="leave it out to price attention at the bf16 peak",
             )
         if self.kind not in ("gpu", "cpu"):
             raise SpecError(
@@ -82,6 +92,7 @@ class DeviceSpec:
             "memory_bandwidth": self.memory_bandwidth,
             "kind": self.kind,
             "efficiency": [list(p) for p in self.efficiency],
+            **({"attention_flops": self.attention_flops} if self.attention_flops is not None else {}),
         }
 
     @classmethod
@@ -94,6 +105,7 @@ class DeviceSpec:
                 memory_bandwidth=float(data["memory_bandwidth"]),
                 kind=str(data.get("kind", "gpu")),
                 efficiency=tuple((float(a), float(b)) for a, b in data.get("efficiency", ())),
+                attention_flops=None if data.get("attention_flops") is None else float(data["attention_flops"]),
             )
         except KeyError as e:
             raise SpecError(

@@ -57,7 +57,7 @@ from pipette.perf_constants import (
     MemoryPressure,
     PerfConstants,
 )
-from pipette.perf_cp import CP_PART, stage_exposed
+from pipette.perf_cp import CP_PART, stage_exposed, with_ring
 from pipette.stacks import Stack, get_stack
 from pipette.training import TrainingSpec
 
@@ -99,6 +99,9 @@ class PerfModel:
         #: the MLPs of a model with experts (pipette.perf_moe); None for a dense model
         self.moe = moe_times(self.kernels, model, training, config) if model.moe is not None else None
         self.compute = compute_times(self.kernels, model, training, config, self.layers, self.kv_seq, self.moe)
+        if self.job_config.cp > 1:
+            self.compute = with_ring(self.compute, model, self.job_training, self.job_config, self.k,
+                                     self.device, self.layers)
         self.pressure_stall = self._pressure_stall()
         self.stage_params = _stage_params(model, training, config)  # (p,) per device
         self.grad_bytes = self.stage_params * b

@@ -159,7 +159,7 @@ def _attention_times(kernels: Kernels, model: ModelSpec, t: float, s: int) -> tu
     """(forward, backward) of one layer's attention core for ``t`` queries over ``s`` keys: QK^T and
     softmax x V, 2 x 2 T s h / tp FLOPs, causal half skipped by fused kernels (FlashAttention; Dao
     et al. 2022)."""
-    k, peak = kernels.k, kernels.peak
+    k, peak = kernels.k, kernels.device.attention_flops or kernels.peak
     attn_gemm = 2.0 * t * s * perf_moe.attention_width(model) / kernels.tp * 0.5
     attention_efficiency = dict(k.attention_efficiencies).get(family(kernels.device), k.attention_efficiency)
     measured = kernel_attention(kernels.device) if k.kernel_tables_first and k.flash_attention else None

@@ -201,6 +201,13 @@ class PerfConstants:
     #: Share of a ring step's attention block that hides its KV transfer (``pipette.perf_cp``): 1 when the
     #: transfer runs on its own stream beside the block (Transformer Engine, PyTorch's ring)
     cp_overlap: float = 1.0
+    #: The ring carries K and V repeated to every query head (torchtitan's Llama repeats them before
+    #: ``F.scaled_dot_product_attention``: models/llama/model.py, ``repeat_kv``); False: the key/value heads
+    cp_repeat_kv: bool = False
+    #: Share of PyTorch's ring passes beside its kernels (``pipette.perf_cp.ring_compute``: the fp32 merges
+    #: and accumulations) left: 1 eager; a stack's compile scales it as its elementwise passes
+    #: (torchtitan compiles each block with ``fullgraph=True``, the ring inside it: Inductor fuses them)
+    ring_pass_share: float = 1.0
     #: The Mixture-of-Experts terms (``pipette.perf_moe``: grouped GEMMs, all-to-all, router imbalance)
     moe: MoeConstants = DEFAULT_MOE
 

@@ -107,7 +107,8 @@ class CompileTerms:
 
     def apply(self, constants: PerfConstants, memory: MemoryOptions) -> tuple[PerfConstants, MemoryOptions]:
         constants = replace(constants, elementwise_passes=constants.elementwise_passes * self.elementwise_share,
-                            layer_overhead_s=constants.layer_overhead_s * self.elementwise_share)
+                            layer_overhead_s=constants.layer_overhead_s * self.elementwise_share,
+                            ring_pass_share=constants.ring_pass_share * self.elementwise_share)
         if constants.fp8_gemms:
             constants = replace(constants, fp8_casts_fused=True,
                                 fp8_efficiency=self.fp8_efficiency or constants.fp8_efficiency)
@@ -448,8 +449,9 @@ FSDP_CONSTANTS = replace(
     #: (LayerNormLinear), which the counted cast passes (perf.FP8_CAST_BYTES) charge in full.
     fp8_efficiency=1.365,
     #: context parallelism as torchtitan runs it on GPUs: PyTorch's ring with the all-gather rotation
-    #: (torchtitan's default ``context_parallel_rotate_method``; pipette.perf_cp)
-    cp_comm="allgather",
+    #: (torchtitan's default ``context_parallel_rotate_method``; pipette.perf_cp), K and V repeated to the
+    #: query heads before it (torchtitan's Llama)
+    cp_comm="allgather", cp_repeat_kv=True,
 )
 #: The fsdp stack on CPU workers (gloo, fp32): ``FSDP_CONSTANTS`` with the terms a CPU run spends
 #: its time in fitted on the fsdp runner's own CPU trials, never borrowed from the pipette stack.
@@ -479,8 +481,9 @@ FSDP_CPU_CONSTANTS = replace(
     #: it at its bound, 0: the cpu-4 cluster's 4 ranks share 2 cores, so a waiting stage may leave
     #: its core to the others)
     bubble_share=0.827,
-    #: the runner's own ring on CPU ranks (workers.rank.ring_attention: KV blocks point to point)
-    cp_comm="p2p",
+    #: the runner's own ring on CPU ranks (workers.rank.ring_attention: KV blocks point to point, the
+    #: key/value heads only)
+    cp_comm="p2p", cp_repeat_kv=False,
 )
 #: ``fsdp+compile``: the share of the elementwise passes and per-layer overhead left under
 #: torch.compile (torchtitan compiles each transformer block: ``apply_compile``). Fitted by
@@ -490,18 +493,18 @@ FSDP_COMPILE_ELEMENTWISE_SHARE = 0.0
 #: ``fsdp+compile+fp8``: torchao Float8 (tensorwise) GEMM efficiency relative to the bf16 curve, the
 #: casts fused by compile. Fitted by tests/benchmarks/torchtitan_fit.py on torchtitan's two compiled
 #: Float8 1D FSDP runs (8B on 8 and 128 H100s); held out: its other 16 (TP, PP, H200, 32k sequence).
-FSDP_COMPILE_FP8_EFFICIENCY = 0.834
+FSDP_COMPILE_FP8_EFFICIENCY = 0.788
 #: ``fsdp+async-tp``: the share of a micro-batch's linear-layer GEMM time that hides the TP
 #: collectives (``PerfConstants.tp_overlap``) under torchtitan's async TP (``enable_async_tensor_parallel``:
 #: torch._inductor's micro-pipelined collective matmuls, ``_micro_pipeline_tp``). Fitted by
 #: tests/benchmarks/torchtitan_fit.py on its 70B bf16 async run (256 H100s, FSDP32 x TP8); held out:
 #: its other 9 async runs (8B on 64 GPUs, 70B Float8, 405B under PP).
-FSDP_ASYNC_TP_OVERLAP = 0.110
+FSDP_ASYNC_TP_OVERLAP = 0.137
 #: ``fsdp+fp8-rowwise``: torchao Float8's rowwise-scaled GEMM efficiency relative to the bf16 curve
 #: (per-row scales: a slower scaled-mm kernel than tensorwise). Fitted by
 #: tests/benchmarks/torchtitan_fit.py on torchtitan's 70B rowwise run without async TP (256 H100s);
 #: held out: its other 3 rowwise runs (70B async TP, 8B on 64 GPUs).
-FSDP_FP8_ROWWISE_EFFICIENCY = 0.494
+FSDP_FP8_ROWWISE_EFFICIENCY = 0.514
 #: PyTorch FSDP/FSDP2 (torchtitan, Accelerate FSDP, llm-foundry): ZeRO-3-like FULL_SHARD with
 #: fp32 sharded master and fp32 gradient reduction; torchtitan adds TP and PP schedules. Priced
 #: with ``FSDP_CONSTANTS``, the memory with FSDP2's terms (``FSDP_OPTIONS``; docs/fsdp.md).

@@ -3,15 +3,17 @@
     PYTHONPATH=$PWD .venv/bin/python tests/benchmarks/cp_accuracy.py
 
 Rows: torchtitan_h100_fsdp2.csv's FSDP+CP table (Llama 3.1 8B on 8 H100, 32k-256k tokens, cp 1-8,
-Float8 + compile, full AC; the cp > 1 rows were skipped by the stack loader) with the ``fsdp`` stack,
+Float8 + compile, full AC) and its 4D table (Llama 3.1 405B on 512 H100, TP 8 x PP 8 x CP 1-8, 32k-256k
+tokens, + async TP; the cp > 1 rows of both were skipped by the stack loader) with the ``fsdp`` stack,
 and megatron_bridge_moe_dense.csv's rows with cp > 1 (Llama 3.1 405B, 8k tokens, cp 2) with the
-``megatron`` stack. One constant per stack is fitted, leave one row out (every verdict below comes
-from a fit that never saw its row): for the fsdp stack the attention efficiency
-(``attention_efficiency``: the shipped 0.181 was fitted at 8k tokens; these rows are attention-bound),
-for the megatron stack ``cp_overlap`` (the share of a ring block that hides its KV transfer). The
-shipped constants' column was fitted on none of these rows. Nothing found here is shipped: a fitted
-attention efficiency would move every fsdp prediction (docs/context-parallel.md). Memory: the
-reserved estimate against torchtitan's max reserved, nothing fitted on these rows.
+``megatron`` stack. The shipped constants' column was fitted on none of these rows (torchtitan's terms
+on its 8k runs, torchtitan_fit.py; the attention efficiency on llm-foundry's). One constant per stack is
+also fitted, leave one row out within each table (every verdict below from a fit that never saw its
+row): for the fsdp stack the attention efficiency (``attention_efficiency``: these rows are
+attention-bound), for the megatron stack ``cp_overlap`` (the share of a ring block that hides its KV
+transfer). Nothing found by those fits is shipped: a fitted attention efficiency would move every fsdp
+prediction (docs/context-parallel.md). Memory: the reserved estimate against torchtitan's max
+reserved, nothing fitted on these rows.
 """
 
 from __future__ import annotations
@@ -47,11 +49,11 @@ def with_cp(row: Row, cp: int) -> Row:
     return replace(row, config=replace(row.config, cp=cp))
 
 
-def torchtitan_rows(directory: Path) -> list[Row]:
-    """The FSDP+CP table's rows, cp 1 to 8."""
+def torchtitan_rows(directory: Path, section: str = "Table 2: FSDP+CP") -> list[Row]:
+    """The rows of one of torchtitan's cp tables, cp 1 to 8 (``Table 2: FSDP+CP``, or ``Table 6`` the 4D one)."""
     name = "torchtitan_h100_fsdp2.csv"
     with open(directory / name, newline="") as f:
-        raw = [r for r in csv.DictReader(f) if r["section"].startswith("Table 2: FSDP+CP")]
+        raw = [r for r in csv.DictReader(f) if r["section"].startswith(section)]
     return [with_cp(_stack_row(name.removesuffix(".csv"), STACK_SETS[name], r), int(r["cp"])) for r in raw]
 
 
@@ -117,6 +119,9 @@ def main() -> int:
     tt = torchtitan_rows(directory)
     report("torchtitan FSDP+CP (fsdp stack)", tt, "attention_efficiency", (0.05, 0.9))
     memory(tt)
+    tt4d = torchtitan_rows(directory, "Table 6")
+    report("torchtitan 4D: 405B, FSDP x TP8 x PP8 x CP (fsdp stack)", tt4d, "attention_efficiency", (0.05, 0.9))
+    memory(tt4d)
     report("Megatron-Bridge cp 2 (megatron stack)", bridge_rows(directory), "cp_overlap", (0.0, 1.0))
     return 0
 
