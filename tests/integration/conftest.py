@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from collections.abc import Iterator
 
 import pytest
@@ -18,16 +15,13 @@ def ray_session() -> Iterator[None]:
     import ray
 
     from workers.host.ray_cluster import ensure_ray
-    from workers.rank.train import build_environment
+    from workers.ops import build_ops
 
     # DeepSpeed builds its CPU shared-memory comm op on first use (about a minute, once per
-    # machine, cached); build it here so no trial's timeout pays for it, with the ninja and
-    # into the cache the ranks use (workers.rank.train.build_environment).
-    subprocess.run(
-        [sys.executable, "-c", "from deepspeed.comm.torch import build_shm_op; build_shm_op()"],
-        env={**os.environ, "DS_ACCELERATOR": "cpu", **build_environment()},
-        check=True, capture_output=True, timeout=600,
-    )
+    # machine, cached); build it here so no trial's timeout pays for it, into the cache the ranks
+    # use, as a job does (workers.ops): a lock a killed build left behind is removed, where
+    # DeepSpeed's own build_shm_op waited on it for ever.
+    build_ops("cpu", timeout_s=600)
     ensure_ray()
     yield
     ray.shutdown()
