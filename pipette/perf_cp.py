@@ -108,7 +108,9 @@ def layer_exposed(model: ModelSpec, training: TrainingSpec, config: ParallelConf
         return np.asarray(passes_f * fwd + bwd, dtype=np.float64)
     if k.cp_comm != "a2a":
         raise ValueError(f"unknown cp_comm {k.cp_comm!r}: one of {CP_COMMS}")
-    # Ulysses: each all-to-all moves (cp - 1) / cp of a rank's q, k, v (before) and context (after)
+    # Ulysses: each all-to-all moves (cp - 1) / cp of a rank's q, k, v (before) and context (after); they
+    # wrap the core attention, so only full recomputation runs them again
+    passes_f = 2.0 if config.recompute == "full" else 1.0
     local = config.mbs * training.seq_len / cp * training.dtype_bytes
     t_kv = min(config.tp, model.kv_heads)
     moved = local * (2.0 * model.hidden / config.tp + 2.0 * model.kv_dim / t_kv) * (cp - 1) / cp

@@ -111,3 +111,11 @@ def test_the_backward_pays_the_rings_forward_again_where_it_reruns_the_attention
     out = with_ring(base, ONE, training, config, k, H100, np.array([3.0]))
     assert float(out.forward[0]) == pytest.approx(1.0 + 3 * fwd)
     assert float(out.backward[0]) == pytest.approx(2.0 + 3 * (bwd + (fwd if again else 0.0)))
+
+
+def test_ulysses_all_to_alls_wrap_the_core_attention_so_only_full_recomputation_repeats_them() -> None:
+    k = replace(FSDP_CONSTANTS, cp_comm="a2a")
+    bw, lat = np.array([100e9]), np.array([0.0])
+    none, selective, full = (layer_exposed(ONE, *_job(4, recompute=r), k, (1.0, 2.5), bw, lat)[0]
+                             for r in ("none", "selective", "full"))
+    assert selective == none and full == pytest.approx(1.5 * none)
