@@ -94,11 +94,12 @@ MEGATRON_GPU = FitsPrior("megatron-gpu", mu=-0.003, sd=0.038,
 #: PyTorch FSDP2 (torchtitan's H100 runs: peak reserved, max over ranks, against the estimate
 #: with the ``fsdp`` stack's options; 14 runs with memory, none out of memory), fitted by
 #: ``fits_boundary.py --fit`` on the estimate as it is now (per-op recomputation, FSDP2 under
-#: pipelining, the compiled loss, DTensor TP, the traced gradient term). The fsdp stack's
-#: fragmentation factors were fitted on 4 of these 14 runs, so the sd is partly in-sample. Its
-#: earlier fits: docs/results.md, "The chance to fit: each stack's prior".
-FSDP_GPU = FitsPrior("fsdp-gpu", mu=0.046, sd=0.043,
-                     source="torchtitan_h100_fsdp2.csv, 14 runs (traced gradient term, reserved, 2026-12-04)")
+#: pipelining with every unit's fp32 accumulators, the compiled loss, DTensor TP, the reserve over
+#: FSDP2's phases: ``pipette.memory_fsdp2.reserve``). The fsdp stack's fragmentation factors were
+#: fitted on 4 of these 14 runs, so the sd is partly in-sample. Its earlier fits: docs/results.md,
+#: "The chance to fit: each stack's prior".
+FSDP_GPU = FitsPrior("fsdp-gpu", mu=0.043, sd=0.040,
+                     source="torchtitan_h100_fsdp2.csv, 14 runs (FSDP2's phases, reserved, 2026-12-04)")
 #: CPU devices: no calibration runs (the runner's RSS is recorded by every CPU trial); the
 #: learned memory model's default prior (``pipette.feasibility``), centred.
 CPU = FitsPrior("cpu", mu=0.0, sd=0.226, source="no calibration runs: the learned model's default prior")

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipette import memory_moe
+from pipette import memory_fsdp2, memory_moe
 from pipette.config import ParallelConfig
 from pipette.errors import SpecError
 from pipette.estimates import MemoryEstimate
@@ -105,9 +105,14 @@ def stage_breakdowns(
     device_kind: str = "gpu",
     options: MemoryOptions = DEFAULT_OPTIONS,
     host: bool = False,
+    phase: str | None = None,
 ) -> list[dict[str, int]]:
     """The breakdown over ``MEMORY_PARTS`` of one rank of every pipeline stage, in order; with
-    ``host``, the bytes FSDP2's CPU offload keeps in host memory under ``HOST_KEY`` too."""
+    ``host``, the bytes FSDP2's CPU offload keeps in host memory under ``HOST_KEY`` too. Under FSDP2
+    each stage's is that of its heaviest phase (``memory_fsdp2.PHASES``), or of ``phase`` where the
+    stage goes through it (the loss and the head: the last stage only)."""
+    if phase is not None and phase not in memory_fsdp2.PHASES:
+        raise SpecError(f"unknown phase {phase!r}", field="phase", fix=f"use one of {', '.join(memory_fsdp2.PHASES)}")
     if device_kind not in DEVICE_KINDS:
         raise SpecError(
             f"unknown device kind {device_kind!r}", field="device.kind", fix="use gpu or cpu"
@@ -123,7 +128,7 @@ def stage_breakdowns(
         _mlp_saving(training, options))
     terms = _StageTerms(
         model, training, config, options, _params_per_rank(model, training, config, options), nbytes,
-        _activations(model, training, config, options), moe, exchange, device_kind == "gpu",
+        _activations(model, training, config, options), moe, exchange, device_kind == "gpu", phase,
     )
     return [_stage(terms, i, layers_i, host) for i, layers_i in enumerate(layers)]
 
@@ -225,6 +230,8 @@ class _Activations:
     rebuilt: float
     head: float
     logits: float
+    #: the d-byte logits (or, in the backward, their gradient): a share of ``logits`` unless the loss is fused
+    logits_d: float
 
 
 def _activations(
@@ -252,7 +259,7 @@ def _activations(
     copies = options.tp_loss_fp32_copies if t > 1 and options.tp_loss_fp32_copies is not None \
         else options.loss_fp32_copies
     logits = b * s * model.vocab / t * (2 * d if options.fused_loss else d + copies * FP32_BYTES)
-    return _Activations(per_layer, rebuilt, head_act, logits)
+    return _Activations(per_layer, rebuilt, head_act, logits, b * s * model.vocab / t * d)
 
 
 def _kept_and_rebuilt(
@@ -293,6 +300,8 @@ class _StageTerms:
     moe: list[dict[str, float]] | None
     exchange: float
     gpu: bool
+    #: FSDP2's phase to give instead of the heaviest (``stage_breakdowns``)
+    phase: str | None = None
 
 
 def _held_layers(config: ParallelConfig, i: int, layers_i: int) -> float:
@@ -309,7 +318,7 @@ def _held_layers(config: ParallelConfig, i: int, layers_i: int) -> float:
 def _stage(c: _StageTerms, i: int, layers_i: int, host: bool) -> dict[str, int]:
     """One rank of pipeline stage ``i`` (``layers_i`` decoder layers) over ``MEMORY_PARTS``."""
     config, options, P, nb, d = c.config, c.options, c.params, c.nbytes, c.training.dtype_bytes
-    p, m = config.pp, config.grad_accum
+    p = config.pp
     trainable_full = c.training.method == "full"
     psi = layers_i * P.layer + (P.embed if i == 0 else 0) + (P.head if i == p - 1 else 0)
     trainable = psi if trainable_full else layers_i * P.lora
@@ -324,20 +333,19 @@ def _stage(c: _StageTerms, i: int, layers_i: int, host: bool) -> dict[str, int]:
         activations += c.acts.head
         stage_logits = c.acts.logits
     buffers = _buffers(config, trainable, P.layer, nb.grad, d, options)
-    offloaded = 0.0
+    offloaded, cache = 0.0, None
     if options.fsdp2:
-        root = (P.embed if i == 0 else 0) + (P.head if i == p - 1 else 0)
-        weights, gradients, optimizer, buffers, offloaded = _fsdp2_state(
-            config, c.training, layers_i, P.layer + P.lora, root, psi, trainable,
-            P.lora if not trainable_full else P.layer + P.lora, offload=config.offload and c.gpu,
+        # FSDP2's parts are not all alive at once: the heaviest of the step's phases (pipette.memory_fsdp2)
+        f, offloaded = _fsdp2_state(
+            config, c.training, layers_i, P.layer + P.lora, (P.embed if i == 0 else 0) + (P.head if i == p - 1 else 0),
+            psi, trainable, P.lora if not trainable_full else P.layer + P.lora, offload=config.offload and c.gpu,
         )
-        if p == 1 and m == 1:
-            # One micro-batch and no pipeline: the peak is the loss's backward, before any layer's
-            # gradient is reduce-scattered (the previous step's were freed by zero_grad), so the
-            # sharded gradients count only where they outgrow the transient bytes freed by the time
-            # they are whole (a trace of the runner, workers.rank.fsdp_trace: Llama 3 8B dp 8, 0
-            # gradient bytes at the peak; docs/results.md, "Traced memory")
-            gradients = max(0.0, gradients - activations - stage_logits)
+        transient = _fsdp2_transient(c, i, layers_i, held_layers)
+        every = memory_fsdp2.phases(f, transient)
+        parts = every[c.phase] if c.phase in every else every[memory_fsdp2.heaviest(every)]
+        weights, gradients, optimizer = parts["weights"], parts["gradients"], parts["optimizer"]
+        activations, stage_logits, buffers = parts["activations"], parts["logits"], parts["buffers"]
+        cache = memory_fsdp2.reserve(f, transient)
     buffers += c.exchange if layers_i else 0.0
     if c.moe is not None:  # the MLPs of a model with experts (pipette.memory_moe)
         held = held_layers / layers_i if layers_i else 0.0
@@ -346,10 +354,15 @@ def _stage(c: _StageTerms, i: int, layers_i: int, host: bool) -> dict[str, int]:
                                          optimizer + mlp["optimizer"])
         activations += mlp["one_layer"] if config.recompute == "full" else held * mlp["per_micro_batch"]
         buffers += mlp["buffers"]
+    live = weights + gradients + optimizer + activations + stage_logits + buffers
     if c.gpu:
-        overhead = GPU_OVERHEAD_BYTES + (options.fragmentation - 1.0) * (activations + stage_logits)
-        live = weights + gradients + optimizer + activations + stage_logits + buffers
-        overhead += options.reserved_share * live
+        # the caching allocator's reserve over the step (FSDP2: every phase's blocks, memory_fsdp2.reserve)
+        held = live if cache is None else live + sum(cache.values()) - sum(parts.values())
+        short_lived = activations + stage_logits
+        if cache is not None:
+            short_lived += cache["activations"] + cache["logits"] - parts["activations"] - parts["logits"]
+        overhead = GPU_OVERHEAD_BYTES + (options.fragmentation - 1.0) * short_lived + held - live
+        overhead += options.reserved_share * held
     else:
         overhead = CPU_PROCESS_OVERHEAD_BYTES
     # Same keys and order as MEMORY_PARTS (checked by the unit tests).
@@ -359,6 +372,20 @@ def _stage(c: _StageTerms, i: int, layers_i: int, host: bool) -> dict[str, int]:
         "buffers": int(buffers), "overhead": int(overhead),
         **({HOST_KEY: int(offloaded)} if host else {}),
     }
+
+
+def _fsdp2_transient(c: _StageTerms, i: int, layers_i: int, held_layers: float) -> memory_fsdp2.StageBytes:
+    """Stage ``i``'s activations and loss bytes as FSDP2's phases hold them. The loss's bytes at its
+    backward: a fused loss keeps the logits and their gradient in d bytes; an eager one its fp32 copies
+    (the d-byte logits are dropped before the backward: ``pipette.memory_fsdp2``)."""
+    a, p, m = c.acts, c.config.pp, c.config.grad_accum
+    last = i == p - 1
+    loss = a.logits if c.options.fused_loss else a.logits - a.logits_d
+    return memory_fsdp2.StageBytes(
+        kept=held_layers * a.per_layer, rebuilt=a.rebuilt if layers_i else 0.0, head=a.head if last else 0.0,
+        loss=loss if last else 0.0, logits_grad=a.logits_d if last else 0.0, layers=layers_i, last=last,
+        grads_in_backward=p == 1 and m > 1, all_logits=a.logits if last else 0.0,
+    )
 
 
 def _balanced_stage_layers(model: ModelSpec, config: ParallelConfig, balance: str) -> tuple[int, ...]:
@@ -416,8 +443,9 @@ HOST_KEY = "host"
 def _fsdp2_state(
     config: ParallelConfig, training: TrainingSpec, layers: int, layer_psi: float, root_psi: float,
     psi: float, trainable: float, layer_trainable: float, *, offload: bool,
-) -> tuple[float, float, float, float, float]:
-    """(weights, gradients, optimizer, buffers, host) bytes of one rank of a stage under FSDP2.
+) -> tuple[memory_fsdp2.Fsdp2Bytes, float]:
+    """One rank of a stage's bytes under FSDP2, apart by when they are alive (``pipette.memory_fsdp2``
+    picks the heaviest moment), and its host bytes.
 
     Sources: the ``fully_shard`` documentation (torch.distributed.fsdp, FSDP2) and torchtitan's
     ``apply_fsdp`` / docs/fsdp.md, with the ZeRO paper's accounting (Rajbhandari et al. 2020,
@@ -435,8 +463,8 @@ def _fsdp2_state(
       prefetching gathers the next layer while one computes: two layers in flight. Without it
       (zero_stage 2, and NO_SHARD's replicas) every layer's unsharded parameters stay from its
       forward until its backward: the whole stage. The stage itself is the root unit (embedding,
-      final norm, head): the root is not resharded after forward (FSDP2 keeps it for the backward
-      that follows at once), so its unsharded parameters are held throughout;
+      final norm, head), resharded after the forward as the layers are (the flag is given to
+      ``fully_shard``) and gathered again for the head's backward;
     - in the backward a layer's unsharded gradients (d bytes) and their fp32 copy for the
       reduce-scatter (``reduce_dtype``) are alive together: one decoder layer's worth;
     - ``CPUOffloadPolicy`` keeps the sharded parameters, gradients and optimizer states in host
@@ -456,19 +484,21 @@ def _fsdp2_state(
     # ``set_requires_gradient_sync(False)`` on an FSDPModule, so the unsharded gradients (param
     # dtype) accumulate and are reduce-scattered at the last micro-batch only
     reshard = c.zero_stage == 3 and c.pp == 1
-    held_layers = 2 if reshard else layers
-    kept = root_psi * d + (0 if reshard else layers * layer_psi * d)
-    in_flight = min(held_layers, layers) * layer_psi * d if reshard else 0.0
-    if c.pp > 1 and c.zero_stage >= 2:
-        gradients += layers * layer_trainable * FP32_BYTES
+    kept = 0.0 if reshard else (root_psi + layers * layer_psi) * d
+    # every unit's, the root's too (FSDPParam.to_accumulated_grad_if_needed: a trace of Llama 3 8B pp 2,
+    # the last stage's head and norm 1.96 GiB of fp32 beside its layers')
+    accumulated = trainable * FP32_BYTES if c.pp > 1 and c.zero_stage >= 2 else 0.0
     # one decoder layer's: the root's (embedding, head) are reduced at the end of the backward,
     # after the activations that make the peak are freed
     reduce = (layer_trainable if layers else 0.0) * (d + FP32_BYTES)
     host = 0.0
     if offload:
-        host = sharded + gradients + optimizer
-        sharded = gradients = optimizer = 0.0
-    return sharded + kept, gradients, optimizer, in_flight + reduce, host
+        host = sharded + gradients + accumulated + optimizer
+        sharded = gradients = accumulated = optimizer = 0.0
+    return memory_fsdp2.Fsdp2Bytes(
+        sharded=sharded, optimizer=optimizer, sharded_grads=gradients, accumulated_grads=accumulated, kept=kept,
+        root=root_psi * d, layer=(layer_psi * d if layers else 0.0), reduce=reduce, reshard=reshard,
+    ), host
 
 
 def _layer_activations(

@@ -129,23 +129,33 @@ def test_traced_peak_is_the_cpu_allocators_peak_of_the_real_step() -> None:
 
 def test_traced_states_match_the_estimate_term_by_term() -> None:
     """Parameters, gradients and optimizer of the fsdp stack's estimate against the trace's own
-    maxima (each category's most, which is what the estimate counts it at)."""
+    maxima, phase by phase (``pipette.memory_fsdp2``): each category's most is at the phase that
+    gathers the most of it."""
+    from pipette.memory import FSDP_OPTIONS, stage_breakdowns
+
     model = MODEL_PRESETS["tiny-llama"]
     trial = _trial(model, 16, 128, "fp32", dp=4, mbs=4, zero_stage=3)
     trace = trace_rank(trial)
-    est = estimate_memory(model, trial.training, trial.config, 4 * GiB, device_kind="cpu", stack=FSDP).breakdown
-    assert trace.at_peak["optimizer"] == pytest.approx(est["optimizer"], rel=0.01)
+    est = estimate_memory(model, trial.training, trial.config, 4 * GiB, device_kind="cpu", stack=FSDP)
+    phases = {ph: stage_breakdowns(model, trial.training, trial.config, device_kind="cpu", options=FSDP_OPTIONS,
+                                   phase=ph)[0] for ph in ("loss", "head", "layer")}
+    assert trace.at_peak["optimizer"] == pytest.approx(est.breakdown["optimizer"], rel=0.01)
     # the sharded fp32 gradients FSDP2 reduce-scatters into: a quarter of the model's fp32 bytes
     # each; at the peak (the loss's backward, one micro-batch, no pipeline) there are none yet,
-    # and the estimate counts none there (pipette/memory.py)
+    # and the estimate counts none there
     assert trace.kinds_max["Sharded Grad"] == pytest.approx(model.total_params() * 4 / 4, rel=0.01)
-    assert trace.at_peak["gradients"] == est["gradients"] == 0
-    # the sharded fp32 parameters and the root's unsharded ones (the estimate's weights), and two
-    # decoder layers gathered at once (counted in the estimate's buffers: FSDP2's prefetch)
-    in_flight = 2 * model.layer_params() * 4
-    assert trace.category_max["parameters"] == pytest.approx(est["weights"] + in_flight, rel=0.01)
+    assert trace.at_peak["gradients"] == est.breakdown["gradients"] == 0
+    # tiny-llama's peak is a layer's backward in both (its logits are small): the sharded parameters,
+    # the root held since the head's backward, the layer and the next one prefetched
+    assert phases["layer"]["weights"] > phases["head"]["weights"] > phases["loss"]["weights"]
+    assert trace.at_peak["parameters"] == pytest.approx(est.breakdown["weights"], rel=0.01)
+    assert trace.at_peak["parameters"] == pytest.approx(phases["layer"]["weights"], rel=0.01)
+    assert trace.category_max["parameters"] == pytest.approx(phases["layer"]["weights"], rel=0.01)
+    # the layer's backward's own temporaries (its activations' gradients, 2.7 MiB) are not counted:
+    # the estimate is 9.5% under the trace here (docs/results.md, "Traced memory")
     traced_transient = trace.at_peak["activations"] + trace.at_peak["temporaries"]
-    assert traced_transient == pytest.approx(est["activations"] + est["logits"], rel=0.25)
+    assert traced_transient == pytest.approx(est.breakdown["activations"] + est.breakdown["logits"], rel=0.25)
+    assert -0.12 < est.live_bytes / trace.peak_bytes - 1 < 0
 
 
 def test_a_rank_outside_the_world_is_refused_in_one_line() -> None:

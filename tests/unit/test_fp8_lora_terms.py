@@ -97,14 +97,18 @@ def test_op_sac_keeps_every_other_matmul_output_and_the_attention() -> None:
     model = ModelSpec.preset("llama3-8b")
     train = TrainingSpec(global_batch=16, seq_len=8192)
     cfg = ParallelConfig(tp=1, pp=1, dp=8, mbs=2, global_batch=16, zero_stage=3, recompute="selective")
-    sac = stage_breakdowns(model, train, cfg, options=FSDP_OPTIONS)[0]["activations"]
-    korthikanti = stage_breakdowns(model, train, cfg, options=replace(FSDP_OPTIONS, op_sac=False))[0]["activations"]
     sb, h, kv, f, d = 2 * 8192, model.hidden, model.kv_dim, model.ffn_hidden, 2
     saved = d * sb * (4 * h + kv + f)  # input, wq, SDPA, w2; wv; w1
     rebuilt = d * sb * (2 * h + 2 * kv + 4 * f + 4 * h)  # one layer's full activations while it recomputes
     head = d * sb * 2 * h  # the final norm's input and output on the last stage
-    assert abs(sac - (model.layers * saved + rebuilt + head)) < model.layers
-    assert sac < korthikanti / 2
+    # at the loss (FSDP2's phases, pipette.memory_fsdp2): every layer's saved outputs and the head's; in a
+    # layer's backward: the saved outputs and the layer it recomputes
+    for phase, expected in (("loss", model.layers * saved + head), ("layer", model.layers * saved + rebuilt)):
+        sac = stage_breakdowns(model, train, cfg, options=FSDP_OPTIONS, phase=phase)[0]["activations"]
+        korthikanti = stage_breakdowns(model, train, cfg, options=replace(FSDP_OPTIONS, op_sac=False),
+                                       phase=phase)[0]["activations"]
+        assert abs(sac - expected) < model.layers
+        assert sac < korthikanti / 2
 
 
 def test_fsdp2_under_pipelining_keeps_its_layers_and_gradients_unsharded() -> None:
@@ -114,14 +118,16 @@ def test_fsdp2_under_pipelining_keeps_its_layers_and_gradients_unsharded() -> No
     train = TrainingSpec(global_batch=16, seq_len=4096)
     flat = ParallelConfig(tp=1, pp=1, dp=8, mbs=1, global_batch=16, zero_stage=3, recompute="full")
     piped = ParallelConfig(tp=1, pp=2, dp=4, mbs=1, global_batch=16, zero_stage=3, recompute="full")
-    one = stage_breakdowns(model, train, flat, options=FSDP_OPTIONS)[0]
-    two = stage_breakdowns(model, train, piped, options=FSDP_OPTIONS)[1]  # the last stage: no embedding
+    one = stage_breakdowns(model, train, flat, options=FSDP_OPTIONS, phase="layer")[0]
+    two = stage_breakdowns(model, train, piped, options=FSDP_OPTIONS, phase="step")[1]  # the last stage
     stage_layers = model.layers // 2
     layer = model.layer_params() * 2  # bf16 unsharded
-    # the sharded fp32 gradients plus every layer's unsharded gradient (synced at the last micro-batch),
-    # accumulated in reduce_dtype fp32 (FSDPParam.to_accumulated_grad_if_needed): 2x the bf16 layer
-    sharded_fp32 = (stage_layers * model.layer_params() + model.head_params()) * 4 / piped.dp
-    assert abs(two["gradients"] - (sharded_fp32 + stage_layers * 2 * layer)) < 1e6
+    # after the backward: the sharded fp32 gradients plus every unit's unsharded gradient (synced at the
+    # last micro-batch), accumulated in reduce_dtype fp32 (FSDPParam.to_accumulated_grad_if_needed): 2x the
+    # bf16 layer, and the root's (the head and the final norm)
+    stage_psi = stage_layers * model.layer_params() + model.head_params()
+    sharded_fp32 = stage_psi * 4 / piped.dp
+    assert abs(two["gradients"] - (sharded_fp32 + stage_psi * 4)) < 1e6
     # every layer of the stage stays gathered (no reshard after forward): far above two layers in flight
     assert two["weights"] >= sharded_fp32 + stage_layers * layer
     assert one["buffers"] < 6 * layer  # without pipelining: two layers in flight, one layer's reduce

@@ -17,7 +17,7 @@ from pipette.errors import SpecError
 from pipette.estimates import MemoryEstimate, PerfEstimate
 from pipette.learned import LearnedModel, Observation
 from pipette.measurement import Measurement
-from pipette.memory import FSDP_OPTIONS, estimate_memory
+from pipette.memory import FSDP_OPTIONS, estimate_memory, stage_breakdowns
 from pipette.model import ModelSpec
 from pipette.perf import estimate_perf
 from pipette.plan import Plan, make_plan
@@ -120,10 +120,12 @@ def test_fsdp2_memory_terms() -> None:
     # sharded fp32 parameters (the optimizer's master), fp32 gradients, Adam's two moments over dp
     assert m3.breakdown["gradients"] == pytest.approx(4 * psi / 16, rel=1e-6)
     assert m3.breakdown["optimizer"] == pytest.approx(8 * psi / 16, rel=1e-6)
-    # no reshard after forward keeps every layer's unsharded bf16 parameters: a whole bf16 model
+    # no reshard after forward keeps every unit's unsharded bf16 parameters, the root's too: a whole bf16
+    # model at the loss, where FULL_SHARD has resharded them all (pipette.memory_fsdp2)
     m2 = _mem(replace(z3, zero_stage=2))
-    assert m2.breakdown["weights"] - m3.breakdown["weights"] == pytest.approx(2 * LLAMA7B.layers *
-                                                                             LLAMA7B.layer_params(), rel=1e-3)
+    at_loss = [stage_breakdowns(LLAMA7B, BF16, c, options=FSDP_OPTIONS, phase="loss")[0]["weights"]
+               for c in (replace(z3, zero_stage=2), z3)]
+    assert at_loss[0] - at_loss[1] == pytest.approx(2 * psi, rel=1e-3)
     assert m2.peak_bytes > m3.peak_bytes
     # HSDP shards over dp_shard only
     hsdp = _mem(replace(z3, dp_shard=8))
