@@ -22,6 +22,9 @@ ROOT = str(Path(__file__).resolve().parents[2])
 class LocalTransport:
     """``devices``: the local device index of each rank (a GPU's index, or a CPU device's)."""
 
+    #: a poll reads this process's pipes: cheap, so often
+    poll_s = 0.1
+
     def __init__(self, devices: list[int], device_kind: str, workdir: str | Path | None = None) -> None:
         self.world, self.device_kind, self.devices = len(devices), device_kind, devices
         self.work = Path(workdir or tempfile.mkdtemp(prefix="pipette-local-"))

@@ -21,7 +21,6 @@ from workers.host.outcome import Outcome
 from workers.host.transport import Launch, Polled, Transport, start_ranks
 from workers.phases import WORDS, earliest
 
-POLL_S = 0.1
 #: how a run stopped by ``should_stop`` reads (the tuner and the service look for "cancel")
 CANCELLED = "cancelled"
 #: how often ``OnPhase`` hears the elapsed time while the phase stays
@@ -185,7 +184,7 @@ class Monitor:
             if self.elapsed() > self.timeout_s:
                 return self.kind.timed_out(self.timeout_s, self.phases.behind(), self.last_step,
                                            lambda: self.t.output_tail(0))
-        time.sleep(POLL_S)
+        time.sleep(self.t.poll_s)
         return None
 
     def failed_exit(self) -> Outcome:

@@ -45,6 +45,8 @@ class Transport(Protocol):
 
     world: int
     device_kind: str
+    #: seconds the monitor waits between two polls of the ranks
+    poll_s: float
 
     def master(self) -> tuple[str, int]:
         """Where rank 0's rendezvous store listens (an address the other ranks reach)."""
