@@ -485,8 +485,7 @@ def _fsdp2_state(
     # dtype) accumulate and are reduce-scattered at the last micro-batch only
     reshard = c.zero_stage == 3 and c.pp == 1
     kept = 0.0 if reshard else (root_psi + layers * layer_psi) * d
-    # every unit's, the root's too (FSDPParam.to_accumulated_grad_if_needed: a trace of Llama 3 8B pp 2,
-    # the last stage's head and norm 1.96 GiB of fp32 beside its layers')
+    # every unit's, the root's too (FSDPParam.to_accumulated_grad_if_needed; traced: docs/results.md)
     accumulated = trainable * FP32_BYTES if c.pp > 1 and c.zero_stage >= 2 else 0.0
     # one decoder layer's: the root's (embedding, head) are reduced at the end of the backward,
     # after the activations that make the peak are freed

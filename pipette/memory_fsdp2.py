@@ -97,8 +97,8 @@ def reserve(f: Fsdp2Bytes, s: StageBytes) -> dict[str, float]:
     (the root's, the two layers') and the reduce-scatter copies do not serve the compute stream's
     tensors, nor the d-byte logits freed before the loss's backward its fp32 copies. The sharded
     gradients, made after the activations are freed, reuse those blocks where no gradient is alive
-    in the backward. An upper bound that torchtitan's peak reserved bytes stand 4.3% above
-    (``pipette.fits.FSDP_GPU``); the live peak is ``heaviest``."""
+    in the backward. An upper bound, the figure the ``fsdp-gpu`` prior is fitted on
+    (``pipette.fits.FSDP_GPU``; docs/results.md, "Traced memory"); the live peak is ``heaviest``."""
     transient = s.kept + s.rebuilt + s.head + s.all_logits
     grads = f.sharded_grads + f.accumulated_grads
     if not (s.grads_in_backward or f.accumulated_grads):
