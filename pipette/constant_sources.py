@@ -53,7 +53,13 @@ SOURCES: tuple[Source, ...] = (
            "ultrascale_h100_1b_3b_8b.csv (17 of 21 jobs)", 1345),
     Source("pipette.stacks.MEGATRON_FP8_EFFICIENCY", "megatron+fp8", FITTED, "megatron_bridge_moe_dense.csv", 27),
     Source("pipette.stacks.MEGATRON_MXFP8_EFFICIENCY", "megatron+mxfp8", FITTED, "megatron_bridge_moe_dense.csv", 22),
-    Source("pipette.stacks.MEGATRON_NVFP4_EFFICIENCY", "megatron+nvfp4", FITTED, "megatron_bridge_moe_dense.csv", 18),
+    Source("pipette.stacks.MEGATRON_NVFP4_EFFICIENCY", "megatron+nvfp4", FITTED, "megatron_bridge_moe_dense.csv", 18,
+           note="relative to the FP8 tensor rate (Stack.nvfp4_peak)"),
+    *(Source(f"pipette.stacks.MEGATRON_{gpu}_TENSOR_RATE", "megatron+fp8", FITTED, "megatron_bridge_moe_dense.csv",
+             rows, note=f"the {gpu} rows; fitted with the recipes' efficiencies on all 67 dense rows (B200 the "
+                        "reference)") for gpu, rows in (("GB300", 23), ("GB200", 31), ("H100", 9))),
+    Source("pipette.stacks.MEGATRON_FP8_CONSTANTS.measured_attention", "megatron+fp8", COUNTED,
+           note="cuDNN's fused attention timings per chip (data/kernels/attention.csv, cudnn-frontend)"),
     Source("pipette.stacks.MEGATRON_FP8_CONSTANTS.tp_overlap", "megatron+fp8", CALIBRATED,
            note="MLPerf Training v4.0 Llama-2-70B LoRA on 8x H100 (2.155 samples/s, a 3.71 s step; "
                 "tests/benchmarks/mlperf_lora.py): counted from Transformer Engine's userbuffer overlap, kept "
@@ -79,14 +85,15 @@ SOURCES: tuple[Source, ...] = (
     Source("pipette.stacks.FSDP_CPU_CONSTANTS.collective_overhead_s", "fsdp (CPU)", FITTED,
            "tests/benchmarks/fsdp_cpu_calibration.py dedicated trials", 8),
     Source("pipette.perf_moe.MEGATRON_MOE.grouped_share", "megatron", FITTED,
-           "megatron_bridge_moe_dense.csv MoE rows (one per layout) + simumax_b200_megatron.csv DeepSeek rows", 41,
+           "megatron_bridge_moe_dense.csv MoE rows (one per layout) + simumax_b200_megatron.csv DeepSeek rows", 39,
            "tests/benchmarks/moe_fit.py"),
     Source("pipette.perf_moe.MEGATRON_MOE.layer_host_s", "megatron", FITTED,
-           "megatron_bridge_moe_dense.csv + simumax_b200_megatron.csv: the dropless rows of the 41", 19,
-           "tests/benchmarks/moe_fit.py; no host sync with a capacity factor or a whole-step CUDA graph"),
+           "megatron_bridge_moe_dense.csv + simumax_b200_megatron.csv: the rows of the 39 whose host waits", 22,
+           "tests/benchmarks/moe_fit.py; no host sync under the all-to-all dispatcher with a capacity factor, "
+           "or under a whole-step CUDA graph"),
     Source("pipette.perf_moe.MEGATRON_MOE.a2a_overlap", "megatron", COUNTED,
            note="0: the emitted megatron_args.txt does not overlap the all-to-all; the share hidden where a "
-                "Megatron-Bridge recipe does (0.586) is fitted on its 8 rows (docs/moe.md)"),
+                "Megatron-Bridge recipe does (0.561) is fitted on its 8 rows (docs/moe.md)"),
     Source("pipette.perf_moe.MEGATRON_MOE.imbalance", "megatron", COUNTED,
            note="1: the rows cannot tell it from grouped_share"),
     Source("pipette.perf_moe.DEFAULT_MOE.grouped_half_tokens", "all", FITTED,

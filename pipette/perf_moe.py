@@ -94,13 +94,13 @@ class MoeConstants:
 
 #: Counted: the grouped GEMM from the kernel table, every all-to-all exposed, no imbalance, no launch floor
 DEFAULT_MOE = MoeConstants()
-#: The megatron stack's, fitted on the MoE rows of Megatron-Bridge (29, one per layout) and SimuMax's B200
-#: DeepSeek runs (12) together, by tests/benchmarks/moe_fit.py (cross-validated figures: docs/moe.md):
-#: ``grouped_share`` on all 41, ``layer_host_s`` on the 19 dropless ones not run as one CUDA graph.
-#: ``imbalance`` is 1, not fitted: these rows cannot tell it from ``grouped_share``. ``a2a_overlap`` is
+#: The megatron stack's, fitted on the MoE rows of Megatron-Bridge (27, one per layout and recipe) and SimuMax's
+#: B200 DeepSeek runs (12) together, by tests/benchmarks/moe_fit.py (cross-validated figures: docs/moe.md):
+#: ``grouped_share`` on all 39, ``layer_host_s`` on the 22 whose host waits (``host_floor``; no whole-step CUDA
+#: graph). ``imbalance`` is 1, not fitted: these rows cannot tell it from ``grouped_share``. ``a2a_overlap`` is
 #: 0 and the dispatcher the all-to-all because that is what the emitted megatron_args.txt runs (no
-#: ``--overlap-moe-expert-parallel-comm``); where a recipe overlaps, the fit hides 0.586 of it (8 rows).
-MEGATRON_MOE = MoeConstants(grouped_share=0.692, a2a_overlap=0.0, layer_host_s=6.04e-3, imbalance=1.0)
+#: ``--overlap-moe-expert-parallel-comm``); where a recipe overlaps, the fit hides 0.561 of it (8 rows).
+MEGATRON_MOE = MoeConstants(grouped_share=0.716, a2a_overlap=0.0, layer_host_s=5.97e-3, imbalance=1.0)
 
 
 @dataclass(frozen=True)
@@ -166,11 +166,23 @@ def layer_times(model: ModelSpec, training: TrainingSpec, config: ParallelConfig
     dense_b = back * dense_f + 2.0 * adapters[0]
     moe_b = back * (experts_f + shared_f) + 2.0 * (router_f + permute_f) + 2.0 * adapters[1]
     moe_b += (moe_f + adapters[1]) if k.layer_recompute else 0.0
-    # a launch-bound layer: the host's share a third forward, two thirds backward (twice the kernels).
-    # Only dropless routing waits on the host: with a capacity the splits are known on the device
-    # (Megatron-Core's MoEAlltoAllTokenDispatcher.preprocess returns before any sync point when it drops and pads)
-    host = k.layer_host_s if moe.capacity_factor is None else 0.0
+    host = host_floor(moe.capacity_factor is not None, k)
+    # the host's share a third forward, two thirds backward (twice the kernels)
     return dense_f + adapters[0], dense_b, max(moe_f + adapters[1], host / 3.0), max(moe_b, 2.0 * host / 3.0)
+
+
+def host_floor(capacity: bool, k: MoeConstants) -> float:
+    """Seconds the host needs for one MoE layer and micro-batch (forward and backward), which the layer
+    cannot beat when the host must wait for the tokens per expert before launching the experts. The
+    all-to-all dispatcher with a capacity factor (drop and pad) never waits (Megatron-Core's
+    ``MoEAlltoAllTokenDispatcher.preprocess`` returns before any sync point), so the host runs ahead
+    there. DeepEP's dispatch (Megatron-Core's flex dispatcher) has the host wait either way: it hands the
+    experts' GEMMs their sizes as a host list (``handle.num_recv_tokens_per_expert_list``), and only a
+    dispatch reusing a cached layout skips the CPU synchronization (github.com/deepseek-ai/DeepEP README,
+    "Example use in model training" and "in inference decoding")."""
+    if capacity and k.dispatcher == "alltoall":
+        return 0.0
+    return k.layer_host_s
 
 
 def _adapter_times(model: ModelSpec, training: TrainingSpec, config: ParallelConfig, gemm: Callable[[float], float],
@@ -296,4 +308,4 @@ def expert_sync_per_stage(cluster: ClusterProfile, config: ParallelConfig, exper
 __all__ = ["DEFAULT_MOE", "MEGATRON_MOE", "PERMUTE_PASSES", "ROUTER_PASSES", "MoeConstants", "MoeTimes",
            "a2a_per_stage",
            "alltoall_time", "attention_width", "expert_groups", "expert_sync_per_stage", "grouped_efficiency",
-           "layer_times", "moe_times", "remote_copies", "replicated_params"]
+           "host_floor", "layer_times", "moe_times", "remote_copies", "replicated_params"]

@@ -167,8 +167,10 @@ def load_bridge_moe(directory: Path) -> MoeSet:
         for r in csv.DictReader(f):
             if r["layers"]:
                 continue  # a dense row: tests/benchmarks/calibration.py's
-            key = tuple(r[k] for k in ("model", "task", "method", "gpu", "world", "precision", "tp", "pp", "dp", "ep",
-                                       "cp", "vp", "mbs", "global_batch", "seq"))
+            # a precision by its recipe: the 25.x tables' "FP8-MX" / "FP8-CS" are the 26.x "MXFP8" / "FP8"
+            precision = BRIDGE_RECIPES.get(r["precision"], r["precision"])
+            key = (precision, *(r[k] for k in ("model", "task", "method", "gpu", "world", "tp", "pp", "dp", "ep",
+                                               "cp", "vp", "mbs", "global_batch", "seq")))
             if key in seen:
                 out.skipped["an older release of a layout kept once"] += 1
                 continue

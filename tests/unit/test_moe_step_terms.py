@@ -1,5 +1,6 @@
 """The MoE step-time terms read from the frameworks' sources (issue 47): the host-bound floor only
-under dropless routing, a recomputed MoE layer, the NVL72 Slurm segments of Megatron-Bridge's runs,
+where the host waits for the tokens per expert (dropless routing, or DeepEP's dispatch), a layout kept
+once over releases, a recomputed MoE layer, the NVL72 Slurm segments of Megatron-Bridge's runs,
 and the recipe each Megatron-Bridge MoE row ran."""
 
 from __future__ import annotations
@@ -38,6 +39,28 @@ def test_only_dropless_routing_waits_on_the_host() -> None:
     assert QWEN.moe is not None
     capped = replace(QWEN, moe=replace(QWEN.moe, capacity_factor=1.0))
     assert _step(capped, slow_host) == pytest.approx(_step(capped, perf_moe.DEFAULT_MOE), rel=1e-12)
+
+
+def test_deepep_waits_on_the_host_with_a_capacity_factor_too() -> None:
+    """DeepEP's dispatch sizes the experts' GEMMs from a host list even when tokens are dropped and
+    padded; only the all-to-all dispatcher runs ahead of the host then."""
+    assert QWEN.moe is not None
+    capped = replace(QWEN, moe=replace(QWEN.moe, capacity_factor=1.0))
+    deepep = replace(perf_moe.DEFAULT_MOE, dispatcher="deepep")
+    slow = _step(capped, replace(deepep, layer_host_s=1.0))
+    assert slow >= 48 * 8 * 1.0
+    assert slow > 2.0 * _step(capped, deepep)
+    assert perf_moe.host_floor(True, replace(perf_moe.DEFAULT_MOE, layer_host_s=1.0)) == 0.0
+    assert perf_moe.host_floor(True, replace(deepep, layer_host_s=1.0)) == 1.0
+
+
+def test_a_layout_is_kept_once_whatever_its_precision_is_spelt() -> None:
+    """25.11's "FP8-MX" is 26.x's "MXFP8": Qwen3-30B-A3B on 8 GB200 at micro-batch 4 is kept from
+    26.08 only, not again from 25.11."""
+    ids = {r.row_id for r in load_bridge_moe(calibration_dir()).rows}
+    assert "mb:26.08:DGX-GB200:Qwen3_30B_a3B:MXFP8:pretrain:main" in ids
+    assert "mb:25.11:DGX-GB200:Qwen3_30B_a3B:FP8-MX:pretrain:main" not in ids
+    assert "mb:25.11:DGX-GB300:Qwen3_30B_a3B:FP8-MX:pretrain:main" in ids  # micro-batch 4: no 26.x row
 
 
 def test_a_recomputed_moe_layer_runs_its_forward_again_in_the_backward() -> None:
