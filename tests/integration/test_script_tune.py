@@ -1,5 +1,5 @@
 """``pipette tune --script`` end to end: the example scripts (HF Trainer + PEFT LoRA, a plain
-DeepSpeed loop) tuned on 4 CPU devices by real trials, then launched from the files Pipette
+DeepSpeed loop) tuned on 2 CPU devices by real trials, then launched from the files Pipette
 wrote, as printed, from a shell without the project's environment activated; the losses fall."""
 
 from __future__ import annotations
@@ -20,6 +20,16 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = ROOT / "examples" / "scripts" / "tiny-llama" / "config.json"
+#: this machine as 2 CPU devices: a script's trial and launch start a process per device, each
+#: importing its stack (~8 CPU-s); with 2 the space still holds tp 2 and pp 2, which the scripts refuse
+CLUSTER = ("name: local-cpu-2\ndevice: {preset: cpu, memory: 5 GiB}\nnodes: 1\ndevices_per_node: 2\n"
+           "intra_node: {bandwidth: 2 GB/s, latency: 50 us}\n")
+
+
+def _cluster(tmp: Path) -> str:
+    path = tmp / "cpu-2.yaml"
+    path.write_text(CLUSTER)
+    return str(path)
 
 
 def _env() -> dict[str, str]:
@@ -32,7 +42,7 @@ def _tune(tmp: Path, *script: str, kind: str, trials: int = 2) -> dict[str, Any]
     """Two trials: what these tests check (the pick runs, is what the script can do, and its
     launch files run) needs a pick among candidates, not a long search (test_tune searches)."""
     done = subprocess.run(
-        [sys.executable, "-m", "cli", "tune", "--cluster", str(ROOT / "examples/clusters/cpu-4.yaml"),
+        [sys.executable, "-m", "cli", "tune", "--cluster", _cluster(tmp),
          "--model", str(MODEL), "--global-batch", "8", "--seq-len", "64", "--dtype", "fp32", "--steps", "3",
          "--max-trials", str(trials), "--retime", "0", "--home", str(tmp / "home"), "--out", str(tmp / "best"),
          "--json", "--workdir", str(ROOT / "examples" / "scripts"), "--script-kind", kind, "--script", *script],
@@ -112,7 +122,7 @@ def test_bad_scripts_are_refused_before_profiling(tmp_path: Path) -> None:
 
 
 def _hung_tune(tmp: Path, timeout_s: int) -> list[str]:
-    return [sys.executable, "-m", "cli", "tune", "--cluster", str(ROOT / "examples/clusters/cpu-4.yaml"),
+    return [sys.executable, "-m", "cli", "tune", "--cluster", _cluster(tmp),
             "--model", str(MODEL), "--global-batch", "8", "--seq-len", "64", "--dtype", "fp32", "--steps", "3",
             "--max-trials", "1", "--retime", "0", "--trial-timeout", str(timeout_s), "--home", str(tmp / "home"),
             "--out", str(tmp / "best"), "--workdir", str(ROOT / "tests" / "integration" / "scripts"),
@@ -179,7 +189,7 @@ def test_a_failure_of_the_script_itself_stops_the_search_at_its_first_trial(tmp_
     source, said, fix = SCRIPT_FAULTS[case]
     (tmp_path / "train.py").write_text(source)
     done = subprocess.run(
-        [sys.executable, "-m", "cli", "tune", "--cluster", str(ROOT / "examples/clusters/cpu-4.yaml"),
+        [sys.executable, "-m", "cli", "tune", "--cluster", _cluster(tmp_path),
          "--model", str(MODEL), "--global-batch", "8", "--seq-len", "64", "--dtype", "fp32", "--steps", "3",
          "--max-trials", "4", "--retries", "1", "--home", str(tmp_path / "home"), "--out", str(tmp_path / "best"),
          "--workdir", str(tmp_path), "--script-kind", "deepspeed", "--script", "python", "train.py"],
@@ -198,7 +208,7 @@ def test_a_changed_script_starts_afresh_and_an_unchanged_one_learns_from_its_tri
     work = tmp_path / "work"
     work.mkdir()
     crash = "raise ValueError('bad batch')\n"  # a crash a layout may explain: it teaches the model
-    command = [sys.executable, "-m", "cli", "tune", "--cluster", str(ROOT / "examples/clusters/cpu-4.yaml"),
+    command = [sys.executable, "-m", "cli", "tune", "--cluster", _cluster(tmp_path),
                "--model", str(MODEL), "--global-batch", "8", "--seq-len", "64", "--dtype", "fp32", "--steps", "3",
                "--max-trials", "1", "--retries", "0", "--retime", "0", "--home", str(tmp_path / "home"),
                "--out", str(tmp_path / "best"), "--workdir", str(work), "--script-kind", "deepspeed",
