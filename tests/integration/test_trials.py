@@ -13,6 +13,7 @@ import pytest
 
 from pipette.config import ParallelConfig
 from pipette.errors import InfeasibleError
+from pipette.measurement import Measurement
 from pipette.model import ModelSpec
 from pipette.training import LORA_TARGETS, LoraSpec, TrainingSpec
 from workers.host.executor import StepReport, run_trial
@@ -48,12 +49,25 @@ CASES = {
 }
 
 
+#: the trials this module ran, by spec, with the steps they streamed: a test that needs a trial
+#: another test ran reads it (the equivalence test's tp=2 is the case "tp2-full")
+_RAN: dict[TrialSpec, tuple[Measurement, list[StepReport]]] = {}
+
+
+def _measured(spec: TrialSpec) -> tuple[Measurement, list[StepReport]]:
+    """A trial of ``spec`` that ran (once in this module) and the steps it streamed as they happened."""
+    if spec not in _RAN:
+        seen: list[StepReport] = []
+        m = run_trial(spec, timeout_s=240, on_step=seen.append)
+        assert m.status == "ok", m.error
+        _RAN[spec] = (m, seen)
+    return _RAN[spec]
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_candidate_runs_and_is_measured(name: str) -> None:
     spec, backend = CASES[name]
-    seen: list[StepReport] = []
-    m = run_trial(spec, timeout_s=240, on_step=seen.append)
-    assert m.status == "ok", m.error
+    m, seen = _measured(spec)
     assert m.extra["backend"] == backend
     assert spec.min_steps <= len(m.step_times) <= spec.max_steps
     assert all(t > 0 for t in m.step_times)
@@ -69,9 +83,7 @@ def test_candidate_runs_and_is_measured(name: str) -> None:
 
 
 def _losses(spec: TrialSpec) -> list[float]:
-    m = run_trial(spec, timeout_s=240)
-    assert m.status == "ok", m.error
-    return list(m.losses)
+    return list(_measured(spec)[0].losses)
 
 
 def test_tensor_and_pipeline_parallel_train_the_same_model_as_one_device() -> None:
