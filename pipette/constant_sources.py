@@ -53,7 +53,13 @@ SOURCES: tuple[Source, ...] = (
            "ultrascale_h100_1b_3b_8b.csv (17 of 21 jobs)", 1345),
     Source("pipette.stacks.MEGATRON_FP8_EFFICIENCY", "megatron+fp8", FITTED, "megatron_bridge_moe_dense.csv", 27),
     Source("pipette.stacks.MEGATRON_MXFP8_EFFICIENCY", "megatron+mxfp8", FITTED, "megatron_bridge_moe_dense.csv", 22),
-    Source("pipette.stacks.MEGATRON_NVFP4_EFFICIENCY", "megatron+nvfp4", FITTED, "megatron_bridge_moe_dense.csv", 18),
+    Source("pipette.stacks.MEGATRON_NVFP4_EFFICIENCY", "megatron+nvfp4", FITTED, "megatron_bridge_moe_dense.csv", 18,
+           note="relative to the FP8 tensor rate (Stack.nvfp4_peak)"),
+    *(Source(f"pipette.stacks.MEGATRON_{gpu}_TENSOR_RATE", "megatron+fp8", FITTED, "megatron_bridge_moe_dense.csv",
+             rows, note=f"the {gpu} rows; fitted with the recipes' efficiencies on all 67 dense rows (B200 the "
+                        "reference)") for gpu, rows in (("GB300", 23), ("GB200", 31), ("H100", 9))),
+    Source("pipette.stacks.MEGATRON_FP8_CONSTANTS.measured_attention", "megatron+fp8", COUNTED,
+           note="cuDNN's fused attention timings per chip (data/kernels/attention.csv, cudnn-frontend)"),
     Source("pipette.stacks.MEGATRON_FP8_CONSTANTS.tp_overlap", "megatron+fp8", CALIBRATED,
            note="MLPerf Training v4.0 Llama-2-70B LoRA on 8x H100 (2.155 samples/s, a 3.71 s step; "
                 "tests/benchmarks/mlperf_lora.py): counted from Transformer Engine's userbuffer overlap, kept "

@@ -446,11 +446,18 @@ def _kernels(k: PerfConstants, cluster: ClusterProfile, training: TrainingSpec, 
     FP8 where the stack runs them so and the device has it; the curve (``_curve``) read at GEMM sizes
     scaled to the duration of the bf16 GEMM it was calibrated on (``_curve_scale``)."""
     device = _slowest_device(cluster, training.dtype)
-    peak = device.peak(training.dtype)
+    share = tensor_rate_share(k, device)
+    peak = device.peak(training.dtype) * share
     fp8 = k.fp8_gemms and k.low_precision_peak in device.peak_flops
-    linear_peak = device.peak_flops[k.low_precision_peak] if fp8 else peak
+    linear_peak = device.peak_flops[k.low_precision_peak] * share if fp8 else peak
     return Kernels(k, device, peak, fp8, linear_peak, _curve(k, device), _curve_scale(device, training.dtype),
-                   config.tp, training.dtype_bytes)
+                   config.tp, training.dtype_bytes, share)
+
+
+def tensor_rate_share(k: PerfConstants, device: DeviceSpec) -> float:
+    """``PerfConstants.tensor_rate_shares`` of ``device`` (the first name token it contains), else 1."""
+    name = device.name.upper()
+    return next((share for token, share in k.tensor_rate_shares if token.upper() in name), 1.0)
 
 
 def _slowest_device(cluster: ClusterProfile, dtype: str) -> DeviceSpec:

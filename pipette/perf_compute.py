@@ -52,6 +52,8 @@ class Kernels:
     curve_scale: float
     tp: int
     dtype_bytes: int
+    #: ``PerfConstants.tensor_rate_shares`` of the device, already in ``peak`` and ``linear_peak``
+    tensor_share: float = 1.0
 
     def gemm_time(self, flops_per_gemm: float, count: float) -> float:
         """Time of ``count`` GEMMs of ``flops_per_gemm`` each at the curve's efficiency."""
@@ -162,9 +164,12 @@ def _attention_times(kernels: Kernels, model: ModelSpec, t: float, s: int) -> tu
     k, peak = kernels.k, kernels.device.attention_flops or kernels.peak
     attn_gemm = 2.0 * t * s * perf_moe.attention_width(model) / kernels.tp * 0.5
     attention_efficiency = dict(k.attention_efficiencies).get(family(kernels.device), k.attention_efficiency)
-    measured = kernel_attention(kernels.device) if k.kernel_tables_first and k.flash_attention else None
+    tables = k.kernel_tables_first or k.measured_attention
+    measured = kernel_attention(kernels.device) if tables and k.flash_attention else None
     if measured is not None:
-        # the fused kernel's measured rates, forward and backward (pipette.kernel_tables)
+        # the fused kernel's measured rates, forward and backward (pipette.kernel_tables), as fractions of
+        # the data-sheet peak: the GEMMs' sustained-rate share does not apply to them
+        peak = peak / kernels.tensor_share
         attn_f = 2.0 * attn_gemm / (peak * measured[0])
     elif k.flash_attention and attention_efficiency > 0:
         attn_f = 2.0 * attn_gemm / (peak * attention_efficiency)

@@ -190,6 +190,17 @@ class PerfConstants:
     #: The GEMM curve from the device family's measured kernel timings (``pipette.efficiency.kernel_curve``)
     #: before the constants' fitted ``curves``: a device the probe has not measured starts from its kernels.
     kernel_tables_first: bool = False
+    #: The fused attention at the rates cuDNN's attention benchmarks measured on the device's chip
+    #: (``pipette.efficiency.kernel_attention``: cudnn-frontend's sdpa_benchmark_training, forward and
+    #: backward), where one was timed, instead of the GEMM curve: Transformer Engine's fused attention,
+    #: which Megatron-Core runs, is cuDNN's. The timings carry what a data-sheet peak does not, such as
+    #: Blackwell Ultra's doubled softmax exponential rate (GB300: 1.18x GB200's forward at equal peaks).
+    measured_attention: bool = False
+    #: The sustained tensor-core rate of a GPU over its data-sheet peak, by a token of the GPU's name
+    #: (``("GB300", 1.3)``): every GEMM's peak is scaled by it, the measured attention is not. 1 where
+    #: none is given (and for the reference GPU the curve was fitted on). Fitted, per GPU, on the
+    #: stack's runs (``pipette.constant_sources``): equal data-sheet peaks do not run equally fast.
+    tensor_rate_shares: tuple[tuple[str, float], ...] = ()
     #: A pipeline hop carries the sequence-parallel shard (``[s/t, b, h]`` per tensor-parallel rank):
     #: Megatron-Core sends the stage's output as it is under ``--sequence-parallel``
     #: (megatron/core/pipeline_parallel/schedules.py, ``get_tensor_shapes``: seq_length // tp when

@@ -190,6 +190,9 @@ class Stack:
     #: per recipe option (``mxfp8``, ``nvfp4``): the ``fp8`` option's constants with this
     #: ``PerfConstants.fp8_efficiency`` (and the ``fp4`` peak under ``nvfp4``)
     recipe_efficiencies: tuple[tuple[str, float], ...] = ()
+    #: the device peak ``nvfp4``'s efficiency is relative to: ``fp4`` (the data sheet's FP4 peak) or
+    #: ``fp8`` (the FP8 tensor rate, the recipe's speedup over it fitted)
+    nvfp4_peak: str = "fp4"
     #: ``PerfConstants.memory_pressure`` under the ``alloc-pressure`` option, priced on the memory
     #: estimate of the chosen options (None: the stack does not offer it)
     memory_pressure: MemoryPressure | None = None
@@ -358,15 +361,28 @@ MEGATRON_PRESSURE = MemoryPressure(MEGATRON_PRESSURE_STALL_S, MEGATRON_PRESSURE_
 #: ``megatron+fp8`` / ``+mxfp8`` / ``+nvfp4``: the recipe's GEMM throughput relative to the bf16 curve
 #: at the recipe's peak (``PerfConstants.fp8_efficiency``). Fitted (tests/benchmarks/crossval_problems.py,
 #: ``megatron-bridge``; rows and sets: ``pipette.constant_sources``) on Megatron-Bridge's dense Llama runs.
-MEGATRON_FP8_EFFICIENCY = 1.059  # per-tensor (FP8, FP8-CS): 27 rows
-MEGATRON_MXFP8_EFFICIENCY = 1.045  # blockwise MXFP8 (MXFP8, FP8-MX): 22 rows
-MEGATRON_NVFP4_EFFICIENCY = 0.817  # NVFP4, at the FP4 peak: 18 rows
+MEGATRON_FP8_EFFICIENCY = 0.921  # per-tensor (FP8, FP8-CS): 27 rows
+MEGATRON_MXFP8_EFFICIENCY = 0.865  # blockwise MXFP8 (MXFP8, FP8-MX): 22 rows
+#: NVFP4 relative to the FP8 tensor rate (``Stack.nvfp4_peak``), not the data sheet's FP4 peak: at the same
+#: layouts GB300's runs are 1.21x GB200's under NVFP4 and 1.24x under FP8 (Llama 3.1 405B, 26.06), where the
+#: FP4 peaks differ 1.5x and the FP8 peaks not at all (docs/results.md)
+MEGATRON_NVFP4_EFFICIENCY = 1.363  # NVFP4 over the FP8 rate: 18 rows
+#: ``PerfConstants.tensor_rate_shares`` of the Megatron-Core recipes: B200 is the reference (its curve was fitted
+#: on SimuMax's B200 runs); GB200's and GB300's data sheets give the same FP8 and BF16 peaks, yet at the same
+#: layout and recipe GB300 runs 1.19-1.21x faster, which cuDNN's attention timings (1.08-1.18x) and the
+#: norms' (1.0x) do not account for. Fitted per GPU on Megatron-Bridge's runs (rows: pipette.constant_sources).
+MEGATRON_GB300_TENSOR_RATE = 1.367  # 23 rows
+MEGATRON_GB200_TENSOR_RATE = 1.087  # 31 rows
+MEGATRON_H100_TENSOR_RATE = 0.956  # 9 rows
+MEGATRON_TENSOR_RATE_SHARES: tuple[tuple[str, float], ...] = (
+    ("GB300", MEGATRON_GB300_TENSOR_RATE), ("GB200", MEGATRON_GB200_TENSOR_RATE), ("H100", MEGATRON_H100_TENSOR_RATE))
 #: Megatron-Core's Transformer Engine FP8 as Megatron-Bridge and MLPerf run it: fused attention, casts
 #: fused into the norms and activations (FP8 weights), the userbuffer TP overlap, sequence parallelism
 #: (norms and residuals on the 1/t shard, pipeline hops carrying it), LoRA adapters on the roofline.
 MEGATRON_FP8_CONSTANTS = replace(MEGATRON_CONSTANTS, fp8_gemms=True, flash_attention=True, fp8_casts_fused=True,
                                  tp_overlap=1.0, sequence_parallel=True, p2p_sequence_sharded=True,
-                                 fp8_efficiency=MEGATRON_FP8_EFFICIENCY)
+                                 fp8_efficiency=MEGATRON_FP8_EFFICIENCY, measured_attention=True,
+                                 tensor_rate_shares=MEGATRON_TENSOR_RATE_SHARES)
 #: Megatron-LM and NeMo: fused kernels, vocab-parallel loss, the distributed optimizer (ZeRO-1),
 #: fp32 gradient buffers. Constants fitted on vTrain (Megatron-DeepSpeed) and the Ultra-Scale set
 #: (nanotron, whose kernels and schedule are Megatron's); the memory options and the prior on
@@ -382,6 +398,7 @@ MEGATRON = Stack(
     framework_files=("megatron_args.txt",),
     available_options=("fp8", "mxfp8", "nvfp4", "alloc-pressure"), memory_pressure=MEGATRON_PRESSURE,
     recipe_efficiencies=(("mxfp8", MEGATRON_MXFP8_EFFICIENCY), ("nvfp4", MEGATRON_NVFP4_EFFICIENCY)),
+    nvfp4_peak="fp8",
     #: Megatron-LM / NeMo FP8 is Transformer Engine's: its fused attention (cuDNN / flash, not the
     #: unfused one the bf16 constants were fitted with on vTrain), the casts fused into the norm and
     #: activation kernels, its userbuffer TP overlap, and (NeMo ``fp8_params``) FP8 weights: MLPerf's
@@ -558,7 +575,7 @@ def get_stack(stack: str | Stack | None, *, field: str = "stack") -> Stack:
         efficiency = dict(found.recipe_efficiencies).get(recipes[0])
         if efficiency is not None:
             constants = replace(constants, fp8_efficiency=efficiency,
-                                low_precision_peak="fp4" if recipes[0] == "nvfp4" else "fp8")
+                                low_precision_peak=found.nvfp4_peak if recipes[0] == "nvfp4" else "fp8")
     if "compile" in chosen and found.compiled is not None:
         constants, memory = found.compiled.apply(constants, memory)
     if rowwise and found.fp8_rowwise_efficiency is not None:

@@ -278,7 +278,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--problem", action="append", help="cross-validate only this problem (repeatable)")
     ap.add_argument("--folds", type=int, help="K for the problems that deal their jobs into folds")
+    ap.add_argument("--fit-all", action="store_true",
+                    help="fit each named problem on all of its rows and print the vector (the shipped constants: "
+                         "in-sample) instead of cross-validating")
     args = ap.parse_args(argv)
+    if args.fit_all:
+        from tests.benchmarks.crossval_problems import problems
+
+        for problem in problems(args.problem):
+            rows = [s for s in problem.samples if problem.fit_filter(s)]
+            x = fit_least_squares(rows, problem)
+            print(f"{problem.name} on all {len(rows)} rows: "
+                  + ", ".join(f"{p.name} {v:.4g}" for p, v in zip(problem.params, x, strict=True)))
+        return 0
     report(args.problem, args.folds)
     return 0
 

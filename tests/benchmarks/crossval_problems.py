@@ -248,17 +248,24 @@ def problems(names: Sequence[str] | None = None) -> list[Problem]:
 
 # ---- megatron on Megatron-Bridge: the recipes' GEMM efficiencies ---------------------------------
 BRIDGE_PARAMS = (Param("fp8_efficiency", 1.0, 0.3, 2.0), Param("mxfp8_efficiency", 1.0, 0.3, 2.0),
-                 Param("nvfp4_efficiency", 1.0, 0.1, 2.0))
+                 Param("nvfp4_efficiency", 1.0, 0.3, 3.0),
+                 *(Param(f"{gpu.lower()}_tensor_rate_share", 1.0, 0.6, 1.6) for gpu in ("GB300", "GB200", "H100")))
 #: the parameter each recipe option reads
 _RECIPE_PARAM = {"fp8": 0, "mxfp8": 1, "nvfp4": 2}
 
 
-def _bridge_predict(x: np.ndarray, row: Row) -> float:
-    recipe = row.stack.split("+")[1] if "+" in row.stack else ""
-    k = get_stack(row.stack).constants
+def bridge_constants(x: np.ndarray, stack: str) -> PerfConstants:
+    """The stack's constants with the recipe's efficiency and the GPUs' tensor-rate shares of ``x``."""
+    recipe = stack.split("+")[1] if "+" in stack else ""
+    k = get_stack(stack).constants
     if recipe in _RECIPE_PARAM:
         k = replace(k, fp8_efficiency=float(x[_RECIPE_PARAM[recipe]]))
-    return _step(row, k)
+    return replace(k, tensor_rate_shares=tuple(zip(("GB300", "GB200", "H100"), (float(v) for v in x[3:6]),
+                                                   strict=True)))
+
+
+def _bridge_predict(x: np.ndarray, row: Row) -> float:
+    return _step(row, bridge_constants(x, row.stack))
 
 
 def megatron_bridge_problem() -> Problem:
@@ -270,7 +277,8 @@ def megatron_bridge_problem() -> Problem:
         predict=_bridge_predict, job=lambda s: "/".join(s.row.group[:4]),
         shipped=lambda r: _step(r, get_stack(r.stack).constants),
         note="Jobs: model, task, GPU, GPU count (a layout's releases and recipes are held out together). Shipped: "
-             "MEGATRON_*_EFFICIENCY of pipette/stacks.py (this fit on all rows: in-sample).",
+             "MEGATRON_*_EFFICIENCY and MEGATRON_TENSOR_RATE_SHARES of pipette/stacks.py (this fit on all rows: "
+             "in-sample; crossval.py --fit-all prints it).",
         subsets=(("LoRA runs", lambda s: s.row.training.method == "lora"),
                  ("FP8 runs (per-tensor and MXFP8)", lambda s: s.row.stack in ("megatron+fp8", "megatron+mxfp8")),
                  ("NVFP4 runs", lambda s: s.row.stack == "megatron+nvfp4")),

@@ -10,7 +10,9 @@ from dataclasses import replace
 import pytest
 
 from pipette.errors import SpecError
-from pipette.perf import PerfModel
+from pipette.kernel_tables import ATTENTION_EFFICIENCY
+from pipette.perf import PerfModel, tensor_rate_share
+from pipette.perf_compute import _attention_times, _linear_times
 from pipette.stacks import MEGATRON_NVFP4_EFFICIENCY, get_stack
 from tests.benchmarks.calibration import calibration_dir, load_megatron_bridge
 
@@ -47,9 +49,48 @@ def test_a_lora_step_is_forward_plus_data_gradient_with_adapters_on_the_roofline
 def test_recipes_are_options_of_the_megatron_stack() -> None:
     fp8, mx, fp4 = (get_stack(f"megatron+{o}").constants for o in ("fp8", "mxfp8", "nvfp4"))
     assert fp8.fp8_gemms and mx.fp8_gemms and fp4.fp8_gemms
-    assert fp4.low_precision_peak == "fp4" and fp4.fp8_efficiency == MEGATRON_NVFP4_EFFICIENCY
-    assert mx.low_precision_peak == fp8.low_precision_peak == "fp8"
+    # NVFP4's efficiency is its speedup over the FP8 tensor rate, not a share of the FP4 data-sheet peak
+    assert fp4.low_precision_peak == mx.low_precision_peak == fp8.low_precision_peak == "fp8"
+    assert fp4.fp8_efficiency == MEGATRON_NVFP4_EFFICIENCY > 1.0
     row = next(r for r in BRIDGE.rows if r.stack == "megatron+nvfp4" and "GB300" in r.row_id)
-    assert _compute(row, fp4) < 0.8 * _compute(row, fp8)  # 15 PFLOP/s of FP4 against 5 of FP8
+    assert _compute(row, fp4) < 0.8 * _compute(row, fp8)
     with pytest.raises(SpecError, match="two FP8 recipes"):
         get_stack("megatron+fp8+nvfp4")
+
+
+def _linear_and_attention(row, constants) -> tuple[float, float]:  # type: ignore[no-untyped-def]
+    pm = PerfModel(row.model, row.training, row.config, row.cluster, constants=constants)
+    t = float(row.config.mbs * row.training.seq_len)
+    lin = sum(_linear_times(pm.kernels, row.model, row.training, t))
+    return lin, sum(_attention_times(pm.kernels, row.model, t, pm.kv_seq))
+
+
+def test_a_tensor_rate_share_scales_the_gemms_of_its_gpu_only_and_not_the_measured_attention() -> None:
+    gb300 = next(r for r in BRIDGE.rows if r.stack == "megatron+fp8" and "GB300" in r.row_id)
+    gb200 = next(r for r in BRIDGE.rows if r.stack == "megatron+fp8" and "GB200" in r.row_id)
+    k = replace(get_stack("megatron+fp8").constants, tensor_rate_shares=())
+    doubled = replace(k, tensor_rate_shares=(("GB300", 2.0),))
+    lin, attn = _linear_and_attention(gb300, k)
+    lin2, attn2 = _linear_and_attention(gb300, doubled)
+    # GEMMs at twice the rate (at the same curve position: the curve is read at a size scaled by the peaks)
+    assert lin2 == pytest.approx(lin / 2.0, rel=0.05) and attn2 == pytest.approx(attn)
+    assert _linear_and_attention(gb200, doubled) == pytest.approx(_linear_and_attention(gb200, k))
+    assert tensor_rate_share(doubled, gb300.cluster.device_spec) == 2.0
+    assert tensor_rate_share(doubled, gb200.cluster.device_spec) == 1.0
+
+
+def test_the_megatron_core_recipes_price_attention_at_cudnns_measured_rates() -> None:
+    # GB200 and GB300 have the same BF16 data-sheet peak; cuDNN's fused attention runs faster on GB300
+    # (Blackwell Ultra's softmax exponentials), which the GEMM curve at equal peaks could not say
+    k = replace(get_stack("megatron+fp8").constants, tensor_rate_shares=())
+    rows = {gpu: next(r for r in BRIDGE.rows if r.model.name == "llama3_8b" and r.stack == "megatron+fp8"
+                      and gpu in r.row_id) for gpu in ("GB200", "GB300")}
+    attn = {gpu: _linear_and_attention(row, k)[1] for gpu, row in rows.items()}
+    fwd200, bwd200 = ATTENTION_EFFICIENCY["GB200"]
+    fwd300, bwd300 = ATTENTION_EFFICIENCY["GB300"]
+    # the forward's FLOPs F at rate f, the backward's 2.5 F at rate b: time ∝ 1/f + 2.5/b
+    expected = (1 / fwd300 + 2.5 / bwd300) / (1 / fwd200 + 2.5 / bwd200)
+    assert attn["GB300"] / attn["GB200"] == pytest.approx(expected)
+    curve = replace(k, measured_attention=False)
+    on_curve = [_linear_and_attention(row, curve)[1] for row in rows.values()]
+    assert on_curve[0] == pytest.approx(on_curve[1])
