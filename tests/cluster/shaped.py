@@ -224,7 +224,10 @@ class ShapedCluster:
                                "(e.g. .venv/bin/python scripts/shaped-cluster up)")
         common = [f"--node-ip-address={self.address(host)}", f"--num-cpus={self.num_cpus}", "--num-gpus=0",
                   f"--object-store-memory={self.object_store_mb * 1024 * 1024}", f"--temp-dir={self.temp_dir}",
-                  "--disable-usage-stats", f"--resources={json.dumps({f'host{host}': 1})}"]
+                  "--disable-usage-stats", f"--resources={json.dumps({f'host{host}': 1})}",
+                  # no log monitor: no driver here reads workers' logs (Pipette's drivers connect with
+                  # log_to_driver=False), and each monitor polled its logs 10 times a second
+                  "--include-log-monitor=false"]
         if host == 0:
             argv = [ray, "start", "--head", f"--port={self.ray_port}", "--include-dashboard=false",
                     f"--ray-client-server-port={self.client_port}", *common]

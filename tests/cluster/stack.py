@@ -45,6 +45,16 @@ class StackError(RuntimeError):
     pass
 
 
+def parse_json(out: subprocess.CompletedProcess[str]) -> Any:
+    """The JSON document a CLI command printed (after any warnings on earlier lines)."""
+    assert out.returncode == 0, out.stdout[-3000:]
+    text = out.stdout
+    starts = [i for i, line in enumerate(text.splitlines(keepends=True)) if line.startswith(("{", "["))]
+    assert starts, text[-3000:]
+    offset = sum(len(line) for line in text.splitlines(keepends=True)[:starts[0]])
+    return json.JSONDecoder().raw_decode(text[offset:])[0]
+
+
 @dataclass
 class ComposeStack:
     cluster: ShapedCluster

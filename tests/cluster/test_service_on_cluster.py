@@ -6,8 +6,8 @@ it (its processes run as plain processes, ``tests/cluster/stack.py``), used thro
    API (``/readyz``: database and Ray) and the scheduler (Ray Client, token auth); the cluster
    is registered by its GCS address and profiled by the scheduler across the 4 hosts.
 2. A complete tuning job runs on it; one host's Ray node is killed in the middle of a trial:
-   the trial ends ``failed`` naming the host, the job waits for the node and goes on when it
-   is back, and no trial is lost or duplicated.
+   the trial ends ``failed`` naming the host within a minute (nothing hangs), the job waits for
+   the node and goes on when it is back, and no trial is lost or duplicated.
 3. The job's choice is within 5% of the best of an exhaustive job over the same candidates
    (every candidate run, no stop rule, no pruning), judged on the exhaustive job's
    measurements; where they differ by more, the two are timed again in interleaved rounds
@@ -21,11 +21,9 @@ from __future__ import annotations
 import json
 import math
 import statistics
-import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,9 +35,9 @@ from pipette.clusterfile import cluster_from_dict
 from pipette.config import ParallelConfig
 from pipette.model import ModelSpec
 from pipette.training import TrainingSpec
-from tests.cluster.conftest import drive
+from tests.cluster.conftest import Profiled, drive
 from tests.cluster.shaped import REPO, ShapedCluster
-from tests.cluster.stack import ComposeStack
+from tests.cluster.stack import ComposeStack, parse_json
 from tests.deploy.compose import flags
 from workers.spec import TrialSpec
 
@@ -70,46 +68,10 @@ RETIME_ROUNDS = 4
 SIGNIFICANCE = 0.05
 
 
-def parse_json(out: subprocess.CompletedProcess[str]) -> Any:
-    """The JSON document a CLI command printed (after any warnings on earlier lines)."""
-    assert out.returncode == 0, out.stdout[-3000:]
-    text = out.stdout
-    starts = [i for i, line in enumerate(text.splitlines(keepends=True)) if line.startswith(("{", "["))]
-    assert starts, text[-3000:]
-    offset = sum(len(line) for line in text.splitlines(keepends=True)[:starts[0]])
-    return json.JSONDecoder().raw_decode(text[offset:])[0]
-
-
 @pytest.fixture(scope="module")
-def stack(cluster: ShapedCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ComposeStack]:
-    started = time.monotonic()
-    s = ComposeStack(cluster, tmp_path_factory.mktemp("stack")).up()
-    print(f"\ncompose processes up in {time.monotonic() - started:.1f} s")
-    try:
-        yield s
-    finally:
-        s.down()
-        print("scheduler log tail:\n" + s.log("scheduler")[-1500:])
-
-
-@pytest.fixture(scope="module")
-def token(stack: ComposeStack) -> str:
-    out = stack.run("api", [sys.executable, "-m", "service.admin", "token", "create", "--tenant", "team",
-                            "--name", "cluster-test", "--json"], timeout=60)
-    return str(parse_json(out)["token"])
-
-
-@pytest.fixture(scope="module")
-def profile(stack: ComposeStack, token: str, cluster: ShapedCluster) -> dict[str, Any]:
-    """Register the cluster by its GCS address and have the scheduler measure it."""
-    parse_json(stack.pipette(token, "cluster", "add", "shaped", "--ray", cluster.ray_address, "--devices", "1",
-                             "--json"))
-    started = time.monotonic()
-    measured = parse_json(stack.pipette(token, "cluster", "profile", "shaped", "--wait", "--timeout", "600",
-                                        "--json", timeout=660))
-    print(f"profiled by the scheduler through Ray Client in {time.monotonic() - started:.1f} s")
-    assert measured["state"] == "succeeded", measured
-    return dict(measured["profile"])
+def profile(profiled: Profiled) -> dict[str, Any]:
+    """The scheduler's profile of the 4 hosts (``conftest.profiled``: measured once a session)."""
+    return profiled.profile
 
 
 def _job_file(stack: ComposeStack, name: str, budget: dict[str, Any]) -> Path:
@@ -229,7 +191,8 @@ def test_a_job_waits_for_a_lost_host_and_loses_nothing(stack: ComposeStack, toke
     print(f"trial {lost_in[0]} ({one['label']}) attempts: {statuses}; the failed one said: {errors[0][:300]!r}")
     print(f"kill -> trial failed {at['failed'] - at['kill']:.1f} s, -> job waiting {at['waiting'] - at['kill']:.1f} s, "
           f"-> node back and job going on {at['back'] - at['kill']:.1f} s")
-    assert statuses[0] == "failed" and lost in errors[0], (statuses, errors[0][:500])
+    assert statuses[0] == "failed" and "node" in errors[0] and lost in errors[0], (statuses, errors[0][:500])
+    assert at["failed"] - at["kill"] < 60  # nothing hangs: no wait for gloo's or the trial's timeout
     assert one["attempts"][0]["measurement"].get("lost_nodes"), one["attempts"][0]["measurement"]
     # the rerun, with the host back, ran to its end: a rerun after a lost node is not pruned (its
     # first steps follow the restart; CI, 2026-11-25, once pruned a tp2 x pp2 rerun against the incumbent)
