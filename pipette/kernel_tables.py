@@ -4,6 +4,8 @@ data/kernels/README.md).
 
 Per family, (FLOPs of one GEMM, median achieved fraction of the data-sheet dense bf16/fp16 peak) per
 half-decade of FLOPs, bins of 3 or more timed GEMMs. Read by ``pipette.efficiency.kernel_curve``.
+Beside them, from data/kernels/attention.csv and flash_attention.csv: cuDNN's fused attention rates
+(``ATTENTION_EFFICIENCY``) and FlashAttention-2's full-over-causal ratios (``FLASH_FULL_OVER_CAUSAL``).
 """
 
 from __future__ import annotations
@@ -66,4 +68,18 @@ ATTENTION_EFFICIENCY: dict[str, tuple[float, float]] = {
     "GB200": (0.649, 0.463),  # 12 timings
     "GB300": (0.766, 0.534),  # 12 timings
     "H200": (0.681, 0.585),  # 8 timings
+}
+
+#: FlashAttention-2 (forward + backward) without the causal mask against with it, per family and head
+#: size: (sequence, full rate / causal rate), the rates as FlashAttention counts FLOPs; read by
+#: ``pipette.perf_cp`` for the ring's unmasked steps. From Dao-AILab/flash-attention@0251105a2f
+FLASH_FULL_OVER_CAUSAL: dict[str, dict[int, tuple[tuple[int, float], ...]]] = {
+    "a100": {
+        64: ((512, 1.500), (2048, 1.157), (4096, 1.096), (8192, 1.061), (16384, 1.029)),
+        128: ((2048, 1.206), (4096, 1.133), (8192, 1.104), (16384, 1.074)),
+    },
+    "h100": {
+        64: ((512, 1.525), (1024, 1.323), (2048, 1.181), (4096, 1.121), (8192, 1.077), (16384, 1.042)),
+        128: ((512, 1.521), (1024, 1.330), (2048, 1.208), (4096, 1.109), (8192, 1.088), (16384, 1.030)),
+    },
 }

@@ -30,7 +30,7 @@ group too; each stage's time is its slowest cp group's.
 
 PyTorch's ring also works beside its kernels (``ring_compute``): its steps after the first attend a
 whole chunk without the causal mask, at the fused kernel's full-over-causal rate
-(``pipette.attention_tables``: FlashAttention-2's timings), and it merges each step's output into the
+(``pipette.kernel_tables``: FlashAttention-2's timings), and it merges each step's output into the
 rank's in fp32 (``_SDPAMerger``) and accumulates the gradients in fp32, memory-bound passes.
 """
 
@@ -43,11 +43,11 @@ import numpy as np
 import numpy.typing as npt
 
 from pipette import comm
-from pipette.attention_tables import FLASH_FULL_OVER_CAUSAL
 from pipette.cluster import ClusterProfile
 from pipette.config import ParallelConfig
 from pipette.device import DeviceSpec
 from pipette.efficiency import family
+from pipette.kernel_tables import FLASH_FULL_OVER_CAUSAL
 from pipette.memory_cp import CP_COMMS, kv_block_bytes
 from pipette.model import ModelSpec
 from pipette.perf_compute import Compute
@@ -120,7 +120,7 @@ def layer_exposed(model: ModelSpec, training: TrainingSpec, config: ParallelConf
 
 def full_over_causal(device: DeviceSpec, head_dim: int, seq: float) -> float:
     """How much faster the fused kernel attends a ``seq``-long block without the causal mask than with
-    it (``pipette.attention_tables``, the nearest head size timed, log-interpolated in the sequence and
+    it (``pipette.kernel_tables``, the nearest head size timed, log-interpolated in the sequence and
     held at the ends); 1 on a family none was timed on."""
     by_dim = FLASH_FULL_OVER_CAUSAL.get(family(device))
     if not by_dim:

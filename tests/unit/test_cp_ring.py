@@ -1,6 +1,6 @@
 """PyTorch's ring attention as torchtitan runs it (issue 48; pipette.perf_cp): the ring steps after the
 first attend without the causal mask at FlashAttention-2's measured full-over-causal rate
-(pipette.attention_tables, derived from data/kernels/flash_attention.csv), the fp32 merges and
+(pipette.kernel_tables, derived from data/kernels/flash_attention.csv), the fp32 merges and
 accumulations beside the kernels, K and V repeated to the query heads, and the KV gradient's last send,
 which nothing hides."""
 
@@ -12,9 +12,9 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from pipette.attention_tables import FLASH_FULL_OVER_CAUSAL
 from pipette.config import ParallelConfig
 from pipette.device import DeviceSpec
+from pipette.kernel_tables import FLASH_FULL_OVER_CAUSAL
 from pipette.memory_cp import kv_block_bytes
 from pipette.model import ModelSpec
 from pipette.perf_compute import Compute
@@ -28,7 +28,7 @@ from pipette.perf_cp import (
 )
 from pipette.stacks import FSDP_COMPILE_ELEMENTWISE_SHARE, FSDP_CONSTANTS, FSDP_CPU_CONSTANTS, get_stack
 from pipette.training import TrainingSpec
-from tests.benchmarks import attention_tables
+from tests.benchmarks import kernel_tables
 
 #: one Llama layer, 8 query and 2 key/value heads of 64
 ONE = ModelSpec(name="one-layer", layers=1, hidden=512, heads=8, kv_heads=2, ffn_hidden=1024, vocab=1000,
@@ -42,9 +42,9 @@ def _job(cp: int, s: int = 32768, recompute: str = "none") -> tuple[TrainingSpec
 
 
 def test_the_table_is_derived_from_the_carried_timings() -> None:
-    with open(attention_tables.CARRIED, newline="") as f:
-        rows = [r for r in csv.DictReader(f) if attention_tables.kept(r)]
-    derived = attention_tables.ratios(rows)
+    with open(kernel_tables.CARRIED_FLASH, newline="") as f:
+        rows = [r for r in csv.DictReader(f) if kernel_tables.kept_flash(r)]
+    derived = kernel_tables.full_over_causal(rows)
     assert {f: {d: tuple((s, round(x, 3)) for s, x in pts) for d, pts in by.items()} for f, by in derived.items()} \
         == FLASH_FULL_OVER_CAUSAL
     assert len(rows) == 45
