@@ -64,11 +64,14 @@ def fold_config(config: ParallelConfig) -> ParallelConfig:
                    dp_shard=None if config.dp_shard is None else config.dp_shard * c)
 
 
-def kv_block_bytes(model: ModelSpec, training: TrainingSpec, config: ParallelConfig) -> float:
+def kv_block_bytes(model: ModelSpec, training: TrainingSpec, config: ParallelConfig, *,
+                   repeat_kv: bool = False) -> float:
     """K and V of one cp rank's chunk on one tensor-parallel rank: ``2 b (s/cp) kv d / min(t, kv_heads)``
-    (grouped-query attention replicates a k/v head over ``t / kv_heads`` ranks beyond that)."""
-    t_kv = min(config.tp, model.kv_heads)
-    return 2.0 * config.mbs * training.seq_len / config.cp * model.kv_dim / t_kv * training.dtype_bytes
+    (grouped-query attention replicates a k/v head over ``t / kv_heads`` ranks beyond that); with
+    ``repeat_kv``, K and V repeated to every query head first (torchtitan's Llama): ``2 b (s/cp) h d / t``."""
+    width, ranks = (model.heads * model.head_dim, config.tp) if repeat_kv \
+        else (model.kv_dim, min(config.tp, model.kv_heads))
+    return 2.0 * config.mbs * training.seq_len / config.cp * width / ranks * training.dtype_bytes
 
 
 def exchange_bytes(model: ModelSpec, training: TrainingSpec, config: ParallelConfig, cp_comm: str) -> float:

@@ -66,10 +66,7 @@ F32 = 4.0
 def exchanged_kv_bytes(model: ModelSpec, training: TrainingSpec, config: ParallelConfig, k: PerfConstants) -> float:
     """K and V of one cp rank's chunk as the ring carries them: ``kv_block_bytes``, or with
     ``cp_repeat_kv`` the keys and values repeated to every query head before the attention."""
-    if not k.cp_repeat_kv:
-        return kv_block_bytes(model, training, config)
-    return 2.0 * config.mbs * training.seq_len / config.cp * model.heads * model.head_dim / config.tp \
-        * training.dtype_bytes
+    return kv_block_bytes(model, training, config, repeat_kv=k.cp_repeat_kv)
 
 
 def ring_step_exposed(transfer: float | FloatArray, block: float, overlap: float) -> FloatArray:
