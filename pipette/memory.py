@@ -348,21 +348,19 @@ def _stage(c: _StageTerms, i: int, layers_i: int, host: bool) -> dict[str, int]:
         cache = memory_fsdp2.reserve(f, transient)
     buffers += c.exchange if layers_i else 0.0
     if c.moe is not None:  # the MLPs of a model with experts (pipette.memory_moe)
-        held = held_layers / layers_i if layers_i else 0.0
+        held_share = held_layers / layers_i if layers_i else 0.0
         mlp = c.moe[i]
         weights, gradients, optimizer = (weights + mlp["weights"], gradients + mlp["gradients"],
                                          optimizer + mlp["optimizer"])
-        activations += mlp["one_layer"] if config.recompute == "full" else held * mlp["per_micro_batch"]
+        activations += mlp["one_layer"] if config.recompute == "full" else held_share * mlp["per_micro_batch"]
         buffers += mlp["buffers"]
     live = weights + gradients + optimizer + activations + stage_logits + buffers
     if c.gpu:
-        # the caching allocator's reserve over the step (FSDP2: every phase's blocks, memory_fsdp2.reserve)
-        held = live if cache is None else live + sum(cache.values()) - sum(parts.values())
-        short_lived = activations + stage_logits
-        if cache is not None:
-            short_lived += cache["activations"] + cache["logits"] - parts["activations"] - parts["logits"]
-        overhead = GPU_OVERHEAD_BYTES + (options.fragmentation - 1.0) * short_lived + held - live
-        overhead += options.reserved_share * held
+        # the caching allocator's reserve over the step: under FSDP2 the blocks other phases leave beside
+        # this one's (memory_fsdp2.beyond), and the fragmentation of every short-lived block
+        extra, extra_short = (0.0, 0.0) if cache is None else memory_fsdp2.beyond(cache, parts)
+        overhead = (GPU_OVERHEAD_BYTES + (options.fragmentation - 1.0) * (activations + stage_logits + extra_short)
+                    + extra + options.reserved_share * (live + extra))
     else:
         overhead = CPU_PROCESS_OVERHEAD_BYTES
     # Same keys and order as MEMORY_PARTS (checked by the unit tests).

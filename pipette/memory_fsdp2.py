@@ -108,6 +108,13 @@ def reserve(f: Fsdp2Bytes, s: StageBytes) -> dict[str, float]:
                  in_flight + f.reduce)
 
 
+def beyond(cache: dict[str, float], parts: dict[str, float]) -> tuple[float, float]:
+    """The bytes ``reserve``'s ``cache`` holds beyond one phase's ``parts``: in all, and of the short-lived
+    ones (activations and logits)."""
+    short = cache["activations"] + cache["logits"] - parts["activations"] - parts["logits"]
+    return sum(cache.values()) - sum(parts.values()), short
+
+
 def heaviest(every: dict[str, dict[str, float]]) -> str:
     """The phase of ``phases`` with the most bytes alive (the first of equals in step order)."""
     return max(every, key=lambda k: sum(every[k].values()))
