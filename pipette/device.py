@@ -33,8 +33,8 @@ class DeviceSpec:
     kind: str = "gpu"
     efficiency: tuple[tuple[float, float], ...] = field(default=())
     #: The 16-bit rate the fused attention kernel is priced against where it is not ``peak_flops``' (None:
-    #: the same): a power-capped part lowers its clocks under the power-bound GEMMs its peaks are
-    #: scaled for, not under FlashAttention, which keeps its tensor cores about a third as busy
+    #: the same): on a power-capped part whose peaks are scaled for the cap, the assumption (not measured
+    #: here) that the cap lowers the clocks under the power-bound GEMMs and not under the fused attention
     attention_flops: float | None = None
 
     def __post_init__(self) -> None:

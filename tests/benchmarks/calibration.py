@@ -236,9 +236,9 @@ TORCHTITAN_POWER_CAP_SHARE = 0.715
 
 def h100_96gb(share: float = TORCHTITAN_POWER_CAP_SHARE) -> DeviceSpec:
     """torchtitan's power-capped H100 96GB, its tensor-core peaks scaled by ``share``; its fused attention
-    at the uncapped bf16 peak (``DeviceSpec.attention_flops``: the cap lowers the clocks under the
-    power-bound GEMMs, not under FlashAttention; docs/context-parallel.md, "Measured against the shared
-    cp runs")."""
+    at the uncapped bf16 peak (``DeviceSpec.attention_flops``: assumed, not measured, that the cap lowers
+    the clocks under the power-bound GEMMs, not under FlashAttention; docs/context-parallel.md, "Measured
+    against the shared cp runs")."""
     peaks = {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12, "fp8": 1979e12}
     return DeviceSpec("H100-96GB-HBM2e", 96 * GB, {k: v * share for k, v in peaks.items()}, 2.4e12,
                       attention_flops=peaks["bf16"])
