@@ -155,14 +155,12 @@ def job_body() -> Callable[..., dict[str, Any]]:
 @pytest.fixture(scope="session")
 def deepspeed_ready() -> None:
     """DeepSpeed builds its CPU shared-memory op on first use (about a minute, once per machine,
-    cached); build it up front so no trial's timeout pays for it (as tests/integration does)."""
-    import subprocess
-    import sys
+    cached); build it up front so no trial's timeout pays for it, into the cache the ranks use, as a
+    job does (``workers.ops``; as tests/integration and tests/cluster do). DeepSpeed's own
+    ``build_shm_op`` built into its default folder, which no rank reads."""
+    from workers.ops import build_ops
 
-    subprocess.run(
-        [sys.executable, "-c", "from deepspeed.comm.torch import build_shm_op; build_shm_op()"],
-        env={**os.environ, "DS_ACCELERATOR": "cpu"}, check=True, capture_output=True, timeout=600,
-    )
+    build_ops("cpu", timeout_s=600)
 
 
 #: A profile of this machine measured by the first end-to-end job of the session, given to the
