@@ -113,7 +113,7 @@ def test_cancel_stops_a_trial_that_has_no_step_within_seconds(setup: Setup) -> N
         took = time.monotonic() - asked
         assert took < 10, f"the cancel took {took:.1f} s\n{service.tail()}"
         trials = c.get(f"/v1/jobs/{job_id}/trials").json()["items"]
-        assert [t["state"] for t in trials] == ["pruned"], trials
+        assert [t["state"] for t in trials] == ["pruned"], [(t["state"], t["error"]) for t in trials]
         assert job["progress"]["tuning_s"] > 5
     finally:
         service.stop()
