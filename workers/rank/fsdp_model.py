@@ -13,6 +13,7 @@ the whole tensor is drawn or read on the rank's device and ``distribute_tensor``
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -198,5 +199,15 @@ def held_param_bytes(modules: list[nn.Module]) -> int:
 
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy, in fp32 (``workers.rank.pipe_model.lm_loss``)."""
-    return nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
+    """Mean next-token cross-entropy, in fp32 (``workers.rank.pipe_model.lm_loss``). Logits sharded
+    over the vocabulary (a DTensor, under TP) need ``loss_context``'s loss parallelism around the
+    forward and backward; the loss comes back as this rank's plain tensor (every tp rank's the same)."""
+    loss = nn.functional.cross_entropy(logits.float().flatten(0, -2), labels.flatten())
+    return loss.to_local() if isinstance(loss, DTensor) else loss
+
+
+def loss_context(tp: int) -> contextlib.AbstractContextManager[None]:
+    """PyTorch's ``loss_parallel`` where the LM head's logits are sharded over tp ranks, else nothing."""
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel() if tp > 1 else contextlib.nullcontext()

@@ -51,6 +51,7 @@ from workers.rank.fsdp_model import (
     build_stages,
     held_param_bytes,
     lm_loss,
+    loss_context,
     materialize,
     meta_model,
     parameter_names,
@@ -251,19 +252,22 @@ class FsdpRank:
         self.grad_norm = float(out[1]) / self.plan.world  # every rank holds the whole norm
         return float(out[0]) / (self.plan.dp * self.plan.cp * self.plan.tp)
 
+    def _forward_backward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
+        if self.schedule is not None:
+            return pipeline_step(self.schedule, self.stage_ids, self.plan, ids, labels)
+        total = torch.zeros((), device=self.device)
+        for mb_ids, mb_labels in micro_batches(ids, labels, self.plan.mbs):
+            loss = lm_loss(self.stages[0](mb_ids), mb_labels)
+            torch.autograd.backward(loss / self.plan.microbatches)
+            total += loss.detach()
+        return total / self.plan.microbatches
+
     def train_step(self, ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
         """The step's forward, backward, clipping and optimizer update on the replica's rows, with
         no read of a value (so a fake tensor mode can trace it): (this rank's mean micro-batch loss,
         None off the last pipeline stage; the gradient's norm before clipping)."""
-        if self.schedule is not None:
-            mine = pipeline_step(self.schedule, self.stage_ids, self.plan, ids, labels)
-        else:
-            total = torch.zeros((), device=self.device)
-            for mb_ids, mb_labels in micro_batches(ids, labels, self.plan.mbs):
-                loss = lm_loss(self.stages[0](mb_ids), mb_labels)
-                torch.autograd.backward(loss / self.plan.microbatches)
-                total += loss.detach()
-            mine = total / self.plan.microbatches
+        with loss_context(self.plan.tp):
+            mine = self._forward_backward(ids, labels)
         if self.cp_group is not None:
             average_over_cp(self.params, self.cp_group, self.plan.cp)
         norm = clip_grad_norm(self.params, GRAD_CLIP, self.pp_group, self.ep_group, self.experts)

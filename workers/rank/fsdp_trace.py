@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -86,12 +87,47 @@ def _categories(snapshot: dict[Any, int]) -> dict[str, int]:
     return {cat: sum(named.get(kind, 0) for kind in kinds) for cat, kinds in CATEGORIES.items()}
 
 
+#: how deep this thread is in DTensor's shape propagation (``_untracked_propagation``)
+_PROPAGATING = threading.local()
+
+
+@contextmanager
+def _untracked_propagation() -> Iterator[None]:
+    """Mark DTensor's sharding propagation, which runs each op once more on fake tensors of the
+    *global* shapes to learn its output's. The tracker skips it where the propagation's fake mode is
+    its own (in eager), not where the step itself runs on fake tensors (here, in the same mode):
+    without this, loss parallelism's log-softmax at Llama 70B tp8 was counted as 7.8 GiB of whole
+    fp32 logits, where the rank holds 1/8 of them."""
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    original = ShardingPropagator._propagate_tensor_meta_non_cached
+
+    def marked(self: Any, op_schema: Any) -> Any:
+        _PROPAGATING.depth = getattr(_PROPAGATING, "depth", 0) + 1
+        try:
+            return original(self, op_schema)
+        finally:
+            _PROPAGATING.depth -= 1
+
+    ShardingPropagator._propagate_tensor_meta_non_cached = marked  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        ShardingPropagator._propagate_tensor_meta_non_cached = original  # type: ignore[method-assign]
+
+
 class Peaks:
-    """What both trackers add: the maxima and the phase of the peak."""
+    """What both trackers add: the maxima and the phase of the peak, and no counting of DTensor's
+    shape propagation (``_untracked_propagation``)."""
 
     category_max: dict[str, int]
     kinds_max: dict[str, int]
     peak_phase: str
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if getattr(_PROPAGATING, "depth", 0):
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)  # type: ignore[misc]
 
     def _note(self, tracker: Any, before: dict[Any, int]) -> None:
         if tracker._peak_mem != before:
@@ -112,7 +148,7 @@ def _step_tracker(stages: list[nn.Module], optimizer: torch.optim.Optimizer, inp
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch.distributed.fsdp import FSDPModule
 
-    class FsdpStepTracker(FSDPMemTracker, Peaks):  # type: ignore[no-untyped-call]  # torch's class is unannotated
+    class FsdpStepTracker(Peaks, FSDPMemTracker):  # type: ignore[no-untyped-call]  # torch's class is unannotated
         def __init__(self) -> None:
             super().__init__(stages[0], optimizer)
             # the interleaved schedule's stages are several FSDP roots: one container instruments them all
@@ -137,7 +173,7 @@ def _step_tracker(stages: list[nn.Module], optimizer: torch.optim.Optimizer, inp
             super()._update_peak_stats(peak_state)
             self._note(self, before)
 
-    class PlainStepTracker(MemTracker, Peaks):  # type: ignore[no-untyped-call]
+    class PlainStepTracker(Peaks, MemTracker):  # type: ignore[no-untyped-call]
         def __init__(self) -> None:
             super().__init__()
             self.category_max, self.kinds_max, self.peak_phase = {}, {}, "forward"
@@ -257,7 +293,7 @@ def trace_rank(trial: TrialSpec, rank: int = 0) -> TracedMemory:
             runner.train_step(*first)  # the first step makes the optimizer's states
             ids, labels = second
             tracker = _step_tracker(list(runner.stages), runner.optimizer, (ids, labels))
-            with tracker:
+            with tracker, _untracked_propagation():
                 runner.train_step(ids, labels)
         peak = tracker.get_tracker_snapshot("peak")
         snap = next(iter(peak.values()), {_TOTAL: 0})
