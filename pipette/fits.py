@@ -98,8 +98,9 @@ MEGATRON_GPU = FitsPrior("megatron-gpu", mu=-0.003, sd=0.038,
 #: FSDP2's phases: ``pipette.memory_fsdp2.reserve``). The fsdp stack's fragmentation factors were
 #: fitted on 4 of these 14 runs, so the sd is partly in-sample. Its earlier fits: docs/results.md,
 #: "The chance to fit: each stack's prior".
-FSDP_GPU = FitsPrior("fsdp-gpu", mu=0.043, sd=0.040,
-                     source="torchtitan_h100_fsdp2.csv, 14 runs (FSDP2's phases, reserved, 2026-12-04)")
+FSDP_GPU = FitsPrior("fsdp-gpu", mu=0.033, sd=0.035,
+                     source="torchtitan_h100_fsdp2.csv, 14 runs (FSDP2's phases, the embedding's whole "
+                            "gradient under TP, reserved, 2026-12-05)")
 #: CPU devices: no calibration runs (the runner's RSS is recorded by every CPU trial); the
 #: learned memory model's default prior (``pipette.feasibility``), centred.
 CPU = FitsPrior("cpu", mu=0.0, sd=0.226, source="no calibration runs: the learned model's default prior")

@@ -376,13 +376,16 @@ def _fsdp2_transient(c: _StageTerms, i: int, layers_i: int, held_layers: float) 
     """Stage ``i``'s activations and loss bytes as FSDP2's phases hold them. The loss's bytes at its
     backward: a fused loss keeps the logits and their gradient in d bytes; an eager one its fp32 copies
     (the d-byte logits are dropped before the backward: ``pipette.memory_fsdp2``)."""
-    a, p, m = c.acts, c.config.pp, c.config.grad_accum
+    a, p, m, t = c.acts, c.config.pp, c.config.grad_accum, c.config.tp
     last = i == p - 1
     loss = a.logits if c.options.fused_loss else a.logits - a.logits_d
+    whole = (i == 0 and t > 1 and c.options.tp_embedding_grad_whole and c.options.sequence_parallel
+             and c.training.method == "full")
+    embed_grad = c.model.vocab * c.model.hidden * c.training.dtype_bytes * (1 - 1 / t) if whole else 0.0
     return memory_fsdp2.StageBytes(
         kept=held_layers * a.per_layer, rebuilt=a.rebuilt if layers_i else 0.0, head=a.head if last else 0.0,
         loss=loss if last else 0.0, logits_grad=a.logits_d if last else 0.0, layers=layers_i, last=last,
-        grads_in_backward=p == 1 and m > 1, all_logits=a.logits if last else 0.0,
+        grads_in_backward=p == 1 and m > 1, all_logits=a.logits if last else 0.0, embed_grad=embed_grad,
     )
 
 

@@ -19,6 +19,11 @@ them; docs/results.md, "Traced memory"):
 - **layer**: a decoder layer's backward: the root held unsharded until the root's post-backward,
   the layer gathered and the next one prefetched (``FSDPParamGroup._backward_prefetch``: its
   all-gather output), one layer's reduce-scatter copies, its recomputed activations.
+- **embed**: the embedding's backward, the last of the step's, where it makes its weight's
+  gradient whole before cutting it to the rank's rows (tensor parallelism as DTensor runs it,
+  ``MemoryOptions.tp_embedding_grad_whole``): the root gathered, its unsharded gradients, the
+  layers' gradients (sharded, or a pipeline's accumulators) and the last layer's reduce-scatter
+  copies alive; no activation is.
 - **step**: after the backward: the sharded gradients whole, no activations.
 
 The sharded gradients are alive in the backward only from a second micro-batch on (FSDP2
@@ -33,7 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 #: the phases, in step order
-PHASES: tuple[str, ...] = ("loss", "head", "layer", "step")
+PHASES: tuple[str, ...] = ("loss", "head", "layer", "embed", "step")
 
 
 @dataclass(frozen=True)
@@ -72,6 +77,9 @@ class StageBytes:
     grads_in_backward: bool
     #: the loss's bytes over the step, the logits and every copy of them (``reserve``)
     all_logits: float = 0.0
+    #: the embedding's gradient beyond the rank's rows while its backward makes it whole (the
+    #: ``embed`` phase; 0 where it is made per row, or the stage has no trained embedding)
+    embed_grad: float = 0.0
 
 
 def phases(f: Fsdp2Bytes, s: StageBytes) -> dict[str, dict[str, float]]:
@@ -87,6 +95,10 @@ def phases(f: Fsdp2Bytes, s: StageBytes) -> dict[str, dict[str, float]]:
     if s.layers:
         gathered = f.root + 2 * f.layer if f.reshard else 0.0
         out["layer"] = _part(held + gathered, grads, f.optimizer, s.kept + s.rebuilt, 0.0, f.reduce)
+    if s.embed_grad:
+        layer_grads = f.accumulated_grads or f.sharded_grads
+        out["embed"] = _part(held + (f.root if f.reshard else 0.0), layer_grads + f.root + s.embed_grad,
+                             f.optimizer, 0.0, 0.0, f.reduce)
     out["step"] = _part(held, f.sharded_grads + f.accumulated_grads, f.optimizer, 0.0, 0.0, 0.0)
     return out
 
@@ -100,7 +112,7 @@ def reserve(f: Fsdp2Bytes, s: StageBytes) -> dict[str, float]:
     in the backward. An upper bound, the figure the ``fsdp-gpu`` prior is fitted on
     (``pipette.fits.FSDP_GPU``; docs/results.md, "Traced memory"); the live peak is ``heaviest``."""
     transient = s.kept + s.rebuilt + s.head + s.all_logits
-    grads = f.sharded_grads + f.accumulated_grads
+    grads = f.sharded_grads + f.accumulated_grads + s.embed_grad
     if not (s.grads_in_backward or f.accumulated_grads):
         grads = max(0.0, grads - transient)
     root, in_flight = (f.root, min(2, s.layers) * f.layer) if f.reshard else (0.0, 0.0)

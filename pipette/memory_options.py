@@ -184,12 +184,22 @@ class MemoryOptions:
     #: 1/t. Megatron's sequence parallelism saves the 1/t shard and re-gathers it in the backward
     #: (Korthikanti et al. 2022, sec. 4.2.2): False.
     tp_saves_gathered_inputs: bool = False
+    #: The embedding's weight gradient made whole before it is cut to the rank's rows, under tensor
+    #: parallelism with sequence parallelism as DTensor runs it (torchtitan's ``RowwiseParallel``
+    #: embedding with ``output_layouts=Shard(1)``): the gradient arrives split over the sequence, so
+    #: ``embedding_dense_backward`` sums this rank's tokens into a ``Partial`` gradient of the whole
+    #: vocabulary (d bytes, V x h) that a reduce-scatter then cuts to 1/t (traced: Llama 3 70B tp8,
+    #: 1.96 GiB where the rank keeps 0.25; docs/memory.md). Megatron gathers the sequence first and
+    #: makes only its vocabulary rows' gradient: False.
+    tp_embedding_grad_whole: bool = False
     #: fp32 copies of the logits at the loss's peak under tensor parallelism where the stack then
     #: runs a vocab-parallel loss of its own (None: ``loss_fp32_copies``). torchtitan turns on
-    #: PyTorch's ``loss_parallel`` with TP (``enable_loss_parallel``, default true); its log-softmax
-    #: backward (torch/distributed/tensor/parallel/loss.py, ``_log_softmax_backward_handler``:
-    #: ``grad_output - exp(output) * sum(grad_output)``) holds the saved output, the incoming
-    #: gradient, ``exp(output)`` and the product at once: 4, where the fused eager kernel holds 3.
+    #: PyTorch's ``loss_parallel`` with TP (``enable_loss_parallel``, default true); its backward
+    #: (torch/distributed/tensor/parallel/loss.py, ``_nll_loss_and_log_softmax_backward``:
+    #: ``(zeros_like(x) scattered + exp(x)) * grad_output``) holds the saved log-softmax output and
+    #: its temporaries: 4, where the eager kernels hold 3. A fake-tensor trace of the runner on torch
+    #: 2.13 counts 5 and the d-byte logits kept; torchtitan's 70B tp8 run reserved less than that
+    #: would be live (docs/results.md, "Traced memory"), so the GPU runs' figure stays.
     tp_loss_fp32_copies: int | None = None
     #: Multiplier on the transient memory (activations, logits): the caching allocator's
     #: fragmentation and short-lived tensors (``FRAGMENTATION``, fitted on nanotron's figures); a
@@ -280,5 +290,5 @@ NANOTRON_OPTIONS = MemoryOptions(loss_fp32_copies=2, deepspeed_bf16_fp32_grads=F
 #: (torchtitan's ``cross_entropy_loss``, ``workers.rank.fsdp_model.lm_loss``: 3 fp32 copies, as
 #: Pipette's DeepSpeed runner).
 FSDP_OPTIONS = MemoryOptions(grad_accum_fp32=True, deepspeed_bf16_fp32_grads=False, fsdp2=True, op_sac=True,
-                             tp_saves_gathered_inputs=True, tp_loss_fp32_copies=4,
+                             tp_saves_gathered_inputs=True, tp_embedding_grad_whole=True, tp_loss_fp32_copies=4,
                              fragmentation=FSDP_FRAGMENTATION, cp_comm="allgather")

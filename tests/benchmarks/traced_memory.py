@@ -4,9 +4,7 @@ the real world size) on Llama 3 8B and 70B layouts no CPU trial reaches.
 
 Live bytes only on both sides: the trace's peak (what ``max_memory_allocated`` counts) against the
 estimate's ``live_bytes`` (its peak without the overhead part: the heaviest of FSDP2's phases,
-``pipette.memory_fsdp2``, whose name is printed). Under TP the runner computes its loss on the whole
-logits (no loss parallelism, which the estimate counts as torchtitan's): ``+runner loss`` is the
-error with that difference added. Term by term: the model states
+``pipette.memory_fsdp2``, whose name is printed). Term by term: the model states
 (trace: parameters, gradients and optimizer; estimate: weights, gradients, optimizer and buffers,
 which hold FSDP2's gathered layers and the reduce-scatter's copies) and the transient bytes (trace:
 activations and the backward's temporaries; estimate: activations and logits). The trace is of one
@@ -81,25 +79,12 @@ def heaviest_phase(trial: TrialSpec, stage: int) -> str:
     return max(live, key=lambda ph: sum(live[ph].values()) - live[ph]["overhead"])
 
 
-def runner_loss_bytes(trial: TrialSpec) -> float:
-    """What the runner's loss holds beyond the estimate's under TP: it gathers the whole logits on every
-    tp rank (``workers.rank.fsdp_parallel``: no loss parallelism), so its loss's backward holds
-    ``loss_fp32_copies`` fp32 copies of all of them where torchtitan's loss parallelism, which the
-    estimate counts, holds ``tp_loss_fp32_copies`` of the rank's 1/t."""
-    c, o = trial.config, get_stack(FSDP).memory_options
-    if c.tp == 1 or o.tp_loss_fp32_copies is None:
-        return 0.0
-    logits = c.mbs * trial.training.seq_len * trial.model.vocab * 4
-    return logits * (o.loss_fp32_copies - o.tp_loss_fp32_copies / c.tp)
-
-
 def compare(name: str, trial: TrialSpec) -> dict[str, Any]:
     """One layout's row: the heaviest traced rank against the estimate, term by term."""
     start = time.perf_counter()
     traces = trace_heaviest(trial)
     top = traces[0]
     est = estimate_memory(trial.model, trial.training, trial.config, 141 * GiB, stack=FSDP)
-    runner_loss = runner_loss_bytes(trial) if est.stage == trial.config.pp - 1 else 0.0
     b = est.breakdown
     traced_states = top.at_peak["parameters"] + top.at_peak["gradients"] + top.at_peak["optimizer"]
     traced_transient = top.at_peak["activations"] + top.at_peak["temporaries"]
@@ -109,7 +94,6 @@ def compare(name: str, trial: TrialSpec) -> dict[str, Any]:
         "layout": name, "world": trial.config.world, "traced_stage": top.stage, "estimate_stage": est.stage,
         "phase": top.phase, "traced_bytes": top.peak_bytes, "estimate_live_bytes": est.live_bytes,
         "error": est.live_bytes / top.peak_bytes - 1, "estimate_phase": heaviest_phase(trial, est.stage),
-        "runner_loss": runner_loss, "error_runner_loss": (est.live_bytes + runner_loss) / top.peak_bytes - 1,
         "traced_states": traced_states, "estimate_states": est_states,
         "traced_transient": traced_transient, "estimate_transient": est_transient,
         "traced": top.at_peak, "traced_max": top.category_max, "estimate": b,
@@ -125,14 +109,14 @@ def main() -> int:
     warnings.filterwarnings("ignore")
     names = args.only or list(LAYOUTS)
     rows = []
-    print(f"{'layout':<20} {'ranks':>5} {'traced GiB':>10} {'est GiB':>8} {'error':>7} {'+runner loss':>12} "
+    print(f"{'layout':<20} {'ranks':>5} {'traced GiB':>10} {'est GiB':>8} {'error':>7} "
           f"{'states t/e':>13} {'transient t/e':>14} {'peak in':>9} {'est phase':>9} {'s':>4}")
     for name in names:
         model_name, fields = LAYOUTS[name]
         row = compare(name, trial_of(model_name, fields))
         rows.append(row)
         print(f"{name:<20} {row['world']:>5} {row['traced_bytes'] / GiB:>10.2f} "
-              f"{row['estimate_live_bytes'] / GiB:>8.2f} {row['error']:>+7.1%} {row['error_runner_loss']:>+12.1%} "
+              f"{row['estimate_live_bytes'] / GiB:>8.2f} {row['error']:>+7.1%} "
               f"{row['traced_states'] / GiB:>6.2f}/{row['estimate_states'] / GiB:<6.2f} "
               f"{row['traced_transient'] / GiB:>6.2f}/{row['estimate_transient'] / GiB:<7.2f} "
               f"{row['phase']:>9} {row['estimate_phase']:>9} {row['seconds']:>4.0f}", flush=True)

@@ -78,6 +78,20 @@ def test_loss_parallel_holds_four_fp32_copies_under_tensor_parallelism() -> None
     assert _last(replace(cfg, tp=1, dp=8), FSDP_OPTIONS, "loss")["logits"] == int(4 * per_rank * 3 * 4)
 
 
+def test_the_embeddings_backward_makes_its_whole_vocabulary_gradient_under_dtensor_tp() -> None:
+    cfg = ParallelConfig(tp=4, pp=1, dp=2, mbs=1, global_batch=64, zero_stage=3, recompute="full")
+    beyond_rows = 32000 * 1024 * 2 * (1 - 1 / 4)  # V x h in bf16, less the rank's own rows
+    root = (2 * 32000 * 1024 / 4 + 1024) * 2  # the root unit's unsharded gradients: embedding, head, norm
+    embed, step = _last(cfg, FSDP_OPTIONS, "embed"), _last(cfg, FSDP_OPTIONS, "step")
+    assert embed["activations"] == embed["logits"] == 0
+    assert embed["gradients"] - step["gradients"] == pytest.approx(beyond_rows + root, rel=1e-6)
+    # Megatron makes only its rows' gradient, and without TP there is nothing beyond them: no such phase
+    # (a phase a stage does not go through gives its heaviest)
+    for options, config in ((replace(FSDP_OPTIONS, tp_embedding_grad_whole=False), cfg),
+                            (FSDP_OPTIONS, replace(cfg, tp=1, dp=8))):
+        assert _last(config, options, "embed") == _last(config, options)
+
+
 def test_the_fragmentation_is_an_option_the_fsdp_stack_fits_on_reserved_bytes() -> None:
     cfg = ParallelConfig(tp=1, pp=1, dp=8, mbs=2, global_batch=64, zero_stage=3, recompute="full")
     a = _last(cfg, replace(FSDP_OPTIONS, fragmentation=1.0))
