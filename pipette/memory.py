@@ -541,11 +541,15 @@ def _op_sac_saved(model: ModelSpec, s: int, b: int, d: int, t: int, t_kv: int, s
     Attention and FeedForward: ``w2(silu(w1(x)) * w3(x))``); the odd ones are saved: wq (h), wv
     (the kv width), w1 (f), w2 (h, the layer's last output before the residual add); with the
     SDPA output (h) and the layer's input (h, the checkpoint's own). Column-parallel outputs and
-    the attention are split by t; w2's output and the input by t under sequence parallelism."""
+    the attention are split by t, the input by t under sequence parallelism. w2 is row-parallel:
+    its mm's own output is the whole sequence's partial sum (h, not split) and, under sequence
+    parallelism, the reduce-scatters of wo's and w2's partial sums are saved too (the policy's
+    ``reduce_scatter_tensor``: h/t each). Traced at Llama 70B tp8: 2.08 s b h d per layer
+    (docs/results.md, "Traced memory")."""
     sb, h = s * b, model.hidden
-    seq_t = t if sequence_parallel else 1
     split = sb * (h + h + memory_moe.dense_ffn(model)) / t  # wq, SDPA output, w1
-    return float(d * (split + sb * model.kv_dim / t_kv + 2 * sb * h / seq_t))
+    seq = sb * h * (1 + 3 / t) if sequence_parallel and t > 1 else 2 * sb * h  # w2 (+ reduce-scatters), input
+    return float(d * (split + sb * model.kv_dim / t_kv + seq))
 
 
 def _te_layer(

@@ -197,9 +197,8 @@ class MemoryOptions:
     #: PyTorch's ``loss_parallel`` with TP (``enable_loss_parallel``, default true); its backward
     #: (torch/distributed/tensor/parallel/loss.py, ``_nll_loss_and_log_softmax_backward``:
     #: ``(zeros_like(x) scattered + exp(x)) * grad_output``) holds the saved log-softmax output and
-    #: its temporaries: 4, where the eager kernels hold 3. A fake-tensor trace of the runner on torch
-    #: 2.13 counts 5 and the d-byte logits kept; torchtitan's 70B tp8 run reserved less than that
-    #: would be live (docs/results.md, "Traced memory"), so the GPU runs' figure stays.
+    #: its temporaries: 4, where the eager kernels hold 3 (traced on the runner, Llama 3 8B tp2:
+    #: docs/results.md, "Traced memory").
     tp_loss_fp32_copies: int | None = None
     #: Multiplier on the transient memory (activations, logits): the caching allocator's
     #: fragmentation and short-lived tensors (``FRAGMENTATION``, fitted on nanotron's figures); a

@@ -191,3 +191,16 @@ def test_an_unknown_phase_is_refused() -> None:
 
     with pytest.raises(SpecError, match="unknown phase"):
         stage_breakdowns(MODEL, TRAIN, LLAMA_8B_DP8, options=FSDP_OPTIONS, phase="warmup")
+
+
+def test_op_sac_under_sequence_parallel_tp_keeps_w2s_whole_partial_sum_and_the_reduce_scatters() -> None:
+    from pipette.memory import _op_sac_saved
+
+    # per layer and micro-batch the policy saves wq, wv, w1 and w2's mm outputs, the SDPA output and the
+    # reduce-scatters' (wo's, w2's); with the layer's input. w2's mm output is the whole sequence's partial
+    # sum under TP (traced at Llama 3 70B tp8: 2.08 s x h x d per layer)
+    sb, h, f, kv, d = 2048, 1024, 3584, 256, 2
+    split = (h + h + f) / 4 + kv / 4  # wq, SDPA, w1 over t = 4; wv over min(t, kv_heads) = 4
+    assert _op_sac_saved(MODEL, 2048, 1, d, 4, 4, True) == d * sb * (split + h + 2 * h / 4 + h / 4)
+    # one rank: w2's output and the input, whole
+    assert _op_sac_saved(MODEL, 2048, 1, d, 1, 1, True) == d * sb * (h + h + f + kv + 2 * h)
