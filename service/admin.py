@@ -20,6 +20,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 from collections.abc import Sequence
 from types import FrameType
@@ -219,6 +220,10 @@ def _serve(args: argparse.Namespace, settings: Settings) -> int:
             app.state.pipette.begin_shutdown()
             super().handle_exit(sig, frame)
 
+    # uvicorn puts back the handler it found and re-raises the signal after the drain: an ignored
+    # SIGINT inherited from a background job (`pipette serve &`) then ended the process 0 with nothing
+    # said. As `tune`, a SIGINT sent is an interrupt (130, said) whatever was inherited.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     Server(uvicorn.Config(app, **options)).run()
     return 0
 

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from sqlalchemy import create_engine, text
 
 from service.migrations import upgrade
@@ -75,9 +76,12 @@ def test_serve_and_worker_refuse_a_missing_or_unmigrated_database_in_one_line(tm
             assert "is at schema none (empty)" in lines[0] and "pipette-admin migrate" in lines[0]
 
 
-def test_serve_exits_130_at_ctrl_c_and_143_at_sigterm_like_tune(tmp_path: Path) -> None:
+@pytest.mark.parametrize("inherited", ["default", "ignored"])
+def test_serve_exits_130_at_ctrl_c_and_143_at_sigterm_like_tune(tmp_path: Path, inherited: str) -> None:
     """Issue 32, item 7: the same exit codes across `tune` and `serve`. uvicorn re-raised the
-    signal, so `pipette serve` died by SIGTERM (-15) with nothing said."""
+    signal, so `pipette serve` died by SIGTERM (-15) with nothing said. An ignored SIGINT inherited
+    from a background job (`pytest ... &` or `pipette serve &`), which uvicorn put back before it
+    re-raised the signal, ended the process 0 with nothing said."""
     import signal
     import time
 
@@ -85,12 +89,14 @@ def test_serve_exits_130_at_ctrl_c_and_143_at_sigterm_like_tune(tmp_path: Path) 
 
     from tests.service.processes import free_port
 
+    disposition = signal.SIG_DFL if inherited == "default" else signal.SIG_IGN
     for signum, code, said in ((signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated (SIGTERM)")):
         port = free_port()
         env = {**os.environ, "PIPETTE_HOME": str(tmp_path), "PYTHONPATH": str(ROOT), "PIPETTE_SCHEDULER": "0",
                "PIPETTE_DATABASE_URL": f"sqlite:///{tmp_path / 'serve.db'}"}
         proc = subprocess.Popen([sys.executable, "-m", "cli", "serve", "--port", str(port)], env=env,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, disposition))
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and proc.poll() is None:
             try:
