@@ -26,10 +26,14 @@ _UNITS = {None: 1, "bytes": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "kib": 2**10, "m
 
 
 def live_tensor_bytes() -> int:
-    """Bytes of the distinct storages of every tensor Python can reach."""
+    """Bytes of the distinct storages of every tensor Python can reach. Fake tensors (a memory
+    trace's, ``workers.rank.fsdp_trace``) hold none: their storages all read data pointer 0, so
+    counting them added the size of whichever was seen last."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
     seen: dict[int, int] = {}
     for obj in gc.get_objects():
-        if isinstance(obj, torch.Tensor) and not obj.is_meta:
+        if isinstance(obj, torch.Tensor) and not obj.is_meta and not isinstance(obj, FakeTensor):
             try:
                 storage = obj.untyped_storage()
                 seen[storage.data_ptr()] = storage.nbytes()
