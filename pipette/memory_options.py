@@ -189,8 +189,8 @@ class MemoryOptions:
     #: embedding with ``output_layouts=Shard(1)``): the gradient arrives split over the sequence, so
     #: ``embedding_dense_backward`` sums this rank's tokens into a ``Partial`` gradient of the whole
     #: vocabulary (d bytes, V x h) that a reduce-scatter then cuts to 1/t (traced: Llama 3 70B tp8,
-    #: 1.96 GiB where the rank keeps 0.25; docs/memory.md). Megatron gathers the sequence first and
-    #: makes only its vocabulary rows' gradient: False.
+    #: 1.96 GiB where the rank keeps 0.25; docs/results.md, "Traced memory"). Megatron gathers the
+    #: sequence first and makes only its vocabulary rows' gradient: False.
     tp_embedding_grad_whole: bool = False
     #: fp32 copies of the logits at the loss's peak under tensor parallelism where the stack then
     #: runs a vocab-parallel loss of its own (None: ``loss_fp32_copies``). torchtitan turns on

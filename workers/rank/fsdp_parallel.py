@@ -10,8 +10,8 @@ over the data-parallel mesh, so a parameter ends a 2-D DTensor (dp x tp) where b
   rows) with its output scattered over the sequence, the LM head column-parallel with its
   logits left sharded over the vocabulary (a DTensor) for loss parallelism (torchtitan's
   ``loss_parallel``: each tp rank holds and differentiates its 1/tp of the logits, where gathering
-  them held the whole vocabulary's fp32 copies on every rank: 11.7 GiB against 2.0 at a 70B
-  tp8 layout, docs/memory.md).
+  them held 3 fp32 copies of the whole vocabulary's on every rank, 11.7 GiB at Llama 3 70B and
+  8192 tokens; traced before and after: docs/results.md, "Traced memory").
 * PEFT's LoRA layers under TP (PEFT knows nothing of DTensor, so each part is sharded here):
   the base layer as the plain layer would be; on a column-parallel layer ``A`` replicated and
   ``B`` column-parallel, so ``B A x`` is this rank's output columns; on a row-parallel layer
