@@ -9,6 +9,10 @@ session's service, profile, browser and finished job (``tests/e2e/conftest.py``)
 once per worker. The units go out slowest folder first (``FOLDER_ORDER``), so
 the last ones to finish are short unit-test files rather than a tune that started late.
 
+The shaped cluster's unit runs with the machine to itself (``SOLO_UNITS``, ``tests/machine_lock.py``):
+its service test judges the tuner's pick by step times, and on two cores a test on the other
+worker changes which candidate is fastest. The other worker waits meanwhile (about 5 minutes).
+
 xdist's own ``--dist loadgroup`` does not group under pytest 9.2 (it renames ``item._nodeid``,
 which pytest no longer reads), so the grouping is a scheduler of this suite
 (``pytest_xdist_make_scheduler``): xdist's load-scope scheduling with this file's scope rule.
@@ -17,15 +21,20 @@ which pytest no longer reads), so the grouping is a scheduler of this suite
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Generator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.machine_lock import MachineLock
+
 _TESTS = Path(__file__).resolve().parent
 #: test folders whose files must all run in one worker (they share a machine-wide resource, or
 #: an expensive session fixture that each worker would otherwise build again)
 SHARED_UNITS = {"cluster": "tests/cluster", "e2e": "tests/e2e"}
+#: units that hold the machine alone while they run (their assertions compare step times)
+SOLO_UNITS = {"tests/cluster"}
 #: folders, slowest first (a full run's time per folder on the 2-core VM: integration about 60%)
 FOLDER_ORDER = ("cluster", "integration", "e2e", "fsdp", "service", "unit", "deploy", "gpu")
 
@@ -49,6 +58,31 @@ def _order(item: pytest.Item) -> tuple[int, str]:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # stable: the tests of a file keep their order; every worker collects the same order
     items.sort(key=_order)
+
+
+_LOCK = pytest.StashKey[MachineLock]()
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, object, object]:
+    """Under xdist, a test of a solo unit holds the machine alone from its unit's first setup to
+    its last teardown; any other test holds it shared for its own setup, call and teardown."""
+    workerinput = getattr(item.config, "workerinput", None)
+    if workerinput is None:  # one process: nothing runs beside it
+        return (yield)
+    lock = item.config.stash.get(_LOCK, None)
+    if lock is None:
+        lock = item.config.stash[_LOCK] = MachineLock(str(workerinput["testrunuid"]))
+    solo = unit_of(item.nodeid) in SOLO_UNITS
+    if solo:
+        lock.own()
+    else:
+        lock.share()
+    try:
+        return (yield)
+    finally:
+        if not solo or nextitem is None or unit_of(nextitem.nodeid) != unit_of(item.nodeid):
+            lock.release()
 
 
 if importlib.util.find_spec("xdist") is not None:
