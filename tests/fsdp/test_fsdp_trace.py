@@ -75,11 +75,15 @@ REAL_CASES: dict[str, dict[str, int | str]] = {
 
 
 @pytest.mark.slow
-def test_traced_peak_within_10_percent_of_a_real_cpu_run() -> None:
-    """The runner's own measure (``PeakTensorBytes``, 4 gloo ranks) counts a little more than the
-    allocator: the storages FSDP2 frees by resizing them stay counted until their tensor dies, and
-    gloo copies for its collectives (tp2-dp2: +1.1 and +0.9 MiB over the allocator's 18.7 MiB);
-    the trace is the allocator's own count (the test below)."""
+def test_traced_peak_is_a_real_cpu_runs_but_for_gloos_copies() -> None:
+    """The runner's own measure (``PeakTensorBytes``, 4 gloo ranks: the CPU allocator's peak over
+    the tensors alive before the step) against the trace of the same step: never under it, and over
+    it by what the real gloo group adds. Gloo copies what it reduce-scatters or all-gathers into a
+    temporary of the whole buffer (2.10 MB for a 2 MB buffer, an all-reduce none: measured on 2 gloo
+    ranks, docs/results.md), which NCCL and the trace's fake group do not; where such a collective
+    runs at the peak the run stands over its trace (2026-12-05: z3-dp4 0.0-1.8%, tp2-dp2 5.3-6.6%,
+    pp2-dp2 1.3%). The count of operators' outputs this measure replaced stood 3.5-6.3% over, and
+    counted earlier cases' garbage in later ones (up to 2.6x)."""
     from tests.fsdp.cases import run_batch
 
     model = MODEL_PRESETS["tiny-llama"]
@@ -90,7 +94,7 @@ def test_traced_peak_within_10_percent_of_a_real_cpu_run() -> None:
         assert len(done) == 4, batch["tails"][0][-2000:]
         measured = max(int(e["peak_tensor_bytes"]) for e in done.values())  # a steady step's (warm-up 2)
         traced = trace_heaviest(trial)[0].peak_bytes
-        assert -0.10 < traced / measured - 1 < 0.01, (name, traced / MiB, measured / MiB)
+        assert -0.08 < traced / measured - 1 < 0.01, (name, traced / MiB, measured / MiB)
 
 
 @pytest.mark.parametrize("vocab", [512, 16384], ids=["tiny-llama", "vocab-16k"])

@@ -2,9 +2,9 @@
 
 * GPU: ``torch.cuda.max_memory_allocated`` (live tensor bytes, by the caching allocator), and
   ``max_memory_reserved`` beside it (what the allocator held, which is what runs out).
-* CPU: there is no allocator counter, so a dispatch mode counts the bytes of every tensor
-  an operator allocates until that tensor dies, on top of the tensors alive when the
-  step starts; plus the peak resident set size (``ru_maxrss``) of the process.
+* CPU: there is no allocator counter to read, so the CPU allocator's own allocation and free
+  events during the step (``torch.profiler``) give its peak, on top of the tensors alive when
+  the step starts; plus the peak resident set size (``ru_maxrss``) of the process.
 * The cap: on CPU an address-space limit (``RLIMIT_AS``) of the process's size when the
   trial starts plus the cap, so an allocation past it fails as a real out-of-memory; on a GPU
   the caching allocator's per-process fraction of the device.
@@ -12,14 +12,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import os
 import re
 import resource
-import weakref
+import sys
+from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 _OOM_BYTES = re.compile(r"(?:tried to allocate|allocate)\s+([0-9]+(?:\.[0-9]+)?)\s*(bytes|[KMG]i?B)?", re.I)
 _UNITS = {None: 1, "bytes": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
@@ -44,39 +46,63 @@ def live_tensor_bytes() -> int:
     return sum(seen.values())
 
 
-class PeakTensorBytes(TorchDispatchMode):
-    """Peak live tensor bytes during the block: the bytes alive at entry plus the most that
-    operators allocated (and had not yet freed) at any moment inside it."""
+class PeakTensorBytes:
+    """Peak live tensor bytes during the block on CPU: the bytes alive at entry plus the most the
+    CPU allocator had handed out, net of what it took back, at any moment inside it, read from its
+    own allocation and free events (``torch.profiler`` with ``profile_memory``) on this thread,
+    where autograd runs a CPU backward. The allocator sees what a count of operators' outputs did
+    not: FSDP2 frees an unsharded parameter by resizing its storage to 0 and gathers into it again
+    by resizing it back. The base is taken after a garbage collection: tensors of earlier work in
+    unreachable cycles are not the step's (docs/results.md, "The fsdp stack's memory estimate
+    against its runner on CPU": both faults, measured)."""
 
     def __init__(self) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]  # TorchDispatchMode is unannotated
         self.base = 0
-        self.live = 0
         self.peak = 0
+        self._profile: Any = None
 
     def __enter__(self) -> PeakTensorBytes:
+        from torch.profiler import ProfilerActivity, profile
+
+        gc.collect()  # a cycle of tensors nothing reaches is no longer the step's: not in its base
         self.base = live_tensor_bytes()
-        super().__enter__()  # type: ignore[no-untyped-call]
+        self._profile = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        with _quiet_stderr():
+            self._profile.__enter__()
         return self
 
-    def _freed(self, nbytes: int) -> None:
-        self.live -= nbytes
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        aliasing = any(r.alias_info is not None for r in func._schema.returns)
-        if not aliasing:
-            for t in out if isinstance(out, list | tuple) else (out,):
-                if isinstance(t, torch.Tensor) and t.device.type != "meta":
-                    nbytes = t.untyped_storage().nbytes()
-                    self.live += nbytes
-                    weakref.finalize(t, self._freed, nbytes)
-            self.peak = max(self.peak, self.live)
-        return out
+    def __exit__(self, *exc: object) -> None:
+        with _quiet_stderr():
+            self._profile.__exit__(*exc)
+        results = self._profile.profiler.kineto_results
+        events = sorted((e for e in results.events() if e.name() == "[memory]"), key=lambda e: e.start_ns())
+        live = peak = 0
+        for event in events:
+            live += event.nbytes()
+            peak = max(peak, live)
+        self.peak = peak
+        self._profile = None
 
     @property
     def peak_bytes(self) -> int:
         return self.base + self.peak
+
+
+@contextlib.contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """Kineto writes two lines to the process's stderr at each start and stop of a profile
+    ("USDT: ... profiler_start"), whatever ``KINETO_LOG_LEVEL`` says; a rank's stderr is what a
+    failed trial shows its user."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
 
 
 def peak_rss_bytes() -> int:
