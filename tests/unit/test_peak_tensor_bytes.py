@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 
+import pytest
 import torch
 
 from workers.rank.memory import PeakTensorBytes
@@ -49,3 +50,9 @@ def test_garbage_of_earlier_work_is_not_in_the_base() -> None:
     finally:
         gc.enable()
     assert tracker.base - clean.base < MB
+
+
+def test_a_failed_step_raises_its_own_error() -> None:
+    with pytest.raises(MemoryError, match="the step's"):
+        with PeakTensorBytes():
+            raise MemoryError("the step's")

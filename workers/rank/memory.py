@@ -74,6 +74,9 @@ class PeakTensorBytes:
     def __exit__(self, *exc: object) -> None:
         with _quiet_stderr():
             self._profile.__exit__(*exc)
+        if exc and exc[0] is not None:  # the step failed (an out-of-memory, say): its error, not a count
+            self._profile = None
+            return
         results = self._profile.profiler.kineto_results
         events = sorted((e for e in results.events() if e.name() == "[memory]"), key=lambda e: e.start_ns())
         live = peak = 0
