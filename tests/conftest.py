@@ -10,8 +10,9 @@ once per worker. The units go out slowest folder first (``FOLDER_ORDER``), so
 the last ones to finish are short unit-test files rather than a tune that started late.
 
 The shaped cluster's unit runs with the machine to itself (``SOLO_UNITS``, ``tests/machine_lock.py``):
-its service test judges the tuner's pick by step times, and on two cores a test on the other
-worker changes which candidate is fastest. The other worker waits meanwhile (about 5 minutes).
+its service test judges the tuner's pick by step times, which a test on the other worker can
+reorder on two cores (``tests/machine_lock.py``: what CI showed). The other worker waits meanwhile,
+the length of the cluster unit (about 6 minutes in the 2026-12-05 suite runs).
 
 xdist's own ``--dist loadgroup`` does not group under pytest 9.2 (it renames ``item._nodeid``,
 which pytest no longer reads), so the grouping is a scheduler of this suite

@@ -3,9 +3,10 @@
 A test unit that judges step times against each other (``tests/conftest.py``: ``SOLO_UNITS``)
 holds the lock exclusively from its first test's setup to its last test's teardown; every other
 test holds it shared for its own setup, call and teardown. So while the shaped cluster's tuning
-job and its exhaustive check run, the other worker starts nothing: on the 2-core VM a DeepSpeed
-test beside them changed which candidate was fastest (CI, stop 53: the pick measured 7% faster
-than the best under one load and 30% slower under another).
+job and its exhaustive check run, the other worker starts nothing. Why: in CI (stop 53) the job's
+pick measured 7% faster than another candidate and then, in the exhaustive job and its re-timing,
+30% slower; run alone here the two stayed close and the job picked the best. The likeliest cause,
+not shown by the log, is the other worker's tests loading the 2-core VM.
 
 Two ``flock`` files: ``gate`` is held by the writer while it waits and while it holds, and is
 passed through by each reader before it takes ``machine`` shared, so that a reader coming back
@@ -30,7 +31,11 @@ class MachineLock:
         self._gate_path, self._machine_path = base / "gate", base / "machine"
         self._gate: int | None = None
         self._machine: int | None = None
-        self.exclusive = False
+
+    @property
+    def exclusive(self) -> bool:
+        """Whether this process holds the machine alone (only ``own`` takes the gate and keeps it)."""
+        return self._gate is not None
 
     def _open(self, path: Path) -> int:
         return os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
@@ -57,7 +62,6 @@ class MachineLock:
         fcntl.flock(self._gate, fcntl.LOCK_EX)
         self._machine = self._open(self._machine_path)
         fcntl.flock(self._machine, fcntl.LOCK_EX)
-        self.exclusive = True
 
     def release(self) -> None:
         """Let go of whatever this process holds."""
@@ -65,4 +69,3 @@ class MachineLock:
             if fd is not None:
                 os.close(fd)  # closing the descriptor drops its flock
         self._machine = self._gate = None
-        self.exclusive = False

@@ -72,19 +72,17 @@ class PeakTensorBytes:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        prof, self._profile = self._profile, None
         with _quiet_stderr():
-            self._profile.__exit__(*exc)
-        if exc and exc[0] is not None:  # the step failed (an out-of-memory, say): its error, not a count
-            self._profile = None
+            prof.__exit__(*exc)
+        if exc[0] is not None:  # the step failed (an out-of-memory, say): its error, not a count
             return
-        results = self._profile.profiler.kineto_results
-        events = sorted((e for e in results.events() if e.name() == "[memory]"), key=lambda e: e.start_ns())
-        live = peak = 0
+        events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                        key=lambda e: e.start_ns())
+        live = 0
         for event in events:
             live += event.nbytes()
-            peak = max(peak, live)
-        self.peak = peak
-        self._profile = None
+            self.peak = max(self.peak, live)
 
     @property
     def peak_bytes(self) -> int:
