@@ -22,9 +22,9 @@ def test_a_planted_lock_symlink_is_one_line_naming_it() -> None:
         env.pop("RAY_ADDRESS", None)
         where = subprocess.run(
             [sys.executable, "-c", "from workers.cpu_isa import cpu_isa_env; from workers.host.zygote import "
-             "socket_path; print(socket_path(cpu_isa_env()))"],
+             "lock_path; print(lock_path(cpu_isa_env()))"],
             env=env, cwd=ROOT, capture_output=True, text=True, check=True, timeout=120)
-        lock = where.stdout.strip() + ".lock"
+        lock = where.stdout.strip()
         victim = Path(tmp, "victim")
         victim.write_text("keep")
         os.symlink(victim, lock)

@@ -82,7 +82,7 @@ def test_a_planted_lock_link_is_not_opened_through(tmp: Path, tmp_path: Path) ->
     victim = tmp_path / "victim.txt"
     victim.write_text("precious\n")
     path = zygote.socket_path({})
-    os.symlink(victim, path + ".lock")
+    os.symlink(victim, zygote.lock_path({}))
     with pytest.raises(PipetteError, match="symbolic link"):
         zygote._start_server(path, {})
     assert victim.read_text() == "precious\n"

@@ -10,8 +10,8 @@ crash), which is what the executor promises; it just starts warm.
 Only CPU ranks use it: a GPU rank must not inherit a process that touched CUDA, and GPU
 machines have the cores to import in parallel anyway.
 
-Protocol (one Unix stream socket per node and per code version, in this user's private runtime
-folder, ``workers.runtime``):
+Protocol (one Unix stream socket per Ray node and per code version, in this user's private
+runtime folder, ``workers.runtime``):
 the client sends one JSON line ``{"module", "argv", "env", "cwd", "log", "owner"}``; the
 server forks, answers ``{"pid": N}``, and later ``{"exit": code}`` (negative: killed by that
 signal) when the child ends. The child runs ``python -m module argv...`` semantics with the
@@ -52,7 +52,22 @@ IDLE_S = 900.0
 
 
 def socket_path(extra_env: dict[str, str]) -> str:
-    """One server per interpreter, code version and import environment."""
+    """One server per interpreter, code version, import environment and Ray node.
+
+    The Ray node is part of it because the server dies with its node's host actor: two Rays on
+    one machine (two test workers, two users' jobs) sharing one server had the ranks of one killed
+    (their exit status lost) when the other Ray stopped. Outside Ray: the node-less name."""
+    node = _ray_node()
+    return _shared_path(extra_env).removesuffix(".sock") + (f"-{node[:12]}.sock" if node else ".sock")
+
+
+def lock_path(extra_env: dict[str, str]) -> str:
+    """The lock that serialises server starts: one for every Ray on the machine (a start is
+    rare and short), under the node-less name, so it is known before any Ray runs."""
+    return _shared_path(extra_env) + ".lock"
+
+
+def _shared_path(extra_env: dict[str, str]) -> str:
     root = Path(__file__).resolve().parents[2]
     h = hashlib.sha256(sys.executable.encode())
     for package in ("workers", "pipette"):
@@ -60,6 +75,14 @@ def socket_path(extra_env: dict[str, str]) -> str:
             h.update(f"{f}:{f.stat().st_mtime_ns}".encode())
     h.update(json.dumps(sorted({**IMPORT_ENV, **extra_env}.items())).encode())
     return str(runtime_dir() / f"zygote-{h.hexdigest()[:12]}.sock")
+
+
+def _ray_node() -> str:
+    """This process's Ray node id, '' outside Ray (Ray is not imported for it)."""
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return ""
+    return str(ray.get_runtime_context().get_node_id())
 
 
 # ---- client (the rank's actor) ------------------------------------------------------------
@@ -175,7 +198,7 @@ def _start_server(path: str, extra_env: dict[str, str]) -> None:
     """Start the node's zygote (once: a lock file serialises racing ranks) and wait for it."""
     import fcntl
 
-    with os.fdopen(open_private(path + ".lock", os.O_WRONLY | os.O_CREAT), "w") as lock:
+    with os.fdopen(open_private(lock_path(extra_env), os.O_WRONLY | os.O_CREAT), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if _alive(path):
             return
@@ -184,11 +207,15 @@ def _start_server(path: str, extra_env: dict[str, str]) -> None:
         # The zygote ends with its host actor (PR_SET_PDEATHSIG): when the Ray that a job
         # started for itself stops, nothing of it stays behind (it outlived `pipette tune`).
         with os.fdopen(open_private(path + ".err", os.O_WRONLY | os.O_CREAT | os.O_APPEND), "a") as err:
-            subprocess.Popen([sys.executable, "-m", "workers.host.zygote", path], env=env, start_new_session=True,
-                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
-                             cwd=str(Path(__file__).resolve().parents[2]), preexec_fn=_die_with_parent)
+            server = subprocess.Popen([sys.executable, "-m", "workers.host.zygote", path], env=env,
+                                      start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                      stderr=err, cwd=str(Path(__file__).resolve().parents[2]),
+                                      preexec_fn=_die_with_parent)
         deadline = time.monotonic() + 300
         while not _alive(path):
+            if server.poll() is not None:  # it failed (its error is in .err): no wait for the deadline
+                raise RuntimeError(f"the zygote exited with status {server.returncode} before it served: "
+                                   f"{read_private(path + '.err')[-2000:]}")
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the zygote did not start in 300 s: {read_private(path + '.err')[-2000:]}")
             time.sleep(0.1)
@@ -268,15 +295,13 @@ def serve(path: str) -> None:
     parent = os.getppid()
 
     def stop(signum: int, frame: Any) -> None:  # its host died (PDEATHSIG), or someone asked
-        if os.path.exists(path):
-            os.unlink(path)
+        _remove(path)
         os._exit(0)
 
     signal.signal(signal.SIGTERM, stop)
     while True:
         if os.getppid() != parent:  # the host actor is gone (a PDEATHSIG set too late to fire)
-            if os.path.exists(path):
-                os.unlink(path)
+            _remove(path)
             return
         ready, _, _ = select.select([server], [], [], 0.05)
         if ready:
@@ -305,8 +330,18 @@ def serve(path: str) -> None:
                 os.kill(pid, signal.SIGKILL)  # its actor is gone already
         _reap(children)
         if not children and time.monotonic() - last > IDLE_S:
-            os.unlink(path)
+            _remove(path)
             return
+
+
+def _remove(path: str) -> None:
+    """An ending server's files (one set per Ray node, so they would pile up otherwise)."""
+    for leftover in (path, path + ".pid", path + ".err"):
+        try:
+            if leftover != path + ".err" or os.path.getsize(leftover) == 0:
+                os.unlink(leftover)
+        except OSError:
+            pass
 
 
 def _child(request: dict[str, Any], conn: socket.socket) -> None:
