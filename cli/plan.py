@@ -164,9 +164,9 @@ def print_explain(plan: Any) -> None:
         if p.config.cp in seen:
             continue
         seen.add(p.config.cp)
-        cp_comm = plan.stack_of(p.config).memory_options.cp_comm
+        cp_comm, repeat_kv = plan.stack_of(p.config).memory_options.cp_exchange(plan.cluster.device_spec.kind)
         print(f"{p.config.label} (#{plan.ranked.index(p) + 1}, {p.perf.step_time:.3f} s a step)")
-        print("\n".join(explain(p.memory.breakdown, plan.model, plan.training, p.config, cp_comm)))
+        print("\n".join(explain(p.memory.breakdown, plan.model, plan.training, p.config, cp_comm, repeat_kv)))
 
 
 def traced(plan: Any, n: int) -> list[tuple[dict[str, Any], list[Any]]]:

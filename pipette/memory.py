@@ -75,7 +75,7 @@ def estimate_memory(
     stages = stage_breakdowns(model, training, config, device_kind=device_kind, options=options, host=True)
     totals = [sum(part.values()) for part in stages]
     heaviest = max(range(len(totals)), key=totals.__getitem__)
-    notes = _notes(training, config, options)
+    notes = _notes(training, config, options, device_kind)
     host = [part.pop(HOST_KEY, 0) for part in stages]
     outside = outside_allocator_bytes(config) if device_kind == "gpu" else 0
     # the figure the stack compares with the capacity (MemoryOptions.capacity_figure); live is not one a
@@ -119,7 +119,8 @@ def stage_breakdowns(
         )
     # a cp rank holds what a dp rank of s/cp-token sequences on dp x cp replicas holds, and the
     # attention's KV exchange in flight (pipette.memory_cp)
-    exchange = exchange_bytes(model, training, config, options.cp_comm)
+    cp_comm, repeat_kv = options.cp_exchange(device_kind)
+    exchange = exchange_bytes(model, training, config, cp_comm, repeat_kv=repeat_kv)
     training, config = fold(training, config)
     layers = _stage_layers(model, config, options)
     nbytes = _bytes_per_param(training, config, options)
@@ -652,7 +653,8 @@ def _buffers(
     return bucket + live
 
 
-def _notes(training: TrainingSpec, config: ParallelConfig, options: MemoryOptions) -> tuple[str, ...]:
+def _notes(training: TrainingSpec, config: ParallelConfig, options: MemoryOptions,
+           device_kind: str) -> tuple[str, ...]:
     notes = []
     if options.flash_attention:
         notes.append("flash attention: no a*s^2 scores stored")
@@ -664,7 +666,7 @@ def _notes(training: TrainingSpec, config: ParallelConfig, options: MemoryOption
         notes.append("fp32 gradient accumulation buffers")
     if config.cp > 1:
         notes.append(f"context parallel cp={config.cp}: {training.seq_len // config.cp} tokens a rank, "
-                     f"KV exchange {options.cp_comm}")
+                     f"KV exchange {options.cp_exchange(device_kind)[0]}")
     return tuple(notes)
 
 

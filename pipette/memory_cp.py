@@ -19,8 +19,10 @@ and sequences of ``s / cp`` tokens holds (``fold``), plus the attention's exchan
   mesh); the weights stay replicated over cp unless sharded (ZeRO-3 / FSDP);
 * what is in flight while a layer's attention runs (``exchange_bytes``): the ring's two buffers of a
   KV block (double buffering: one block computed on while the next arrives) and, in the backward, two
-  of its gradient; torchtitan's all-gather rotation the whole sequence's K and V (and their
-  gradients); Ulysses' all-to-all inputs and outputs of q, k, v and the context.
+  of its gradient; torchtitan's all-gather rotation the whole sequence's K and V and the fp32
+  gradients passed around the ring (``allgather_backward_bytes``), with K and V repeated to the query
+  heads where the model does it before the attention; Ulysses' all-to-all inputs and outputs of q, k,
+  v and the context.
 """
 
 from __future__ import annotations
@@ -74,22 +76,37 @@ def kv_block_bytes(model: ModelSpec, training: TrainingSpec, config: ParallelCon
     return 2.0 * config.mbs * training.seq_len / config.cp * width / ranks * training.dtype_bytes
 
 
-def exchange_bytes(model: ModelSpec, training: TrainingSpec, config: ParallelConfig, cp_comm: str) -> float:
+def exchange_bytes(model: ModelSpec, training: TrainingSpec, config: ParallelConfig, cp_comm: str, *,
+                   repeat_kv: bool = False) -> float:
     """Bytes the attention's exchange keeps in flight on a cp rank during one layer's backward (the
-    peak of the two passes): see the module docstring. 0 at cp 1."""
+    peak of the two passes): see the module docstring. 0 at cp 1. ``repeat_kv``: the keys and values
+    reach the attention repeated to every query head (torchtitan's Llama, Pipette's runner on CUDA)."""
     if cp_comm not in CP_COMMS:
         raise SpecError(f"unknown cp_comm {cp_comm!r}", field="options.cp_comm",
                         fix=f"use one of {', '.join(CP_COMMS)}")
     if config.cp == 1:
         return 0.0
-    kv = kv_block_bytes(model, training, config)
+    kv = kv_block_bytes(model, training, config, repeat_kv=repeat_kv)
     if cp_comm == "p2p":
         return 4.0 * kv  # two KV buffers and two dKV buffers (double buffering)
     if cp_comm == "allgather":
-        return 2.0 * config.cp * kv  # the gathered K and V of the whole sequence, and their gradients
+        return allgather_backward_bytes(model, training, config, kv)
     # Ulysses: q, k, v and the context through the all-to-all, its input and its output buffer
     local = config.mbs * training.seq_len / config.cp * training.dtype_bytes
     return 2.0 * local * (2.0 * model.hidden / config.tp + 2.0 * model.kv_dim / min(config.tp, model.kv_heads))
+
+
+def allgather_backward_bytes(model: ModelSpec, training: TrainingSpec, config: ParallelConfig, kv: float) -> float:
+    """PyTorch's ring backward with the all-gather rotation at a step after the first
+    (``_templated_ring_attention_backward``, torch/distributed/tensor/experimental/_context_parallel/
+    _attention.py): the whole sequence's K and V gathered once (``cp`` blocks ``kv``) and the copy it
+    was gathered from (one); the kernel's bf16 gradients of the step (K and V: one block; q); the
+    gradients of K and V accumulated in fp32 (``convert_to_f32``) and passed on point to point (the
+    ``ALL_TO_ALL`` rotater whatever the KV's): the ones held, the copy sent and the one received,
+    three blocks in fp32; and q's fp32 accumulator."""
+    fp32 = 4.0 / training.dtype_bytes
+    q = config.mbs * training.seq_len / config.cp * model.heads * model.head_dim / config.tp * training.dtype_bytes
+    return (config.cp + 1.0 + 1.0 + 3.0 * fp32) * kv + (1.0 + fp32) * q
 
 
 #: What each part of a cp rank's memory holds, in the words of ``explain``.
@@ -105,9 +122,9 @@ PART_WORDS: dict[str, str] = {
 
 
 def explain(breakdown: dict[str, int], model: ModelSpec, training: TrainingSpec, config: ParallelConfig,
-            cp_comm: str) -> list[str]:
+            cp_comm: str, repeat_kv: bool = False) -> list[str]:
     """Lines that say, term by term, what one cp rank of ``config`` holds (``breakdown``: its
-    ``MemoryEstimate.breakdown``)."""
+    ``MemoryEstimate.breakdown``; ``repeat_kv`` as ``exchange_bytes``)."""
     gib = 1024.0 ** 3
     local = training.seq_len // config.cp
     kind = {"p2p": "ring, KV blocks point to point", "allgather": "ring, KV all-gathered",
@@ -118,9 +135,11 @@ def explain(breakdown: dict[str, int], model: ModelSpec, training: TrainingSpec,
     lines = [head]
     for part, value in breakdown.items():
         lines.append(f"  {part:<12}{value / gib:8.2f} GiB  {PART_WORDS.get(part, '')}")
-    exchange = exchange_bytes(model, training, config, cp_comm)
+    exchange = exchange_bytes(model, training, config, cp_comm, repeat_kv=repeat_kv)
     if exchange:
+        block = kv_block_bytes(model, training, config, repeat_kv=repeat_kv)
+        width = "h d / t, K and V repeated to the query heads" if repeat_kv else "kv d / t"
         lines.append(f"  (of buffers: KV exchange {exchange / gib:.2f} GiB = "
-                     f"{kv_block_bytes(model, training, config) / gib:.3f} GiB a block of 2 b (s/cp) kv d / t)")
+                     f"{exchange / block:.1f} blocks of {block / gib:.3f} GiB, 2 b (s/cp) {width})")
     lines.append(f"  {'total':<12}{sum(breakdown.values()) / gib:8.2f} GiB")
     return lines

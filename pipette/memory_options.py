@@ -234,6 +234,14 @@ class MemoryOptions:
     #: How context parallelism exchanges the keys and values (``pipette.memory_cp.CP_COMMS``): what
     #: a cp rank holds in flight during a layer's attention (``memory_cp.exchange_bytes``)
     cp_comm: str = "p2p"
+    #: Whether K and V reach the cp exchange repeated to every query head (torchtitan's Llama runs
+    #: ``repeat_kv`` before ``F.scaled_dot_product_attention``, as Pipette's runner does on CUDA:
+    #: ``workers.rank.context_parallel.torch_ring_attention``); as ``PerfConstants.cp_repeat_kv``
+    cp_repeat_kv: bool = False
+    #: ``cp_comm`` on CPU ranks where the stack's runner exchanges otherwise there (None: ``cp_comm``; the
+    #: fsdp stack's runner rings KV blocks point to point on CPUs, ``workers.rank.ring_attention``, as
+    #: ``FSDP_CPU_CONSTANTS`` prices it), and never with K and V repeated
+    cpu_cp_comm: str | None = None
     #: Megatron-Core's selective recomputation modules a recipe names (``recompute_modules``; its
     #: ``recompute_granularity = "selective"``): ``mla_up_proj`` (MLA's up-projected q, k and v are dropped
     #: once the core attention has run and rebuilt for the backward: ``qkv_up_checkpoint``), ``moe_act``
@@ -252,6 +260,13 @@ class MemoryOptions:
         if self.stage_balance not in STAGE_BALANCES:
             raise SpecError(f"unknown stage_balance {self.stage_balance!r}", field="options.stage_balance",
                             fix=f"use one of {', '.join(STAGE_BALANCES)}")
+
+    def cp_exchange(self, device_kind: str) -> tuple[str, bool]:
+        """How a cp rank on ``device_kind`` exchanges K and V: the comm and whether they are repeated
+        to the query heads (``memory_cp.exchange_bytes``)."""
+        if device_kind == "cpu" and self.cpu_cp_comm is not None:
+            return self.cpu_cp_comm, False
+        return self.cp_comm, self.cp_repeat_kv and device_kind == "gpu"
 
 
 DEFAULT_OPTIONS = MemoryOptions(capacity_figure="device-used")
@@ -290,4 +305,5 @@ NANOTRON_OPTIONS = MemoryOptions(loss_fp32_copies=2, deepspeed_bf16_fp32_grads=F
 #: Pipette's DeepSpeed runner).
 FSDP_OPTIONS = MemoryOptions(grad_accum_fp32=True, deepspeed_bf16_fp32_grads=False, fsdp2=True, op_sac=True,
                              tp_saves_gathered_inputs=True, tp_embedding_grad_whole=True, tp_loss_fp32_copies=4,
-                             fragmentation=FSDP_FRAGMENTATION, cp_comm="allgather")
+                             fragmentation=FSDP_FRAGMENTATION, cp_comm="allgather", cp_repeat_kv=True,
+                             cpu_cp_comm="p2p")

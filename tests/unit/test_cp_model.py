@@ -42,7 +42,15 @@ def test_one_layer_activations_and_kv_exchange_by_hand() -> None:
     block = 2 * local * kv * d
     assert kv_block_bytes(ONE, training, config) == block
     assert exchange_bytes(ONE, training, config, "p2p") == 4 * block
-    assert exchange_bytes(ONE, training, config, "allgather") == 2 * cp * block
+    # PyTorch's ring backward, all-gather rotation: the gathered K and V (cp blocks) and the copy they came
+    # from, the kernel's bf16 dK and dV (a block) and dq, dK and dV in fp32 held, sent and received (3 x 2
+    # blocks), and q's fp32 accumulator; q = 8 heads of 64 = 4 x a k/v block's width here
+    q = local * h * d
+    assert exchange_bytes(ONE, training, config, "allgather") == (cp + 1 + 1 + 6) * block + 3 * q
+    # torchtitan's Llama repeats K and V to the 8 query heads first: blocks 4x wider (h / kv)
+    wide = 2 * local * h * d
+    assert kv_block_bytes(ONE, training, config, repeat_kv=True) == wide == 4 * block
+    assert exchange_bytes(ONE, training, config, "allgather", repeat_kv=True) == (cp + 8) * wide + 3 * q
     without = stage_breakdowns(ONE, training, replace(config, cp=1, dp=4, global_batch=4),
                                options=options)
     assert part["buffers"] - exchange_bytes(ONE, training, config, "p2p") <= without[0]["buffers"]
@@ -135,3 +143,18 @@ def test_a_model_whose_positions_do_not_reach_the_sequence_is_refused_in_one_lin
         check_recipe(llama3, TrainingSpec(global_batch=8, seq_len=131072, method="lora"))
     assert "\n" not in str(e.value) and "8192 positions" in str(e.value) and "rope_scaling" in str(e.value)
     check_recipe(ModelSpec.from_hf_config(LLAMA_31_8B), TrainingSpec(global_batch=8, seq_len=131072))
+
+
+def test_each_device_prices_the_exchange_its_runner_makes() -> None:
+    """The fsdp stack on CUDA: PyTorch's ring, all-gather rotation, K and V repeated to the query heads
+    (torchtitan's Llama, the runner's ``torch_ring_attention``); on CPU ranks the runner's own ring of
+    key/value blocks point to point (``workers.rank.ring_attention``); Megatron-Core's ring on both."""
+    fsdp, megatron = get_stack("fsdp").memory_options, get_stack("megatron").memory_options
+    assert fsdp.cp_exchange("gpu") == ("allgather", True)
+    assert fsdp.cp_exchange("cpu") == ("p2p", False)
+    assert megatron.cp_exchange("gpu") == megatron.cp_exchange("cpu") == ("p2p", False)
+    training = TrainingSpec(global_batch=1, seq_len=32768)
+    config = ParallelConfig(tp=1, pp=1, dp=1, mbs=1, global_batch=1, cp=4, zero_stage=3)
+    gpu, cpu = (stage_breakdowns(ONE, training, config, options=fsdp, device_kind=k)[0]["buffers"] for k in ("gpu", "cpu"))
+    assert gpu - cpu == pytest.approx(exchange_bytes(ONE, training, config, "allgather", repeat_kv=True)
+                                      - exchange_bytes(ONE, training, config, "p2p"))
