@@ -282,8 +282,18 @@ def _pp_time(pm: PerfModel, devices: IntArray) -> FloatArray:
     hop = hop + (k.collective_overhead_s if k.p2p_overhead_s is None else k.p2p_overhead_s)
     if v == 1:
         hop[-1] = 0.0  # no wrap-around for plain 1F1B
+    elif k.overlap_p2p_comm:
+        hop = hop * _blocking_hop_share(p, v, pm.m)
     # Stage s sends forward over hop s and receives the backward gradient over it.
     return np.asarray(v * (hop + np.roll(hop, 1, axis=0)), dtype=np.float64)
+
+
+def _blocking_hop_share(p: int, v: int, m: int) -> float:
+    """The share of an interleaved schedule's hops that still block under ``overlap_p2p_comm``: its
+    warmup's forward chunks (and the flush's backward ones), ``2 (p - 1) + (v - 1) p`` on the first stage
+    (Megatron-Core's ``get_pp_rank_microbatches`` with the default group of p micro-batches per virtual
+    stage), of the ``m v`` chunks each pass runs; the steady state's hops run beside the next chunk."""
+    return min(1.0, (2 * (p - 1) + (v - 1) * p) / (m * v))
 
 
 def _dp_times(pm: PerfModel, devices: IntArray) -> tuple[FloatArray, FloatArray, FloatArray]:

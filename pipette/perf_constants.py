@@ -165,6 +165,13 @@ class PerfConstants:
     #: p2p ops (``batch_isend_irecv``); a receive's wait is the schedule's data dependency, which
     #: the 1F1B formula already prices.
     p2p_overhead_s: float | None = None
+    #: Whether an interleaved schedule posts each pipeline hop beside the next chunk's compute and waits
+    #: for it only before that chunk's input is used (Megatron-Core's ``overlap_p2p_comm``: Megatron-LM's
+    #: default where there are virtual stages, ``--no-overlap-p2p-communication`` to turn it off, and off
+    #: without them, arguments.py ``validate_args``; Megatron-Bridge's ``CommOverlapConfig`` sets it
+    #: whenever vp > 1). The warmup and flush still wait on their hops (``overlap_p2p_comm_warmup_flush``
+    #: is off by default): ``perf._pp_time``.
+    overlap_p2p_comm: bool = False
     #: Share of the 1F1B bubble (``(p-1)/(m+p-1)`` of the pipeline's time; Narayanan et al. 2021,
     #: sec. 2.2) that costs wall time. 1: each stage on a device of its own. Below 1 where ranks
     #: share cores (CPU workers): a stage waiting in the bubble blocks in its receive and leaves
@@ -257,7 +264,7 @@ class MemoryPressure:
 #: The constants above: Megatron-LM (vTrain) and nanotron (Ultra-Scale) runs, fused kernels; LoRA's
 #: adapters on the roofline (no LoRA run in those sets; Megatron-Bridge's LoRA runs check it).
 #: The MoE terms are the Megatron-Bridge / SimuMax fit (``pipette.perf_moe.MEGATRON_MOE``).
-MEGATRON_CONSTANTS = PerfConstants(thin_gemm_roofline=True, moe=MEGATRON_MOE)
+MEGATRON_CONSTANTS = PerfConstants(thin_gemm_roofline=True, moe=MEGATRON_MOE, overlap_p2p_comm=True)
 
 # ---- Pipette's own stack: Hugging Face Llama under DeepSpeed (workers.rank.train) -------------
 # What Pipette's trials and launch files run: HF's eager Llama (RMSNorm upcast to fp32,

@@ -92,6 +92,9 @@ class Problem:
     note: str = ""
     #: subsets reported apart (label, which rows), e.g. a problem's LoRA runs
     subsets: tuple[tuple[str, Callable[[Sample], bool]], ...] = ()
+    #: starts tried besides the parameters' neutral one, the fit with the lowest cost kept: for a fit
+    #: with more than one basin (the same starts in every fold and in the fit on all rows)
+    restarts: tuple[tuple[float, ...], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -118,7 +121,7 @@ Fitter = Callable[[Sequence[Sample], Problem], np.ndarray]
 
 def fit_least_squares(samples: Sequence[Sample], problem: Problem) -> np.ndarray:
     """Least squares on log(predicted / measured), soft-L1 so a few outliers cannot lead, from the
-    parameters' neutral start."""
+    parameters' neutral start (and the problem's ``restarts``: the lowest cost kept)."""
     x0 = np.array([p.start for p in problem.params])
     lower = np.array([p.lower for p in problem.params])
     upper = np.array([p.upper for p in problem.params])
@@ -130,9 +133,14 @@ def fit_least_squares(samples: Sequence[Sample], problem: Problem) -> np.ndarray
         pred = np.array([problem.predict(x, s.row) for s in samples])
         return np.asarray(np.log(pred / measured), dtype=np.float64)
 
-    res = least_squares(residuals, x0 / scale, bounds=(lower / scale, upper / scale), diff_step=1e-3,
-                        loss="soft_l1", f_scale=0.1, max_nfev=60 + 10 * len(x0))
-    return np.asarray(res.x * scale)
+    best = None
+    for start in (x0, *(np.array(r) for r in problem.restarts)):
+        res = least_squares(residuals, start / scale, bounds=(lower / scale, upper / scale), diff_step=1e-3,
+                            loss="soft_l1", f_scale=0.1, max_nfev=60 + 10 * len(x0))
+        if best is None or res.cost < best.cost:
+            best = res
+    assert best is not None
+    return np.asarray(best.x * scale)
 
 
 def split(problem: Problem) -> list[list[int]]:

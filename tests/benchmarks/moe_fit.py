@@ -80,7 +80,10 @@ def problem() -> Problem:
                             ("Megatron-Bridge DeepSeek-V3", lambda s: "deepseek" in s.row.model.name
                              and s.set == "megatron_bridge"),
                             ("Megatron-Bridge Qwen3-30B-A3B", lambda s: "qwen3" in s.row.model.name),
-                            ("SimuMax B200", lambda s: s.set == "simumax")))
+                            ("SimuMax B200", lambda s: s.set == "simumax")),
+                   # the fit has two basins, the host floor near 1 ms and near 6 ms (the neutral start
+                   # finds either, fold by fold): both tried in every fit, the lower cost kept
+                   restarts=((0.5, 6e-3, 1.0),))
 
 
 def memory_lines() -> list[str]:

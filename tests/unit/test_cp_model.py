@@ -155,6 +155,7 @@ def test_each_device_prices_the_exchange_its_runner_makes() -> None:
     assert megatron.cp_exchange("gpu") == megatron.cp_exchange("cpu") == ("p2p", False)
     training = TrainingSpec(global_batch=1, seq_len=32768)
     config = ParallelConfig(tp=1, pp=1, dp=1, mbs=1, global_batch=1, cp=4, zero_stage=3)
-    gpu, cpu = (stage_breakdowns(ONE, training, config, options=fsdp, device_kind=k)[0]["buffers"] for k in ("gpu", "cpu"))
+    gpu, cpu = (stage_breakdowns(ONE, training, config, options=fsdp, device_kind=k)[0]["buffers"]
+                for k in ("gpu", "cpu"))
     assert gpu - cpu == pytest.approx(exchange_bytes(ONE, training, config, "allgather", repeat_kv=True)
                                       - exchange_bytes(ONE, training, config, "p2p"))

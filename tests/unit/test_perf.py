@@ -216,3 +216,22 @@ def test_tp_across_nodes_is_dragged_by_one_slow_nic_link() -> None:
     wide = PerfModel(MODEL, TRAIN, cfg(tp=16), c).estimate().breakdown["tp_comm"]
     slow = with_slow_link(c, 7, 15, 1 * GB)
     assert PerfModel(MODEL, TRAIN, cfg(tp=16), slow).estimate().breakdown["tp_comm"] > wide
+
+
+def test_megatrons_interleaved_schedule_waits_only_on_its_warmup_and_flush_hops() -> None:
+    """Megatron-Core overlaps an interleaved schedule's pipeline hops with the next chunk's compute
+    (``overlap_p2p_comm``, Megatron-LM's default with virtual stages); the warmup's and the flush's hops
+    still block: 2 (p - 1) + (v - 1) p of the m v chunks a pass (p 4, v 2, m 16: 10 of 32)."""
+    from dataclasses import replace
+
+    from pipette.perf import MEGATRON_CONSTANTS
+
+    c = cluster(inter=5 * GB)  # a slow inter-node link, so the hops weigh
+    inter = cfg(pp=4, dp=4, schedule="interleaved", virtual_stages=2)  # 64 / 4 = 16 micro-batches a pipeline
+    on = PerfModel(MODEL, TRAIN, inter, c, constants=MEGATRON_CONSTANTS).estimate().breakdown
+    off = PerfModel(MODEL, TRAIN, inter, c, constants=replace(MEGATRON_CONSTANTS, overlap_p2p_comm=False)).estimate()
+    assert MEGATRON_CONSTANTS.overlap_p2p_comm
+    assert on["pp_comm"] == pytest.approx(off.breakdown["pp_comm"] * 10 / 32, rel=0.05)
+    plain = cfg(pp=4, dp=4)  # 1F1B without virtual stages: Megatron-LM turns the overlap off
+    assert PerfModel(MODEL, TRAIN, plain, c, constants=MEGATRON_CONSTANTS).step_time() == pytest.approx(
+        PerfModel(MODEL, TRAIN, plain, c, constants=replace(MEGATRON_CONSTANTS, overlap_p2p_comm=False)).step_time())
