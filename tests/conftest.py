@@ -12,7 +12,9 @@ the last ones to finish are short unit-test files rather than a tune that starte
 The shaped cluster's unit runs with the machine to itself (``SOLO_UNITS``, ``tests/machine_lock.py``):
 its service test judges the tuner's pick by step times, which a test on the other worker can
 reorder on two cores (``tests/machine_lock.py``: what CI showed). The other worker waits meanwhile,
-the length of the cluster unit (about 6 minutes in the 2026-12-05 suite runs).
+the length of the cluster unit (about 6 minutes in the 2026-12-05 suite runs). So does the Accelerate
+FSDP example's file (about 40 s alone): it compares its launch's step time with its trial's only on a
+quiet machine, and beside the other worker it never was (skipped in every suite run of 2026-12-05).
 
 xdist's own ``--dist loadgroup`` does not group under pytest 9.2 (it renames ``item._nodeid``,
 which pytest no longer reads), so the grouping is a scheduler of this suite
@@ -35,7 +37,7 @@ _TESTS = Path(__file__).resolve().parent
 #: an expensive session fixture that each worker would otherwise build again)
 SHARED_UNITS = {"cluster": "tests/cluster", "e2e": "tests/e2e"}
 #: units that hold the machine alone while they run (their assertions compare step times)
-SOLO_UNITS = {"tests/cluster"}
+SOLO_UNITS = {"tests/cluster", "tests/integration/test_accelerate_fsdp_script.py"}
 #: folders, slowest first (a full run's time per folder on the 2-core VM: integration about 60%)
 FOLDER_ORDER = ("cluster", "integration", "e2e", "fsdp", "service", "unit", "deploy", "gpu")
 

@@ -35,8 +35,9 @@ QUIET_CORES = 0.25
 WITHIN = 0.15
 #: launch rounds at most
 ROUNDS = 4
-#: busy rounds in a row after which the speed comparison is given up (the loss checks ran in each): on
-#: the suite's two workers the other worker keeps a core busy throughout, so more rounds only cost time
+#: busy rounds in a row after which the speed comparison is given up (the loss checks ran in each); in
+#: the suite this file holds the machine alone (tests/conftest.py, ``SOLO_UNITS``), as beside the other
+#: worker every round was busy
 BUSY_ROUNDS = 2
 #: a trial's timed steps: this VM's steps scatter by ~10% one to the next, so the mean of 10
 #: (the tuner's default 8) moves by ~5% and a launch-to-trial ratio by ~7%; 30 halve that
