@@ -133,14 +133,10 @@ def fit_least_squares(samples: Sequence[Sample], problem: Problem) -> np.ndarray
         pred = np.array([problem.predict(x, s.row) for s in samples])
         return np.asarray(np.log(pred / measured), dtype=np.float64)
 
-    best = None
-    for start in (x0, *(np.array(r) for r in problem.restarts)):
-        res = least_squares(residuals, start / scale, bounds=(lower / scale, upper / scale), diff_step=1e-3,
-                            loss="soft_l1", f_scale=0.1, max_nfev=60 + 10 * len(x0))
-        if best is None or res.cost < best.cost:
-            best = res
-    assert best is not None
-    return np.asarray(best.x * scale)
+    fits = (least_squares(residuals, start / scale, bounds=(lower / scale, upper / scale), diff_step=1e-3,
+                          loss="soft_l1", f_scale=0.1, max_nfev=60 + 10 * len(x0))
+            for start in (x0, *(np.array(r) for r in problem.restarts)))
+    return np.asarray(min(fits, key=lambda res: res.cost).x * scale)
 
 
 def split(problem: Problem) -> list[list[int]]:

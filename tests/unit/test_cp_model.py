@@ -43,8 +43,8 @@ def test_one_layer_activations_and_kv_exchange_by_hand() -> None:
     assert kv_block_bytes(ONE, training, config) == block
     assert exchange_bytes(ONE, training, config, "p2p") == 4 * block
     # PyTorch's ring backward, all-gather rotation: the gathered K and V (cp blocks) and the copy they came
-    # from, the kernel's bf16 dK and dV (a block) and dq, dK and dV in fp32 held, sent and received (3 x 2
-    # blocks), and q's fp32 accumulator; q = 8 heads of 64 = 4 x a k/v block's width here
+    # from, the kernel's bf16 dK and dV (a block), dK and dV in fp32 held, sent and received (3 x 2 blocks),
+    # and q's bf16 gradient and fp32 accumulator (3 q); q = 8 heads of 64, four times a k/v block's width
     q = local * h * d
     assert exchange_bytes(ONE, training, config, "allgather") == (cp + 1 + 1 + 6) * block + 3 * q
     # torchtitan's Llama repeats K and V to the 8 query heads first: blocks 4x wider (h / kv)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -15,7 +16,7 @@ from pipette.efficiency import EfficiencyCurve, default_curve
 from pipette.errors import SpecError
 from pipette.estimates import TIME_PARTS
 from pipette.model import ModelSpec
-from pipette.perf import PerfModel, estimate_perf
+from pipette.perf import MEGATRON_CONSTANTS, PerfModel, estimate_perf
 from pipette.training import LoraSpec, TrainingSpec
 
 MODEL = ModelSpec.preset("llama2-7b")
@@ -222,10 +223,6 @@ def test_megatrons_interleaved_schedule_waits_only_on_its_warmup_and_flush_hops(
     """Megatron-Core overlaps an interleaved schedule's pipeline hops with the next chunk's compute
     (``overlap_p2p_comm``, Megatron-LM's default with virtual stages); the warmup's and the flush's hops
     still block: 2 (p - 1) + (v - 1) p of the m v chunks a pass (p 4, v 2, m 16: 10 of 32)."""
-    from dataclasses import replace
-
-    from pipette.perf import MEGATRON_CONSTANTS
-
     c = cluster(inter=5 * GB)  # a slow inter-node link, so the hops weigh
     inter = cfg(pp=4, dp=4, schedule="interleaved", virtual_stages=2)  # 64 / 4 = 16 micro-batches a pipeline
     on = PerfModel(MODEL, TRAIN, inter, c, constants=MEGATRON_CONSTANTS).estimate().breakdown

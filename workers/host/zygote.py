@@ -22,6 +22,7 @@ server exits after ``IDLE_S`` without requests or children.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import json
@@ -58,23 +59,23 @@ def socket_path(extra_env: dict[str, str]) -> str:
     one machine (two test workers, two users' jobs) sharing one server had the ranks of one killed
     (their exit status lost) when the other Ray stopped. Outside Ray: the node-less name."""
     node = _ray_node()
-    return _shared_path(extra_env).removesuffix(".sock") + (f"-{node[:12]}.sock" if node else ".sock")
+    return str(runtime_dir() / f"zygote-{_code_hash(extra_env)}{f'-{node[:12]}' if node else ''}.sock")
 
 
 def lock_path(extra_env: dict[str, str]) -> str:
     """The lock that serialises server starts: one for every Ray on the machine (a start is
     rare and short), under the node-less name, so it is known before any Ray runs."""
-    return _shared_path(extra_env) + ".lock"
+    return str(runtime_dir() / f"zygote-{_code_hash(extra_env)}.sock.lock")
 
 
-def _shared_path(extra_env: dict[str, str]) -> str:
+def _code_hash(extra_env: dict[str, str]) -> str:
     root = Path(__file__).resolve().parents[2]
     h = hashlib.sha256(sys.executable.encode())
     for package in ("workers", "pipette"):
         for f in sorted((root / package).rglob("*.py")):
             h.update(f"{f}:{f.stat().st_mtime_ns}".encode())
     h.update(json.dumps(sorted({**IMPORT_ENV, **extra_env}.items())).encode())
-    return str(runtime_dir() / f"zygote-{h.hexdigest()[:12]}.sock")
+    return h.hexdigest()[:12]
 
 
 def _ray_node() -> str:
@@ -335,13 +336,14 @@ def serve(path: str) -> None:
 
 
 def _remove(path: str) -> None:
-    """An ending server's files (one set per Ray node, so they would pile up otherwise)."""
-    for leftover in (path, path + ".pid", path + ".err"):
-        try:
-            if leftover != path + ".err" or os.path.getsize(leftover) == 0:
-                os.unlink(leftover)
-        except OSError:
-            pass
+    """An ending server's files (one set per Ray node, so they would pile up otherwise); its
+    error log only if empty."""
+    for leftover in (path, path + ".pid"):
+        with contextlib.suppress(OSError):
+            os.unlink(leftover)
+    with contextlib.suppress(OSError):
+        if os.path.getsize(path + ".err") == 0:
+            os.unlink(path + ".err")
 
 
 def _child(request: dict[str, Any], conn: socket.socket) -> None:
