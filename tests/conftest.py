@@ -14,7 +14,7 @@ its service test judges the tuner's pick by step times, which a test on the othe
 reorder on two cores (``tests/machine_lock.py``: what CI showed). The other worker waits meanwhile,
 the length of the cluster unit (about 6 minutes in the 2026-12-05 suite runs). So does the Accelerate
 FSDP example's file (about 40 s alone): it compares its launch's step time with its trial's only on a
-quiet machine, and beside the other worker it never was (skipped in every suite run of 2026-12-05).
+quiet machine, and beside the other worker it never was (skipped in both suite runs before this on 2026-12-05).
 
 xdist's own ``--dist loadgroup`` does not group under pytest 9.2 (it renames ``item._nodeid``,
 which pytest no longer reads), so the grouping is a scheduler of this suite
