@@ -61,6 +61,15 @@ def _answers(path: str) -> bool:
     return _alive(path)
 
 
+@ray.remote(num_cpus=0)
+def _sweep(theirs: str) -> tuple[bool, bool]:
+    from workers.host.zygote import _sweep_ended, socket_path
+
+    ours = socket_path(cpu_isa_env())
+    _sweep_ended(Path(theirs).parent)
+    return os.path.exists(theirs + ".pid"), os.path.exists(ours + ".pid")
+
+
 def test_another_rays_stop_leaves_this_rays_zygote_up() -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("RAY_ADDRESS", None)
@@ -78,6 +87,9 @@ def test_another_rays_stop_leaves_this_rays_zygote_up() -> None:
         assert other.wait(60) == 0
         assert ray.get(_answers.remote(ours), timeout=60), "this Ray's zygote went with the other Ray"
         assert not ray.get(_answers.remote(theirs), timeout=60), "the stopped Ray's zygote outlived it"
+        # Its files stayed (a stopped Ray SIGKILLs its zygote); the next server start sweeps them
+        # and leaves the live one's.
+        assert ray.get(_sweep.remote(theirs), timeout=60) == (False, True)
     finally:
         other.kill()
         other.wait()

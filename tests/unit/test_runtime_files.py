@@ -55,20 +55,27 @@ def test_a_planted_pid_is_not_signalled(tmp: Path, planted: subprocess.Popen[byt
     assert not os.path.exists(path + ".pid")
 
 
+def _fake_zygote(tmp_path: Path, path: str) -> subprocess.Popen[bytes]:
+    """A process that is ``python -m workers.host.zygote PATH`` (it only sleeps), its pid in PATH.pid."""
+    fake = tmp_path / "fake"
+    if not fake.exists():
+        (fake / "workers" / "host").mkdir(parents=True)
+        (fake / "workers" / "__init__.py").write_text("")
+        (fake / "workers" / "host" / "__init__.py").write_text("")
+        (fake / "workers" / "host" / "zygote.py").write_text("import time\ntime.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-m", "workers.host.zygote", path], cwd=fake)
+    Path(path + ".pid").write_text(str(proc.pid))
+    deadline = time.monotonic() + 10  # /proc/PID/cmdline reads empty for a moment after the exec
+    while not Path(f"/proc/{proc.pid}/cmdline").read_bytes() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return proc
+
+
 def test_a_stale_zygote_of_the_socket_is_still_removed(tmp: Path, tmp_path: Path) -> None:
     """A process that is ``python -m workers.host.zygote PATH`` for this socket is ours: killed."""
-    fake = tmp_path / "fake"
-    (fake / "workers" / "host").mkdir(parents=True)
-    (fake / "workers" / "__init__.py").write_text("")
-    (fake / "workers" / "host" / "__init__.py").write_text("")
-    (fake / "workers" / "host" / "zygote.py").write_text("import time\ntime.sleep(60)\n")
     path = zygote.socket_path({})
-    proc = subprocess.Popen([sys.executable, "-m", "workers.host.zygote", path], cwd=fake)
+    proc = _fake_zygote(tmp_path, path)
     try:
-        Path(path + ".pid").write_text(str(proc.pid))
-        deadline = time.monotonic() + 10  # /proc/PID/cmdline reads empty for a moment after the exec
-        while not Path(f"/proc/{proc.pid}/cmdline").read_bytes() and time.monotonic() < deadline:
-            time.sleep(0.05)
         assert zygote.is_our_zygote(proc.pid, path)
         assert not zygote.is_our_zygote(proc.pid, path + "x")  # another socket's zygote is not this one's
         zygote._kill_stale(path)
@@ -76,6 +83,37 @@ def test_a_stale_zygote_of_the_socket_is_still_removed(tmp: Path, tmp_path: Path
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_the_files_of_ended_servers_are_swept(tmp: Path, tmp_path: Path,
+                                             planted: subprocess.Popen[bytes]) -> None:
+    """A stopped Ray SIGKILLs its zygote, and the names are per Ray node: each local Ray left a
+    socket, a pid file and an empty log. The next server start removes the sets whose pid names no
+    zygote of their socket; a live one's files, a failure's log and the planted process stay."""
+    folder = runtime_dir()
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+
+    def plant(name: str, pid: int, err: str = "") -> str:
+        path = str(folder / f"zygote-{name}.sock")
+        for suffix, text in (("", ""), (".pid", str(pid)), (".err", err)):
+            Path(path + suffix).write_text(text)
+        return path
+
+    plant("aaaaaaaaaaaa-node1", ended.pid)
+    failed = plant("aaaaaaaaaaaa-node2", ended.pid, err="Traceback: the server failed\n")
+    plant("aaaaaaaaaaaa-node3", planted.pid)
+    live_path = str(folder / "zygote-aaaaaaaaaaaa-node4.sock")
+    live = _fake_zygote(tmp_path, live_path)
+    Path(live_path).write_text("")
+    try:
+        zygote._sweep_ended(folder)
+        left = sorted(p.name for p in folder.iterdir())
+        assert left == sorted([Path(failed).name + ".err", Path(live_path).name, Path(live_path).name + ".pid"]), left
+        assert planted.poll() is None and live.poll() is None, "the sweep signalled a process"
+    finally:
+        live.kill()
+        live.wait()
 
 
 def test_a_planted_lock_link_is_not_opened_through(tmp: Path, tmp_path: Path) -> None:

@@ -38,6 +38,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from pipette.errors import PipetteError
 from workers.runtime import open_private, read_private, runtime_dir, write_private
 
 #: What the warm process imports (the rank's whole stack; CUDA is never touched).
@@ -204,6 +205,7 @@ def _start_server(path: str, extra_env: dict[str, str]) -> None:
         if _alive(path):
             return
         _kill_stale(path)
+        _sweep_ended(Path(path).parent)
         env = {**os.environ, **IMPORT_ENV, **extra_env, "PYTHONUNBUFFERED": "1"}
         # The zygote ends with its host actor (PR_SET_PDEATHSIG): when the Ray that a job
         # started for itself stops, nothing of it stays behind (it outlived `pipette tune`).
@@ -243,6 +245,23 @@ def _kill_stale(path: str) -> None:
     for leftover in (path, path + ".pid"):
         if os.path.exists(leftover):
             os.unlink(leftover)
+
+
+def _sweep_ended(folder: Path) -> None:
+    """Remove the files of servers that ended without cleaning up. A stopped Ray SIGKILLs its
+    zygote (no handler runs), and the names are per Ray node, so each local Ray left a socket, a
+    pid file and an empty log behind. A set goes when its pid file names no zygote of its socket;
+    a non-empty log stays (it says why a server failed); a socket with no pid file is left alone
+    (a server writes its pid before it publishes the socket, so such a set is being removed)."""
+    for pid_file in folder.glob("zygote-*.sock.pid"):
+        path = str(pid_file)[: -len(".pid")]
+        try:
+            pid = int(read_private(str(pid_file)))
+        except (OSError, ValueError, PipetteError):
+            continue  # being written, or a link (not ours to judge)
+        if is_our_zygote(pid, path):
+            continue
+        _remove(path)
 
 
 def is_our_zygote(pid: int, path: str) -> bool:
