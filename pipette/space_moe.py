@@ -37,8 +37,7 @@ from pipette.stacks import stack_layout
 ETP_CHOICES: dict[str, tuple[str | int, ...]] = {"megatron": ("tp", 1)}
 #: stacks that do not run a model with experts at all, and why (one line each)
 NO_MOE: dict[str, str] = {
-    "pipette": "Pipette's DeepSpeed runner (workers.train) builds dense Llama layers, no MoE layer: plan it with "
-               "--stack megatron or --stack fsdp (whose runner trains experts with expert parallelism)",
+    "pipette": "Pipette's DeepSpeed runner (workers.train) builds dense Llama layers, no MoE layer",
 }
 
 
@@ -47,7 +46,8 @@ def refuse_stack(model: ModelSpec, stack: str) -> None:
     name = stack.split("+", 1)[0]
     if model.moe is not None and name in NO_MOE:
         raise SpecError(f"{model.name} is a Mixture-of-Experts model; the {name} stack does not run one: "
-                        f"{NO_MOE[name]}", field="stack", fix="plan it with --stack megatron or --stack fsdp")
+                        f"{NO_MOE[name]}", field="stack", fix="plan it with --stack megatron, or --stack fsdp, whose runner trains experts "
+                            "with expert parallelism")
 
 
 def expert_degrees(model: ModelSpec, dp: int, cp: int) -> list[int]:
@@ -70,12 +70,12 @@ def expert_variants(model: ModelSpec, config: ParallelConfig, stack: str | None)
             continue
         for etp in choices:
             value = config.tp if etp == "tp" else int(etp)
-            if value != config.tp and config.tp == 1:
-                continue  # etp 1 is tp 1's own spelling
             try:
                 candidate = replace(config, ep=ep, etp=value)
             except SpecError:
                 continue
+            if candidate in out:
+                continue  # etp 1 under tp 1 is etp = tp's own spelling: one candidate, not two
             if rules is None or not rules.problems(candidate):
                 out.append(candidate)
     return out

@@ -184,7 +184,24 @@ def test_a_mixtral_folder_is_refused_in_one_line(tmp_path: Path) -> None:
     r = pipette("plan", "--model", str(tmp_path), "--cluster", str(CLUSTERS / "a100-2x8.yaml"),
                 "--global-batch", "16", "--seq-len", "4096", "--no-files")
     _assert_one_line_error(r, "mixtral is a Mixture-of-Experts model; the pipette stack does not run one",
-                           "fix: plan it with --stack megatron or --stack fsdp")
+                           "fix: plan it with --stack megatron, or --stack fsdp")
+    assert r.stderr.count("--stack megatron") == 1, r.stderr  # the fix said once
+
+
+def test_an_moe_plan_lists_each_layout_once_with_its_expert_degrees() -> None:
+    """Issue 47: every tp-1 layout of an MoE plan was listed twice (etp 1 and etp = tp, one layout),
+    and a layout whose experts drop tp (etp 1) read like its twin with etp = tp: no etp column."""
+    r = pipette("plan", "--model", "qwen3-30b-a3b", "--cluster", str(CLUSTERS / "a100-2x8.yaml"),
+                "--global-batch", "64", "--seq-len", "2048", "--method", "lora", "--stack", "megatron",
+                "--top", "400", "--no-files")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.split()[:2] == ["#", "tp"])
+    assert lines[head].split()[4:7] == ["ep", "etp", "mbs"], lines[head]
+    rows = [line.split()[1:] for line in lines[head + 1:] if line.split() and line.split()[0].isdigit()]
+    layouts = [tuple(row[:9]) for row in rows]  # tp .. schedule: the layout as the table shows it
+    assert len(rows) > 100 and len(set(layouts)) == len(layouts), "a layout listed twice"
+    assert {row[4] for row in rows if row[0] == "2"} == {"1", "2"}, "tp 2's experts both ways"
 
 
 @pytest.mark.parametrize(("signum", "code", "said"), [

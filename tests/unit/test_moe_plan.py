@@ -100,6 +100,8 @@ def test_stacks_refuse_what_they_cannot_run_in_one_line() -> None:
     tp2 = ParallelConfig(tp=2, pp=1, dp=4, mbs=1, global_batch=8)
     assert {(c.ep, c.etp) for c in expert_variants(TINY, tp2, "megatron")} == {
         (e, etp) for e in (1, 2, 4) for etp in (None, 1)}
+    # ... and under tp 1, etp 1 is etp = tp: each ep once (the plan listed every tp-1 layout twice)
+    assert [c.ep for c in expert_variants(TINY, config, "megatron")] == [1, 2, 4, 8]
 
 
 def test_an_moe_model_is_planned_with_its_experts() -> None:
