@@ -22,8 +22,7 @@ def fsdp_problems(model: ModelSpec, training: TrainingSpec, config: ParallelConf
             ("tp x pp x dp x cp", f"{c.tp} x {c.pp} x {c.dp} x {c.cp}")
         out.append((f"{world} processes for a candidate of {names} = {sizes} = {c.world}",
                     "config", f"start {c.world} ranks, or choose degrees whose product is {world}"))
-    if m.arch != "llama":
-        out.append((f"the runner builds Llama models, not {m.arch!r}", "model.arch", "use a Llama model"))
+    out += model_problems(m, training, device_kind)
     if c.zero_stage == 1:
         out.append(("FSDP has no optimizer-only sharding (ZeRO-1)", "config.zero_stage",
                     "use 3 (FULL_SHARD), 2 (SHARD_GRAD_OP: no reshard after forward) or 0 (NO_SHARD)"))
@@ -34,6 +33,16 @@ def fsdp_problems(model: ModelSpec, training: TrainingSpec, config: ParallelConf
     out += _pipeline_problems(m, c)
     out += moe_problems(m, c)
     out += _context_problems(training, c)
+    return out
+
+
+def model_problems(model: ModelSpec, training: TrainingSpec, device_kind: str) -> list[tuple[str, str, str]]:
+    """What stops the runner whatever the layout: the model it cannot build, the recipe it cannot run
+    (a plan that finds no layout says these in one line, not as a count of refused layouts)."""
+    m, out = model, []
+    if m.arch != "llama":
+        out.append((f"the runner builds Llama models, not {m.arch!r}", "model.arch", "use a Llama model"))
+    out += _moe_model_problems(m)
     if device_kind == "cpu" and training.dtype == "fp16":
         out.append(("fp16 needs a GPU", "training.dtype", "use fp32 or bf16 on CPU devices"))
     if training.seq_len > m.max_seq:
@@ -103,17 +112,6 @@ def moe_problems(m: ModelSpec, c: ParallelConfig) -> list[tuple[str, str, str]]:
         return [(f"ep={c.ep} for a dense model: expert parallelism splits the experts of an MoE model",
                  "config.ep", "use ep=1")] if c.ep > 1 else []
     e, out = m.moe, []
-    fix = "use a model of Mixtral's, Qwen2-MoE's or Qwen3-MoE's routing with Llama's attention (e.g. tiny-moe)"
-    for what, present in (
-        (f"router scoring {e.scoring!r} (the runner's router is a softmax)", e.scoring != "softmax"),
-        (f"group-limited routing ({e.groups} groups)", e.groups > 1),
-        ("router or expert biases (gpt-oss)", e.router_bias or e.expert_bias),
-        (f"dense layers {list(e.dense_layers)} among the MoE ones", bool(e.dense_layers)),
-        (f"{e.mtp_layers} multi-token-prediction module(s)", e.mtp_layers > 0),
-        ("attention other than Llama's (head_dim, biases, q/k norms, sliding windows or MLA)", m.attention is not None),
-    ):
-        if present:
-            out.append((f"{m.name} has {what}, which the runner's MoE model does not build", "model", fix))
     if c.ep > 1 and e.experts % c.ep:
         out.append((f"ep={c.ep} does not divide the {e.experts} experts", "config.ep",
                     f"use an ep that divides {e.experts} ({_divisors(e.experts)})"))
@@ -128,8 +126,24 @@ def moe_problems(m: ModelSpec, c: ParallelConfig) -> list[tuple[str, str, str]]:
     return out
 
 
+def _moe_model_problems(m: ModelSpec) -> list[tuple[str, str, str]]:
+    """What of an MoE model the runner's MoE layer and attention (Llama's) do not build."""
+    e = m.moe
+    if e is None:
+        return []
+    fix = "use a model of Mixtral's, Qwen2-MoE's or Qwen3-MoE's routing with Llama's attention (e.g. tiny-moe)"
+    return [(f"{m.name} has {what}, which the runner's MoE model does not build", "model", fix) for what, present in (
+        (f"router scoring {e.scoring!r} (the runner's router is a softmax)", e.scoring != "softmax"),
+        (f"group-limited routing ({e.groups} groups)", e.groups > 1),
+        ("router or expert biases (gpt-oss)", e.router_bias or e.expert_bias),
+        (f"dense layers {list(e.dense_layers)} among the MoE ones", bool(e.dense_layers)),
+        (f"{e.mtp_layers} multi-token-prediction module(s)", e.mtp_layers > 0),
+        ("attention other than Llama's (head_dim, biases, q/k norms, sliding windows or MLA)", m.attention is not None),
+    ) if present]
+
+
 def _divisors(n: int) -> str:
     return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0 and d <= 64)
 
 
-__all__ = ["fsdp_problems", "moe_problems"]
+__all__ = ["fsdp_problems", "model_problems", "moe_problems"]

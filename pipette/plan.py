@@ -19,6 +19,7 @@ from pipette.config import ParallelConfig
 from pipette.errors import InfeasibleError, SpecError
 from pipette.estimates import MemoryEstimate, PerfEstimate
 from pipette.fits import KEEP_THRESHOLD, SURE_TO_FIT, FitsPrior, expected_step_time
+from pipette.fsdp_rules import model_problems
 from pipette.memory import MemoryOptions, estimate_memory
 from pipette.model import ModelSpec
 from pipette.perf import PerfConstants, PerfModel
@@ -240,6 +241,14 @@ def _candidates(
                                uneven_virtual_stages=st.uneven_virtual_stages, stack=st.name,
                                embedding_loss_split=st.embedding_loss_split)
         refuse_stack(model, st.name)  # a stack that runs no model with experts, in one line
+        problems = model_problems(model, training, kind) if st.native_rules else []
+        if problems and not several:
+            message, where, fix = problems[0]
+            raise SpecError(f"{message} (the {st.key} stack's candidates run on Pipette's PyTorch-native runner)",
+                            field=where, fix=f"{fix}, or plan it with --stack megatron")
+        if problems:  # another stack may run it: this one's candidates are counted as refused
+            rejected["stack_native_split"] += len(base.candidates)
+            continue
         base = Space([v for c in base.candidates for v in expert_variants(model, c, st.name)], base.rejected)
         runnable = _runnable(_stack_space(base, st, cluster), st, model, training, kind)
         rejected.update(runnable.rejected)

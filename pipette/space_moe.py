@@ -46,8 +46,9 @@ def refuse_stack(model: ModelSpec, stack: str) -> None:
     name = stack.split("+", 1)[0]
     if model.moe is not None and name in NO_MOE:
         raise SpecError(f"{model.name} is a Mixture-of-Experts model; the {name} stack does not run one: "
-                        f"{NO_MOE[name]}", field="stack", fix="plan it with --stack megatron, or --stack fsdp, whose runner trains experts "
-                            "with expert parallelism")
+                        f"{NO_MOE[name]}", field="stack",
+                        fix="plan it with --stack megatron, or --stack fsdp, whose runner trains experts with "
+                            "expert parallelism")
 
 
 def expert_degrees(model: ModelSpec, dp: int, cp: int) -> list[int]:

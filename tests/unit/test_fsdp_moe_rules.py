@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import pytest
 
+from pipette.clusterfile import homogeneous_cluster
 from pipette.config import ParallelConfig
 from pipette.errors import SpecError
 from pipette.model import ModelSpec
+from pipette.plan import make_plan
 from pipette.runners import deepspeed_refusals
-from pipette.training import TrainingSpec
+from pipette.training import LoraSpec, TrainingSpec
 from workers.fsdp_spec import check_fsdp, plan_for
 
 TINY = ModelSpec.preset("tiny-moe")
@@ -74,3 +76,21 @@ def test_deepspeeds_runner_refuses_an_moe_model_and_names_the_fsdp_stack() -> No
     said = deepspeed_refusals(TINY, JOB, config(), "cpu")
     assert len(said) == 1 and "Mixture-of-Experts" in said[0] and "--stack fsdp" in said[0]
     assert deepspeed_refusals(ModelSpec.preset("tiny-llama"), JOB, config(), "cpu") == []
+
+
+def test_a_plan_of_a_model_the_runner_cannot_build_says_why_in_one_line() -> None:
+    """Qwen3-30B-A3B LoRA on 8 H100 with ``--stack fsdp``: every layout was refused, and the error was a
+    count by rule ("cannot split the model so (tp and the FFN/vocabulary, tied embeddings, ...)": 1839)
+    that never named the cause, its attention (head_dim 128 over a 2048-wide model, q/k norms), which
+    the runner's MoE model does not build. Alone, the stack says that; beside another stack that runs the
+    model, the plan goes on with the other's candidates."""
+    cluster = homogeneous_cluster("H100-80GB", 1, 8, 450e9, 50e9, name="h8")
+    qwen = ModelSpec.preset("qwen3-30b-a3b")
+    lora = TrainingSpec(global_batch=64, seq_len=4096, method="lora", lora=LoraSpec(16, 32.0, ("q_proj", "v_proj")))
+    with pytest.raises(SpecError) as e:
+        make_plan(qwen, lora, cluster, stack="fsdp")
+    assert "has attention other than Llama's" in str(e.value) and "\n" not in str(e.value)
+    assert e.value.field == "model" and "--stack megatron" in (e.value.fix or "")
+    plan = make_plan(qwen, lora, cluster, stack="fsdp,megatron", optimize_top=1)
+    assert plan.ranked and {p.config.stack for p in plan.ranked} == {"megatron"}
+    assert plan.dropped["stack_native_split"] > 0
