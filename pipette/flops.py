@@ -11,11 +11,16 @@ A matmul of an ``n x k`` input by a ``k x m`` weight is ``2 n k m`` FLOPs (Naray
   adds ``2 r (i + o)`` forward, the same for its activation gradient and for its weight
   gradient.
 
+A model with experts: the attention's matrices and, per MoE layer, the router, the shared experts
+and the ``top_k`` routed experts a token goes through (``pipette.moe_count.active_linear_weights``),
+not the idle ones.
+
 Attention (no weights): the scores ``Q K^T`` and the context ``P V``, ``2 x 2 s h`` per token
-per layer, counted whole as PaLM and Megatron-LM count it (``causal=False``), or half, as a
-causal kernel that skips the masked blocks computes it (FlashAttention; Dao et al. 2022,
-``causal=True``); its backward is ``2 x`` its forward (the gradients of both inputs of both
-matmuls).
+per layer for Llama (at the query-key and value widths, over a sliding window's keys where a layer
+has one: ``pipette.moe_count.attention_core_flops``), counted whole as PaLM and Megatron-LM count
+it (``causal=False``), or half, as a causal kernel that skips the masked blocks computes it
+(FlashAttention; Dao et al. 2022, ``causal=True``); its backward is ``2 x`` its forward (the
+gradients of both inputs of both matmuls).
 
 **Model FLOPs** are those: forward and backward without recomputation, the numerator of the
 model FLOPs utilisation (MFU) of PaLM (Chowdhery et al. 2022, app. B) and Megatron-LM
@@ -28,6 +33,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pipette import moe_count
 from pipette.model import ModelSpec
 from pipette.training import TrainingSpec
 
@@ -45,29 +51,32 @@ class StepFlops:
 def per_token(model: ModelSpec, training: TrainingSpec, recompute: str = "none",
               *, causal: bool = False) -> StepFlops:
     """FLOPs per token of one training step (forward, backward, recomputation)."""
-    s = training.seq_len
     lora = training.lora if training.is_lora else None
     targets = set(lora.targets) if lora is not None else set()
     shapes = model.linear_shapes()
-    linear = sum(i * o for i, o in shapes.values())
-    adapters = sum(lora.rank * (i + o) for name, (i, o) in shapes.items() if name in targets) if lora else 0
-    attention = 4.0 * s * model.hidden * (0.5 if causal else 1.0)
+    if model.moe is None:
+        linear = model.layers * float(sum(i * o for i, o in shapes.values()))
+    else:  # the attention's matrices and the experts a token is routed to, not all of them
+        linear = moe_count.active_linear_weights(model)
+    adapters = model.layers * float(sum(lora.rank * (i + o) for name, (i, o) in shapes.items() if name in targets)
+                                    if lora else 0)
+    attention = moe_count.attention_core_flops(model, training.seq_len, causal=causal)  # every layer's
     head = model.hidden * model.vocab
 
-    layer_fwd = 2.0 * linear + 2.0 * adapters + attention
+    layers_fwd = 2.0 * linear + 2.0 * adapters + attention
     if lora is None:
-        layer_bwd = 4.0 * linear + 2.0 * attention
+        layers_bwd = 4.0 * linear + 2.0 * attention
         head_bwd = 4.0 * head
     else:
-        layer_bwd = 2.0 * linear + 4.0 * adapters + 2.0 * attention
+        layers_bwd = 2.0 * linear + 4.0 * adapters + 2.0 * attention
         head_bwd = 2.0 * head  # the frozen head: its input's gradient only
-    fwd = model.layers * layer_fwd + 2.0 * head
-    bwd = model.layers * layer_bwd + head_bwd
+    fwd = layers_fwd + 2.0 * head
+    bwd = layers_bwd + head_bwd
     extra = 0.0
     if recompute == "full":
-        extra = model.layers * layer_fwd
+        extra = layers_fwd
     elif recompute == "selective":
-        extra = model.layers * attention
+        extra = attention
     return StepFlops(model=fwd + bwd, hardware=fwd + bwd + extra, forward=fwd)
 
 

@@ -190,8 +190,9 @@ def _keys(seq_len: int, window: int | None, causal: bool) -> float:
     return window - window * window / (2.0 * seq_len) if causal else float(window)
 
 
-def forward_flops_per_token(model: Shape, seq_len: int, *, causal: bool = False) -> float:
-    """Forward FLOPs per token, all layers and the LM head (see the module's note)."""
+def attention_core_flops(model: Shape, seq_len: int, *, causal: bool = False) -> float:
+    """Forward FLOPs per token of every layer's attention core, ``Q K^T`` at the query-key width and
+    ``P V`` at the value width, over the keys each query attends to (``_keys``)."""
     a = model.attention
     mla = a.mla if a is not None else None
     qk, v = (mla.qk_head_dim, mla.v_head_dim) if mla is not None else (model.head_dim, model.head_dim)
@@ -199,6 +200,13 @@ def forward_flops_per_token(model: Shape, seq_len: int, *, causal: bool = False)
     for i in range(model.layers):
         window = a.window if a is not None and i in a.window_layers else None
         core += 2.0 * _keys(seq_len, window, causal) * model.heads * (qk + v)
+    return core
+
+
+def active_linear_weights(model: Shape) -> float:
+    """The weights of every layer's matrices one token multiplies by (multiply-adds per token):
+    the attention's, and the MLP's or, in an MoE layer, the router's, the shared experts' and the
+    ``top_k`` routed experts' (the embedding and the head apart)."""
     moe = model.moe
     if moe is None:
         mlp = model.layers * _dense_mlp_params(model)
@@ -207,12 +215,17 @@ def forward_flops_per_token(model: Shape, seq_len: int, *, causal: bool = False)
         block = model.hidden * moe.experts + 3 * model.hidden * moe.shared_ffn + routed \
             + (model.hidden if moe.shared_gate else 0)
         mlp = len(moe.dense_layers) * _dense_mlp_params(model) + moe.moe_layers(model.layers) * block
-    linear = model.layers * attention_weights(model) + mlp
-    return 2.0 * linear + core + 2.0 * model.hidden * model.vocab
+    return float(model.layers * attention_weights(model) + mlp)
+
+
+def forward_flops_per_token(model: Shape, seq_len: int, *, causal: bool = False) -> float:
+    """Forward FLOPs per token, all layers and the LM head (see the module's note)."""
+    return 2.0 * active_linear_weights(model) + attention_core_flops(model, seq_len, causal=causal) \
+        + 2.0 * model.hidden * model.vocab
 
 
 __all__ = [
-    "active_params", "attention_params", "attention_shapes", "attention_weights", "check", "expert_params",
-    "forward_flops_per_token",
-    "moe_block_params", "mtp_params", "total_params",
+    "active_linear_weights", "active_params", "attention_core_flops", "attention_params", "attention_shapes",
+    "attention_weights", "check", "expert_params", "forward_flops_per_token", "moe_block_params", "mtp_params",
+    "total_params",
 ]
