@@ -454,9 +454,9 @@ def _presets() -> dict[str, ModelSpec]:
         # Llama 3 / 3.1 / 3.2 (released config.json files).
         _llama("llama3-8b", 32, 4096, 32, 8, 14336, 128256, 8192),
         _llama("llama3-70b", 80, 8192, 64, 8, 28672, 128256, 8192),
-        _llama("llama3.1-8b", 32, 4096, 32, 8, 14336, 128256, 8192),
-        _llama("llama3.2-1b", 16, 2048, 32, 8, 8192, 128256, 8192, tied=True),
-        _llama("llama3.2-3b", 28, 3072, 24, 8, 8192, 128256, 8192, tied=True),
+        _llama("llama3.1-8b", 32, 4096, 32, 8, 14336, 128256, 131072),
+        _llama("llama3.2-1b", 16, 2048, 32, 8, 8192, 128256, 131072, tied=True),
+        _llama("llama3.2-3b", 28, 3072, 24, 8, 8192, 128256, 131072, tied=True),
         # GPT-3 175B (Brown et al. 2020, Table 2.1), Megatron vocabulary padding.
         ModelSpec.gpt(12288, 96, 96, name="gpt3-175b"),
         # Tiny Llama-style models that train in seconds on a CPU.

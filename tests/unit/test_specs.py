@@ -27,6 +27,16 @@ def test_preset_parameter_counts_match_published(name: str, billions: float) -> 
     assert ModelSpec.preset(name).total_params() / 1e9 == pytest.approx(billions, rel=0.005)
 
 
+@pytest.mark.parametrize(("name", "positions"), [
+    ("llama2-7b", 4096), ("llama3-8b", 8192), ("llama3-70b", 8192),
+    # Llama 3.1 / 3.2: max_position_embeddings 131072 (RoPE scaled from 8192 by the "llama3" rope_type);
+    # the presets said 8192, so a 32k plan of llama3.1-8b was refused as longer than the model
+    ("llama3.1-8b", 131072), ("llama3.2-1b", 131072), ("llama3.2-3b", 131072),
+])
+def test_preset_positions_match_the_released_config(name: str, positions: int) -> None:
+    assert ModelSpec.preset(name).max_seq == positions
+
+
 def test_megatron_gpt_shapes_match_the_paper_table() -> None:
     # Narayanan et al. 2021, Table 1: "number of parameters (billion)".
     for name, billions in [("megatron-gpt-1.7b", 1.7), ("megatron-gpt-39b", 39.1), ("megatron-gpt-1t", 1008)]:
