@@ -154,6 +154,10 @@ def cmd_tune(args: argparse.Namespace) -> int:
     for line in pricing:  # never another framework's prices silently (issue 45): said first
         ui.say(line)
     cluster = _cluster(args, job.home, ui, job.model)
+    from pipette.registry import check_job_runs
+
+    check_job_runs(job.model, job.training, cluster.device_spec.kind, job.kind.script, script_hint="--script",
+                   plan_hint="`pipette plan`")
     plan = _plan_job(job, cluster, ui)
     # A script's trials measure the script: they are kept apart from the runner's. Read before
     # Ray starts: a store it cannot read is refused at once.

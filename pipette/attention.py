@@ -99,6 +99,25 @@ class AttentionSpec:
             raise SpecError(f"sliding-window layer(s) beyond the model's {layers} layers",
                             field="model.attention.window_layers", fix=f"layer indices go from 0 to {layers - 1}")
 
+    def differences(self, hidden: int, heads: int) -> str:
+        """What of this attention is not Llama's (``hidden / heads`` per head, no bias, norm, window,
+        latent or sink), in words: what a runner that builds Llama's attention would leave out."""
+        what = []
+        if self.mla is not None:
+            what.append("latent attention (MLA)")
+        elif self.head_dim != hidden // heads:
+            what.append(f"heads of {self.head_dim} (not {hidden} / {heads} = {hidden // heads})")
+        if self.qkv_bias or self.o_bias:
+            what.append("biases on " + ("q, k, v and o" if self.qkv_bias and self.o_bias else
+                                        "q, k and v" if self.qkv_bias else "o"))
+        if self.qk_norm:
+            what.append("q/k norms")
+        if self.window is not None:
+            what.append(f"a sliding window of {self.window} on {len(self.window_layers)} layers")
+        if self.sinks:
+            what.append("attention sinks")
+        return ", ".join(what) or "Llama's attention"
+
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         out["window_layers"] = list(self.window_layers)

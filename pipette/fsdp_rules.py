@@ -42,6 +42,10 @@ def model_problems(model: ModelSpec, training: TrainingSpec, device_kind: str) -
     m, out = model, []
     if m.arch != "llama":
         out.append((f"the runner builds Llama models, not {m.arch!r}", "model.arch", "use a Llama model"))
+    if m.attention is not None:
+        out.append((f"{m.name} has attention other than Llama's ({m.attention.differences(m.hidden, m.heads)}), "
+                    "which the runner does not build", "model",
+                    "tune it with your own training script (--script), or plan it with --stack megatron"))
     out += _moe_model_problems(m)
     if device_kind == "cpu" and training.dtype == "fp16":
         out.append(("fp16 needs a GPU", "training.dtype", "use fp32 or bf16 on CPU devices"))
@@ -127,18 +131,17 @@ def moe_problems(m: ModelSpec, c: ParallelConfig) -> list[tuple[str, str, str]]:
 
 
 def _moe_model_problems(m: ModelSpec) -> list[tuple[str, str, str]]:
-    """What of an MoE model the runner's MoE layer and attention (Llama's) do not build."""
+    """What of an MoE model the runner's MoE layer does not build (its attention: ``model_problems``)."""
     e = m.moe
     if e is None:
         return []
-    fix = "use a model of Mixtral's, Qwen2-MoE's or Qwen3-MoE's routing with Llama's attention (e.g. tiny-moe)"
+    fix = "use a model of Mixtral's, Qwen2-MoE's or Qwen3-MoE's routing (e.g. tiny-moe)"
     return [(f"{m.name} has {what}, which the runner's MoE model does not build", "model", fix) for what, present in (
         (f"router scoring {e.scoring!r} (the runner's router is a softmax)", e.scoring != "softmax"),
         (f"group-limited routing ({e.groups} groups)", e.groups > 1),
         ("router or expert biases (gpt-oss)", e.router_bias or e.expert_bias),
         (f"dense layers {list(e.dense_layers)} among the MoE ones", bool(e.dense_layers)),
         (f"{e.mtp_layers} multi-token-prediction module(s)", e.mtp_layers > 0),
-        ("attention other than Llama's (head_dim, biases, q/k norms, sliding windows or MLA)", m.attention is not None),
     ) if present]
 
 

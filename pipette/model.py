@@ -10,7 +10,7 @@ counted by ``pipette.moe_count`` and read from config.json by ``pipette.moe_conf
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -18,7 +18,7 @@ from pipette import moe_count
 from pipette.attention import AttentionSpec
 from pipette.errors import SpecError, UnknownPresetError
 from pipette.moe import MoeSpec
-from pipette.moe_config import MOE_MODEL_TYPES, read_moe_config
+from pipette.moe_config import MOE_MODEL_TYPES, attention_spec, read_moe_config
 from pipette.moe_presets import MOE_CONFIGS
 
 Arch = Literal["llama", "gpt"]
@@ -304,17 +304,37 @@ def _dense_from_hf_config(cls: type[ModelSpec], cfg: dict[str, Any], name: str, 
                        kv_heads=int(cfg["n_head"]), ffn_hidden=int(cfg.get("n_inner") or 4 * hidden),
                        vocab=int(cfg["vocab_size"]), max_seq=int(cfg.get("n_positions", 1024)),
                        tied_embeddings=bool(cfg.get("tie_word_embeddings", True)), arch="gpt")
-        heads = int(cfg["num_attention_heads"])
-        return cls(name=name, layers=int(cfg["num_hidden_layers"]), hidden=int(cfg["hidden_size"]), heads=heads,
-                   kv_heads=int(cfg.get("num_key_value_heads") or heads), ffn_hidden=int(cfg["intermediate_size"]),
-                   vocab=int(cfg["vocab_size"]), max_seq=positions(cfg),
-                   tied_embeddings=bool(cfg.get("tie_word_embeddings", False)), arch="llama")
+        heads, hidden, layers = int(cfg["num_attention_heads"]), int(cfg["hidden_size"]), int(cfg["num_hidden_layers"])
+        dense = cls(name=name, layers=layers, hidden=hidden, heads=heads,
+                    kv_heads=int(cfg.get("num_key_value_heads") or heads), ffn_hidden=int(cfg["intermediate_size"]),
+                    vocab=int(cfg["vocab_size"]), max_seq=positions(cfg),
+                    tied_embeddings=bool(cfg.get("tie_word_embeddings", False)), arch="llama")
+        # the attention once the shape is checked (a bad hidden_size is named as itself, not as a head size)
+        attention = dense_attention(cfg, where, hidden, heads, layers)
+        return dense if attention is None else replace(dense, attention=attention)
     except KeyError as e:
         raise SpecError(f"{where} has no {e.args[0]!r}", field=f"model.{e.args[0]}",
                         fix="give a complete Hugging Face config.json of a decoder-only model") from None
     except (TypeError, ValueError) as e:
         raise SpecError(f"{where} has a value that is not a number ({e})", field="model",
                         fix="check the numeric fields of config.json") from None
+
+
+def dense_attention(cfg: dict[str, Any], where: str, hidden: int, heads: int, layers: int) -> AttentionSpec | None:
+    """The attention of a dense Llama-family config.json where it is not Llama's own (None where it
+    is): an explicit ``head_dim`` (Qwen3-32B: 64 heads of 128 over 5,120; Mistral-Nemo), the biases
+    (``Qwen2Attention``: q, k and v with a bias, o without; ``LlamaAttention`` / ``Qwen3Attention``:
+    ``attention_bias`` on all four), Qwen3's RMSNorm of each query and key head, and Mistral's
+    sliding window over every layer (``MistralAttention``, where ``sliding_window`` is set)."""
+    family = str(cfg.get("model_type", "llama")).lower()
+    bias = bool(cfg.get("attention_bias", False))
+    extra: dict[str, Any] = {"qkv_bias": True} if family == "qwen2" else {"qkv_bias": bias, "o_bias": bias}
+    if family == "qwen3":
+        extra["qk_norm"] = True
+    if family == "mistral" and cfg.get("sliding_window") is not None:
+        window = int(cfg["sliding_window"])
+        extra |= {"window": window, "window_layers": tuple(range(layers))} if window < positions(cfg) else {}
+    return attention_spec(cfg, where, hidden, heads, layers, **extra)
 
 
 def positions(cfg: dict[str, Any]) -> int:
@@ -375,7 +395,7 @@ def unsupported_architecture(cfg: dict[str, Any]) -> str | None:
         return f"an encoder-decoder model ({model_type}): only decoder-only models"
     if isinstance(model_type, str) and model_type.lower() not in DENSE_MODEL_TYPES:
         return f"model_type {model_type!r}: only Llama- and GPT-2-shaped models"
-    return _head_dim_mismatch(cfg)
+    return None
 
 
 #: Keys of the state-space (Mamba) and linear-attention layers of hybrid models: Jamba
@@ -398,17 +418,6 @@ def _hybrid_layers(cfg: dict[str, Any]) -> str | None:
 
 def _is_more_than_one(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 1
-
-
-def _head_dim_mismatch(cfg: dict[str, Any]) -> str | None:
-    """An explicit ``head_dim`` other than hidden / heads (Mistral-Nemo, Qwen3-0.6B)."""
-    head_dim, hidden, heads = cfg.get("head_dim"), cfg.get("hidden_size"), cfg.get("num_attention_heads")
-    if not (isinstance(head_dim, int) and isinstance(hidden, int) and isinstance(heads, int)) or heads < 1:
-        return None
-    if head_dim == hidden // heads:
-        return None
-    per_head = hidden // heads
-    return f"head_dim {head_dim} other than hidden_size / num_attention_heads ({per_head}): such attention shapes"
 
 
 def closest_presets(name: str, n: int = 3) -> list[str]:

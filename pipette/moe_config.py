@@ -71,9 +71,9 @@ def _window(cfg: dict[str, Any], where: str, layers: int, default_types: list[st
     return {"window": _int(cfg, "sliding_window", where), "window_layers": sliding} if sliding else {}
 
 
-def _attention(cfg: dict[str, Any], where: str, hidden: int, heads: int, layers: int,
-               defaults: list[str] | None = None, **extra: Any) -> AttentionSpec | None:
-    """The attention spec, or None where it is the dense ``hidden / heads`` one."""
+def attention_spec(cfg: dict[str, Any], where: str, hidden: int, heads: int, layers: int,
+                   defaults: list[str] | None = None, **extra: Any) -> AttentionSpec | None:
+    """The attention spec, or None where it is Llama's (``hidden / heads`` per head, nothing else)."""
     head_dim = _int(cfg, "head_dim", where, hidden // heads)
     spec = AttentionSpec(head_dim=head_dim, **extra, **_window(cfg, where, layers, defaults))
     return None if spec == AttentionSpec(head_dim=hidden // heads) else spec
@@ -91,7 +91,7 @@ def _moe_layers_qwen(cfg: dict[str, Any], where: str, layers: int) -> tuple[int,
 def _mixtral(cfg: dict[str, Any], where: str, base: dict[str, Any]) -> dict[str, Any]:
     moe = MoeSpec(experts=_int(cfg, "num_local_experts", where), top_k=_int(cfg, "num_experts_per_tok", where),
                   expert_ffn=base["ffn_hidden"])
-    return {"moe": moe, "attention": _attention(cfg, where, base["hidden"], base["heads"], base["layers"])}
+    return {"moe": moe, "attention": attention_spec(cfg, where, base["hidden"], base["heads"], base["layers"])}
 
 
 def _qwen(cfg: dict[str, Any], where: str, base: dict[str, Any]) -> dict[str, Any]:
@@ -102,7 +102,7 @@ def _qwen(cfg: dict[str, Any], where: str, base: dict[str, Any]) -> dict[str, An
                   shared_ffn=shared, shared_gate=bool(shared),
                   dense_layers=_moe_layers_qwen(cfg, where, base["layers"]))
     bias = bool(cfg.get("attention_bias", False)) if qwen3 else bool(cfg.get("qkv_bias", True))
-    attention = _attention(cfg, where, base["hidden"], base["heads"], base["layers"], qkv_bias=bias,
+    attention = attention_spec(cfg, where, base["hidden"], base["heads"], base["layers"], qkv_bias=bias,
                            o_bias=bias and qwen3, qk_norm=qwen3)
     return {"moe": moe, "attention": attention}
 
@@ -140,7 +140,7 @@ def _gpt_oss(cfg: dict[str, Any], where: str, base: dict[str, Any]) -> dict[str,
                   router_bias=True, expert_bias=True)
     bias = bool(cfg.get("attention_bias", True))
     alternate = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(base["layers"])]
-    attention = _attention(cfg, where, base["hidden"], base["heads"], base["layers"], alternate, qkv_bias=bias,
+    attention = attention_spec(cfg, where, base["hidden"], base["heads"], base["layers"], alternate, qkv_bias=bias,
                            o_bias=bias, sinks=True)
     return {"moe": moe, "attention": attention}
 
@@ -164,4 +164,4 @@ def read_moe_config(cfg: dict[str, Any], name: str, where: str) -> dict[str, Any
     return base | _FAMILIES[str(cfg["model_type"])](cfg, where, base)
 
 
-__all__ = ["MOE_MODEL_TYPES", "read_moe_config"]
+__all__ = ["MOE_MODEL_TYPES", "attention_spec", "read_moe_config"]

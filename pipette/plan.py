@@ -244,8 +244,9 @@ def _candidates(
         problems = model_problems(model, training, kind) if st.native_rules else []
         if problems and not several:
             message, where, fix = problems[0]
+            also = "" if "--stack" in fix else ", or plan it with --stack megatron"
             raise SpecError(f"{message} (the {st.key} stack's candidates run on Pipette's PyTorch-native runner)",
-                            field=where, fix=f"{fix}, or plan it with --stack megatron")
+                            field=where, fix=f"{fix}{also}")
         if problems:  # another stack may run it: this one's candidates are counted as refused
             rejected["stack_native_split"] += len(base.candidates)
             continue

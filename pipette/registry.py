@@ -241,6 +241,27 @@ def job_refusals(model: ModelSpec, training: TrainingSpec, device_kind: str | No
     return out
 
 
+def check_job_runs(model: ModelSpec, training: TrainingSpec, device_kind: str | None, script: ScriptSpec | None,
+                   *, script_hint: str, plan_hint: str) -> None:
+    """Refuse, before anything is planned, a job no candidate of which the trial backends can run
+    (a model the runners do not build; fp16 on CPU devices): accepted, it failed only once planning
+    started (issue 32, item 19), with a fix about schedules. ``script_hint`` and ``plan_hint`` say
+    how the caller's surface gives a script (``--script``, ``script:``) and plans without trials."""
+    reasons = job_refusals(model, training, device_kind, script)
+    if not reasons:
+        return
+    if script is None and (model.arch != "llama" or model.attention is not None):
+        raise SpecError(f"{reasons[0]}, so no trial of this job could run", field="model",
+                        fix="use a Llama-architecture model (a preset such as tiny-llama or llama3-8b, or a "
+                            f"Llama config.json), or tune your own training script ({script_hint}), which builds "
+                            f"the model itself; {plan_hint} predicts any model without trials")
+    fp16 = training.dtype == "fp16" and device_kind == "cpu"
+    raise SpecError(f"{'; '.join(reasons)}: no trial of this job could run on this cluster",
+                    field="training.dtype" if fp16 else "training",
+                    fix="use bf16 or fp32 on CPU devices, or submit to a GPU cluster" if fp16 else
+                    "change the recipe as the message says")
+
+
 def candidate_refusals(model: ModelSpec, training: TrainingSpec, config: ParallelConfig, device_kind: str,
                        script: ScriptSpec | None, stack: str | Stack, nodes: list[int] | None = None) -> list[str]:
     """Why the code of a trial cannot run ``config``: the user's script (``ScriptSpec.refusals``;

@@ -55,6 +55,9 @@ def builds_the_model(model: ModelSpec, training: TrainingSpec) -> list[str]:
     out = []
     if model.arch != "llama":
         out.append(f"the runner builds Llama models; {model.name} is {model.arch}")
+    if model.attention is not None:
+        out.append(f"the runner builds Llama's attention; {model.name}'s has "
+                   f"{model.attention.differences(model.hidden, model.heads)}")
     if training.seq_len > model.max_seq:
         out.append(f"seq_len {training.seq_len} exceeds the model's max_seq {model.max_seq}")
     return out

@@ -16,8 +16,6 @@ from pipette.clusterfile import cluster_from_dict
 from pipette.errors import PipetteError, SpecError
 from pipette.model import MODEL_PRESETS, ModelSpec, preset_fix
 from pipette.options import defaults
-from pipette.registry import job_refusals
-from pipette.script import ScriptSpec
 from pipette.training import TrainingSpec
 from pipette.tuner import TuneOptions
 from service.schemas import ModelIn, TrainingIn
@@ -41,26 +39,6 @@ def model_spec(value: ModelIn) -> ModelSpec:
         raise SpecError("the model's name (_name_or_path or model_type) has control characters or is too long",
                         field="model._name_or_path", fix="give a name of at most 200 printable characters")
     return model
-
-
-def check_backends(model: ModelSpec, training: TrainingSpec, script: ScriptSpec | None,
-                   device_kind: str | None) -> None:
-    """Refuse at submit a job no candidate of which the trial backends can run (a GPT model
-    for the runner, which builds Llama models; fp16 on CPU devices): accepted, it failed only
-    once planning started (issue 32, item 19)."""
-    reasons = job_refusals(model, training, device_kind, script)
-    if not reasons:
-        return
-    if script is None and model.arch != "llama":
-        raise SpecError(f"{reasons[0]}, so no trial of this job could run", field="model",
-                        fix="use a Llama-architecture model (a preset such as tiny-llama or llama3-8b, or a "
-                            "Llama-family config.json), or submit your own training script (`script:`); "
-                            "`POST /v1/plan` predicts any model without trials")
-    fp16 = training.dtype == "fp16" and device_kind == "cpu"
-    raise SpecError(f"{'; '.join(reasons)}: no trial of this job could run on this cluster",
-                    field="training.dtype" if fp16 else "training",
-                    fix="use bf16 or fp32 on CPU devices, or submit to a GPU cluster" if fp16 else
-                    "change the recipe as the message says")
 
 
 def training_spec(value: TrainingIn) -> TrainingSpec:

@@ -18,7 +18,7 @@ from pipette.config import ParallelConfig
 from pipette.emit import deepspeed_config, hostfile, rank_map
 from pipette.model import ModelSpec
 from pipette.plan import check_recipe
-from pipette.registry import TrialKind, job_kind, script_from_record
+from pipette.registry import TrialKind, check_job_runs, job_kind, script_from_record
 from pipette.stacks import Stack, stacks_key
 from pipette.training import TrainingSpec
 from service.deps import AppState, Caller, State
@@ -42,7 +42,7 @@ from service.schemas import (
     TrialList,
 )
 from service.scripts import check_allowed, script_parts, stored
-from service.specs import check_backends, model_spec, training_spec, tune_options
+from service.specs import model_spec, training_spec, tune_options
 from service.views import as_json, job_out, job_url, json_bytes, trial_detail, trial_out, unserved_notice
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
@@ -70,7 +70,8 @@ def submit_job(body: JobIn, state: State, caller: Caller, response: Response) ->
         serialize_tenant(session, caller.tenant)
         cluster = cluster_repo.get_cluster(session, caller.tenant, body.cluster)
         check_allowed(cluster, caller.tenant, kind)
-        check_backends(model, training, kind.script, _device_kind(session, cluster))
+        check_job_runs(model, training, _device_kind(session, cluster), kind.script, script_hint="`script:`",
+                       plan_hint="`POST /v1/plan`")
         check_room(session, caller.tenant, state.settings.max_queued_per_tenant)
         job = repo.create_job(
             session, tenant=caller.tenant, cluster=cluster, name=body.name, model=model.to_dict(),

@@ -10,6 +10,7 @@ import pytest
 from pipette.clusterfile import homogeneous_cluster
 from pipette.config import ParallelConfig
 from pipette.errors import SpecError
+from pipette.fsdp_rules import model_problems
 from pipette.model import ModelSpec
 from pipette.plan import make_plan
 from pipette.runners import deepspeed_refusals
@@ -41,7 +42,7 @@ def test_the_tiny_moe_presets_are_read_as_their_families_config_json() -> None:
     (TINY, {"dp": 2, "cp": 2, "ep": 2}, "config.ep", "expert and context parallelism"),
     (TINY, {"dp": 4, "ep": 2, "zero_stage": 0}, "config.ep", "does not divide dp_shard"),
     (ModelSpec.preset("tiny-llama"), {"ep": 2}, "config.ep", "dense model"),
-    (ModelSpec.preset("deepseek-v3"), {}, "model", "router scoring 'sigmoid'"),
+    (ModelSpec.preset("deepseek-v3"), {}, "model", "latent attention (MLA)"),
     (ModelSpec.preset("gpt-oss-20b"), {}, "model", "biases"),
     (ModelSpec.preset("qwen3-30b-a3b"), {}, "model", "attention other than Llama's"),
 ])
@@ -54,6 +55,13 @@ def test_what_the_runners_moe_layer_does_not_build_is_refused_in_one_line(
     with pytest.raises(SpecError) as e:
         check_fsdp(model, JOB, c, "cpu", c.world)
     assert e.value.field == field and str(words) in e.value.message and "\n" not in str(e.value), str(e.value)
+
+
+def test_every_part_of_a_model_the_runner_does_not_build_is_listed() -> None:
+    problems = [message for message, _, _ in model_problems(ModelSpec.preset("deepseek-v3"), JOB, "cpu")]
+    for part in ("latent attention (MLA)", "router scoring 'sigmoid'", "group-limited routing", "dense layers",
+                 "multi-token-prediction"):
+        assert any(part in message for message in problems), (part, problems)
 
 
 @pytest.mark.parametrize(("kw", "sizes"), [

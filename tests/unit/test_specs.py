@@ -11,6 +11,7 @@ from pipette.config import ParallelConfig
 from pipette.device import DEVICE_PRESETS, DeviceSpec
 from pipette.errors import SpecError, UnknownPresetError
 from pipette.model import MODEL_PRESETS, ModelSpec
+from pipette.runners import builds_the_model
 from pipette.training import TrainingSpec
 
 
@@ -164,8 +165,6 @@ MIXTRAL = {
      "a hybrid model (nemotron_h) with state-space (hybrid_override_pattern, ssm_state_size) layers"),
     ({"model_type": "t5", "is_encoder_decoder": True, "d_model": 512}, "an encoder-decoder model (t5)"),
     ({**MIXTRAL, "model_type": "gemma", "num_local_experts": 1, "num_experts_per_tok": 1}, "model_type 'gemma'"),
-    ({**MIXTRAL, "model_type": "mistral", "num_local_experts": 1, "num_experts_per_tok": 1, "hidden_size": 5120,
-      "head_dim": 128}, "head_dim 128 other than hidden_size / num_attention_heads (160)"),
 ])
 def test_an_unsupported_architecture_is_refused_in_one_line(tmp_path: Path, cfg: dict[str, object],
                                                             named: str) -> None:
@@ -177,6 +176,41 @@ def test_an_unsupported_architecture_is_refused_in_one_line(tmp_path: Path, cfg:
     line = str(e.value)
     assert named in line and "does not model yet" in line and "\n" not in line, line
     assert "fix: give a dense decoder-only model" in line
+
+
+#: dense config.json files whose attention is not Llama's (the keys the planner reads), with the
+#: parameters their model cards give, in billions
+DENSE_ATTENTION = [
+    ({"model_type": "qwen3", "hidden_size": 5120, "num_hidden_layers": 64, "num_attention_heads": 64,
+      "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 25600, "vocab_size": 151936,
+      "max_position_embeddings": 40960, "tie_word_embeddings": False, "attention_bias": False},
+     32.8, "heads of 128 (not 5120 / 64 = 80), q/k norms"),  # Qwen/Qwen3-32B
+    ({"model_type": "qwen3", "hidden_size": 1024, "num_hidden_layers": 28, "num_attention_heads": 16,
+      "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 3072, "vocab_size": 151936,
+      "max_position_embeddings": 40960, "tie_word_embeddings": True}, 0.596, "heads of 128"),  # Qwen3-0.6B
+    ({"model_type": "qwen2", "hidden_size": 3584, "num_hidden_layers": 28, "num_attention_heads": 28,
+      "num_key_value_heads": 4, "intermediate_size": 18944, "vocab_size": 152064, "max_position_embeddings": 32768,
+      "sliding_window": 131072, "use_sliding_window": False}, 7.62, "biases on q, k and v"),  # Qwen2.5-7B
+    ({"model_type": "mistral", "hidden_size": 5120, "num_hidden_layers": 40, "num_attention_heads": 32,
+      "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 14336, "vocab_size": 131072,
+      "max_position_embeddings": 1024000, "sliding_window": None}, 12.25, "heads of 128"),  # Mistral-Nemo
+    ({"model_type": "mistral", "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+      "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 32000, "max_position_embeddings": 32768,
+      "sliding_window": 4096}, 7.24, "a sliding window of 4096 on 32 layers"),  # Mistral-7B-v0.1
+]
+
+
+@pytest.mark.parametrize(("cfg", "billions", "differs"), DENSE_ATTENTION)
+def test_a_dense_model_is_read_with_its_own_attention(cfg: dict[str, object], billions: float, differs: str) -> None:
+    """Qwen3-32B (64 heads of 128 over a 5,120-wide model) and Mistral-Nemo were refused ("head_dim
+    other than hidden_size / num_attention_heads"), and Qwen2's q/k/v biases, Qwen3's q/k norms and
+    Mistral 7B v0.1's sliding window were read as Llama's attention without a word."""
+    model = ModelSpec.from_hf_config(cfg)
+    assert model.attention is not None and differs in model.attention.differences(model.hidden, model.heads)
+    assert model.total_params() / 1e9 == pytest.approx(billions, rel=0.002)
+    # Pipette's runners build Llama's attention: they refuse the model in one line, naming the difference
+    refusals = builds_the_model(model, TrainingSpec(global_batch=8, seq_len=1024))
+    assert len(refusals) == 1 and differs in refusals[0] and "Llama's attention" in refusals[0], refusals
 
 
 def test_a_dense_config_with_moe_keys_at_one_expert_is_planned() -> None:
