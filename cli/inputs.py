@@ -25,6 +25,7 @@ RECIPE_FLAGS = {
     "training.lora.alpha": ("--lora-alpha", "32"), "training.lora.targets": ("--lora-targets", "q_proj,v_proj"),
     "training.recompute": ("--recompute", "none,full"), "training.zero_stages": ("--zero", "0,1"),
     "training.schedules": ("--schedules", "1f1b"), "training.micro_batches": ("--micro-batches", "1,2,4"),
+    "training.document_len": ("--document-len", "512"),
     "cluster": ("--cluster", "FILE"), "model": ("--model", "NAME"), "recipe": ("--recipe", "FILE"),
     "data": ("--data", "FILE"), "checkpoint": ("--checkpoint", "DIR"), "stack": ("--stack", "megatron"),
 }
@@ -150,6 +151,9 @@ def add_recipe_flags(p: argparse.ArgumentParser, defaults: dict[str, str] | None
     p.add_argument("--schedules", help="allowed pipeline schedules: 1f1b,interleaved (default: all)")
     p.add_argument("--micro-batches", help="allowed micro-batch sizes, comma-separated (default: every power of "
                    "two up to the batch per replica)")
+    p.add_argument("--document-len", type=int, help="packed sequences: the documents packed into each sequence "
+                   "hold about this many tokens, and attend within themselves where the stack's attention keeps to "
+                   "documents (megatron's packed sequences) (default: one document a sequence)")
     p.add_argument("--stack", help=stack_help())
 
 
@@ -176,7 +180,7 @@ def load_recipe(path: str | None, args: argparse.Namespace) -> Any:
         data.update(loaded)
     flags = {
         "global_batch": args.global_batch, "seq_len": args.seq_len, "dtype": args.dtype,
-        "optimizer": args.optimizer, "method": args.method,
+        "optimizer": args.optimizer, "method": args.method, "document_len": getattr(args, "document_len", None),
     }
     data.update({k: v for k, v in flags.items() if v is not None})
     for key, raw, kind in (

@@ -302,9 +302,13 @@ def _print_summary(plan: Any, elapsed: float) -> None:
         f"{plan.training.method}, {plan.training.dtype}, global batch {plan.training.global_batch} "
         f"x {plan.training.seq_len} tokens"
     )
+    if plan.training.document_len is not None:
+        print(f"packed: documents of {plan.training.document_len} tokens, attending within themselves")
     print(f"cluster {c.name}: {len(c.nodes)} nodes, {c.world} x {c.device_spec.name}")
     for st in plan.all_stacks:
         print(f"stack {st.key}: {st.frameworks}" + (f" ({st.options_note})" if st.options_note else ""))
+        if plan.training.document_len is not None and not st.constants.varlen_attention:
+            print(f"  {st.key} attends over whole sequences (no document boundaries): priced so")
     for note in plan.calibration_notes:
         print(f"  not calibrated here: {note}")
     dropped = sum(plan.dropped.values())

@@ -49,8 +49,9 @@ class StepFlops:
 
 
 def per_token(model: ModelSpec, training: TrainingSpec, recompute: str = "none",
-              *, causal: bool = False) -> StepFlops:
-    """FLOPs per token of one training step (forward, backward, recomputation)."""
+              *, causal: bool = False, span: int | None = None) -> StepFlops:
+    """FLOPs per token of one training step (forward, backward, recomputation); ``span``: the keys a
+    query's document holds where the attention keeps to packed documents (default: the sequence)."""
     lora = training.lora if training.is_lora else None
     targets = set(lora.targets) if lora is not None else set()
     shapes = model.linear_shapes()
@@ -60,7 +61,7 @@ def per_token(model: ModelSpec, training: TrainingSpec, recompute: str = "none",
         linear = moe_count.active_linear_weights(model)
     adapters = model.layers * float(sum(lora.rank * (i + o) for name, (i, o) in shapes.items() if name in targets)
                                     if lora else 0)
-    attention = moe_count.attention_core_flops(model, training.seq_len, causal=causal)  # every layer's
+    attention = moe_count.attention_core_flops(model, span or training.seq_len, causal=causal)  # every layer's
     head = model.hidden * model.vocab
 
     layers_fwd = 2.0 * linear + 2.0 * adapters + attention
@@ -80,9 +81,10 @@ def per_token(model: ModelSpec, training: TrainingSpec, recompute: str = "none",
     return StepFlops(model=fwd + bwd, hardware=fwd + bwd + extra, forward=fwd)
 
 
-def per_step(model: ModelSpec, training: TrainingSpec, recompute: str = "none", *, causal: bool = False) -> StepFlops:
+def per_step(model: ModelSpec, training: TrainingSpec, recompute: str = "none", *, causal: bool = False,
+             span: int | None = None) -> StepFlops:
     """FLOPs of one optimizer step (``global_batch x seq_len`` tokens)."""
-    f = per_token(model, training, recompute, causal=causal)
+    f = per_token(model, training, recompute, causal=causal, span=span)
     tokens = float(training.tokens_per_step)
     return StepFlops(model=f.model * tokens, hardware=f.hardware * tokens, forward=f.forward * tokens)
 

@@ -83,11 +83,12 @@ class PerfModel:
         #: (``pipette.memory_cp.fold``: s/cp tokens on dp x cp replicas) with the attention over
         #: the whole sequence's keys (``kv_seq``) and the KV exchange (``pipette.perf_cp``)
         self.job_training, self.job_config = training, config
-        self.kv_seq = training.seq_len
+        self.k = constants or DEFAULT_CONSTANTS
+        #: packed documents attend within themselves where the stack's kernels keep to them
+        self.kv_seq = training.attention_span if self.k.varlen_attention else training.seq_len
         training, config = fold(training, config)
         self.model, self.training, self.config, self.cluster = model, training, config, cluster
         self.layout = config.layout
-        self.k = constants or DEFAULT_CONSTANTS
         self.kernels = _kernels(self.k, cluster, training, config)
         self.device, self.peak, self.curve = self.kernels.device, self.kernels.peak, self.kernels.curve
         self.layers = np.asarray(config.layers_per_stage(model.layers), dtype=np.float64)
@@ -111,7 +112,7 @@ class PerfModel:
         if self.moe is not None:  # the local experts' shard the optimizer updates
             per_param = SGD_BYTES_PER_PARAM if training.optimizer == "sgd" else ADAM_BYTES_PER_PARAM
             self.opt_time = self.opt_time + self.moe.expert_update_params * per_param / self.device.memory_bandwidth
-        counted = flops.per_step(model, self.job_training, config.recompute)
+        counted = flops.per_step(model, self.job_training, config.recompute, span=self.kv_seq)
         self.model_flops, self.hardware_flops = counted.model, counted.hardware
 
     def _pressure_stall(self) -> float:

@@ -226,6 +226,11 @@ class PerfConstants:
     #: and accumulations) left: 1 eager; a stack's compile scales it as its elementwise passes
     #: (torchtitan compiles each block with ``fullgraph=True``, the ring inside it: Inductor fuses them)
     ring_pass_share: float = 1.0
+    #: The attention keeps to each packed document (``TrainingSpec.document_len``): variable-length
+    #: kernels over the documents' boundaries (Megatron-Core's THD format, ``PackedSeqParams`` with
+    #: ``cu_seqlens``, which Megatron-Bridge's fine-tuning recipes run with ``packed_sequence=True``).
+    #: False: the attention runs over the whole sequence, documents or not
+    varlen_attention: bool = False
     #: The Mixture-of-Experts terms (``pipette.perf_moe``: grouped GEMMs, all-to-all, router imbalance)
     moe: MoeConstants = DEFAULT_MOE
 

@@ -361,25 +361,28 @@ MEGATRON_PRESSURE = MemoryPressure(MEGATRON_PRESSURE_STALL_S, MEGATRON_PRESSURE_
 #: ``megatron+fp8`` / ``+mxfp8`` / ``+nvfp4``: the recipe's GEMM throughput relative to the bf16 curve
 #: at the recipe's peak (``PerfConstants.fp8_efficiency``). Fitted (tests/benchmarks/crossval_problems.py,
 #: ``megatron-bridge``; rows and sets: ``pipette.constant_sources``) on Megatron-Bridge's dense Llama runs.
-MEGATRON_FP8_EFFICIENCY = 0.925  # per-tensor (FP8, FP8-CS): 27 rows
-MEGATRON_MXFP8_EFFICIENCY = 0.871  # blockwise MXFP8 (MXFP8, FP8-MX): 22 rows
+MEGATRON_FP8_EFFICIENCY = 0.916  # per-tensor (FP8, FP8-CS): 27 rows
+MEGATRON_MXFP8_EFFICIENCY = 0.866  # blockwise MXFP8 (MXFP8, FP8-MX): 22 rows
 #: NVFP4 relative to the FP8 tensor rate (``Stack.nvfp4_peak``), not the data sheet's FP4 peak: at the same
 #: layouts GB300's runs are 1.21x GB200's under NVFP4 and 1.24x under FP8 (Llama 3.1 405B, 26.06), where the
 #: FP4 peaks differ 1.5x and the FP8 peaks not at all (docs/results.md)
-MEGATRON_NVFP4_EFFICIENCY = 1.340  # NVFP4 over the FP8 rate: 18 rows
+MEGATRON_NVFP4_EFFICIENCY = 1.359  # NVFP4 over the FP8 rate: 18 rows
 #: ``PerfConstants.tensor_rate_shares`` of the Megatron-Core recipes: B200 is the reference (its curve was fitted
 #: on SimuMax's B200 runs); GB200's and GB300's data sheets give the same FP8 and BF16 peaks, yet at the same
 #: layout and recipe GB300 runs 1.19-1.21x faster, which cuDNN's attention timings (1.08-1.18x) and the
 #: norms' (1.0x) do not account for. Fitted per GPU on Megatron-Bridge's runs (rows: pipette.constant_sources).
-MEGATRON_GB300_TENSOR_RATE = 1.346  # 23 rows
-MEGATRON_GB200_TENSOR_RATE = 1.043  # 31 rows
-MEGATRON_H100_TENSOR_RATE = 0.913  # 9 rows
+MEGATRON_GB300_TENSOR_RATE = 1.323  # 23 rows
+MEGATRON_GB200_TENSOR_RATE = 1.036  # 31 rows
+MEGATRON_H100_TENSOR_RATE = 0.905  # 9 rows
 MEGATRON_TENSOR_RATE_SHARES: tuple[tuple[str, float], ...] = (
     ("GB300", MEGATRON_GB300_TENSOR_RATE), ("GB200", MEGATRON_GB200_TENSOR_RATE), ("H100", MEGATRON_H100_TENSOR_RATE))
+#: the megatron stack's: Megatron's constants, packed documents attending within themselves (Megatron-Core's
+#: THD format, which Megatron-Bridge's fine-tuning recipes run: ``packed_sequence=True``)
+MEGATRON_STACK_CONSTANTS = replace(MEGATRON_CONSTANTS, varlen_attention=True)
 #: Megatron-Core's Transformer Engine FP8 as Megatron-Bridge and MLPerf run it: fused attention, casts
 #: fused into the norms and activations (FP8 weights), the userbuffer TP overlap, sequence parallelism
 #: (norms and residuals on the 1/t shard, pipeline hops carrying it), LoRA adapters on the roofline.
-MEGATRON_FP8_CONSTANTS = replace(MEGATRON_CONSTANTS, fp8_gemms=True, flash_attention=True, fp8_casts_fused=True,
+MEGATRON_FP8_CONSTANTS = replace(MEGATRON_STACK_CONSTANTS, fp8_gemms=True, flash_attention=True, fp8_casts_fused=True,
                                  tp_overlap=1.0, sequence_parallel=True, p2p_sequence_sharded=True,
                                  fp8_efficiency=MEGATRON_FP8_EFFICIENCY, measured_attention=True,
                                  tensor_rate_shares=MEGATRON_TENSOR_RATE_SHARES)
@@ -391,7 +394,7 @@ MEGATRON_FP8_CONSTANTS = replace(MEGATRON_CONSTANTS, fp8_gemms=True, flash_atten
 MEGATRON = Stack(
     name="megatron", frameworks="Megatron-LM, NeMo",
     description="fused kernels, vocab-parallel loss, distributed optimizer; constants fitted on vTrain + Ultra-Scale",
-    constants=MEGATRON_CONSTANTS, memory_options=MEGATRON_OPTIONS, gpu_fits_prior=MEGATRON_GPU,
+    constants=MEGATRON_STACK_CONSTANTS, memory_options=MEGATRON_OPTIONS, gpu_fits_prior=MEGATRON_GPU,
     tensor_parallel=True, pipeline_parallel=True, zero_stages=(0, 1), schedules=("1f1b", "interleaved"),
     recompute=("none", "selective", "full"), launch_files=(*CANDIDATE_FILES, "megatron_args.txt"),
     layout=MEGATRON_LAYOUT,

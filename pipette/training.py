@@ -85,6 +85,10 @@ class TrainingSpec:
     schedules: tuple[str, ...] = SCHEDULES
     micro_batches: tuple[int, ...] = ()
     max_virtual_stages: int = 4
+    #: packed sequences: the documents packed into each sequence hold about this many tokens (the
+    #: token-weighted mean, E[L^2] / E[L]), and a stack whose attention keeps to each document
+    #: (``PerfConstants.varlen_attention``) attends over them alone; None: one document a sequence
+    document_len: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("global_batch", "seq_len", "max_virtual_stages"):
@@ -109,6 +113,11 @@ class TrainingSpec:
         _subset("training.recompute", self.recompute, RECOMPUTE_MODES)
         _subset("training.zero_stages", self.zero_stages, (0, 1, 2, 3))
         _subset("training.schedules", self.schedules, SCHEDULES)
+        d = self.document_len
+        if d is not None and (not isinstance(d, int) or isinstance(d, bool) or not 1 <= d <= self.seq_len):
+            raise SpecError(f"must be a whole number from 1 to seq_len ({self.seq_len}), got {d!r}",
+                            field="training.document_len",
+                            fix="give the packed documents' length in tokens, or leave it out (one a sequence)")
         for m in self.micro_batches:
             if not isinstance(m, int) or isinstance(m, bool) or m < 1:
                 raise SpecError(
@@ -131,6 +140,11 @@ class TrainingSpec:
         return self.global_batch * self.seq_len
 
     @property
+    def attention_span(self) -> int:
+        """The keys a query's document holds: ``document_len`` for packed sequences, else ``seq_len``."""
+        return self.document_len if self.document_len is not None else self.seq_len
+
+    @property
     def is_lora(self) -> bool:
         return self.method == "lora"
 
@@ -141,6 +155,8 @@ class TrainingSpec:
         }
         for key in ("recompute", "zero_stages", "schedules", "micro_batches"):
             out[key] = list(out[key])
+        if self.document_len is None:
+            del out["document_len"]  # unpacked jobs keep the keys (and job keys) they had
         return out
 
     @classmethod

@@ -131,6 +131,9 @@ class TrainingIn(StrictTypes):
     schedules: list[Literal["1f1b", "interleaved"]] | None = Field(None, min_length=1, max_length=2)
     micro_batches: list[Annotated[int, Field(ge=1, le=1 << 24)]] | None = Field(None, min_length=1, max_length=32)
     max_virtual_stages: int = Field(4, ge=1, le=64)
+    document_len: int | None = Field(None, ge=1, le=1 << 24, description="packed sequences: the documents' "
+                                     "length in tokens, each attending within itself where the stack's attention "
+                                     "keeps to documents (null: one document a sequence)")
 
     def to_spec_dict(self) -> dict[str, Any]:
         data = self.model_dump(exclude_none=True)

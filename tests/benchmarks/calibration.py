@@ -380,6 +380,13 @@ BRIDGE_RECIPES = {"FP8": "fp8", "FP8-CS": "fp8", "MXFP8": "mxfp8", "FP8-MX": "mx
 #: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"], dim=16, alpha=32)``): every linear layer
 BRIDGE_LORA_RANK = 16
 BRIDGE_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+#: The fine-tuning rows (task ``sft`` and ``lora``) pack SQuAD into each sequence (the perf configs,
+#: scripts/performance/configs/llama/llama3_llm_finetune.py: ``packed_sequence=True``; the recipe's dataset,
+#: recipes/llama/llama3.py ``_llama3_finetune_common``: ``default_squad_config``), and Megatron-Core
+#: attends within each sample (THD). A SQuAD sample is a Wikipedia paragraph, a question and its answer:
+#: a few hundred tokens. Not measured here (no dataset on this machine) and not fitted: the rows' predictions
+#: move 1.5% between 256 and 1,024 (docs/results.md, "Cross-validated step time per stack")
+BRIDGE_SQUAD_DOCUMENT = 256
 #: NVLink per GPU and direction: NVLink 5 on B200, GB200 and GB300 (900 GB/s; the NVL72 racks' trays of 4 in
 #: one 72-GPU domain), NVLink 4 on H100; between DGX nodes 400 Gbit/s per GPU
 BRIDGE_NVLINK = {"H100-80GB": H100_NVLINK, "B200-180GB": 900e9, "GB200": 900e9, "GB300": 900e9}
@@ -432,7 +439,7 @@ def _bridge_row(r: dict[str, str]) -> Row:
     schedule = "interleaved" if vp > 1 else "1f1b"
     training = TrainingSpec(global_batch=gb, seq_len=seq, dtype="bf16", optimizer="adamw", recompute=("none",),
                             zero_stages=(1,), schedules=(schedule,), method="lora" if lora else "full",
-                            lora=lora)
+                            lora=lora, document_len=BRIDGE_SQUAD_DOCUMENT if r["task"] in ("sft", "lora") else None)
     config = ParallelConfig(tp=tp, pp=pp, dp=dp, mbs=mbs, global_batch=gb, zero_stage=1, recompute="none",
                             schedule=schedule, virtual_stages=vp, cp=int(r["cp"]))
     if r["grad_accum"] and config.grad_accum != int(r["grad_accum"]):
