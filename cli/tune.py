@@ -153,11 +153,12 @@ def cmd_tune(args: argparse.Namespace) -> int:
     pricing = pricing_lines(job.choice)
     for line in pricing:  # never another framework's prices silently (issue 45): said first
         ui.say(line)
-    cluster = _cluster(args, job.home, ui, job.model)
     from pipette.registry import check_job_runs
 
-    check_job_runs(job.model, job.training, cluster.device_spec.kind, job.kind.script, script_hint="--script",
-                   plan_hint="`pipette plan`")
+    hints = {"script_hint": "--script", "plan_hint": "`pipette plan`"}
+    check_job_runs(job.model, job.training, None, job.kind.script, **hints)  # before any measuring
+    cluster = _cluster(args, job.home, ui, job.model)
+    check_job_runs(job.model, job.training, cluster.device_spec.kind, job.kind.script, **hints)  # fp16 on CPUs
     plan = _plan_job(job, cluster, ui)
     # A script's trials measure the script: they are kept apart from the runner's. Read before
     # Ray starts: a store it cannot read is refused at once.

@@ -192,12 +192,13 @@ def test_a_model_the_runners_do_not_build_is_refused_before_planning(tmp_path: P
     """A Qwen3-shaped config.json (heads of 64 over a 128-wide model, q/k norms) was read as Llama's
     attention and its trials trained a Llama; read as it is, ``tune`` planned it and then said "none of
     the 102 candidates that fit can be run by the trial backend" with a fix about schedules. Now one
-    line before planning (no Ray is started), naming what differs and the way to tune it."""
+    line before the machine is measured or anything planned (no Ray is started), naming what differs
+    and the way to tune it."""
     (tmp_path / "config.json").write_text(json.dumps({
         "model_type": "qwen3", "hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "head_dim": 64, "intermediate_size": 256, "vocab_size": 512,
         "max_position_embeddings": 256, "tie_word_embeddings": True}))
-    r = pipette("tune", "--model", str(tmp_path), "--cluster", str(CLUSTERS / "cpu-4.yaml"),
+    r = pipette("tune", "--model", str(tmp_path),  # no cluster file: refused before the machine is measured
                 "--global-batch", "8", "--seq-len", "64", "--home", str(tmp_path / "home"))
     assert r.returncode == 1 and "Traceback" not in r.stderr and "planning" not in r.stderr, r.stderr
     error = r.stderr.strip().splitlines()[-1]  # after the two lines that say whose prices these are
