@@ -202,6 +202,9 @@ BAD_JOBS: list[tuple[dict[str, Any], int, str]] = [
     ({"training": {"global_batch": True, "seq_len": 32}}, 422, "training.global_batch"),
     ({"training": {"global_batch": 4, "seq_len": "32"}}, 422, "training.seq_len"),
     ({"training": {"global_batch": 4, "seq_len": 100000}}, 422, "training.seq_len"),
+    # packed documents: at least one token, at most the sequence
+    ({"training": {"global_batch": 4, "seq_len": 32, "document_len": 0}}, 422, "training.document_len"),
+    ({"training": {"global_batch": 4, "seq_len": 32, "document_len": 64}}, 422, "training.document_len"),
     ({"model": {"model_type": "llama", "hidden_size": 1e30, "num_hidden_layers": 2, "num_attention_heads": 4,
                 "intermediate_size": 64, "vocab_size": 128}}, 422, "model.hidden"),
     ({"budget": {"confidence": 1.0}}, 422, "budget.confidence"),

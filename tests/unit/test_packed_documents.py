@@ -69,3 +69,11 @@ def test_the_plan_says_which_stacks_price_the_documents(tmp_path: Path) -> None:
                   "16", "--seq-len", "4096", "--document-len", "8192", "--no-files")
     assert bad.returncode == 1 and bad.stderr.strip().splitlines()[-1].startswith(
         "pipette: error: --document-len: must be a whole number from 1 to seq_len (4096), got 8192"), bad.stderr
+
+
+def test_the_api_takes_a_document_length_and_leaves_an_unpacked_recipe_as_it_was() -> None:
+    from service.schemas import TrainingIn
+
+    packed = TrainingIn(global_batch=32, seq_len=4096, document_len=256).to_spec_dict()
+    assert TrainingSpec.from_dict(packed).document_len == 256
+    assert "document_len" not in TrainingIn(global_batch=32, seq_len=4096).to_spec_dict()
