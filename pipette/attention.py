@@ -118,6 +118,27 @@ class AttentionSpec:
             what.append("attention sinks")
         return ", ".join(what) or "Llama's attention"
 
+    def is_llamas(self, hidden: int, heads: int, seq_len: int | None = None) -> bool:
+        """Whether it computes as Llama's under sequences of ``seq_len`` tokens: heads of hidden / heads,
+        no bias, norm, latent or sink, and a window (if any) the sequences never exceed."""
+        return (self.head_dim == hidden // heads and not (self.qkv_bias or self.o_bias or self.qk_norm or self.sinks)
+                and self.mla is None and (self.window is None or (seq_len is not None and seq_len <= self.window)))
+
+    def unbuilt(self, hidden: int, heads: int, seq_len: int | None = None) -> str:
+        """What of this attention none of the families Pipette's runners build has ('' when one does:
+        Llama's with a head size and biases on all four, Qwen2's q/k/v biases, Qwen3's q/k norms;
+        ``workers.rank.hf_model.llama_config``). A window no sequence of ``seq_len`` tokens exceeds
+        changes nothing."""
+        qwen2 = self.qkv_bias and not self.o_bias and not self.qk_norm
+        window = self.window is not None and (seq_len is None or seq_len > self.window)
+        what = ((f"a sliding window of {self.window} under longer sequences", window),
+                ("latent attention (MLA)", self.mla is not None),
+                ("attention sinks", self.sinks),
+                ("an o bias without q, k and v biases", self.o_bias and not self.qkv_bias),
+                (f"Qwen2's biases with heads of {self.head_dim} (not {hidden} / {heads})",
+                 qwen2 and self.head_dim != hidden // heads))
+        return ", ".join(w for w, present in what if present)
+
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         out["window_layers"] = list(self.window_layers)

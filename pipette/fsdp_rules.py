@@ -33,6 +33,13 @@ def fsdp_problems(model: ModelSpec, training: TrainingSpec, config: ParallelConf
     out += _pipeline_problems(m, c)
     out += moe_problems(m, c)
     out += _context_problems(training, c)
+    if m.attention is not None and m.moe is None and not m.attention.is_llamas(m.hidden, m.heads, training.seq_len):
+        what = m.attention.differences(m.hidden, m.heads)
+        for degree, value, why in (("tp", c.tp, "its tensor parallelism shards Llama's attention"),
+                                   ("cp", c.cp, "its ring attention routes Llama's attention modules")):
+            if value > 1:
+                out.append((f"{degree}={value} with {m.name}'s attention ({what}): {why}", f"config.{degree}",
+                            f"use {degree}=1 (FSDP over the data-parallel ranks)"))
     return out
 
 
@@ -42,9 +49,11 @@ def model_problems(model: ModelSpec, training: TrainingSpec, device_kind: str) -
     m, out = model, []
     if m.arch != "llama":
         out.append((f"the runner builds Llama models, not {m.arch!r}", "model.arch", "use a Llama model"))
-    if m.attention is not None:
-        out.append((f"{m.name} has attention other than Llama's ({m.attention.differences(m.hidden, m.heads)}), "
-                    "which the runner does not build", "model",
+    unbuilt = m.attention.unbuilt(m.hidden, m.heads, training.seq_len) if m.attention is not None else ""
+    if unbuilt or (m.attention is not None and m.moe is not None):
+        what = unbuilt or m.attention.differences(m.hidden, m.heads)  # type: ignore[union-attr]
+        out.append((f"{m.name} has attention the runner's {'MoE ' if m.moe is not None else ''}model does not build "
+                    f"({what})", "model",
                     "tune it with your own training script (--script), or plan it with --stack megatron"))
     out += _moe_model_problems(m)
     if device_kind == "cpu" and training.dtype == "fp16":

@@ -55,9 +55,9 @@ def builds_the_model(model: ModelSpec, training: TrainingSpec) -> list[str]:
     out = []
     if model.arch != "llama":
         out.append(f"the runner builds Llama models; {model.name} is {model.arch}")
-    if model.attention is not None:
-        out.append(f"the runner builds Llama's attention; {model.name}'s has "
-                   f"{model.attention.differences(model.hidden, model.heads)}")
+    unbuilt = model.attention.unbuilt(model.hidden, model.heads, training.seq_len) if model.attention else ""
+    if unbuilt:
+        out.append(f"the runner builds Llama's, Qwen2's and Qwen3's attention; {model.name}'s has {unbuilt}")
     if training.seq_len > model.max_seq:
         out.append(f"seq_len {training.seq_len} exceeds the model's max_seq {model.max_seq}")
     return out
@@ -71,6 +71,9 @@ def deepspeed_refusals(model: ModelSpec, training: TrainingSpec, config: Paralle
     if m.moe is not None:  # its layers would be built as dense MLPs, and trained without a word
         out.append(f"{m.name} is a Mixture-of-Experts model; DeepSpeed's runner builds dense Llama models: "
                    "run it with the fsdp stack (--stack fsdp)")
+    if m.attention is not None and c.tp > 1 and not m.attention.is_llamas(m.hidden, m.heads, training.seq_len):
+        out.append(f"tp={c.tp} with {m.name}'s attention ({m.attention.differences(m.hidden, m.heads)}): the runner's "
+                   "tensor parallelism shards Llama's; use tp=1")
     if c.dp_shard is not None or c.offload:
         out.append("HSDP (dp_shard) and CPU offload are options of the fsdp stack (workers.rank.fsdp); DeepSpeed's "
                    "runner has neither: leave them out, or run the candidate with the fsdp stack")

@@ -189,21 +189,22 @@ def test_a_mixtral_folder_is_refused_in_one_line(tmp_path: Path) -> None:
 
 
 def test_a_model_the_runners_do_not_build_is_refused_before_planning(tmp_path: Path) -> None:
-    """A Qwen3-shaped config.json (heads of 64 over a 128-wide model, q/k norms) was read as Llama's
-    attention and its trials trained a Llama; read as it is, ``tune`` planned it and then said "none of
-    the 102 candidates that fit can be run by the trial backend" with a fix about schedules. Now one
-    line before the machine is measured or anything planned (no Ray is started), naming what differs
-    and the way to tune it."""
+    """A Mistral 7B v0.1-shaped config.json whose sliding window (32 tokens) the sequences exceed was read
+    as Llama's attention and its trials trained a Llama over the whole sequence; read as it is, ``tune``
+    planned it and then said "none of the 102 candidates that fit can be run by the trial backend" with
+    a fix about schedules. Now one line before the machine is measured or anything planned (no Ray is
+    started), naming what the runners do not build and the way to tune it."""
     (tmp_path / "config.json").write_text(json.dumps({
-        "model_type": "qwen3", "hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "head_dim": 64, "intermediate_size": 256, "vocab_size": 512,
-        "max_position_embeddings": 256, "tie_word_embeddings": True}))
+        "model_type": "mistral", "hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "intermediate_size": 256, "vocab_size": 512, "max_position_embeddings": 256,
+        "sliding_window": 32}))
     r = pipette("tune", "--model", str(tmp_path),  # no cluster file: refused before the machine is measured
                 "--global-batch", "8", "--seq-len", "64", "--home", str(tmp_path / "home"))
     assert r.returncode == 1 and "Traceback" not in r.stderr and "planning" not in r.stderr, r.stderr
     error = r.stderr.strip().splitlines()[-1]  # after the two lines that say whose prices these are
-    assert error.startswith("pipette: error: --model: the runner builds Llama's attention"), error
-    assert "heads of 64 (not 128 / 4 = 32), q/k norms" in error and "tune your own training script (--script)" in error
+    assert error.startswith("pipette: error: --model: the runner builds Llama's, Qwen2's and Qwen3's attention"), error
+    assert "a sliding window of 32 under longer sequences" in error and "tune your own training script (--script)" \
+        in error
 
 
 def test_an_moe_plan_lists_each_layout_once_with_its_expert_degrees() -> None:

@@ -43,8 +43,8 @@ def test_the_tiny_moe_presets_are_read_as_their_families_config_json() -> None:
     (TINY, {"dp": 4, "ep": 2, "zero_stage": 0}, "config.ep", "does not divide dp_shard"),
     (ModelSpec.preset("tiny-llama"), {"ep": 2}, "config.ep", "dense model"),
     (ModelSpec.preset("deepseek-v3"), {}, "model", "latent attention (MLA)"),
-    (ModelSpec.preset("gpt-oss-20b"), {}, "model", "biases"),
-    (ModelSpec.preset("qwen3-30b-a3b"), {}, "model", "attention other than Llama's"),
+    (ModelSpec.preset("gpt-oss-20b"), {}, "model", "attention sinks"),
+    (ModelSpec.preset("qwen3-30b-a3b"), {}, "model", "attention the runner's MoE model does not build"),
 ])
 def test_what_the_runners_moe_layer_does_not_build_is_refused_in_one_line(
         model: ModelSpec, kw: dict[str, object], field: str | None, words: str | None) -> None:
@@ -62,6 +62,8 @@ def test_every_part_of_a_model_the_runner_does_not_build_is_listed() -> None:
     for part in ("latent attention (MLA)", "router scoring 'sigmoid'", "group-limited routing", "dense layers",
                  "multi-token-prediction"):
         assert any(part in message for message in problems), (part, problems)
+    oss = [message for message, _, _ in model_problems(ModelSpec.preset("gpt-oss-20b"), JOB, "cpu")]
+    assert any("router or expert biases (gpt-oss)" in message for message in oss), oss
 
 
 @pytest.mark.parametrize(("kw", "sizes"), [
@@ -97,7 +99,8 @@ def test_a_plan_of_a_model_the_runner_cannot_build_says_why_in_one_line() -> Non
     lora = TrainingSpec(global_batch=64, seq_len=4096, method="lora", lora=LoraSpec(16, 32.0, ("q_proj", "v_proj")))
     with pytest.raises(SpecError) as e:
         make_plan(qwen, lora, cluster, stack="fsdp")
-    assert "has attention other than Llama's" in str(e.value) and "\n" not in str(e.value)
+    assert "has attention the runner's MoE model does not build (heads of 128" in str(e.value)
+    assert "\n" not in str(e.value)
     assert e.value.field == "model" and "--stack megatron" in (e.value.fix or "")
     plan = make_plan(qwen, lora, cluster, stack="fsdp,megatron", optimize_top=1)
     assert plan.ranked and {p.config.stack for p in plan.ranked} == {"megatron"}

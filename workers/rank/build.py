@@ -82,7 +82,7 @@ def prepare(trial: TrialSpec, rank: int, dtype: torch.dtype) -> Prepared:
 
     c, t = trial.config, trial.training
     tp_index = rank_layout(c, trial.stack).index(rank, "tp")
-    model = build_llama(trial.model, device="meta", dtype=dtype)
+    model = build_llama(trial.model, device="meta", dtype=dtype, seq_len=t.seq_len)
     tag_names(model)
     hf: Any = model
     module: nn.Module = model
@@ -170,8 +170,6 @@ def materialize(modules: Iterable[nn.Module], device: torch.device, dtype: torch
     """Give every meta parameter under ``modules`` its values on ``device`` in ``dtype``: its part
     of the checkpoint ``source`` when that holds it, else its seeded initial values
     (``workers.rank.init``); and rebuild the rotary-embedding buffers there."""
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-
     made = made if made is not None else {}
     for root in modules:
         for owner in root.modules():
@@ -183,9 +181,15 @@ def materialize(modules: Iterable[nn.Module], device: torch.device, dtype: torch
                     new = made[id(p)] = _values(p, device, dtype, seed, std, source)
                 owner._parameters[leaf] = new
             for child_name, child in list(owner.named_children()):
-                if isinstance(child, LlamaRotaryEmbedding) and any(b.is_meta for b in child.buffers()):
+                if is_rotary(child) and any(b.is_meta for b in child.buffers()):
                     with torch.device(device):
-                        setattr(owner, child_name, LlamaRotaryEmbedding(child.config))
+                        setattr(owner, child_name, type(child)(child.config))
+
+
+def is_rotary(module: nn.Module) -> bool:
+    """Whether ``module`` is a family's rotary embedding (``LlamaRotaryEmbedding``, ``Qwen3RotaryEmbedding``,
+    ...: each is built from the model's config alone)."""
+    return type(module).__name__.endswith("RotaryEmbedding") and hasattr(module, "config")
 
 
 def _values(p: nn.Parameter, device: torch.device, dtype: torch.dtype, seed: int, std: float,

@@ -93,7 +93,7 @@ def meta_model(model: ModelSpec, training: TrainingSpec, moe: MoeOptions | None 
     from workers.rank.build import tag_names
     from workers.rank.hf_model import build_llama
 
-    hf: Any = build_llama(model, device="meta", dtype=torch.float32)
+    hf: Any = build_llama(model, device="meta", dtype=torch.float32, seq_len=training.seq_len)
     if moe is not None:
         from workers.rank.moe_layer import use_moe
 
@@ -158,8 +158,6 @@ def materialize(stage: LlamaStage, names: dict[str, ParamInfo], device: torch.de
     """Give the sharded stage its values: ``to_empty`` on ``init`` (the host where FSDP2
     offloads, as torchtitan's ``init_device``), then each parameter's part of its whole values,
     drawn on ``device``; rebuild the rotary buffers there."""
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-
     stage.to_empty(device=init)
     source = _checkpoint(checkpoint)
     for fqn, p in stage.named_parameters():
@@ -177,7 +175,7 @@ def materialize(stage: LlamaStage, names: dict[str, ParamInfo], device: torch.de
         else:
             p.copy_(values)
     with torch.device(device):
-        stage.rotary_emb = LlamaRotaryEmbedding(stage.config)
+        stage.rotary_emb = type(stage.rotary_emb)(stage.config)  # the family's (Llama's, Qwen3's, ...)
 
 
 def _checkpoint(path: str | None) -> Any:

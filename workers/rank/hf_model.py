@@ -26,7 +26,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    PretrainedConfig,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from pipette.errors import SpecError
 from pipette.model import ModelSpec
@@ -38,26 +46,48 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
 }
 
 
-def llama_config(model: ModelSpec, attn_implementation: str = "sdpa") -> LlamaConfig:
+def llama_config(model: ModelSpec, attn_implementation: str = "sdpa", seq_len: int | None = None) -> PretrainedConfig:
+    """The Hugging Face config of ``model``: Llama's, or, where the model's attention is not Llama's
+    (``ModelSpec.attention``), the family's that builds it: Qwen3's (q/k norms over each head),
+    Qwen2's (q, k and v with a bias, o without), Llama's with ``head_dim`` and ``attention_bias``
+    (an explicit head size, biases on all four). The decoder layers of the three take the same
+    inputs, so every path of the runners drives them alike. What none builds (a sliding window
+    ``seq_len`` exceeds, latent attention, sinks) is refused (``pipette.runners.builds_the_model``
+    says so first)."""
     if model.arch != "llama":
         raise SpecError(
             f"the trial runner builds Llama models, not {model.arch!r}",
             field="model.arch", fix="use a Llama-architecture model (arch: llama)",
         )
-    config = LlamaConfig(
-        vocab_size=model.vocab,
-        hidden_size=model.hidden,
-        intermediate_size=model.ffn_hidden,
-        num_hidden_layers=model.layers,
-        num_attention_heads=model.heads,
-        num_key_value_heads=model.kv_heads,
-        max_position_embeddings=model.max_seq,
-        tie_word_embeddings=model.tied_embeddings,
-        use_cache=False,
-        initializer_range=max(0.02, model.hidden**-0.5),
-    )
+    shape = {
+        "vocab_size": model.vocab, "hidden_size": model.hidden, "intermediate_size": model.ffn_hidden,
+        "num_hidden_layers": model.layers, "num_attention_heads": model.heads,
+        "num_key_value_heads": model.kv_heads, "max_position_embeddings": model.max_seq,
+        "tie_word_embeddings": model.tied_embeddings, "use_cache": False,
+        "initializer_range": max(0.02, model.hidden**-0.5),
+    }
+    a = model.attention
+    config: PretrainedConfig
+    if a is None:
+        config = LlamaConfig(**shape)
+    else:
+        unbuilt = a.unbuilt(model.hidden, model.heads, seq_len)
+        if unbuilt:
+            raise SpecError(f"{model.name}'s attention has {unbuilt}, which the trial runner does not build",
+                            field="model.attention", fix="tune it with your own training script (--script)")
+        if a.qk_norm:
+            config = Qwen3Config(**shape, head_dim=a.head_dim, attention_bias=a.qkv_bias, use_sliding_window=False)
+        elif a.qkv_bias and not a.o_bias:
+            config = Qwen2Config(**shape, use_sliding_window=False)
+        else:
+            config = LlamaConfig(**shape, head_dim=a.head_dim, attention_bias=a.qkv_bias)
     config._attn_implementation = attn_implementation
     return config
+
+
+#: the model class of each config ``llama_config`` makes
+CAUSAL_LM: dict[type, type] = {LlamaConfig: LlamaForCausalLM, Qwen2Config: Qwen2ForCausalLM,
+                               Qwen3Config: Qwen3ForCausalLM}
 
 
 @contextlib.contextmanager
@@ -76,8 +106,10 @@ def build_llama(
     checkpoint: str | None = None,
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
+    seq_len: int | None = None,
 ) -> LlamaForCausalLM:
-    """The model on ``device`` in ``dtype`` (fp32 on the host by default)."""
+    """The model on ``device`` in ``dtype`` (fp32 on the host by default), for sequences of
+    ``seq_len`` tokens (a sliding window they never exceed is left out)."""
     if checkpoint is not None:
         path = Path(checkpoint)
         if not path.is_dir():
@@ -90,4 +122,6 @@ def build_llama(
         return moved
     torch.manual_seed(seed)  # seeds every device's generator: each rank builds the same weights
     with torch.device(device), _default_dtype(dtype):
-        return LlamaForCausalLM(llama_config(model))
+        config = llama_config(model, seq_len=seq_len)
+        built: LlamaForCausalLM = CAUSAL_LM[type(config)](config)
+        return built

@@ -116,7 +116,8 @@ def pipeline_layers(model: LlamaForCausalLM) -> list[Layer]:
                                     tied_weight_attr=["embed.weight"]))
     else:
         layers.append(EmbedStage(inner.embed_tokens))
-    layers += [DecoderStage(layer, LlamaRotaryEmbedding(model.config)) for layer in inner.layers]
+    rotary = type(inner.rotary_emb)  # the family's (Llama's, Qwen3's, ...)
+    layers += [DecoderStage(layer, rotary(model.config)) for layer in inner.layers]
     if tied:
         layers += [NormStage(inner.norm), TiedLayerSpec("embed", TiedEmbedding, inner.embed_tokens,
                                                         forward_fn=tied_head, tied_weight_attr=["embed.weight"])]
