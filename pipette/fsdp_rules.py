@@ -49,12 +49,15 @@ def model_problems(model: ModelSpec, training: TrainingSpec, device_kind: str) -
     m, out = model, []
     if m.arch != "llama":
         out.append((f"the runner builds Llama models, not {m.arch!r}", "model.arch", "use a Llama model"))
-    unbuilt = m.attention.unbuilt(m.hidden, m.heads, training.seq_len) if m.attention is not None else ""
-    if unbuilt or (m.attention is not None and m.moe is not None):
-        what = unbuilt or m.attention.differences(m.hidden, m.heads)  # type: ignore[union-attr]
-        out.append((f"{m.name} has attention the runner's {'MoE ' if m.moe is not None else ''}model does not build "
-                    f"({what})", "model",
-                    "tune it with your own training script (--script), or plan it with --stack megatron"))
+    a = m.attention
+    if a is not None:
+        # the dense model is the family's (workers.rank.hf_model); the MoE model's attention is Llama's
+        moe_not_llamas = m.moe is not None and not a.is_llamas(m.hidden, m.heads, training.seq_len)
+        what = a.differences(m.hidden, m.heads) if moe_not_llamas else a.unbuilt(m.hidden, m.heads, training.seq_len)
+        if what:
+            out.append((f"{m.name} has attention the runner's {'MoE ' if m.moe is not None else ''}model does not "
+                        f"build ({what})", "model",
+                        "tune it with your own training script (--script), or plan it with --stack megatron"))
     out += _moe_model_problems(m)
     if device_kind == "cpu" and training.dtype == "fp16":
         out.append(("fp16 needs a GPU", "training.dtype", "use fp32 or bf16 on CPU devices"))
