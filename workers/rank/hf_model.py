@@ -1,7 +1,8 @@
-"""Build the job's model as a Hugging Face ``LlamaForCausalLM`` from a ``ModelSpec``.
+"""Build the job's model as a Hugging Face ``LlamaForCausalLM`` from a ``ModelSpec`` (or the family's
+model where its attention is not Llama's: Qwen3's, Qwen2's; ``llama_config``).
 
 Random weights by default (seeded, so every rank of a trial builds the same model);
-a local checkpoint directory is loaded when given. Nothing is downloaded.
+a local checkpoint directory is loaded when given (a Llama one only). Nothing is downloaded.
 
 The model is built where the rank computes and in the dtype it trains in (``device``,
 ``dtype``): a GPU rank initialises on its GPU, where the host took most of a trial's wall
