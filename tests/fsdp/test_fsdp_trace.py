@@ -14,7 +14,7 @@ from pipette.config import ParallelConfig
 from pipette.errors import SpecError
 from pipette.memory import estimate_memory
 from pipette.model import MODEL_PRESETS, ModelSpec
-from pipette.stacks import FSDP
+from pipette.stacks import FSDP, rank_layout
 from pipette.training import TrainingSpec
 from workers.rank.fsdp_trace import trace_heaviest, trace_rank
 from workers.spec import TrialSpec
@@ -83,7 +83,12 @@ def test_traced_peak_is_a_real_cpu_runs_but_for_gloos_copies() -> None:
     none: tests/benchmarks/gloo_copies.py on 2 gloo ranks), which NCCL and the trace's fake group
     do not; where such a collective runs at the peak the run stands over its trace (2026-12-05:
     z3-dp4 0.0-1.8%, tp2-dp2 5.3-6.6%, pp2-dp2 1.3%). The count of operators' outputs this measure
-    replaced stood 3.5-6.3% over, and counted earlier cases' garbage in later ones (up to 2.4x)."""
+    replaced stood 3.5-6.3% over, and counted earlier cases' garbage in later ones (up to 2.4x).
+
+    Ranks of one stage hold the same tensors; whether a gloo temporary lands on a rank's peak is timing,
+    so the run's figure is each stage's lowest rank, the heaviest stage's: the heaviest rank alone stood
+    1.3-13.5% over its trace from run to run (tp2-dp2, pp2-dp2; at 20bd7c7 and after, 2026-12-05), and
+    failed the bound in a suite run at 8.9%."""
     from tests.fsdp.cases import run_batch
 
     model = MODEL_PRESETS["tiny-llama"]
@@ -92,7 +97,11 @@ def test_traced_peak_is_a_real_cpu_runs_but_for_gloos_copies() -> None:
     for name, trial in trials.items():
         done = batch["cases"][name]["done"]
         assert len(done) == 4, batch["tails"][0][-2000:]
-        measured = max(int(e["peak_tensor_bytes"]) for e in done.values())  # a steady step's (warm-up 2)
+        layout = rank_layout(trial.config, "fsdp")
+        stages: dict[int, list[int]] = {}
+        for rank, e in done.items():  # a steady step's (warm-up 2)
+            stages.setdefault(layout.index(int(rank), "pp"), []).append(int(e["peak_tensor_bytes"]))
+        measured = max(min(peaks) for peaks in stages.values())
         traced = trace_heaviest(trial)[0].peak_bytes
         assert -0.08 < traced / measured - 1 < 0.01, (name, traced / MiB, measured / MiB)
 
