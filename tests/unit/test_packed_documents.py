@@ -2,7 +2,8 @@
 each sequence, and a stack whose attention keeps to the documents (Megatron-Core's THD format,
 ``PerfConstants.varlen_attention``) attends over each document alone. Megatron-Bridge's LoRA and
 SFT performance runs pack SQuAD this way (``packed_sequence=True``); priced as one document a
-sequence, the ten were predicted 0.98-1.11x of their measured steps, 1.055 at the median (docs/results.md, "Cross-validated step time per stack")."""
+sequence, the ten were predicted 0.98-1.11x of their measured steps, 1.055 at the median
+(docs/results.md, "Cross-validated step time per stack")."""
 
 from __future__ import annotations
 
