@@ -9,7 +9,8 @@ leaves the model, data and optimizer to the user's job:
   written only above 1; data parallelism is what the world size leaves),
   sequence parallelism with tp (what the megatron stack prices), the batch, the distributed
   optimizer for ZeRO-1, the virtual stages of an interleaved schedule, recomputation and
-  precision (under ``megatron+fp8`` Transformer Engine's FP8 with FP8 weights, as priced, on a
+  precision, Transformer Engine's layers and TP overlap under ``megatron+te`` and the recipes
+  (``engine_flags``; under ``megatron+fp8`` Transformer Engine's FP8 with FP8 weights, as priced, on a
   device with FP8 tensor cores; ``+mxfp8`` and ``+nvfp4`` their block-scaled recipes on Blackwell).
   Megatron-LM numbers ranks tp fastest, then dp, then pp (its default order
   ``tp-cp-ep-dp-pp``, megatron/core/parallel_state.py ``initialize_model_parallel``), as Pipette's
@@ -69,7 +70,23 @@ def megatron_arguments(training: TrainingSpec, config: ParallelConfig, layers: i
         args.append("--recompute-granularity selective")
     if training.dtype in ("bf16", "fp16"):
         args.append(f"--{training.dtype}")
-    return args + moe_arguments(config, moe) + precision_flags(options, device_fp8, device_fp4)
+    return args + moe_arguments(config, moe) + engine_flags(config, options) + precision_flags(options, device_fp8,
+                                                                                                device_fp4)
+
+
+#: the options priced as Transformer Engine's Megatron-Core (``pipette.stacks.MEGATRON_TE_CONSTANTS``)
+TE_OPTIONS = ("te", "fp8", "mxfp8", "nvfp4")
+
+
+def engine_flags(config: ParallelConfig, options: tuple[str, ...]) -> list[str]:
+    """Transformer Engine as ``megatron+te`` and the FP8 recipes price it: its layers (``--transformer-impl
+    transformer_engine``, Megatron-LM's default, said because forks default to ``local``) and, with tp, the
+    tensor-parallel communication overlapped with the GEMMs (``--tp-comm-overlap``: TE's userbuffers; it
+    needs the ``--sequence-parallel`` written with tp above). None for ``megatron`` alone, priced as vTrain's
+    unfused Megatron."""
+    if not any(o in options for o in TE_OPTIONS):
+        return []
+    return ["--transformer-impl transformer_engine"] + (["--tp-comm-overlap"] if config.tp > 1 else [])
 
 
 def moe_arguments(config: ParallelConfig, moe: MoeSpec | None) -> list[str]:

@@ -76,6 +76,9 @@ OPTIONS: dict[str, str] = {
              "Blackwell; Megatron-Bridge's FP8-MX / MXFP8)",
     "nvfp4": "FP4 GEMMs with block scales (Transformer Engine's NVFP4BlockScaling recipe on Blackwell; "
              "Megatron-Bridge's NVFP4)",
+    "te": "Transformer Engine in the training dtype (Megatron-Core as Megatron-Bridge and NeMo run it in BF16: fused "
+          "attention, the tensor-parallel communication overlapped with the GEMMs, sequence parallelism); the FP8 "
+          "recipes run it too",
     "alloc-pressure": "price a stall per micro-batch as the estimated peak nears capacity (the caching allocator's "
                       "flush and retry; pipette.perf.MemoryPressure, fitted on the Ultra-Scale set; off by default: "
                       "docs/stacks.md)",
@@ -84,7 +87,7 @@ OPTIONS: dict[str, str] = {
 OPTION_NOT_MODELLED = "not modelled yet: predicted as the stack without it"
 #: Options the performance model prices (``PerfConstants.fp8_gemms``); the others are shown and
 #: kept with the trials only.
-MODELLED_OPTIONS = ("fp8", "fp8-rowwise", "mxfp8", "nvfp4", "async-tp", "alloc-pressure")
+MODELLED_OPTIONS = ("fp8", "fp8-rowwise", "mxfp8", "nvfp4", "async-tp", "te", "alloc-pressure")
 #: The low-precision recipes of the linear layers: one at most per stack key
 LOW_PRECISION_RECIPES = ("fp8", "fp8-rowwise", "mxfp8", "nvfp4")
 
@@ -174,6 +177,9 @@ class Stack:
     #: the constants and memory options under the ``fp8`` option, where the stack's FP8 is more
     #: than FP8 GEMMs (None: the stack's own with ``fp8_gemms``)
     fp8_constants: PerfConstants | None = None
+    #: the constants under the ``te`` option without a low-precision recipe: the ``fp8`` option's
+    #: engine with its GEMMs in the training dtype (None: the stack does not offer it)
+    te_constants: PerfConstants | None = None
     fp8_memory_options: MemoryOptions | None = None
     #: per recipe option (``mxfp8``, ``nvfp4``): the memory options under it (None: ``fp8_memory_options``)
     recipe_memory_options: tuple[tuple[str, MemoryOptions], ...] = ()
@@ -379,13 +385,18 @@ MEGATRON_TENSOR_RATE_SHARES: tuple[tuple[str, float], ...] = (
 #: the megatron stack's: Megatron's constants, packed documents attending within themselves (Megatron-Core's
 #: THD format, which Megatron-Bridge's fine-tuning recipes run: ``packed_sequence=True``)
 MEGATRON_STACK_CONSTANTS = replace(MEGATRON_CONSTANTS, varlen_attention=True)
-#: Megatron-Core's Transformer Engine FP8 as Megatron-Bridge and MLPerf run it: fused attention, casts
-#: fused into the norms and activations (FP8 weights), the userbuffer TP overlap, sequence parallelism
-#: (norms and residuals on the 1/t shard, pipeline hops carrying it), LoRA adapters on the roofline.
-MEGATRON_FP8_CONSTANTS = replace(MEGATRON_STACK_CONSTANTS, fp8_gemms=True, flash_attention=True, fp8_casts_fused=True,
-                                 tp_overlap=1.0, sequence_parallel=True, p2p_sequence_sharded=True,
-                                 fp8_efficiency=MEGATRON_FP8_EFFICIENCY, measured_attention=True,
-                                 tensor_rate_shares=MEGATRON_TENSOR_RATE_SHARES)
+#: Megatron-Core with Transformer Engine as Megatron-Bridge runs it (``megatron+te``; the engine of every
+#: recipe below): fused attention at its measured timings, the userbuffer TP overlap, sequence parallelism
+#: (norms and residuals on the 1/t shard, pipeline hops carrying it), the devices' tensor-rate shares.
+#: Nothing in it is fitted on BF16 runs: it is the FP8 recipes' engine with the GEMMs in the training dtype
+#: (``megatron`` alone keeps the constants of vTrain's unfused Megatron-DeepSpeed and nanotron).
+MEGATRON_TE_CONSTANTS = replace(MEGATRON_STACK_CONSTANTS, flash_attention=True, tp_overlap=1.0, sequence_parallel=True,
+                                p2p_sequence_sharded=True, measured_attention=True,
+                                tensor_rate_shares=MEGATRON_TENSOR_RATE_SHARES)
+#: Megatron-Core's Transformer Engine FP8 as Megatron-Bridge and MLPerf run it: the engine above with FP8
+#: GEMMs, casts fused into the norms and activations (FP8 weights), LoRA adapters on the roofline.
+MEGATRON_FP8_CONSTANTS = replace(MEGATRON_TE_CONSTANTS, fp8_gemms=True, fp8_casts_fused=True,
+                                 fp8_efficiency=MEGATRON_FP8_EFFICIENCY)
 #: Megatron-LM and NeMo: fused kernels, vocab-parallel loss, the distributed optimizer (ZeRO-1),
 #: fp32 gradient buffers. Constants fitted on vTrain (Megatron-DeepSpeed) and the Ultra-Scale set
 #: (nanotron, whose kernels and schedule are Megatron's); the memory options and the prior on
@@ -399,7 +410,7 @@ MEGATRON = Stack(
     recompute=("none", "selective", "full"), launch_files=(*CANDIDATE_FILES, "megatron_args.txt"),
     layout=MEGATRON_LAYOUT,
     framework_files=("megatron_args.txt",),
-    available_options=("fp8", "mxfp8", "nvfp4", "alloc-pressure"), memory_pressure=MEGATRON_PRESSURE,
+    available_options=("fp8", "mxfp8", "nvfp4", "te", "alloc-pressure"), memory_pressure=MEGATRON_PRESSURE,
     recipe_efficiencies=(("mxfp8", MEGATRON_MXFP8_EFFICIENCY), ("nvfp4", MEGATRON_NVFP4_EFFICIENCY)),
     nvfp4_peak="fp8",
     #: Megatron-LM / NeMo FP8 is Transformer Engine's: its fused attention (cuDNN / flash, not the
@@ -407,7 +418,7 @@ MEGATRON = Stack(
     #: activation kernels, its userbuffer TP overlap, and (NeMo ``fp8_params``) FP8 weights: MLPerf's
     #: Llama-2-70B LoRA reference (NVTE_FUSED_ATTN=1, TP_COMM_OVERLAP=True, FP8=True sets fp8 and
     #: fp8_params; docs/stacks.md); its efficiency fitted on Megatron-Bridge's runs (above).
-    fp8_constants=MEGATRON_FP8_CONSTANTS,
+    fp8_constants=MEGATRON_FP8_CONSTANTS, te_constants=MEGATRON_TE_CONSTANTS,
     fp8_memory_options=replace(MEGATRON_OPTIONS, fp8_weights=True, linear_input_bytes=FP8_INPUT_BYTES),
     #: the linear inputs saved in the recipe's format (``MemoryOptions.linear_input_bytes``); the weights
     #: not in FP8: an MXFP8 weight keeps a row-wise and a column-wise copy, each with its scales (TE's
@@ -579,6 +590,8 @@ def get_stack(stack: str | Stack | None, *, field: str = "stack") -> Stack:
         if efficiency is not None:
             constants = replace(constants, fp8_efficiency=efficiency,
                                 low_precision_peak=found.nvfp4_peak if recipes[0] == "nvfp4" else "fp8")
+    elif "te" in chosen and found.te_constants is not None:
+        constants = found.te_constants
     if "compile" in chosen and found.compiled is not None:
         constants, memory = found.compiled.apply(constants, memory)
     if rowwise and found.fp8_rowwise_efficiency is not None:

@@ -375,7 +375,7 @@ def load_stack_set(directory: Path, name: str) -> StackSet:
 BRIDGE_GPUS = {"H100-80GB": "H100-80GB", "B200-180GB": "B200-180GB", "GB200": "GB200-186GB", "GB300": "GB300-288GB"}
 #: the recipe's precision -> the megatron stack's option that prices it (per-tensor current scaling is
 #: ``fp8``; blockwise MXFP8 ``mxfp8``; NVFP4 ``nvfp4``)
-BRIDGE_RECIPES = {"FP8": "fp8", "FP8-CS": "fp8", "MXFP8": "mxfp8", "FP8-MX": "mxfp8", "NVFP4": "nvfp4", "BF16": ""}
+BRIDGE_RECIPES = {"FP8": "fp8", "FP8-CS": "fp8", "MXFP8": "mxfp8", "FP8-MX": "mxfp8", "NVFP4": "nvfp4", "BF16": "te"}
 #: Megatron-Bridge's LoRA (docs/training/peft.md of NVIDIA-NeMo/Megatron-Bridge: ``LoRA(target_modules=
 #: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"], dim=16, alpha=32)``): every linear layer
 BRIDGE_LORA_RANK = 16

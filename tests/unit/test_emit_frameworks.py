@@ -15,6 +15,7 @@ from pipette.config import ParallelConfig
 from pipette.emit import write_launch_files
 from pipette.emit_frameworks import megatron_arguments, nanotron_config
 from pipette.model import ModelSpec
+from pipette.stacks import get_stack
 from pipette.training import LoraSpec, TrainingSpec
 
 MODEL = ModelSpec.preset("llama3-8b")
@@ -74,6 +75,22 @@ def test_megatron_fp8_flags_only_where_the_device_has_fp8(tmp_path: Path, cluste
     args = [line for line in lines if line and not line.startswith("#")]
     assert all(a.startswith("--") for a in args)  # what `grep -v '^#'` hands pretrain_gpt.py
     assert ("--fp8-format hybrid" in args) is fp8 and ("--fp8-param-gather" in args) is fp8
+
+
+@pytest.mark.parametrize("stack", ["megatron", "megatron+te", "megatron+fp8"])
+@pytest.mark.parametrize("tp", [1, 4])
+def test_transformer_engine_and_its_tp_overlap_are_written_where_priced(tmp_path: Path, stack: str, tp: int) -> None:
+    """``megatron+te`` and the FP8 recipes are priced with Transformer Engine's layers and the TP
+    communication overlapped (``tp_overlap`` 1): their file asks for both (the overlap only with tp, where
+    Megatron-LM allows it); ``megatron`` alone, priced as unfused Megatron, asks for neither."""
+    cfg = ParallelConfig(tp=tp, pp=1, dp=16 // tp, mbs=1, global_batch=128, zero_stage=1)
+    files = write_launch_files(tmp_path, MODEL, TRAINING, cfg, H100S, stack=stack)
+    flags = _flags([a for a in files["megatron_args.txt"].read_text().splitlines() if a and not a.startswith("#")])
+    priced = get_stack(stack).constants
+    te = stack != "megatron"
+    assert (flags.get("--transformer-impl") == "transformer_engine") is te
+    assert ("--tp-comm-overlap" in flags) is (te and tp > 1) is (priced.tp_overlap == 1.0 and tp > 1)
+    assert ("--sequence-parallel" in flags) is (tp > 1)
 
 
 B200S = homogeneous_cluster("B200-180GB", 2, 8, 900e9, 50e9)

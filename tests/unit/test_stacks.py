@@ -60,6 +60,25 @@ def test_options_are_part_of_the_name_and_only_where_the_stack_has_them() -> Non
     assert e.value.field == "stack" and "megatron+fp8" in str(e.value.fix)
 
 
+def test_megatron_te_is_the_fp8_recipes_engine_in_the_training_dtype() -> None:
+    """``megatron+te`` prices Megatron-Core with Transformer Engine in bf16 (what Megatron-Bridge runs as
+    its BF16 recipe): the FP8 recipes' engine (fused attention, TP overlap, sequence parallelism, the
+    devices' tensor-rate shares) without FP8 GEMMs; with a recipe the recipe's constants."""
+    te, fp8 = get_stack("megatron+te").constants, get_stack("megatron+fp8").constants
+    assert not te.fp8_gemms and te.fp8_efficiency == 1.0 and not te.fp8_casts_fused
+    assert replace(fp8, fp8_gemms=False, fp8_casts_fused=False, fp8_efficiency=1.0) == te
+    assert get_stack("megatron+fp8+te").constants == fp8
+    assert get_stack("megatron").constants != te
+    # at a long sequence the unfused attention of ``megatron`` alone costs: te is faster on the same layout
+    cfg = ParallelConfig(tp=2, pp=1, dp=8, mbs=1, zero_stage=1, global_batch=64)
+    long = TrainingSpec(global_batch=64, seq_len=8192)
+    assert estimate_perf(MODEL, long, cfg, A100S, stack="megatron+te").step_time < \
+        estimate_perf(MODEL, long, cfg, A100S, stack="megatron").step_time
+    with pytest.raises(SpecError) as e:
+        get_stack("fsdp+te")
+    assert "fsdp has no option 'te'" in str(e.value)
+
+
 def test_an_unknown_stack_names_the_known_ones() -> None:
     with pytest.raises(SpecError) as e:
         get_stack("deepspeed-chat")
