@@ -85,15 +85,15 @@ SOURCES: tuple[Source, ...] = (
     Source("pipette.stacks.FSDP_CPU_CONSTANTS.collective_overhead_s", "fsdp (CPU)", FITTED,
            "tests/benchmarks/fsdp_cpu_calibration.py dedicated trials", 8),
     Source("pipette.perf_moe.MEGATRON_MOE.grouped_share", "megatron", FITTED,
-           "megatron_bridge_moe_dense.csv MoE rows (one per layout) + simumax_b200_megatron.csv DeepSeek rows", 39,
-           "tests/benchmarks/moe_fit.py"),
+           "megatron_bridge_moe_dense.csv MoE rows of releases 26.x (one per layout) + simumax_b200_megatron.csv "
+           "DeepSeek rows", 24, "tests/benchmarks/moe_fit.py; the 25.x rows kept aside"),
     Source("pipette.perf_moe.MEGATRON_MOE.layer_host_s", "megatron", FITTED,
-           "megatron_bridge_moe_dense.csv + simumax_b200_megatron.csv: the rows of the 39 whose host waits", 22,
+           "megatron_bridge_moe_dense.csv (26.x) + simumax_b200_megatron.csv: the rows of the 24 whose host waits", 9,
            "tests/benchmarks/moe_fit.py; no host sync under the all-to-all dispatcher with a capacity factor, "
            "or under a whole-step CUDA graph"),
     Source("pipette.perf_moe.MEGATRON_MOE.a2a_overlap", "megatron", COUNTED,
            note="0: the emitted megatron_args.txt does not overlap the all-to-all; the share hidden where a "
-                "Megatron-Bridge recipe does (0.831) is fitted on its 8 rows (docs/moe.md)"),
+                "Megatron-Bridge recipe does (0.95, the fit's bound) is fitted on its 5 rows (docs/moe.md)"),
     Source("pipette.perf_moe.MEGATRON_MOE.imbalance", "megatron", COUNTED,
            note="1: the rows cannot tell it from grouped_share"),
     Source("pipette.perf_moe.DEFAULT_MOE.grouped_half_tokens", "all", FITTED,

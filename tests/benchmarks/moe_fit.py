@@ -2,10 +2,12 @@
 
 Run from the repository root::
 
-    PYTHONPATH=$PWD .venv/bin/python tests/benchmarks/moe_fit.py
+    PYTHONPATH=$PWD .venv/bin/python tests/benchmarks/moe_fit.py [--all-releases]
 
 The rows are ``tests/benchmarks/moe_rows.py``'s: Megatron-Bridge's DeepSeek-V3 and Qwen3-30B-A3B
-(one row per layout) and SimuMax's DeepSeek-V2/V3 on 8 B200. Every other constant of a row's stack
+(one row per layout) of the current release line (26.x, ``CURRENT_LINE``; ``--all-releases`` adds 25.x's
+to the fit as before 2026-12-05) and SimuMax's DeepSeek-V2/V3 on 8 B200. The 25.x rows are kept aside
+and priced by the current line's fit (the 1.5x check). Every other constant of a row's stack
 (its GEMM curve, its FP8 / MXFP8 efficiency fitted on the set's dense rows) is as shipped; the four
 MoE terms of ``pipette.perf_moe.MoeConstants`` are fitted per fold by ``tests/benchmarks/crossval.py``
 (leave one job out: a job is the model, task, GPU and GPU count, as the dense Megatron-Bridge problem
@@ -65,18 +67,38 @@ def predict(x: np.ndarray, row: Row) -> float:
     return PerfModel(row.model, row.training, row.config, row.cluster, constants=k).step_time()
 
 
-def rows() -> list[Row]:
+#: The Megatron-Bridge release line the megatron stack's MoE terms describe: the 26.x releases. The set's
+#: README: "treat a release as part of the stack, or keep one row per layout". For the MoE rows a release
+#: is part of the stack: the set's repeats of one layout moved up to 1.77x between releases (Qwen3-30B-A3B
+#: on 16 H100, 26.02 -> 26.02.01; 1.72x on 8 GB200 25.11 -> 26.06; median 1.05 over 13 repeated layouts),
+#: where the dense repeats moved 1.16x at most (median 1.04 over 24). The older releases' rows are kept
+#: aside and scored by the current line's fit (``kept_aside``).
+CURRENT_LINE = "mb:26."
+
+
+def is_current(row: Row) -> bool:
+    """A row of the current release line (SimuMax's runs, one Megatron-LM commit, are their own set)."""
+    return row.source != "megatron_bridge" or row.row_id.startswith(CURRENT_LINE)
+
+
+def rows(releases: str = "current") -> list[Row]:
+    """The MoE rows: ``current`` the 26.x Bridge rows and SimuMax's, ``older`` the 25.x Bridge rows, ``all``."""
     d = calibration_dir()
-    return load_bridge_moe(d).rows + load_simumax_moe(d).rows
+    every = load_bridge_moe(d).rows + load_simumax_moe(d).rows
+    if releases == "all":
+        return every
+    return [r for r in every if is_current(r) == (releases == "current")]
 
 
-def problem() -> Problem:
-    samples = tuple(Sample(f"{r.source}:{i}", r.source, r) for i, r in enumerate(rows()))
+def problem(releases: str = "current") -> Problem:
+    samples = tuple(Sample(f"{r.source}:{i}", r.source, r) for i, r in enumerate(rows(releases)))
     return Problem(name="megatron-moe", samples=samples, params=PARAMS, predict=predict,
                    job=lambda s: "/".join(s.row.group[:4]),
-                   note="Jobs: model, task (or SimuMax's GPU count), GPU and GPU count; one row per layout.",
+                   note="Jobs: model, task (or SimuMax's GPU count), GPU and GPU count; one row per layout; "
+                        f"Megatron-Bridge's releases: {releases} ({CURRENT_LINE}* is the current line).",
                    subsets=(("Megatron-Bridge", lambda s: s.set == "megatron_bridge"),
-                            ("Megatron-Bridge releases 26.x", lambda s: s.row.row_id.startswith("mb:26.")),
+                            *((("Megatron-Bridge releases 25.x", lambda s: not is_current(s.row)),)
+                              if releases == "all" else ()),
                             ("Megatron-Bridge DeepSeek-V3", lambda s: "deepseek" in s.row.model.name
                              and s.set == "megatron_bridge"),
                             ("Megatron-Bridge Qwen3-30B-A3B", lambda s: "qwen3" in s.row.model.name),
@@ -84,6 +106,20 @@ def problem() -> Problem:
                    # the fit has two basins, the host floor near 1 ms and near 6 ms (the neutral start
                    # finds either, fold by fold): both tried in every fit, the lower cost kept
                    restarts=((0.5, 6e-3, 1.0),))
+
+
+def kept_aside(x: np.ndarray) -> list[str]:
+    """The older releases' rows (25.x) priced by the current line's fit ``x``: the 1.5x check of rows kept aside."""
+    older = problem("older")
+    pred = np.array([older.predict(x, s.row) for s in older.samples])
+    ratio = pred / np.array([s.row.step_time or np.nan for s in older.samples])
+    out = [f"  {s.row.row_id} {s.row.stack} {s.row.config.label}: predicted/measured {q:.2f}"
+           for s, q in zip(older.samples, ratio, strict=True)]
+    sc = scores(list(older.samples), pred)
+    inside = int(np.sum((ratio >= 1 / 1.5) & (ratio <= 1.5)))
+    out.append(f"  kept aside (releases 25.x, {sc.n} rows) by the current line's fit: MAPE {sc.mape:.1%}, median ratio "
+               f"{sc.median_ratio:.2f}, {inside} of {sc.n} within 1.5x")
+    return out
 
 
 def memory_lines() -> list[str]:
@@ -101,8 +137,10 @@ def memory_lines() -> list[str]:
     return out
 
 
-def main() -> int:
-    p = problem()
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    releases = "all" if "--all-releases" in args else "current"
+    p = problem(releases)
     result = crossval(p)
     print("| set | stack | problem (split, folds) | rows | MAPE | median pred/meas | Spearman min / median (jobs) "
           "| top-1 regret median / max | in-sample |")
@@ -116,6 +154,8 @@ def main() -> int:
     print("fitted per fold:", "; ".join(", ".join(f"{v:.3g}" for v in f.x) for f in result.folds))
     x = fit_least_squares(p.samples, p)
     print("fit on all", len(p.samples), "rows:", ", ".join(f"{q.name}={v:.4g}" for q, v in zip(PARAMS, x, strict=True)))
+    if releases == "current":
+        print("\n".join(kept_aside(x)))
     print("\n".join(memory_lines()))
     return 0
 
