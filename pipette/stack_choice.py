@@ -60,6 +60,7 @@ def pricing_lines(choice: StackChoice) -> list[str]:
     if choice.how == "default":
         lines.append(f"these are Pipette's own runner's prices; a job that runs another framework is priced by "
                      f"its stack: --stack {others} (or stack: in a job file)")
+    lines += [f"{s.name}: {s.bare_note}" for s in stacks if s.bare_note and not s.options]
     if choice.hinted is not None:
         lines.append(f"note: the input looks like {choice.hinted} ({STACKS[choice.hinted].frameworks}), priced as "
                      f"{STACK_SEPARATOR.join(s.key for s in stacks)} because it was named: --stack {choice.hinted} "

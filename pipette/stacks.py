@@ -177,6 +177,9 @@ class Stack:
     #: the constants and memory options under the ``fp8`` option, where the stack's FP8 is more
     #: than FP8 GEMMs (None: the stack's own with ``fp8_gemms``)
     fp8_constants: PerfConstants | None = None
+    #: said under a plan priced by the stack without options (``pipette.stack_choice.pricing_lines``): what its
+    #: bare constants are and which option prices the software users more likely run
+    bare_note: str | None = None
     #: the constants under the ``te`` option without a low-precision recipe: the ``fp8`` option's
     #: engine with its GEMMs in the training dtype (None: the stack does not offer it)
     te_constants: PerfConstants | None = None
@@ -419,6 +422,9 @@ MEGATRON = Stack(
     #: Llama-2-70B LoRA reference (NVTE_FUSED_ATTN=1, TP_COMM_OVERLAP=True, FP8=True sets fp8 and
     #: fp8_params; docs/stacks.md); its efficiency fitted on Megatron-Bridge's runs (above).
     fp8_constants=MEGATRON_FP8_CONSTANTS, te_constants=MEGATRON_TE_CONSTANTS,
+    bare_note=("priced as unfused Megatron (vTrain's Megatron-DeepSpeed); Megatron-Core with Transformer Engine, "
+               "Megatron-LM's default and what NeMo and Megatron-Bridge run: --stack megatron+te (bf16) or "
+               "megatron+fp8 / +mxfp8 / +nvfp4"),
     fp8_memory_options=replace(MEGATRON_OPTIONS, fp8_weights=True, linear_input_bytes=FP8_INPUT_BYTES),
     #: the linear inputs saved in the recipe's format (``MemoryOptions.linear_input_bytes``); the weights
     #: not in FP8: an MXFP8 weight keeps a row-wise and a column-wise copy, each with its scales (TE's

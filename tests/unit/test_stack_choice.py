@@ -7,6 +7,7 @@ import pytest
 
 from pipette.errors import SpecError
 from pipette.stack_choice import choose_stack, pricing_lines
+from pipette.stacks import STACKS
 
 
 def test_the_default_stack_is_said_with_how_to_choose_another() -> None:
@@ -25,8 +26,18 @@ def test_the_default_stack_is_said_with_how_to_choose_another() -> None:
 def test_the_input_names_the_framework(kind: str | None, files: tuple[str, ...], stack: str, how: str) -> None:
     choice = choose_stack(None, script_kind=kind, files=files)
     assert (choice.stack, choice.how) == (stack, how)
-    assert pricing_lines(choice) == [f"priced by {stack} (" + pricing_lines(choice)[0].split(" (", 1)[1]]
-    assert pricing_lines(choice)[0].endswith(f"from the {how}")
+    lines = pricing_lines(choice)
+    assert lines[0] == f"priced by {stack} (" + lines[0].split(" (", 1)[1] and lines[0].endswith(f"from the {how}")
+    assert lines[1:] == ([f"megatron: {STACKS['megatron'].bare_note}"] if stack == "megatron" else [])
+
+
+def test_bare_megatron_says_what_it_prices_and_how_to_price_transformer_engine() -> None:
+    """``megatron`` alone is vTrain's unfused Megatron; a user of Megatron-Core with Transformer Engine (NeMo,
+    Megatron-Bridge, Megatron-LM's default) is told the option that prices it; with an option, nothing."""
+    bare = pricing_lines(choose_stack("megatron"))
+    assert len(bare) == 2 and "unfused" in bare[1] and "--stack megatron+te" in bare[1]
+    assert pricing_lines(choose_stack("megatron+te")) == ["priced by megatron+te (Megatron-LM, NeMo), as named"]
+    assert len(pricing_lines(choose_stack("megatron,fsdp"))) == 2
 
 
 def test_a_named_stack_wins_and_a_different_hint_is_said() -> None:
