@@ -86,9 +86,9 @@ SOURCES: tuple[Source, ...] = (
            "tests/benchmarks/fsdp_cpu_calibration.py dedicated trials", 8),
     Source("pipette.perf_moe.MEGATRON_MOE.grouped_share", "megatron", FITTED,
            "megatron_bridge_moe_dense.csv MoE rows of releases 26.x (one per layout) + simumax_b200_megatron.csv "
-           "DeepSeek rows", 24, "tests/benchmarks/moe_fit.py; the 25.x rows kept aside"),
+           "DeepSeek rows", 27, "tests/benchmarks/moe_fit.py; the 25.x rows kept aside"),
     Source("pipette.perf_moe.MEGATRON_MOE.layer_host_s", "megatron", FITTED,
-           "megatron_bridge_moe_dense.csv (26.x) + simumax_b200_megatron.csv: the rows of the 24 whose host waits", 9,
+           "megatron_bridge_moe_dense.csv (26.x) + simumax_b200_megatron.csv: the rows of the 27 whose host waits", 12,
            "tests/benchmarks/moe_fit.py; no host sync under the all-to-all dispatcher with a capacity factor, "
            "or under a whole-step CUDA graph"),
     Source("pipette.perf_moe.MEGATRON_MOE.a2a_overlap", "megatron", COUNTED,

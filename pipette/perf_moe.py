@@ -94,15 +94,16 @@ class MoeConstants:
 
 #: Counted: the grouped GEMM from the kernel table, every all-to-all exposed, no imbalance, no launch floor
 DEFAULT_MOE = MoeConstants()
-#: The megatron stack's, fitted by tests/benchmarks/moe_fit.py on the MoE rows of Megatron-Bridge's current release
-#: line (26.x: 12, one per layout and recipe; the 25.x rows are kept aside, a release being part of the stack
-#: for MoE: docs/moe.md) and SimuMax's B200 DeepSeek runs (12) together (cross-validated figures: docs/moe.md):
-#: ``grouped_share`` on all 24, ``layer_host_s`` on the 9 whose host waits (``host_floor``; no whole-step CUDA
+#: The megatron stack's, fitted by tests/benchmarks/moe_fit.py on the MoE rows of Megatron-Bridge's current
+#: release line (26.x: 15, one per layout and recipe, B300's 3 among them; the 25.x rows are kept aside, a
+#: release being part of the stack for MoE) and SimuMax's B200 DeepSeek runs (12) together (cross-validated
+#: figures: docs/moe.md):
+#: ``grouped_share`` on all 27, ``layer_host_s`` on the 12 whose host waits (``host_floor``; no whole-step CUDA
 #: graph). ``imbalance`` is 1, not fitted: these rows cannot tell it from ``grouped_share``. ``a2a_overlap`` is
 #: 0 and the dispatcher the all-to-all because that is what the emitted megatron_args.txt runs (no
 #: ``--overlap-moe-expert-parallel-comm``); where a recipe overlaps, the fit hides 0.95 of it (5 rows; the
 #: fit's upper bound).
-MEGATRON_MOE = MoeConstants(grouped_share=0.729, a2a_overlap=0.0, layer_host_s=5.59e-3, imbalance=1.0)
+MEGATRON_MOE = MoeConstants(grouped_share=0.723, a2a_overlap=0.0, layer_host_s=5.59e-3, imbalance=1.0)
 
 
 @dataclass(frozen=True)

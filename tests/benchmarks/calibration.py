@@ -372,7 +372,8 @@ def load_stack_set(directory: Path, name: str) -> StackSet:
 
 # ---- megatron_bridge_moe_dense.csv: Megatron-Core at scale (NVIDIA's Megatron-Bridge performance summaries) ----
 #: the set's GPU names -> Pipette's presets
-BRIDGE_GPUS = {"H100-80GB": "H100-80GB", "B200-180GB": "B200-180GB", "GB200": "GB200-186GB", "GB300": "GB300-288GB"}
+BRIDGE_GPUS = {"H100-80GB": "H100-80GB", "B200-180GB": "B200-180GB", "GB200": "GB200-186GB", "GB300": "GB300-288GB",
+               "B300": "B300-288GB"}
 #: the recipe's precision -> the megatron stack's option that prices it (per-tensor current scaling is
 #: ``fp8``; blockwise MXFP8 ``mxfp8``; NVFP4 ``nvfp4``)
 BRIDGE_RECIPES = {"FP8": "fp8", "FP8-CS": "fp8", "MXFP8": "mxfp8", "FP8-MX": "mxfp8", "NVFP4": "nvfp4", "BF16": "te"}
@@ -387,9 +388,11 @@ BRIDGE_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_
 #: a few hundred tokens. Not measured here (no dataset on this machine) and not fitted: the rows' predictions
 #: move 1.5% between 256 and 1,024 (docs/results.md, "Cross-validated step time per stack")
 BRIDGE_SQUAD_DOCUMENT = 256
-#: NVLink per GPU and direction: NVLink 5 on B200, GB200 and GB300 (900 GB/s; the NVL72 racks' trays of 4 in
-#: one 72-GPU domain), NVLink 4 on H100; between DGX nodes 400 Gbit/s per GPU
-BRIDGE_NVLINK = {"H100-80GB": H100_NVLINK, "B200-180GB": 900e9, "GB200": 900e9, "GB300": 900e9}
+#: NVLink per GPU and direction: NVLink 5 on B200, B300, GB200 and GB300 (900 GB/s; the NVL72 racks' trays of 4
+#: in one 72-GPU domain), NVLink 4 on H100; between nodes 400 Gbit/s per GPU (ConnectX-7: DGX H100 and B200,
+#: GB200 NVL72), 800 Gbit/s on the parts built with ConnectX-8 (DGX B300 and GB300 NVL72 data sheets)
+BRIDGE_NVLINK = {"H100-80GB": H100_NVLINK, "B200-180GB": 900e9, "GB200": 900e9, "GB300": 900e9, "B300": 900e9}
+BRIDGE_NIC = {"GB300": 100e9, "B300": 100e9}
 
 
 #: Megatron-Bridge's performance runs fuse the cross entropy (scripts/performance/utils/overrides.py,
@@ -417,7 +420,7 @@ def _bridge_cluster(gpu: str, nodes: int, per_node: int) -> ClusterProfile:
         domain = segment * per_node if gpu.startswith("GB") else per_node
         data = {"name": f"{gpu}-{nodes}x{per_node}", "device": BRIDGE_GPUS[gpu], "nodes": nodes,
                 "devices_per_node": per_node, "intra_node": {"bandwidth": nvlink, "latency": 3e-6},
-                "inter_node": {"bandwidth": H100_NODE_NIC_PER_GPU, "latency": 10e-6}}
+                "inter_node": {"bandwidth": BRIDGE_NIC.get(gpu, H100_NODE_NIC_PER_GPU), "latency": 10e-6}}
         if domain > per_node and nodes * per_node > per_node:
             data["nvlink_domain"] = {"devices": min(domain, nodes * per_node), "bandwidth": nvlink, "latency": 3e-6}
         from pipette.clusterfile import cluster_from_dict

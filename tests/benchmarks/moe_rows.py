@@ -44,7 +44,7 @@ from tests.benchmarks.calibration import (
 #: the preset of each Megatron-Bridge model name (before any " (variant)")
 BRIDGE_MODELS = {"DeepSeekV3": "deepseek-v3", "Qwen3_30B_a3B": "qwen3-30b-a3b"}
 #: GPUs of the set with a device preset Pipette's clusters can be built on (calibration.BRIDGE_GPUS)
-BRIDGE_MOE_GPUS = ("H100-80GB", "B200-180GB", "GB200", "GB300")
+BRIDGE_MOE_GPUS = ("H100-80GB", "B200-180GB", "B300", "GB200", "GB300")
 @dataclass(frozen=True)
 class BridgeMoeRecipe:
     """What a Megatron-Bridge MoE perf recipe sets that the step time reads."""
@@ -67,8 +67,9 @@ def bridge_recipe(row: Row) -> BridgeMoeRecipe:
     workload_base_configs.py of github.com/pufanyi/Megatron-Bridge at 68aeacf / 3ee64eb) otherwise.
     DeepSeek-V3: MXFP8 on GB300 (pp 2, ep 32, micro-batch 1) and GB200 (pp 4, ep 64) overlap the
     all-to-all and run the step as one CUDA graph, the B200 ep 32 layout overlaps with DeepEP and
-    recomputes ``mlp``; H100 runs DeepEP with overlap and recomputes ``mlp``; the others HybridEP
-    (B200 ep 8: an all-to-all inside a node) without overlap. Qwen3-30B-A3B: HybridEP without overlap,
+    recomputes ``mlp``; B300 runs HybridEP without overlap, its MXFP8 recipe at pp 8, ep 8, micro-batch 1
+    as one CUDA graph with overlap (the set's B300 rows are other layouts); H100 runs DeepEP with overlap and
+    recomputes ``mlp``; the others HybridEP (B200 ep 8: an all-to-all inside a node) without overlap. Qwen3-30B-A3B: HybridEP without overlap,
     except the H100 pp 2 x vp 12 recipe (alltoall with overlap) and B200 at micro-batch 1 (alltoall)."""
     model, _, gpu, _, precision = row.group[:5]
     cfg, new = row.config, row.row_id.startswith("mb:26.")
@@ -79,6 +80,9 @@ def bridge_recipe(row: Row) -> BridgeMoeRecipe:
             return BridgeMoeRecipe("deepep", graphed, False, full_graph=graphed)
         if gpu == "B200-180GB":
             return BridgeMoeRecipe("deepep", cfg.ep == 32, cfg.ep == 32)
+        if gpu == "B300":  # HybridEP without overlap; MXFP8 at pp 8, ep 8, micro-batch 1 one graph with overlap
+            graphed = new and precision == "MXFP8" and (cfg.pp, cfg.ep, cfg.mbs) == (8, 8, 1)
+            return BridgeMoeRecipe("deepep", graphed, False, full_graph=graphed)
         return BridgeMoeRecipe("deepep", True, True)
     if gpu == "H100-80GB" and cfg.pp > 1:
         return BridgeMoeRecipe("alltoall", True, False)
