@@ -35,11 +35,11 @@ def fsdp_problems(model: ModelSpec, training: TrainingSpec, config: ParallelConf
     out += _context_problems(training, c)
     if m.attention is not None and m.moe is None and not m.attention.is_llamas(m.hidden, m.heads, training.seq_len):
         what = m.attention.differences(m.hidden, m.heads)
-        for degree, value, why in (("tp", c.tp, "its tensor parallelism shards Llama's attention"),
-                                   ("cp", c.cp, "its ring attention routes Llama's attention modules")):
-            if value > 1:
-                out.append((f"{degree}={value} with {m.name}'s attention ({what}): {why}", f"config.{degree}",
-                            f"use {degree}=1 (FSDP over the data-parallel ranks)"))
+        # its tensor parallelism shards the family's attention too (workers.rank.fsdp_parallel: Qwen2's
+        # biases with their columns, Qwen3's q/k norms over each rank's heads); its ring attention does not
+        if c.cp > 1:
+            out.append((f"cp={c.cp} with {m.name}'s attention ({what}): its ring attention routes Llama's attention "
+                        "modules", "config.cp", "use cp=1 (FSDP or tp over the ranks)"))
     return out
 
 

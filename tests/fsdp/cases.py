@@ -32,6 +32,19 @@ ROOT = Path(__file__).resolve().parents[2]
 #: 4 layers (2 pipeline stages x 2 virtual stages), GQA heads that tp=2 divides
 MODEL = ModelSpec(name="tiny-fsdp", layers=4, hidden=64, heads=4, kv_heads=2, ffn_hidden=128, vocab=256,
                   max_seq=64, tied_embeddings=False, arch="llama")
+#: Qwen3's attention on the same shapes (``workers.rank.hf_model``): q/k RMSNorms over each head, and heads of
+#: 24 (not hidden / heads = 16), which tensor parallelism shards with the q/k norms over each rank's heads
+QWEN3 = ModelSpec.from_hf_config({
+    "model_type": "qwen3", "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 24, "intermediate_size": 128, "vocab_size": 256,
+    "max_position_embeddings": 64, "tie_word_embeddings": False, "_name_or_path": "tiny-fsdp-qwen3"})
+#: Qwen2's: biases on q, k and v (cut with their columns under tensor parallelism)
+QWEN2 = ModelSpec.from_hf_config({
+    "model_type": "qwen2", "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 256, "max_position_embeddings": 64,
+    "tie_word_embeddings": False, "_name_or_path": "tiny-fsdp-qwen2"})
+#: the model of a case's ``model`` key
+MODELS = {"llama": MODEL, "qwen3": QWEN3, "qwen2": QWEN2}
 GLOBAL_BATCH, SEQ = 8, 32
 #: the modes of issue 31 on 4 ranks (ParallelConfig fields); extra: FsdpPlan fields set over the plan
 MODES: dict[str, dict[str, Any]] = {
@@ -52,6 +65,13 @@ EXTRA: dict[str, dict[str, Any]] = {
     "tp2-pp2": {"tp": 2, "pp": 2, "mbs": 2, "zero_stage": 3},
     "fsdp-offload": {"dp": 4, "mbs": 2, "zero_stage": 3, "offload": True},
     "tp2-pp2-lora-ac": {"tp": 2, "pp": 2, "mbs": 2, "zero_stage": 3, "recompute": "full", "lora": True},
+}
+#: other families' attention under FSDP2 x TP2, each against one device's run of its own model: Qwen3's
+#: (full and LoRA) and Qwen2's (full)
+FAMILY_CASES: dict[str, dict[str, Any]] = {
+    "fsdp-tp2-qwen3/full": {"dp": 2, "tp": 2, "mbs": 2, "zero_stage": 3, "model": "qwen3"},
+    "fsdp-tp2-qwen3/lora": {"dp": 2, "tp": 2, "mbs": 2, "zero_stage": 3, "model": "qwen3"},
+    "fsdp-tp2-qwen2/full": {"dp": 2, "tp": 2, "mbs": 2, "zero_stage": 3, "model": "qwen2"},
 }
 
 
@@ -79,16 +99,17 @@ def training(method: str, dtype: str = "fp32") -> TrainingSpec:
 def trial(mode: dict[str, Any], method: str, device_kind: str = "cpu", dtype: str = "fp32", steps: int = 4,
           **options: Any) -> TrialSpec:
     """The trial of one mode: ``steps`` steps in all (one warm-up), every one compared."""
-    fields = {k: v for k, v in mode.items() if k not in ("extra", "lora")}
+    fields = {k: v for k, v in mode.items() if k not in ("extra", "lora", "model")}
     config = ParallelConfig(tp=fields.pop("tp", 1), pp=fields.pop("pp", 1), dp=fields.pop("dp", 1),
                             mbs=fields.pop("mbs"), global_batch=GLOBAL_BATCH, **fields)
-    return TrialSpec(MODEL, training(method, dtype), config, warmup_steps=1, min_steps=steps - 1,
-                     max_steps=steps - 1, device_kind=device_kind, lr=1e-2, **options)
+    return TrialSpec(MODELS[mode.get("model", "llama")], training(method, dtype), config, warmup_steps=1,
+                     min_steps=steps - 1, max_steps=steps - 1, device_kind=device_kind, lr=1e-2, **options)
 
 
-def reference(method: str, device_kind: str = "cpu", dtype: str = "fp32", steps: int = 4) -> TrialSpec:
+def reference(method: str, device_kind: str = "cpu", dtype: str = "fp32", steps: int = 4,
+              model: str = "llama") -> TrialSpec:
     """The same job on one device: the whole global batch in one micro-batch."""
-    return trial({"mbs": GLOBAL_BATCH, "zero_stage": 0}, method, device_kind, dtype, steps)
+    return trial({"mbs": GLOBAL_BATCH, "zero_stage": 0, "model": model}, method, device_kind, dtype, steps)
 
 
 def free_port() -> int:
@@ -184,11 +205,14 @@ def cases(device_kind: str, dtype: str) -> dict[str, tuple[TrialSpec, dict[str, 
         method = "lora" if mode.get("lora") else "full"
         extra = mode.get("extra", {})
         out[f"{name}/{method}"] = (trial(mode, method, device_kind, dtype), extra, ref_key(method, dtype))
+    for name, mode in FAMILY_CASES.items():
+        method = name.rsplit("/", 1)[1]
+        out[name] = (trial(mode, method, device_kind, dtype), {}, ref_key(method, dtype, mode["model"]))
     return out
 
 
-def ref_key(method: str, dtype: str) -> str:
-    return f"{method}-{dtype}"
+def ref_key(method: str, dtype: str, model: str = "llama") -> str:
+    return f"{method}-{dtype}" + ("" if model == "llama" else f"-{model}")
 
 
 #: one rank under ``fully_shard`` (a one-rank mesh: FSDP2 for its mixed precision and offload)
@@ -201,7 +225,8 @@ ONE_RANK: dict[str, dict[str, Any]] = {
 def references(device_kind: str, dtypes: tuple[str, ...], one_rank: bool = True) -> dict[str, Any]:
     """One device's runs of the job (one rank process), full and LoRA in each dtype; then, in
     bf16, the ``ONE_RANK`` cases (compared with these by ``check_case``)."""
-    refs = {ref_key(m, d): reference(m, device_kind, d) for m in ("full", "lora") for d in dtypes}
+    runs = {("full", "llama"), ("lora", "llama")} | {(n.rsplit("/", 1)[1], m["model"]) for n, m in FAMILY_CASES.items()}
+    refs = {ref_key(m, d, model): reference(m, device_kind, d, model=model) for m, model in sorted(runs) for d in dtypes}
     if one_rank:
         refs |= {n: trial(mode, n.rsplit("/", 1)[1], device_kind, "bf16") for n, mode in ONE_RANK.items()}
     return run_batch(refs, 1, device_kind, 300)

@@ -4,8 +4,9 @@ model, q/k RMSNorms) on both of Pipette's runners.
 Until 2026-12-05 a Qwen3 or Qwen2 config.json was read as Llama's attention and its trials trained a
 Llama of its shapes; read as it is, the runners build the family's own model
 (``workers.rank.hf_model.llama_config``: Qwen3's, Qwen2's, or Llama's with a head size and biases),
-through the data-parallel and pipeline paths; their tensor and context parallelism shard Llama's
-attention only, and refuse it (``pipette.runners``, ``pipette.fsdp_rules``)."""
+through the data-parallel and pipeline paths, and the fsdp runner's tensor parallelism (Qwen3's q/k norms
+over each rank's heads, ``workers.rank.fsdp_parallel.QK_NORMS``); DeepSpeed's AutoTP and the fsdp runner's ring
+attention shard Llama's attention only, and refuse it (``pipette.runners``, ``pipette.fsdp_rules``)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ CASES = {
     "pipette-pp2-zero1-lora": ("pipette", {"pp": 2, "zero_stage": 1}, "lora", "deepspeed+pipeline+zero1+peft-lora"),
     "fsdp-dp2-full-shard-full": ("fsdp", {"dp": 2, "zero_stage": 3}, "full", "fsdp2-full-shard"),
     "fsdp-pp2-lora": ("fsdp", {"pp": 2, "zero_stage": 0}, "lora", "torch+pp-1f1b+peft-lora"),
+    "fsdp-tp2-full": ("fsdp", {"tp": 2, "dp": 2, "zero_stage": 3}, "full", "fsdp2-full-shard+tp-sp"),
 }
 
 
@@ -63,7 +65,6 @@ def test_a_qwen3_trial_trains_its_own_attention(name: str) -> None:
 
 @pytest.mark.parametrize(("stack", "degrees", "words"), [
     ("pipette", {"tp": 2}, "tensor parallelism shards Llama's"),
-    ("fsdp", {"tp": 2, "zero_stage": 3}, "tensor parallelism shards Llama's attention"),
     ("fsdp", {"cp": 2, "zero_stage": 3}, "ring attention routes Llama's attention modules"),
 ])
 def test_its_tensor_and_context_parallelism_are_refused_before_any_process(

@@ -6,7 +6,8 @@ over the data-parallel mesh, so a parameter ends a 2-D DTensor (dp x tp) where b
 * TP (PyTorch's tutorial "Large Scale Transformer model training with Tensor Parallel", and
   ``apply_tp``): q, k, v, gate and up column-parallel, o and down row-parallel with their output
   scattered over the sequence; the norms sequence-parallel (``SequenceParallel``), the attention
-  and MLP inputs gathered back (``PrepareModuleInput``); the embedding row-parallel (vocabulary
+  and MLP inputs gathered back (``PrepareModuleInput``); Qwen3's q/k norms over the rank's heads
+  (``QK_NORMS``); Qwen2's q/k/v biases cut with their columns; the embedding row-parallel (vocabulary
   rows) with its output scattered over the sequence, the LM head column-parallel with its
   logits left sharded over the vocabulary (a DTensor) for loss parallelism (torchtitan's
   ``loss_parallel``: each tp rank holds and differentiates its 1/tp of the logits, where gathering
@@ -62,6 +63,15 @@ PROJECTIONS: dict[str, str] = {
 }
 
 
+#: the per-head RMSNorms of q and k (Qwen3's attention, ``workers.rank.hf_model``): a column-parallel q or
+#: k projection leaves this rank its heads, viewed as (batch, sequence, heads, head size); the norm's
+#: weight (one head size wide) is replicated over tp and its input sharded over the heads (dim 2), as
+#: torchtitan's Qwen3 plan does (``SequenceParallel(sequence_dim=2)``), so the weight is a DTensor whose
+#: gradient, a partial sum over this rank's heads, is summed over the tp ranks; a plain parameter would
+#: keep each rank's partial gradient and the replicas would drift apart
+QK_NORMS = ("q_norm", "k_norm")
+
+
 def apply_tp(stage: LlamaStage, tp_mesh: DeviceMesh) -> None:
     """Shard the stage over ``tp_mesh`` with sequence parallelism (torchtitan's ``apply_tp``)."""
     ends: dict[str, Any] = {}
@@ -81,6 +91,9 @@ def apply_tp(stage: LlamaStage, tp_mesh: DeviceMesh) -> None:
             "post_attention_layernorm": SequenceParallel(),
             "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
         }
+        for norm in QK_NORMS:
+            if hasattr(layer.self_attn, norm):  # Qwen3's: over each head, so over this rank's heads
+                plan[f"self_attn.{norm}"] = SequenceParallel(sequence_dim=2, use_local_output=True)
         for path, kind in PROJECTIONS.items():
             style = ColwiseParallel() if kind == "column" else RowwiseParallel(output_layouts=Shard(1))
             module = layer.get_submodule(path)
