@@ -33,13 +33,8 @@ def fsdp_problems(model: ModelSpec, training: TrainingSpec, config: ParallelConf
     out += _pipeline_problems(m, c)
     out += moe_problems(m, c)
     out += _context_problems(training, c)
-    if m.attention is not None and m.moe is None and not m.attention.is_llamas(m.hidden, m.heads, training.seq_len):
-        what = m.attention.differences(m.hidden, m.heads)
-        # its tensor parallelism shards the family's attention too (workers.rank.fsdp_parallel: Qwen2's
-        # biases with their columns, Qwen3's q/k norms over each rank's heads); its ring attention does not
-        if c.cp > 1:
-            out.append((f"cp={c.cp} with {m.name}'s attention ({what}): its ring attention routes Llama's attention "
-                        "modules", "config.cp", "use cp=1 (FSDP or tp over the ranks)"))
+    # the family's attention (Qwen2's biases, Qwen3's q/k norms) takes tp (workers.rank.fsdp_parallel) and cp
+    # (workers.rank.context_parallel.attention_classes) as Llama's does; what it cannot build model_problems says
     return out
 
 

@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 STEPS = 3
 #: the cp = 1 trials every cp trial is held to, by method and dtype
-REFERENCE = {"full": "fp32", "lora": "fp32", "full-bf16": "bf16"}
+REFERENCE = {"full": "fp32", "lora": "fp32", "full-bf16": "bf16", "full-fp32-qwen3": "fp32", "lora-fp32-qwen3": "fp32"}
 CP1 = {"dp": 4, "mbs": 2, "zero_stage": 3}
 #: name -> (ParallelConfig fields, method, what the backend name says)
 CP_CASES: dict[str, tuple[dict[str, Any], str, str]] = {
@@ -34,12 +34,17 @@ CP_CASES: dict[str, tuple[dict[str, Any], str, str]] = {
     "pp2-cp2": ({"pp": 2, "cp": 2, "mbs": 2, "zero_stage": 3}, "lora", "fsdp2-full-shard+cp2-ring+pp-1f1b+peft-lora"),
     "hsdp-cp2": ({"dp": 2, "dp_shard": 1, "cp": 2, "mbs": 2, "zero_stage": 3}, "full", "fsdp2-hsdp2x2+cp2-ring"),
     "cp2-dp2-bf16": ({"dp": 2, "cp": 2, "mbs": 2, "zero_stage": 3}, "full-bf16", "fsdp2-full-shard+cp2-ring+mp-bf16"),
+    # Qwen3's attention (per-head q/k norms, heads of 24) through the same ring, on TP-local heads too
+    "qwen3-cp2-dp2": ({"dp": 2, "cp": 2, "mbs": 2, "zero_stage": 3, "model": "qwen3"}, "full-fp32-qwen3",
+                      "fsdp2-full-shard+cp2-ring"),
+    "qwen3-cp2-tp2": ({"cp": 2, "tp": 2, "mbs": 2, "zero_stage": 3, "model": "qwen3"}, "lora-fp32-qwen3",
+                      "fsdp2-full-shard+tp-sp+cp2-ring+peft-lora"),
 }
 
 
 def _trial(mode: dict[str, Any], method: str) -> Any:
-    kind, _, dtype = method.partition("-")
-    return fc.trial(mode, kind, dtype=dtype or "fp32", steps=STEPS)
+    kind, dtype, *model = method.split("-") + ([] if "-" in method else ["fp32"])
+    return fc.trial(mode | ({"model": model[0]} if model else {}), kind, dtype=dtype, steps=STEPS)
 
 
 @pytest.fixture(scope="module")

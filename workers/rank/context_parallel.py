@@ -160,17 +160,29 @@ def _hf_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: to
     return context.attend(query, key, value, scale).transpose(1, 2).contiguous(), None
 
 
+def attention_classes() -> tuple[type, ...]:
+    """The attention modules of the families the runners build (``workers.rank.hf_model.llama_config``):
+    each calls the attention function its config names (``AttentionInterface``) on [b, heads, s, d] queries
+    after its own position-wise steps (Qwen2's biases, Qwen3's per-head q/k norms), so the same ring takes
+    them all."""
+    from transformers.models.llama.modeling_llama import LlamaAttention
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
+
+    return LlamaAttention, Qwen2Attention, Qwen3Attention
+
+
 def apply_context_parallel(stage: Any, context: ContextParallel) -> int:
-    """Route every decoder layer's attention of a ``LlamaStage`` through ``context`` (through
+    """Route every decoder layer's attention of a ``LlamaStage`` (``attention_classes``) through ``context`` (through
     checkpoint wrappers too) and give the stage this rank's global positions; its inputs must
     be ``context.shard``'s part. Returns how many attention modules it routed."""
     from transformers import AttentionInterface
-    from transformers.models.llama.modeling_llama import LlamaAttention
 
     AttentionInterface.register(ATTENTION_NAME, _hf_attention)
     routed = 0
+    families = attention_classes()
     for module in stage.modules():
-        if isinstance(module, LlamaAttention):
+        if isinstance(module, families):
             module.context_parallel = context  # type: ignore[assignment]
             module.config._attn_implementation = ATTENTION_NAME
             routed += 1
