@@ -247,6 +247,8 @@ def _activations(
     act_split, act_seq = _te_layer(model, training, s, b, d, act_split, act_seq, options)
     if "mla_up_proj" in options.recompute_modules:
         act_split, act_kv = memory_moe.without_mla_up_proj(model, s, b, d, act_split, act_kv)
+    q_norm, k_norm = qk_norm_bytes(model, s * b, d, options)
+    act_split, act_kv = act_split + q_norm, act_kv + k_norm
     act_sharded = act_split / t + act_kv / min(t, model.kv_heads)
     act_seq_t = act_seq / t if options.sequence_parallel else act_seq
     # the two norm outputs a layer gathers whole under DTensor's sequence parallelism, beyond their
@@ -261,6 +263,19 @@ def _activations(
         else options.loss_fp32_copies
     logits = b * s * model.vocab / t * (2 * d if options.fused_loss else d + copies * FP32_BYTES)
     return _Activations(per_layer, rebuilt, head_act, logits, b * s * model.vocab / t * d)
+
+
+def qk_norm_bytes(model: ModelSpec, tokens: int, d: int, options: MemoryOptions) -> tuple[float, float]:
+    """Bytes the per-head q and k RMSNorms of one layer (Qwen3's attention) keep for ``tokens`` tokens, over
+    q's width and k's: per element, Transformer Engine's fused norm its input (``options.qk_norm`` "te");
+    Hugging Face's eager ``Qwen3RMSNorm`` its input cast to fp32 and its normalized output in the training
+    dtype ("eager": max(4, d) + d bytes; an fp32 cast of fp32 is the input itself). Traced with the fsdp
+    runner's Qwen3 (docs/results.md, "Traced memory"): 6 bytes per element of q and k in bf16."""
+    a = model.attention
+    if a is None or not a.qk_norm or a.mla is not None:
+        return 0.0, 0.0
+    per = float(d) if options.qk_norm == "te" else float(max(FP32_BYTES, d) + d)
+    return per * tokens * model.heads * model.head_dim, per * tokens * model.kv_dim
 
 
 def _kept_and_rebuilt(

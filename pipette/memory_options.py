@@ -217,6 +217,10 @@ class MemoryOptions:
     #: Megatron-LM, ``--no-bias-swiglu-fusion`` turns it off; megatron/core/fusions/fused_bias_swiglu.py
     #: saves the fc1 output only and recomputes the SiLU in the backward): no SiLU output is stored
     fused_swiglu: bool = False
+    #: What a per-head q/k RMSNorm (Qwen3's attention) keeps (``pipette.memory.qk_norm_bytes``): "eager"
+    #: (Hugging Face's ``Qwen3RMSNorm``: its fp32-cast input and its normalized output) or "te" (Transformer
+    #: Engine's fused norm, Megatron-Core's ``qk_layernorm``: its input)
+    qk_norm: str = "eager"
     #: Bytes per element of a linear layer's input kept for its weight gradient where the stack keeps
     #: it quantized (None: the training dtype). Transformer Engine's FP8/MXFP8/NVFP4 linears save the
     #: input as their quantizer cast it (transformer_engine/pytorch/module/linear.py and
@@ -274,7 +278,7 @@ DEFAULT_OPTIONS = MemoryOptions(capacity_figure="device-used")
 #: Engine's frozen linear inputs not kept, its fp32 gradient buffer under bf16, its fused SwiGLU, and
 #: the embedding and loss counted as pipeline layers where the layers alone do not split: the megatron stack.
 MEGATRON_OPTIONS = MemoryOptions(loss_fp32_copies=2, deepspeed_bf16_fp32_grads=False, frozen_inputs_saved=False,
-                                 bf16_fp32_grads=True, fused_swiglu=True, stage_balance="embedding_loss",
+                                 bf16_fp32_grads=True, fused_swiglu=True, qk_norm="te", stage_balance="embedding_loss",
                                  fragmentation=MEGATRON_FRAGMENTATION, reserved_share=MEGATRON_RESERVED_SHARE)
 #: Bytes per element of a linear input Transformer Engine saves under each low-precision recipe
 #: (``MemoryOptions.linear_input_bytes``): FP8 1; MXFP8 1 and one E8M0 scale per 32 elements; NVFP4
