@@ -69,8 +69,9 @@ def bridge_recipe(row: Row) -> BridgeMoeRecipe:
     all-to-all and run the step as one CUDA graph, the B200 ep 32 layout overlaps with DeepEP and
     recomputes ``mlp``; B300 runs HybridEP without overlap, its MXFP8 recipe at pp 8, ep 8, micro-batch 1
     as one CUDA graph with overlap (the set's B300 rows are other layouts); H100 runs DeepEP with overlap and
-    recomputes ``mlp``; the others HybridEP (B200 ep 8: an all-to-all inside a node) without overlap. Qwen3-30B-A3B: HybridEP without overlap,
-    except the H100 pp 2 x vp 12 recipe (alltoall with overlap) and B200 at micro-batch 1 (alltoall)."""
+    recomputes ``mlp``; the others HybridEP (B200 ep 8: an all-to-all inside a node) without overlap.
+    Qwen3-30B-A3B: HybridEP without overlap, except the H100 pp 2 x vp 12 recipe (alltoall with overlap)
+    and B200 at micro-batch 1 (alltoall)."""
     model, _, gpu, _, precision = row.group[:5]
     cfg, new = row.config, row.row_id.startswith("mb:26.")
     if model.startswith("DeepSeekV3"):

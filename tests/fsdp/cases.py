@@ -225,8 +225,10 @@ ONE_RANK: dict[str, dict[str, Any]] = {
 def references(device_kind: str, dtypes: tuple[str, ...], one_rank: bool = True) -> dict[str, Any]:
     """One device's runs of the job (one rank process), full and LoRA in each dtype; then, in
     bf16, the ``ONE_RANK`` cases (compared with these by ``check_case``)."""
-    runs = {("full", "llama"), ("lora", "llama")} | {(n.rsplit("/", 1)[1], m["model"]) for n, m in FAMILY_CASES.items()}
-    refs = {ref_key(m, d, model): reference(m, device_kind, d, model=model) for m, model in sorted(runs) for d in dtypes}
+    runs = {("full", "llama"), ("lora", "llama")}
+    runs |= {(n.rsplit("/", 1)[1], m["model"]) for n, m in FAMILY_CASES.items()}
+    refs = {ref_key(m, d, model): reference(m, device_kind, d, model=model)
+            for m, model in sorted(runs) for d in dtypes}
     if one_rank:
         refs |= {n: trial(mode, n.rsplit("/", 1)[1], device_kind, "bf16") for n, mode in ONE_RANK.items()}
     return run_batch(refs, 1, device_kind, 300)

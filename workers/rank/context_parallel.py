@@ -173,8 +173,8 @@ def attention_classes() -> tuple[type, ...]:
 
 
 def apply_context_parallel(stage: Any, context: ContextParallel) -> int:
-    """Route every decoder layer's attention of a ``LlamaStage`` (``attention_classes``) through ``context`` (through
-    checkpoint wrappers too) and give the stage this rank's global positions; its inputs must
+    """Route every decoder layer's attention of a ``LlamaStage`` (``attention_classes``) through ``context``
+    (through checkpoint wrappers too) and give the stage this rank's global positions; its inputs must
     be ``context.shard``'s part. Returns how many attention modules it routed."""
     from transformers import AttentionInterface
 
@@ -183,8 +183,9 @@ def apply_context_parallel(stage: Any, context: ContextParallel) -> int:
     families = attention_classes()
     for module in stage.modules():
         if isinstance(module, families):
-            module.context_parallel = context  # type: ignore[assignment]
-            module.config._attn_implementation = ATTENTION_NAME
+            attention: Any = module
+            attention.context_parallel = context
+            attention.config._attn_implementation = ATTENTION_NAME
             routed += 1
     stage.position_ids = context.positions()
     return routed
