@@ -66,6 +66,13 @@ def test_each_composition_on_four_gpus_trains_as_one_gpu_does(batch: dict[str, A
     _check_gpu(batch, refs, name, batch["keys"][name])
 
 
+@pytest.mark.parametrize("name", list(fc.FAMILY_CASES))
+def test_qwen_attention_on_four_gpus_trains_as_one_gpu_does(batch: dict[str, Any], refs: dict[str, Any],
+                                                           name: str) -> None:
+    """Qwen3's per-head q/k norms and Qwen2's biases under FSDP2 x TP2 on NCCL (tests/fsdp/test_fsdp.py on gloo)."""
+    _check_gpu(batch, refs, name, batch["keys"][name])
+
+
 @pytest.mark.parametrize("name", list(fc.ONE_RANK))
 def test_one_gpu_shards_on_a_one_rank_mesh_with_offload(refs: dict[str, Any], name: str) -> None:
     """FSDP2 on one GPU: mixed precision, CPU offload (parameters and AdamW on the host), per-op
