@@ -63,6 +63,21 @@ def test_a_layout_is_kept_once_whatever_its_precision_is_spelt() -> None:
     assert "mb:25.11:DGX-GB300:Qwen3_30B_a3B:FP8-MX:pretrain:main" in ids  # micro-batch 4: no 26.x row
 
 
+def test_the_moe_terms_fit_the_current_release_line_and_keep_the_older_aside() -> None:
+    """A release is part of the stack for MoE (tests/benchmarks/moe_fit.py): the fit's rows are Megatron-Bridge's
+    26.x rows (B300's among them) and SimuMax's; the 25.x rows are only priced, by that fit, as rows kept aside;
+    the BF16 recipe's rows are priced by ``megatron+te`` (Transformer Engine in bf16)."""
+    from tests.benchmarks.moe_fit import rows
+
+    current, older, every = rows("current"), rows("older"), rows("all")
+    assert sorted(r.row_id for r in current + older) == sorted(r.row_id for r in every)
+    assert all(r.row_id.startswith("mb:26.") for r in current if r.source == "megatron_bridge")
+    assert {r.source for r in current} == {"megatron_bridge", "simumax"}
+    assert older and all(r.row_id.startswith("mb:25.") for r in older)
+    assert any("B300" in r.row_id for r in current)
+    assert {r.stack for r in every if ":BF16:" in r.row_id} == {"megatron+te"}
+
+
 def test_a_recomputed_moe_layer_runs_its_forward_again_in_the_backward() -> None:
     def times(k: perf_moe.MoeConstants) -> tuple[float, float, float, float]:
         return perf_moe.layer_times(
