@@ -93,7 +93,7 @@ SOURCES: tuple[Source, ...] = (
            "or under a whole-step CUDA graph"),
     Source("pipette.perf_moe.MEGATRON_MOE.a2a_overlap", "megatron", COUNTED,
            note="0: the emitted megatron_args.txt does not overlap the all-to-all; the share hidden where a "
-                "Megatron-Bridge recipe does (0.95, the fit's bound) is fitted on its 5 rows (docs/moe.md)"),
+                "Megatron-Bridge recipe does (0.95, the fit's upper bound) is fitted on its 5 rows (docs/moe.md)"),
     Source("pipette.perf_moe.MEGATRON_MOE.imbalance", "megatron", COUNTED,
            note="1: the rows cannot tell it from grouped_share"),
     Source("pipette.perf_moe.DEFAULT_MOE.grouped_half_tokens", "all", FITTED,

@@ -9,6 +9,7 @@ without the stacks importing the estimator back.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from pipette.errors import SpecError
 
@@ -220,7 +221,7 @@ class MemoryOptions:
     #: What a per-head q/k RMSNorm (Qwen3's attention) keeps (``pipette.memory.qk_norm_bytes``): "eager"
     #: (Hugging Face's ``Qwen3RMSNorm``: its fp32-cast input and its normalized output) or "te" (Transformer
     #: Engine's fused norm, Megatron-Core's ``qk_layernorm``: its input)
-    qk_norm: str = "eager"
+    qk_norm: Literal["eager", "te"] = "eager"
     #: Bytes per element of a linear layer's input kept for its weight gradient where the stack keeps
     #: it quantized (None: the training dtype). Transformer Engine's FP8/MXFP8/NVFP4 linears save the
     #: input as their quantizer cast it (transformer_engine/pytorch/module/linear.py and

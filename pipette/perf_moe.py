@@ -102,7 +102,7 @@ DEFAULT_MOE = MoeConstants()
 #: graph). ``imbalance`` is 1, not fitted: these rows cannot tell it from ``grouped_share``. ``a2a_overlap`` is
 #: 0 and the dispatcher the all-to-all because that is what the emitted megatron_args.txt runs (no
 #: ``--overlap-moe-expert-parallel-comm``); where a recipe overlaps, the fit hides 0.95 of it (5 rows; the
-#: fit's upper bound).
+#: fit's upper bound, where 10 of its 11 folds put it).
 MEGATRON_MOE = MoeConstants(grouped_share=0.723, a2a_overlap=0.0, layer_host_s=5.59e-3, imbalance=1.0)
 
 

@@ -33,6 +33,7 @@ from pipette.model import MODEL_PRESETS, ModelSpec
 from pipette.moe import MoeSpec
 from pipette.training import LoraSpec, TrainingSpec
 from tests.benchmarks.calibration import (
+    BRIDGE_GPUS,
     BRIDGE_LORA_RANK,
     BRIDGE_LORA_TARGETS,
     BRIDGE_RECIPES,
@@ -43,8 +44,6 @@ from tests.benchmarks.calibration import (
 
 #: the preset of each Megatron-Bridge model name (before any " (variant)")
 BRIDGE_MODELS = {"DeepSeekV3": "deepseek-v3", "Qwen3_30B_a3B": "qwen3-30b-a3b"}
-#: GPUs of the set with a device preset Pipette's clusters can be built on (calibration.BRIDGE_GPUS)
-BRIDGE_MOE_GPUS = ("H100-80GB", "B200-180GB", "B300", "GB200", "GB300")
 @dataclass(frozen=True)
 class BridgeMoeRecipe:
     """What a Megatron-Bridge MoE perf recipe sets that the step time reads."""
@@ -180,7 +179,7 @@ def load_bridge_moe(directory: Path) -> MoeSet:
                 out.skipped["an older release of a layout kept once"] += 1
                 continue
             seen.add(key)
-            if r["gpu"] not in BRIDGE_MOE_GPUS:
+            if r["gpu"] not in BRIDGE_GPUS:  # no device preset to build its cluster on
                 out.skipped[f"no cluster preset for {r['gpu']}"] += 1
                 continue
             try:

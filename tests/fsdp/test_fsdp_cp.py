@@ -43,8 +43,10 @@ CP_CASES: dict[str, tuple[dict[str, Any], str, str]] = {
 
 
 def _trial(mode: dict[str, Any], method: str) -> Any:
-    kind, dtype, *model = method.split("-") + ([] if "-" in method else ["fp32"])
-    return fc.trial(mode | ({"model": model[0]} if model else {}), kind, dtype=dtype, steps=STEPS)
+    """``method`` is ``kind[-dtype[-model]]``: ``full``, ``full-bf16``, ``lora-fp32-qwen3``."""
+    parts = method.split("-")
+    kind, dtype, model = [*parts, *("fp32", "llama")[len(parts) - 1:]]
+    return fc.trial(mode | {"model": model}, kind, dtype=dtype, steps=STEPS)
 
 
 @pytest.fixture(scope="module")
