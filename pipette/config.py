@@ -11,7 +11,9 @@ so a TP group is ``tp`` consecutive ranks. ``placement[rank]`` is the device ind
 of the cluster's link matrix) that runs ``rank``; ``None`` means ``rank -> device rank``.
 ``cp`` (context parallelism) adds ranks, ``world = tp * pp * dp * cp``; ``ep`` (expert
 parallelism) is carved out of the ``dp * cp`` ranks (``pipette.layout``). Both are 1 unless
-given, and written (``to_dict``, ``label``) only when not 1.
+given, and written (``to_dict``, ``label``) only when not 1. An MoE candidate's ``routing``
+(dropless or a capacity factor) and token ``dispatcher`` (``pipette.routing``) are None (the model's
+routing, the all-to-all) unless given, and written only when given.
 
 Two options are the ``fsdp`` stack's alone (``workers.rank.fsdp``; DeepSpeed refuses them):
 ``dp_shard``, the data-parallel degree FSDP2 shards over (HSDP, torchtitan's
@@ -28,6 +30,7 @@ from typing import Any
 
 from pipette.errors import SpecError
 from pipette.layout import Layout, check_degrees, layout_of
+from pipette.routing import check_dispatcher, parse_routing
 from pipette.training import RECOMPUTE_MODES, SCHEDULES
 
 
@@ -56,6 +59,10 @@ class ParallelConfig:
     ep: int = 1
     #: expert tensor-parallel degree (Megatron-Core's ``expert_tensor_parallel_size``); None: tp, its default
     etp: int | None = None
+    #: an MoE candidate's routing (``pipette.routing``): ``dropless`` or ``cf<factor>``; None: the model's own
+    routing: str | None = None
+    #: an MoE candidate's token dispatcher (``pipette.routing``): ``flex`` (DeepEP / HybridEP); None: the all-to-all
+    dispatcher: str | None = None
 
     def __post_init__(self) -> None:
         check_degrees(self.tp, self.pp, self.dp, self.cp, self.ep, self.dp_shard)
@@ -65,6 +72,13 @@ class ParallelConfig:
                             field="config.etp", fix="give an etp of 1 or tp, or leave it out (etp = tp)")
         if self.etp == self.tp:
             object.__setattr__(self, "etp", None)  # one spelling of Megatron-Core's default
+        if self.routing is not None:
+            object.__setattr__(self, "routing", parse_routing(self.routing, "config.routing"))
+        object.__setattr__(self, "dispatcher", check_dispatcher(self.dispatcher))
+        if self.dispatcher is not None and self.tp * self.ep == 1:
+            # Megatron-Core's MoEFlexTokenDispatcher: "Flex token dispatcher requires TPxEP > 1"
+            raise SpecError("the flex dispatcher needs tp x ep > 1 (it moves tokens between ranks)",
+                            field="config.dispatcher", fix="use it with ep > 1, or leave the dispatcher out")
         for name in ("mbs", "global_batch", "virtual_stages"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -140,7 +154,8 @@ class ParallelConfig:
         sched = "1f1b" if self.schedule == "1f1b" else f"int{self.virtual_stages}"
         fsdp = "" if self.dp_shard is None else f"-hsdp{self.dp // self.dp_shard}x{self.dp_shard}"
         extra = f"{'' if self.cp == 1 else f'-cp{self.cp}'}{'' if self.ep == 1 else f'-ep{self.ep}'}" \
-            f"{'' if self.etp is None else f'-etp{self.etp}'}"
+            f"{'' if self.etp is None else f'-etp{self.etp}'}" \
+            f"{'' if self.routing is None else '-' + self.routing}{'' if self.dispatcher is None else '-' + self.dispatcher}"
         return (
             f"tp{self.tp}-pp{self.pp}-dp{self.dp}{extra}-mbs{self.mbs}-z{self.zero_stage}"
             f"-rc:{self.recompute}-{sched}{fsdp}{'-offload' if self.offload else ''}"
@@ -165,6 +180,8 @@ class ParallelConfig:
             **({"cp": self.cp} if self.cp != 1 else {}),
             **({"ep": self.ep} if self.ep != 1 else {}),
             **({"etp": self.etp} if self.etp is not None else {}),
+            **({"routing": self.routing} if self.routing is not None else {}),
+            **({"dispatcher": self.dispatcher} if self.dispatcher is not None else {}),
         }
 
     @classmethod

@@ -50,6 +50,7 @@ from pipette.errors import SpecError
 from pipette.model import ModelSpec
 from pipette.moe import MoeSpec
 from pipette.moe_count import expert_params
+from pipette.routing import capacity_of
 from pipette.training import TrainingSpec
 
 FP32_BYTES = 4
@@ -110,11 +111,62 @@ def stage_mlp_layers(model: ModelSpec, layers: tuple[int, ...] | list[int]) -> l
     return out
 
 
-def routed_tokens(moe: MoeSpec, tokens: float) -> float:
-    """Token copies one rank's experts receive from ``tokens`` routed: ``k`` each, capped at
-    ``capacity_factor`` times that (GShard sec. 2.2; Megatron-Core pads to the capacity when asked)."""
+#: DeepEP's normal-kernel configs (deep_ep/buffer.py, ``Buffer.get_dispatch_config`` and
+#: ``get_combine_config``): the NVLink receive window in tokens per channel and peer, by expert-parallel
+#: group size (the sizes it supports; the RDMA window is 128 at every size)
+DEEPEP_NVL_RECV_TOKENS: dict[int, int] = {2: 256, 4: 256, 8: 256, 16: 288, 24: 288, 32: 288, 64: 288, 128: 560,
+                                          144: 720, 160: 720}
+DEEPEP_RDMA_RECV_TOKENS = 128
+#: SMs DeepEP's kernels take (Megatron-Core's ``--moe-deepep-num-sms`` default); a channel is two SMs
+DEEPEP_SMS = 20
+#: NVLink peers DeepEP's normal kernels reach directly (``NUM_MAX_NVL_PEERS``); the rest over RDMA
+DEEPEP_NVL_PEERS = 8
+#: per token slot: top-k indices (int64) and weights, and FP8 scales (fp32), for at most 128 of each, and
+#: its 8-byte source metadata (csrc/config.hpp, ``kNumMaxTopK``, ``kNumMaxScales``, ``SourceMeta``)
+_DEEPEP_SLOT_BYTES = 128 * 8 + 128 * 4 + 128 * 4 + 8
+
+
+def flex_buffer_bytes(hidden: int, group: int) -> float:
+    """Bytes of the communication buffer the flex dispatcher allocates once per rank (DeepEP's
+    ``Buffer(group, num_nvl_bytes, num_rdma_bytes)`` as Megatron-Core's ``fused_a2a.get_buffer`` sizes it:
+    the larger of the dispatch and combine configs' hints, ``Config.get_nvl_buffer_size_hint`` and
+    ``get_rdma_buffer_size_hint`` of csrc/config.hpp, for ``hidden x 2`` bytes a token). ``group`` is
+    the expert tensor x expert parallel group; 0 for a group DeepEP's configs do not list."""
+    if group < 2 or group not in DEEPEP_NVL_RECV_TOKENS:
+        return 0.0
+    channels = DEEPEP_SMS // 2
+    token = hidden * 2
+    rdma = max(group // DEEPEP_NVL_PEERS, 1)
+    nvl = min(group, DEEPEP_NVL_PEERS)
+    recv = DEEPEP_NVL_RECV_TOKENS[group]
+    nvl_bytes = channels * nvl * ((2 * rdma + 3) * 4 + recv * (token + _DEEPEP_SLOT_BYTES))
+    rdma_bytes = 0.0
+    if group > DEEPEP_NVL_PEERS:
+        rdma_bytes = channels * rdma * ((DEEPEP_NVL_PEERS * 2 + 2) * 2 * 4
+                                        + DEEPEP_RDMA_RECV_TOKENS * 2 * (token + _DEEPEP_SLOT_BYTES + 16)) + 2 ** 20
+    return float(nvl_bytes + rdma_bytes)
+
+
+def routed_tokens(moe: MoeSpec, tokens: float, config: ParallelConfig | None = None) -> float:
+    """Token copies one rank's experts are sized for from ``tokens`` routed: ``k`` each, and with a
+    capacity factor (the candidate's routing, else the model's: ``pipette.routing``) that factor times
+    it (GShard sec. 2.2): the all-to-all dispatcher pads every expert to its capacity
+    (``--moe-pad-expert-input-to-capacity``, written with it), the flex dispatcher drops without padding
+    and holds at most that many."""
     copies = tokens * moe.top_k
-    return copies * moe.capacity_factor if moe.capacity_factor is not None else copies
+    capacity = capacity_of(moe.capacity_factor, None if config is None else config.routing)
+    return copies * capacity if capacity is not None else copies
+
+
+def routed_load(moe: MoeSpec, tokens: float, config: ParallelConfig, imbalance: float) -> float:
+    """Token copies the busiest rank's experts compute from ``tokens`` routed per rank: ``k`` each
+    times the router's ``imbalance`` dropless; padded to the capacity under the all-to-all dispatcher;
+    the imbalance up to the capacity under the flex dispatcher (drops, no padding)."""
+    copies = tokens * moe.top_k
+    capacity = capacity_of(moe.capacity_factor, config.routing)
+    if capacity is None:
+        return copies * imbalance
+    return copies * (min(imbalance, capacity) if config.dispatcher == "flex" else capacity)
 
 
 def mlp_params(model: ModelSpec, config: ParallelConfig) -> tuple[float, float, float]:
@@ -230,7 +282,7 @@ def layer_mlp_activations(model: ModelSpec, config: ParallelConfig, s: int, d: i
     deg = ExpertDegrees.of(config, moe.experts)
     sb = s * b
     tokens = sb / t  # T_r: sequence-parallel tokens routed by each tensor rank
-    copies = routed_tokens(moe, tokens)
+    copies = routed_tokens(moe, tokens, config)
     router = tokens * moe.experts * (d + FP32_BYTES) + INDEX_BYTES * tokens * moe.top_k
     # each copy: fc1's input (q bytes where TE's grouped linear saves it quantized), the SwiGLU, and the
     # experts' output before the combine (d)
@@ -271,6 +323,8 @@ def stage_terms(model: ModelSpec, training: TrainingSpec, config: ParallelConfig
             terms["optimizer"] += o
         one = act_moe if sparse else (act_dense if dense else 0.0)
         buffers = dispatch if sparse else 0.0
+        if sparse and config.dispatcher == "flex":
+            buffers += flex_buffer_bytes(model.hidden, deg.ep * deg.etp)  # one buffer a rank, all layers
         kept_dense, kept_moe = act_dense, act_moe
         if "mlp" in saving.recompute:
             # only the MLP's input is kept (the norm output, the dense path's); one layer's MLP is rebuilt
@@ -308,5 +362,6 @@ def _state(psi: float, trainable: float, shards: int, zero: int, nbytes: StateBy
 
 
 __all__ = ["EXPERT_TARGETS", "ExpertDegrees", "MlpSaving", "StateBytes", "attention_output_width", "dense_ffn",
-           "kv_linear", "layer_activations", "layer_mlp_activations", "lora_mlp_params", "mlp_params", "routed_tokens",
-           "stage_mlp_layers", "stage_terms", "swiglu_bytes", "without_mla_up_proj"]
+           "flex_buffer_bytes",
+           "kv_linear", "layer_activations", "layer_mlp_activations", "lora_mlp_params", "mlp_params", "routed_load",
+           "routed_tokens", "stage_mlp_layers", "stage_terms", "swiglu_bytes", "without_mla_up_proj"]

@@ -3,7 +3,8 @@ prices the attention, the norms, the head and the pipeline): what each MoE layer
 micro-batch and stage, and what its all-to-all costs on the expert-parallel group's links.
 
 Per MoE layer, forward, on one rank with ``T_r = s b / t`` tokens to route (sequence parallel under
-``t > 1``), ``k`` copies each (``routed_tokens``: capacity-capped where ``capacity_factor`` is set),
+``t > 1``), ``k`` copies each (``routed_tokens``; with a capacity factor, the candidate's routing
+or the model's (``pipette.routing``), padded to the capacity under the all-to-all dispatcher),
 ``E`` experts of width ``f_e`` over ``ep`` ranks (``pipette.memory_moe.ExpertDegrees``):
 
 * the router GEMM ``2 T_r h E`` at the dense GEMM curve, and its softmax / top-k over ``T_r E``
@@ -21,7 +22,9 @@ Per MoE layer, forward, on one rank with ``T_r = s b / t`` tokens to route (sequ
   ``pipette.efficiency.B200_MAX_FRACTION``);
 * the shared experts (``3`` GEMMs of ``2 T h f_s / t``) and a dense layer's MLP at the dense curve;
 * the all-to-all dispatch and combine: each rank sends ``T_r k`` token copies of ``h`` elements,
-  ``(n - 1) / n`` of them to the other ``n = ep`` members: ``alltoall_time``.
+  ``(n - 1) / n`` of them to the other ``n = ep`` members: ``alltoall_time``. Under the candidate's
+  ``flex`` dispatcher (DeepEP / HybridEP) a token crosses to each other link domain once
+  (``remote_copies``) and the host waits on the tokens per expert whatever the routing (``host_floor``).
 
 The backward runs each GEMM twice (data and weight gradients; once for a frozen LoRA base) and
 the two all-to-alls again; full recomputation repeats the forward (its all-to-alls too).
@@ -31,8 +34,9 @@ DualPipe idea, DeepSeek-V3 report sec. 3.2.1; 0 where the stack runs them in lin
 
 **Router imbalance** (``imbalance``): with dropless routing the busiest rank of the expert-parallel
 group gets more than the mean ``T_r k`` copies, and every rank waits for it at the combine. It
-multiplies the grouped GEMMs and the all-to-all bytes; with a capacity factor the capacity bounds
-(and Megatron-Core's padding to it fixes) the load, so it is 1 there. Fitted per stack
+multiplies the grouped GEMMs and the all-to-all bytes; with a capacity factor the capacity bounds it
+(``routed_load``: Megatron-Core's padding fixes the load at the capacity under the all-to-all; the flex
+dispatcher drops without padding, the imbalance up to the capacity). Fitted per stack
 (tests/benchmarks/moe_fit.py).
 
 Expert gradients are reduced over the expert data-parallel group ``edp`` (a ring of the group's
@@ -51,7 +55,9 @@ import numpy.typing as npt
 from pipette import comm
 from pipette.cluster import ClusterProfile
 from pipette.config import ParallelConfig
-from pipette.memory_moe import ExpertDegrees, lora_mlp_params, mlp_params, moe_of, routed_tokens, stage_mlp_layers
+from pipette.memory_moe import (ExpertDegrees, lora_mlp_params, mlp_params, moe_of, routed_load, routed_tokens,
+                                stage_mlp_layers)
+from pipette.routing import capacity_of
 from pipette.model import ModelSpec
 from pipette.training import TrainingSpec
 
@@ -78,11 +84,6 @@ class MoeConstants:
     a2a_overlap: float = 0.0
     #: the achieved share of the NICs' bandwidth by an all-to-all across nodes
     a2a_cut_fraction: float = 1.0
-    #: the token dispatcher: ``alltoall`` (NCCL's all-to-all of every token copy: Megatron-Core's
-    #: ``--moe-token-dispatcher-type alltoall``, torchtitan's, DeepSpeed's) or ``deepep`` (DeepEP's
-    #: dispatch and combine, Megatron-Core's ``flex`` dispatcher: a token crosses to another node once
-    #: and is forwarded inside it over NVLink; DeepSeek-V3 report sec. 3.2.2)
-    dispatcher: str = "alltoall"
     #: seconds the host needs to launch one MoE layer's forward and backward for one micro-batch: the
     #: layer takes at least that (``--moe-token-dispatcher-type alltoall`` waits on the tokens per
     #: expert on the host before sizing its all-to-all; a small layer is launch-bound). 0: not counted
@@ -100,8 +101,8 @@ DEFAULT_MOE = MoeConstants()
 #: figures: docs/moe.md):
 #: ``grouped_share`` on all 27, ``layer_host_s`` on the 12 whose host waits (``host_floor``; no whole-step CUDA
 #: graph). ``imbalance`` is 1, not fitted: these rows cannot tell it from ``grouped_share``. ``a2a_overlap`` is
-#: 0 and the dispatcher the all-to-all because that is what the emitted megatron_args.txt runs (no
-#: ``--overlap-moe-expert-parallel-comm``); where a recipe overlaps, the fit hides 0.95 of it (5 rows; the
+#: 0 because that is what the emitted megatron_args.txt runs (no ``--overlap-moe-expert-parallel-comm``;
+#: each row is priced with its recipe's dispatcher, a candidate's choice: ``ParallelConfig.dispatcher``); where a recipe overlaps, the fit hides 0.95 of it (5 rows; the
 #: fit's upper bound, where 10 of its 11 folds put it).
 MEGATRON_MOE = MoeConstants(grouped_share=0.723, a2a_overlap=0.0, layer_host_s=5.59e-3, imbalance=1.0)
 
@@ -148,8 +149,8 @@ def layer_times(model: ModelSpec, training: TrainingSpec, config: ParallelConfig
     deg = ExpertDegrees.of(config, moe.experts)
     tokens = float(config.mbs * training.seq_len)
     t_r = tokens / t
-    copies = routed_tokens(moe, t_r)
-    load = copies * (k.imbalance if moe.capacity_factor is None else 1.0)
+    copies = routed_tokens(moe, t_r, config)
+    load = routed_load(moe, t_r, config, k.imbalance)
     frozen = training.method != "full"
     back = 1.0 if frozen else 2.0
 
@@ -169,12 +170,12 @@ def layer_times(model: ModelSpec, training: TrainingSpec, config: ParallelConfig
     dense_b = back * dense_f + 2.0 * adapters[0]
     moe_b = back * (experts_f + shared_f) + 2.0 * (router_f + permute_f) + 2.0 * adapters[1]
     moe_b += (moe_f + adapters[1]) if k.layer_recompute else 0.0
-    host = host_floor(moe.capacity_factor is not None, k)
+    host = host_floor(capacity_of(moe.capacity_factor, config.routing) is not None, config.dispatcher, k)
     # the host's share a third forward, two thirds backward (twice the kernels)
     return dense_f + adapters[0], dense_b, max(moe_f + adapters[1], host / 3.0), max(moe_b, 2.0 * host / 3.0)
 
 
-def host_floor(capacity: bool, k: MoeConstants) -> float:
+def host_floor(capacity: bool, dispatcher: str | None, k: MoeConstants) -> float:
     """Seconds the host needs for one MoE layer and micro-batch (forward and backward), which the layer
     cannot beat when the host must wait for the tokens per expert before launching the experts. The
     all-to-all dispatcher with a capacity factor (drop and pad) never waits (Megatron-Core's
@@ -183,7 +184,7 @@ def host_floor(capacity: bool, k: MoeConstants) -> float:
     experts' GEMMs their sizes as a host list (``handle.num_recv_tokens_per_expert_list``), and only a
     dispatch reusing a cached layout skips the CPU synchronization (github.com/deepseek-ai/DeepEP README,
     "Example use in model training" and "in inference decoding")."""
-    if capacity and k.dispatcher == "alltoall":
+    if capacity and dispatcher is None:
         return 0.0
     return k.layer_host_s
 
@@ -212,8 +213,7 @@ def moe_times(model: ModelSpec, training: TrainingSpec, config: ParallelConfig, 
     forward = dense * dense_f + sparse * moe_f
     backward = dense * dense_b + sparse * moe_b + (forward if config.recompute == "full" else 0.0)
     per_layer = 4.0 + (2.0 if config.recompute == "full" else 0.0)  # dispatch + combine, both passes
-    copies = routed_tokens(moe, config.mbs * training.seq_len / config.tp)
-    load = copies * (k.imbalance if moe.capacity_factor is None else 1.0)
+    load = routed_load(moe, config.mbs * training.seq_len / config.tp, config, k.imbalance)
     deg = ExpertDegrees.of(config, moe.experts)
     _, _, local = mlp_params(model, config)
     trained = local if training.method == "full" else lora_mlp_params(model, training, config)[2]
@@ -289,7 +289,7 @@ def a2a_per_stage(cluster: ClusterProfile, config: ParallelConfig, model: ModelS
     moe = moe_of(model)
     groups = np.asarray(devices, dtype=np.int64)[expert_groups(config, moe.experts, "ep")]
     share: float | FloatArray = 1.0
-    if k.dispatcher == "deepep":
+    if config.dispatcher == "flex":
         domains = cluster.link_domain_of[groups]
         count = np.array([len(np.unique(row)) for row in domains])
         share = np.array([remote_copies(moe.top_k, int(c)) for c in count])

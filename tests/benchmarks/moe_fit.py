@@ -50,15 +50,15 @@ PARAMS = (Param("a2a_overlap", 0.5, 0.0, 0.95), Param("layer_host_s", 1e-3, 0.0,
 
 
 def moe_constants(x: np.ndarray, row: Row) -> MoeConstants:
-    """The fitted terms, with the dispatcher and overlap as the row's recipe runs them: Megatron-Bridge's
-    MoE recipes dispatch with the flex dispatcher (DeepEP / HybridEP) and overlap the all-to-all; SimuMax's
+    """The fitted terms, with the overlap as the row's recipe runs it (its dispatcher is the row's candidate's,
+    ``moe_rows._bridge_row``): Megatron-Bridge's MoE recipes overlap the all-to-all; SimuMax's
     launcher runs ``--moe-token-dispatcher-type alltoall`` with every overlap off (its B200 guide,
     docs/b200/b200_real_repro_guide.md: "the public B200 workflow currently follows a non-overlap
     contract"), so ``a2a_overlap`` is 0 there."""
     recipe = bridge_recipe(row) if row.source == "megatron_bridge" else BridgeMoeRecipe("alltoall", False, False)
     return MoeConstants(a2a_overlap=float(x[0]) if recipe.overlap else 0.0,
                         layer_host_s=0.0 if recipe.full_graph else float(x[1]),
-                        grouped_share=float(x[2]), imbalance=1.0, dispatcher=recipe.dispatcher,
+                        grouped_share=float(x[2]), imbalance=1.0,
                         layer_recompute=recipe.mlp_recompute)
 
 

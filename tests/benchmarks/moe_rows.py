@@ -48,7 +48,7 @@ BRIDGE_MODELS = {"DeepSeekV3": "deepseek-v3", "Qwen3_30B_a3B": "qwen3-30b-a3b"}
 class BridgeMoeRecipe:
     """What a Megatron-Bridge MoE perf recipe sets that the step time reads."""
 
-    #: ``deepep`` for the flex dispatcher (DeepEP or HybridEP), else ``alltoall``
+    #: ``flex`` for the flex dispatcher (DeepEP or HybridEP), else ``alltoall``
     dispatcher: str
     #: ``moe_a2a_overlap``: the all-to-all hidden under the other micro-batch's compute
     overlap: bool
@@ -77,18 +77,18 @@ def bridge_recipe(row: Row) -> BridgeMoeRecipe:
         if gpu.startswith("GB"):
             newest = (cfg.pp, cfg.ep, cfg.mbs) == ((2, 32, 1) if gpu == "GB300" else (4, 64, 1))
             graphed = new and precision == "MXFP8" and newest
-            return BridgeMoeRecipe("deepep", graphed, False, full_graph=graphed)
+            return BridgeMoeRecipe("flex", graphed, False, full_graph=graphed)
         if gpu == "B200-180GB":
-            return BridgeMoeRecipe("deepep", cfg.ep == 32, cfg.ep == 32)
+            return BridgeMoeRecipe("flex", cfg.ep == 32, cfg.ep == 32)
         if gpu == "B300":  # HybridEP without overlap; MXFP8 at pp 8, ep 8, micro-batch 1 one graph with overlap
             graphed = new and precision == "MXFP8" and (cfg.pp, cfg.ep, cfg.mbs) == (8, 8, 1)
-            return BridgeMoeRecipe("deepep", graphed, False, full_graph=graphed)
-        return BridgeMoeRecipe("deepep", True, True)
+            return BridgeMoeRecipe("flex", graphed, False, full_graph=graphed)
+        return BridgeMoeRecipe("flex", True, True)
     if gpu == "H100-80GB" and cfg.pp > 1:
         return BridgeMoeRecipe("alltoall", True, False)
     if gpu == "B200-180GB" and cfg.mbs == 1:
         return BridgeMoeRecipe("alltoall", False, False)
-    return BridgeMoeRecipe("deepep", False, False)
+    return BridgeMoeRecipe("flex", False, False)
 
 
 #: DeepSeek-V3's decoder layers per pipeline chunk (pp x vp of them) in Megatron-Bridge's layouts
@@ -157,6 +157,9 @@ def _bridge_row(r: dict[str, str]) -> Row:
                cluster=_bridge_cluster(r["gpu"], int(r["nodes"]), int(r["gpus_per_node"])), ok=True,
                step_time=float(r["meas_step_s"]), tokens_per_s_per_gpu=float(r["tps_per_gpu"]),
                stack="megatron" + (f"+{recipe}" if recipe else ""), row_id=r["row_id"])
+    # the recipe's token dispatcher is the candidate's (pipette.routing): the step time and the memory read it
+    flex = bridge_recipe(row).dispatcher == "flex" and tp * ep > 1
+    row = replace(row, config=replace(config, dispatcher="flex" if flex else None))
     return replace(row, recipe_memory=bridge_moe_memory(row))
 
 

@@ -25,9 +25,9 @@ CONFIG = ParallelConfig(tp=1, pp=1, dp=8, ep=8, mbs=1, global_batch=64)
 CLUSTER = homogeneous_cluster("H100-80GB", 1, 8, 450e9, 50e9, name="h8")
 
 
-def _step(model: ModelSpec, moe: perf_moe.MoeConstants) -> float:
+def _step(model: ModelSpec, moe: perf_moe.MoeConstants, config: ParallelConfig = CONFIG) -> float:
     k = replace(MEGATRON_CONSTANTS, moe=moe)
-    return estimate_perf(model, TRAINING, CONFIG, CLUSTER, constants=k).step_time
+    return estimate_perf(model, TRAINING, config, CLUSTER, constants=k).step_time
 
 
 def test_only_dropless_routing_waits_on_the_host() -> None:
@@ -46,12 +46,12 @@ def test_deepep_waits_on_the_host_with_a_capacity_factor_too() -> None:
     padded; only the all-to-all dispatcher runs ahead of the host then."""
     assert QWEN.moe is not None
     capped = replace(QWEN, moe=replace(QWEN.moe, capacity_factor=1.0))
-    deepep = replace(perf_moe.DEFAULT_MOE, dispatcher="deepep")
-    slow = _step(capped, replace(deepep, layer_host_s=1.0))
+    flex = replace(CONFIG, dispatcher="flex")
+    slow = _step(capped, replace(perf_moe.DEFAULT_MOE, layer_host_s=1.0), flex)
     assert slow >= 48 * 8 * 1.0
-    assert slow > 2.0 * _step(capped, deepep)
-    assert perf_moe.host_floor(True, replace(perf_moe.DEFAULT_MOE, layer_host_s=1.0)) == 0.0
-    assert perf_moe.host_floor(True, replace(deepep, layer_host_s=1.0)) == 1.0
+    assert slow > 2.0 * _step(capped, perf_moe.DEFAULT_MOE, flex)
+    assert perf_moe.host_floor(True, None, replace(perf_moe.DEFAULT_MOE, layer_host_s=1.0)) == 0.0
+    assert perf_moe.host_floor(True, "flex", replace(perf_moe.DEFAULT_MOE, layer_host_s=1.0)) == 1.0
 
 
 def test_a_layout_is_kept_once_whatever_its_precision_is_spelt() -> None:
@@ -110,9 +110,9 @@ def test_nvl72_runs_beyond_a_rack_are_segments_of_16_trays() -> None:
 def test_each_bridge_row_runs_its_recipe_s_dispatcher_and_overlap() -> None:
     rows = {r.row_id: r for r in load_bridge_moe(calibration_dir()).rows}
     gb300 = bridge_recipe(rows["mb:26.08:DGX-GB300:DeepSeekV3:MXFP8:pretrain:main"])
-    assert (gb300.dispatcher, gb300.overlap, gb300.mlp_recompute, gb300.full_graph) == ("deepep", True, False, True)
+    assert (gb300.dispatcher, gb300.overlap, gb300.mlp_recompute, gb300.full_graph) == ("flex", True, False, True)
     b200 = bridge_recipe(rows["mb:26.04.01:DGX-B200:DeepSeekV3:MXFP8:pretrain:main"])  # ep 32: DeepEP, mlp recomputed
-    assert (b200.dispatcher, b200.overlap, b200.mlp_recompute) == ("deepep", True, True)
+    assert (b200.dispatcher, b200.overlap, b200.mlp_recompute) == ("flex", True, True)
     qwen = bridge_recipe(rows["mb:26.02:DGX-B200:Qwen3_30B_a3B:MXFP8:pretrain:main"])  # micro-batch 1: alltoall
     assert (qwen.dispatcher, qwen.overlap) == ("alltoall", False)
     older = bridge_recipe(rows["mb:26.04.01:DGX-GB300:DeepSeekV3:MXFP8:pretrain:main"])  # micro-batch 2: not the newest
