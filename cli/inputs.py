@@ -25,7 +25,7 @@ RECIPE_FLAGS = {
     "training.lora.alpha": ("--lora-alpha", "32"), "training.lora.targets": ("--lora-targets", "q_proj,v_proj"),
     "training.recompute": ("--recompute", "none,full"), "training.zero_stages": ("--zero", "0,1"),
     "training.schedules": ("--schedules", "1f1b"), "training.micro_batches": ("--micro-batches", "1,2,4"),
-    "training.document_len": ("--document-len", "512"),
+    "training.document_len": ("--document-len", "512"), "training.moe_routing": ("--moe-routing", "dropless,1.0"),
     "cluster": ("--cluster", "FILE"), "model": ("--model", "NAME"), "recipe": ("--recipe", "FILE"),
     "data": ("--data", "FILE"), "checkpoint": ("--checkpoint", "DIR"), "stack": ("--stack", "megatron"),
 }
@@ -154,6 +154,9 @@ def add_recipe_flags(p: argparse.ArgumentParser, defaults: dict[str, str] | None
     p.add_argument("--document-len", type=int, help="packed sequences: the documents packed into each sequence "
                    "hold about this many tokens, and attend within themselves where the stack's attention keeps to "
                    "documents (megatron's packed sequences) (default: one document a sequence)")
+    p.add_argument("--moe-routing", help="an MoE model's routings the search may plan, comma-separated: dropless "
+                   "and capacity factors (1.0, 1.25), which drop tokens past an expert's capacity and so change "
+                   "what the model learns (default: the model's own routing, dropless unless it sets one)")
     p.add_argument("--stack", help=stack_help())
 
 
@@ -186,6 +189,7 @@ def load_recipe(path: str | None, args: argparse.Namespace) -> Any:
     for key, raw, kind in (
         ("recompute", args.recompute, str), ("zero_stages", args.zero, int),
         ("schedules", args.schedules, str), ("micro_batches", args.micro_batches, int),
+        ("moe_routing", getattr(args, "moe_routing", None), str),
     ):
         if raw:
             data[key] = _csv(raw, kind, "--" + key.replace("_", "-"))

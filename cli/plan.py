@@ -328,7 +328,10 @@ def _print_ranked(plan: Any, top: int) -> None:
     cps = any(p.config.cp > 1 for p in plan.ranked[:top])  # a cp column only where a layout splits sequences
     eps = any(p.config.ep > 1 for p in plan.ranked[:top])  # an ep column only where one splits experts
     etps = any(p.config.etp is not None for p in plan.ranked[:top])  # an etp column where experts drop tp
-    cp_head = (f" {'cp':>3}" if cps else "") + (f" {'ep':>3}" if eps else "") + (f" {'etp':>3}" if etps else "")
+    routes = any(p.config.routing is not None for p in plan.ranked[:top])  # routing where the job lists several
+    flexes = any(p.config.dispatcher is not None for p in plan.ranked[:top])  # the dispatcher where one is flex
+    cp_head = (f" {'cp':>3}" if cps else "") + (f" {'ep':>3}" if eps else "") + (f" {'etp':>3}" if etps else "") \
+        + (f" {'routing':>8}" if routes else "") + (f" {'dispatch':>8}" if flexes else "")
     header = f"{'#':>3} {'tp':>3} {'pp':>3} {'dp':>4}{cp_head} {'mbs':>3} {'zero':>4} {'recompute':>9} " \
              f"{'schedule':>8} {'step s':>9} {'tokens/s':>11} {'MFU':>6} {'HFU':>6} {'peak GiB':>15} {'fit':>5}  stack"
     print(header)
@@ -338,11 +341,25 @@ def _print_ranked(plan: Any, top: int) -> None:
         mem = f"{p.memory.peak_bytes / GiB:.1f}/{p.memory.capacity_bytes / GiB:.0f}"
         print(
             f"{i:>3} {cfg.tp:>3} {cfg.pp:>3} {cfg.dp:>4}{f' {cfg.cp:>3}' if cps else ''}"
-            f"{f' {cfg.ep:>3}' if eps else ''}{f' {cfg.etp or cfg.tp:>3}' if etps else ''} {cfg.mbs:>3} "
+            f"{f' {cfg.ep:>3}' if eps else ''}{f' {cfg.etp or cfg.tp:>3}' if etps else ''}"
+            f"{f' {_routing(plan, cfg):>8}' if routes else ''}{f' {_dispatch(cfg):>8}' if flexes else ''} {cfg.mbs:>3} "
             f"{cfg.zero_stage:>4} "
             f"{cfg.recompute:>9} {sched:>8} {p.perf.step_time:>9.3f} {p.perf.tokens_per_s:>11,.0f} "
             f"{p.perf.mfu:>6.1%} {p.perf.hfu:>6.1%} {mem:>15} {_chance(p.chance_to_fit):>5}  {_variant(plan, cfg)}"
         )
+
+
+def _routing(plan: Any, cfg: Any) -> str:
+    """A candidate's MoE routing as the table names it: its own, or the model's."""
+    from pipette.routing import routing_name
+
+    moe = plan.model.moe
+    return cfg.routing or (routing_name(moe.capacity_factor) if moe is not None else "-")
+
+
+def _dispatch(cfg: Any) -> str:
+    """A candidate's token dispatcher as the table names it (``-`` where no token leaves its rank)."""
+    return cfg.dispatcher or ("a2a" if cfg.ep * cfg.tp > 1 else "-")
 
 
 def _print_dropped(plan: Any) -> None:

@@ -155,7 +155,8 @@ class ParallelConfig:
         fsdp = "" if self.dp_shard is None else f"-hsdp{self.dp // self.dp_shard}x{self.dp_shard}"
         extra = f"{'' if self.cp == 1 else f'-cp{self.cp}'}{'' if self.ep == 1 else f'-ep{self.ep}'}" \
             f"{'' if self.etp is None else f'-etp{self.etp}'}" \
-            f"{'' if self.routing is None else '-' + self.routing}{'' if self.dispatcher is None else '-' + self.dispatcher}"
+            f"{'' if self.routing is None else '-' + self.routing}" \
+            f"{'' if self.dispatcher is None else '-' + self.dispatcher}"
         return (
             f"tp{self.tp}-pp{self.pp}-dp{self.dp}{extra}-mbs{self.mbs}-z{self.zero_stage}"
             f"-rc:{self.recompute}-{sched}{fsdp}{'-offload' if self.offload else ''}"

@@ -25,10 +25,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from pipette.cluster import ClusterProfile
 from pipette.config import ParallelConfig
 from pipette.contract import FSDP_ENTRY, RANK_ENV, TRAIN_ENTRY, build_environment
-from pipette.emit_frameworks import MEGATRON_ARGS, NANOTRON_CONFIG, megatron_args_file, nanotron_config
+from pipette.emit_frameworks import MEGATRON_ARGS, NANOTRON_CONFIG, flex_backend, megatron_args_file, nanotron_config
 from pipette.memory import trainable_params
 from pipette.model import ModelSpec
 from pipette.stacks import Stack, get_stack
@@ -402,7 +404,9 @@ def write_launch_files(
         "launch.sh": lambda: launch_script(config, cluster, stack=chosen),
         MEGATRON_ARGS: lambda: megatron_args_file(training, config, model.layers, header, chosen.options,
                                                   "fp8" in cluster.device_spec.peak_flops,
-                                                  "fp4" in cluster.device_spec.peak_flops, model.moe),
+                                                  "fp4" in cluster.device_spec.peak_flops, model.moe,
+                                                  flex_backend(np.bincount(cluster.link_domain_of).tolist(),
+                                                               np.bincount(cluster.node_of).tolist())),
         NANOTRON_CONFIG: lambda: nanotron_config(training, config, header),
     }
     written = {}

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from pipette.config import ParallelConfig
 from pipette.moe import MoeSpec
+from pipette.routing import capacity_of
 from pipette.training import TrainingSpec
 
 MEGATRON_ARGS = "megatron_args.txt"
@@ -45,7 +46,7 @@ def tf32_note(training: TrainingSpec) -> list[str]:
 
 def megatron_arguments(training: TrainingSpec, config: ParallelConfig, layers: int,
                        options: tuple[str, ...] = (), device_fp8: bool = True, device_fp4: bool = True,
-                       moe: MoeSpec | None = None) -> list[str]:
+                       moe: MoeSpec | None = None, flex_backend: str = "deepep") -> list[str]:
     """``pretrain_gpt.py`` arguments for ``config``, one flag (with its value) per item; FP8 or FP4
     only where the option is chosen and the device has it (on an A100 the option prices nothing);
     an MoE model's experts and their parallelism with ``moe`` (``moe_arguments``)."""
@@ -70,8 +71,8 @@ def megatron_arguments(training: TrainingSpec, config: ParallelConfig, layers: i
         args.append("--recompute-granularity selective")
     if training.dtype in ("bf16", "fp16"):
         args.append(f"--{training.dtype}")
-    return args + moe_arguments(config, moe) + engine_flags(config, options) + precision_flags(options, device_fp8,
-                                                                                                device_fp4)
+    return (args + moe_arguments(config, moe, flex_backend) + engine_flags(config, options)
+            + precision_flags(options, device_fp8, device_fp4))
 
 
 #: the options priced as Transformer Engine's Megatron-Core (``pipette.stacks.MEGATRON_TE_CONSTANTS``)
@@ -89,14 +90,17 @@ def engine_flags(config: ParallelConfig, options: tuple[str, ...]) -> list[str]:
     return ["--transformer-impl transformer_engine"] + (["--tp-comm-overlap"] if config.tp > 1 else [])
 
 
-def moe_arguments(config: ParallelConfig, moe: MoeSpec | None) -> list[str]:
+def moe_arguments(config: ParallelConfig, moe: MoeSpec | None, flex_backend: str = "deepep") -> list[str]:
     """Megatron-Core's MoE arguments (megatron/training/arguments.py, ``_add_moe_args``) for an MoE
     model, as the megatron stack prices it: the experts' shape and routing (``--num-experts``,
     ``--moe-ffn-hidden-size``, ``--moe-router-topk``, the shared experts' width, sigmoid scores and
     group-limited routing where the model has them), the expert-parallel and expert tensor-parallel
-    degrees (``--expert-tensor-parallel-size`` defaults to tp, written either way), the all-to-all
-    token dispatcher (Megatron's recommendation with ep; its default is ``allgather``) with grouped
-    GEMMs, and the capacity factor where the model sets one (dropless otherwise, Megatron's default).
+    degrees (``--expert-tensor-parallel-size`` defaults to tp, written either way), the candidate's token
+    dispatcher with grouped GEMMs: the all-to-all (Megatron's recommendation with ep; its default is
+    ``allgather``) or the flex dispatcher over ``flex_backend`` (``--moe-flex-dispatcher-backend deepep`` or
+    ``hybridep``), and the candidate's routing (``pipette.routing``): dropless (Megatron's default) or a
+    capacity factor, padded to the capacity under the all-to-all (``--moe-pad-expert-input-to-capacity``:
+    the sizes known on the device, no host sync, as priced; the flex dispatcher refuses the padding).
     Which layers are dense (``--moe-layer-freq``, a Python expression) is the model's: said in a
     comment line, not as a flag a shell would glob."""
     if moe is None:
@@ -110,10 +114,17 @@ def moe_arguments(config: ParallelConfig, moe: MoeSpec | None) -> list[str]:
     if moe.groups > 1:
         args += [f"--moe-router-num-groups {moe.groups}", f"--moe-router-group-topk {moe.group_top_k}"]
     args += [f"--expert-model-parallel-size {config.ep}",
-             f"--expert-tensor-parallel-size {config.tp if config.etp is None else config.etp}",
-             "--moe-token-dispatcher-type alltoall", "--moe-grouped-gemm"]
-    if moe.capacity_factor is not None:
-        args.append(f"--moe-expert-capacity-factor {moe.capacity_factor:g}")
+             f"--expert-tensor-parallel-size {config.tp if config.etp is None else config.etp}"]
+    if config.dispatcher == "flex":
+        args += ["--moe-token-dispatcher-type flex", f"--moe-flex-dispatcher-backend {flex_backend}"]
+    else:
+        args.append("--moe-token-dispatcher-type alltoall")
+    args.append("--moe-grouped-gemm")
+    capacity = capacity_of(moe.capacity_factor, config.routing)
+    if capacity is not None:
+        args.append(f"--moe-expert-capacity-factor {capacity:g}")
+        if config.dispatcher is None:
+            args.append("--moe-pad-expert-input-to-capacity")
     return args
 
 
@@ -133,7 +144,7 @@ def precision_flags(options: tuple[str, ...], device_fp8: bool, device_fp4: bool
 
 def megatron_args_file(training: TrainingSpec, config: ParallelConfig, layers: int, header: str,
                        options: tuple[str, ...] = (), device_fp8: bool = True, device_fp4: bool = True,
-                       moe: MoeSpec | None = None) -> str:
+                       moe: MoeSpec | None = None, flex_backend: str = "deepep") -> str:
     """``megatron_args.txt``: the arguments after a header of ``#`` lines saying how to use them."""
     lora = ["# LoRA: these are Megatron-LM's pretraining arguments; under NeMo's PEFT give the same",
             "# degrees and batch in its trainer and model config."] if training.method == "lora" else []
@@ -147,9 +158,17 @@ def megatron_args_file(training: TrainingSpec, config: ParallelConfig, layers: i
         *lora,
         *tf32_note(training),
         *_dense_layers_note(moe, layers),
-        *megatron_arguments(training, config, layers, options, device_fp8, device_fp4, moe),
+        *megatron_arguments(training, config, layers, options, device_fp8, device_fp4, moe, flex_backend),
         "",
     ])
+
+
+def flex_backend(link_domain_sizes: list[int], node_sizes: list[int]) -> str:
+    """The flex dispatcher's backend for a cluster: ``hybridep`` where an NVLink domain spans nodes (an
+    NVL72 rack of 4-GPU trays: DeepEP's normal kernels reach at most 8 NVLink peers, ``NUM_MAX_NVL_PEERS``,
+    and would cross trays over RDMA; HybridEP is NVIDIA's backend for such racks, as Megatron-Bridge's GB200 /
+    GB300 recipes run it), ``deepep`` otherwise."""
+    return "hybridep" if max(link_domain_sizes) > max(node_sizes) else "deepep"
 
 
 def _dense_layers_note(moe: MoeSpec | None, layers: int) -> list[str]:

@@ -114,6 +114,10 @@ class StackLayout:
     cp_kind: str = "ring"
     #: where its cp rules are taken from
     cp_source: str = ""
+    #: the token dispatchers it runs beside the all-to-all (``pipette.routing.DISPATCHERS``)
+    dispatchers: tuple[str, ...] = ()
+    #: runs capacity-factor routing (tokens dropped past an expert's capacity) beside dropless
+    capacity: bool = False
 
     def __post_init__(self) -> None:
         if self.cp and "cp" not in self.mesh:
@@ -193,7 +197,7 @@ MEGATRON_LAYOUT = StackLayout(
     source="Megatron-Core's initialize_model_parallel (megatron/core/parallel_state.py), order tp-cp-ep-dp-pp; "
            "the experts' RankGenerator re-splits dp x cp as (expert dp, ep): ep divides dp x cp "
            "(--expert-model-parallel-size; pipette.space_moe)",
-    cp=True, cp_kind="ring", ep=True,
+    cp=True, cp_kind="ring", ep=True, dispatchers=("flex",), capacity=True,
     cp_source="--context-parallel-size (Megatron-Core; Transformer Engine's attention with cp_comm_type p2p: "
               "KV blocks around the ring, 2 cp load-balanced chunks); gradients reduced and the distributed "
               "optimizer sharded over dp x cp (data_parallel_group with_context_parallel); with tp's sequence "

@@ -55,10 +55,17 @@ import numpy.typing as npt
 from pipette import comm
 from pipette.cluster import ClusterProfile
 from pipette.config import ParallelConfig
-from pipette.memory_moe import (ExpertDegrees, lora_mlp_params, mlp_params, moe_of, routed_load, routed_tokens,
-                                stage_mlp_layers)
-from pipette.routing import capacity_of
+from pipette.memory_moe import (
+    ExpertDegrees,
+    lora_mlp_params,
+    mlp_params,
+    moe_of,
+    routed_load,
+    routed_tokens,
+    stage_mlp_layers,
+)
 from pipette.model import ModelSpec
+from pipette.routing import capacity_of
 from pipette.training import TrainingSpec
 
 FloatArray = npt.NDArray[np.float64]
@@ -102,8 +109,9 @@ DEFAULT_MOE = MoeConstants()
 #: ``grouped_share`` on all 27, ``layer_host_s`` on the 12 whose host waits (``host_floor``; no whole-step CUDA
 #: graph). ``imbalance`` is 1, not fitted: these rows cannot tell it from ``grouped_share``. ``a2a_overlap`` is
 #: 0 because that is what the emitted megatron_args.txt runs (no ``--overlap-moe-expert-parallel-comm``;
-#: each row is priced with its recipe's dispatcher, a candidate's choice: ``ParallelConfig.dispatcher``); where a recipe overlaps, the fit hides 0.95 of it (5 rows; the
-#: fit's upper bound, where 10 of its 11 folds put it).
+#: each row is priced with its recipe's dispatcher, a candidate's choice: ``ParallelConfig.dispatcher``);
+#: where a recipe overlaps, the fit hides 0.95 of it (5 rows; the fit's upper bound, where 10 of its 11
+#: folds put it).
 MEGATRON_MOE = MoeConstants(grouped_share=0.723, a2a_overlap=0.0, layer_host_s=5.59e-3, imbalance=1.0)
 
 

@@ -25,7 +25,7 @@ from pipette.model import ModelSpec
 from pipette.perf import PerfConstants, PerfModel
 from pipette.placement import default_placement, optimize_placement
 from pipette.space import RULES, Space, enumerate_space, hsdp_shard
-from pipette.space_moe import expert_variants, refuse_stack
+from pipette.space_moe import expert_variants, flex_devices, refuse_stack, routings
 from pipette.stacks import STACK_RULES, Stack, get_stack, get_stacks, stacks_key
 from pipette.training import TrainingSpec
 
@@ -250,7 +250,16 @@ def _candidates(
         if problems:  # another stack may run it: this one's candidates are counted as refused
             rejected["stack_native_split"] += len(base.candidates)
             continue
-        base = Space([v for c in base.candidates for v in expert_variants(model, c, st.name)], base.rejected)
+        try:
+            routes = routings(model, training, st.name)
+        except SpecError:
+            if not several:
+                raise
+            rejected["stack_routing"] += len(base.candidates)  # another stack of the plan may route them
+            continue
+        flex = flex_devices(cluster.device_spec)
+        base = Space([v for c in base.candidates for v in expert_variants(model, c, st.name, routes, flex)],
+                     base.rejected)
         runnable = _runnable(_stack_space(base, st, cluster), st, model, training, kind)
         rejected.update(runnable.rejected)
         candidates += [replace(c, stack=st.key) if several else c for c in runnable.candidates]

@@ -20,18 +20,33 @@ data-parallel ranks by each stack's own rule, its ``Stack.layout`` (``pipette.la
 * ``pipette``: Pipette's DeepSpeed runner builds dense Llama layers: a model with experts is refused
   in one line (``refuse_stack``).
 
-Routing is dropless unless the model sets ``capacity_factor`` (``pipette.moe.MoeSpec``); the token
-dispatcher is the stack's (``pipette.perf_moe.MoeConstants.dispatcher``: all-to-all by default).
+Each (ep, etp) variant comes in every routing and token dispatcher (``pipette.routing``) the stack runs:
+
+* **routing**: the routings the job allows (``TrainingSpec.moe_routing``: dropping tokens changes what
+  the model learns, so nothing is planned that the job does not list); without that list, the model's
+  own (``MoeSpec.capacity_factor``, dropless unless set). A capacity factor only where the stack runs one
+  (``StackLayout.capacity``: Megatron-Core's ``--moe-expert-capacity-factor``; torchtitan's ``MoEArgs``
+  has none, its router is dropless); a job whose routings no stack of the plan runs is refused in one line.
+* **dispatcher**: the all-to-all everywhere; Megatron-Core's ``flex`` dispatcher (DeepEP / HybridEP,
+  ``StackLayout.dispatchers``) beside it where it runs: ``ep > 1`` (``MoEFlexTokenDispatcher``: "Flex
+  token dispatcher requires TPxEP > 1"), an expert tensor x expert parallel group of a size DeepEP's
+  configs list (deep_ep/buffer.py ``get_dispatch_config``: ``pipette.memory_moe.DEEPEP_NVL_RECV_TOKENS``)
+  and a GPU of Hopper's generation or later (DeepEP's README; ``flex_devices``: a device with an FP8 rate).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 
 from pipette.config import ParallelConfig
+from pipette.device import DeviceSpec
 from pipette.errors import SpecError
+from pipette.memory_moe import DEEPEP_NVL_RECV_TOKENS
 from pipette.model import ModelSpec
+from pipette.routing import DROPLESS, routing_name
 from pipette.stacks import stack_layout
+from pipette.training import TrainingSpec
 
 #: the expert tensor-parallel degrees a stack plans, as "tp" (the dense degree) or a number
 ETP_CHOICES: dict[str, tuple[str | int, ...]] = {"megatron": ("tp", 1)}
@@ -59,8 +74,34 @@ def expert_degrees(model: ModelSpec, dp: int, cp: int) -> list[int]:
     return [e for e in range(1, min(model.moe.experts, room) + 1) if model.moe.experts % e == 0 and room % e == 0]
 
 
-def expert_variants(model: ModelSpec, config: ParallelConfig, stack: str | None) -> list[ParallelConfig]:
-    """``config`` in every (ep, etp) ``stack`` runs for ``model`` (a dense model: ``config`` alone)."""
+def routings(model: ModelSpec, training: TrainingSpec, stack: str | None) -> list[str | None]:
+    """The routings ``stack`` plans for ``model`` (None: the model's own; the module docstring); a
+    ``SpecError`` in one line where the job lists routings and the stack runs none of them."""
+    if not training.moe_routing:
+        return [None]
+    if model.moe is None:
+        raise SpecError(f"{model.name} is a dense model: it has no experts to route", field="training.moe_routing",
+                        fix="leave moe_routing out for a dense model")
+    rules = stack_layout(stack) if stack is not None else None
+    own = routing_name(model.moe.capacity_factor)
+    out: list[str | None] = [None if r == own else r for r in training.moe_routing
+                             if r == DROPLESS or (rules is not None and rules.capacity)]
+    if not out:
+        raise SpecError(f"the {stack} stack routes dropless only; the job allows {', '.join(training.moe_routing)}",
+                        field="training.moe_routing",
+                        fix="add dropless to moe_routing, or plan it with --stack megatron (capacity factors)")
+    return out
+
+
+def flex_devices(device: DeviceSpec) -> bool:
+    """Whether DeepEP / HybridEP run on ``device``: a GPU of Hopper's generation or later (an FP8 rate)."""
+    return device.kind == "gpu" and "fp8" in device.peak_flops
+
+
+def expert_variants(model: ModelSpec, config: ParallelConfig, stack: str | None,
+                    routes: Sequence[str | None] = (None,), flex: bool = False) -> list[ParallelConfig]:
+    """``config`` in every (ep, etp, routing, dispatcher) ``stack`` runs for ``model`` (a dense model:
+    ``config`` alone). ``routes``: ``routings``' list; ``flex``: the devices run the flex dispatcher."""
     if model.moe is None:
         return [config]
     rules = stack_layout(stack) if stack is not None else None
@@ -75,11 +116,15 @@ def expert_variants(model: ModelSpec, config: ParallelConfig, stack: str | None)
                 candidate = replace(config, ep=ep, etp=value)
             except SpecError:
                 continue
-            if candidate in out:
+            if candidate in out or (rules is not None and rules.problems(candidate)):
                 continue  # etp 1 under tp 1 is etp = tp's own spelling: one candidate, not two
-            if rules is None or not rules.problems(candidate):
-                out.append(candidate)
+            dispatchers: list[str | None] = [None]
+            group = ep * (config.tp if candidate.etp is None else candidate.etp)
+            if flex and ep > 1 and rules is not None and "flex" in rules.dispatchers \
+                    and group in DEEPEP_NVL_RECV_TOKENS:
+                dispatchers.append("flex")
+            out += [replace(candidate, routing=r, dispatcher=d) for r in routes for d in dispatchers]
     return out
 
 
-__all__ = ["ETP_CHOICES", "NO_MOE", "expert_degrees", "expert_variants", "refuse_stack"]
+__all__ = ["ETP_CHOICES", "NO_MOE", "expert_degrees", "expert_variants", "flex_devices", "refuse_stack", "routings"]

@@ -313,6 +313,7 @@ STACK_RULES: dict[str, str] = {
     "stack_fsdp_options": "HSDP and CPU offload are FSDP's (the stack has neither)",
     "stack_native_split": "the PyTorch-native runner cannot split the model so (tp and the FFN/vocabulary, tied "
                           "embeddings, too few micro-batches for the pipeline, tp or cp of attention not Llama's)",
+    "stack_routing": "the stack runs none of the MoE routings the job allows (torchtitan's router is dropless)",
 }
 
 #: Pipette's runner on CPU workers (gloo, fp32): ``HF_DEEPSPEED_CONSTANTS`` with the terms a CPU

@@ -6,6 +6,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Literal
 
 from pipette.errors import SpecError
+from pipette.routing import parse_routing
 
 #: The training precision. ``bf16`` and ``fp16`` are mixed precision (low-precision weights, activations
 #: and gradients for the compute, an fp32 master copy for the optimizer); ``fp32`` trains in fp32 with
@@ -85,6 +86,10 @@ class TrainingSpec:
     schedules: tuple[str, ...] = SCHEDULES
     micro_batches: tuple[int, ...] = ()
     max_virtual_stages: int = 4
+    #: an MoE model's routings the search may plan (``pipette.routing``): ``dropless`` and capacity factors
+    #: (``1.0``, ``cf1.25``); dropping tokens changes what the model learns, so the search plans only what is
+    #: listed here; empty: the model's own routing alone
+    moe_routing: tuple[str, ...] = ()
     #: packed sequences: the documents packed into each sequence hold about this many tokens (the
     #: token-weighted mean, E[L^2] / E[L]), and a stack whose attention keeps to each document
     #: (``PerfConstants.varlen_attention``) attends over them alone; None: one document a sequence
@@ -113,6 +118,11 @@ class TrainingSpec:
         _subset("training.recompute", self.recompute, RECOMPUTE_MODES)
         _subset("training.zero_stages", self.zero_stages, (0, 1, 2, 3))
         _subset("training.schedules", self.schedules, SCHEDULES)
+        routings = tuple(parse_routing(r) for r in self.moe_routing)
+        if len(set(routings)) != len(routings):
+            raise SpecError(f"lists a routing twice: {list(self.moe_routing)}", field="training.moe_routing",
+                            fix="give each routing once (1 and cf1 are the same capacity factor)")
+        object.__setattr__(self, "moe_routing", routings)
         d = self.document_len
         if d is not None and (not isinstance(d, int) or isinstance(d, bool) or not 1 <= d <= self.seq_len):
             raise SpecError(f"must be a whole number from 1 to seq_len ({self.seq_len}), got {d!r}",
@@ -153,10 +163,12 @@ class TrainingSpec:
         out["lora"] = None if self.lora is None else {
             "rank": self.lora.rank, "alpha": self.lora.alpha, "targets": list(self.lora.targets)
         }
-        for key in ("recompute", "zero_stages", "schedules", "micro_batches"):
+        for key in ("recompute", "zero_stages", "schedules", "micro_batches", "moe_routing"):
             out[key] = list(out[key])
         if self.document_len is None:
             del out["document_len"]  # unpacked jobs keep the keys (and job keys) they had
+        if not self.moe_routing:
+            del out["moe_routing"]
         return out
 
     @classmethod
@@ -188,7 +200,7 @@ class TrainingSpec:
             if "targets" in lora:
                 lora = {**lora, "targets": tuple(lora["targets"])}
             kwargs["lora"] = LoraSpec(**lora)
-        for key in ("recompute", "zero_stages", "schedules", "micro_batches"):
+        for key in ("recompute", "zero_stages", "schedules", "micro_batches", "moe_routing"):
             if key in kwargs:
                 value = kwargs[key]
                 kwargs[key] = tuple(value) if isinstance(value, list | tuple) else (value,)

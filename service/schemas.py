@@ -134,6 +134,9 @@ class TrainingIn(StrictTypes):
     document_len: int | None = Field(None, ge=1, le=1 << 24, description="packed sequences: the documents' "
                                      "length in tokens, each attending within itself where the stack's attention "
                                      "keeps to documents (null: one document a sequence)")
+    moe_routing: list[Annotated[str, Field(max_length=16)] | float] | None = Field(
+        None, min_length=1, max_length=8, description="an MoE model's routings the search may plan: dropless and "
+        "capacity factors (1.0, 1.25: tokens past an expert's capacity are dropped) (null: the model's own)")
 
     def to_spec_dict(self) -> dict[str, Any]:
         data = self.model_dump(exclude_none=True)

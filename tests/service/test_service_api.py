@@ -205,6 +205,10 @@ BAD_JOBS: list[tuple[dict[str, Any], int, str]] = [
     # packed documents: at least one token, at most the sequence
     ({"training": {"global_batch": 4, "seq_len": 32, "document_len": 0}}, 422, "training.document_len"),
     ({"training": {"global_batch": 4, "seq_len": 32, "document_len": 64}}, 422, "training.document_len"),
+    # MoE routings: dropless or a positive capacity factor, each once
+    ({"training": {"global_batch": 4, "seq_len": 32, "moe_routing": ["drop"]}}, 422, "training.moe_routing"),
+    ({"training": {"global_batch": 4, "seq_len": 32, "moe_routing": [0]}}, 422, "training.moe_routing"),
+    ({"training": {"global_batch": 4, "seq_len": 32, "moe_routing": [1, "cf1"]}}, 422, "training.moe_routing"),
     ({"model": {"model_type": "llama", "hidden_size": 1e30, "num_hidden_layers": 2, "num_attention_heads": 4,
                 "intermediate_size": 64, "vocab_size": 128}}, 422, "model.hidden"),
     ({"budget": {"confidence": 1.0}}, 422, "budget.confidence"),

@@ -25,7 +25,8 @@ MEGATRON_MOE_FLAGS = {
     "--num-experts", "--moe-ffn-hidden-size", "--moe-router-topk", "--moe-shared-expert-intermediate-size",
     "--moe-router-score-function", "--moe-router-num-groups", "--moe-router-group-topk",
     "--expert-model-parallel-size", "--expert-tensor-parallel-size", "--moe-token-dispatcher-type",
-    "--moe-grouped-gemm", "--moe-expert-capacity-factor",
+    "--moe-grouped-gemm", "--moe-expert-capacity-factor", "--moe-pad-expert-input-to-capacity",
+    "--moe-flex-dispatcher-backend",  # TransformerConfig.moe_flex_dispatcher_backend: deepep | hybridep
 }
 
 
