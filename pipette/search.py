@@ -44,7 +44,8 @@ from pipette.trials import TrialRecord
 
 #: The parameters that name a candidate in the study: cp and ep beside tp, pp and dp (1 for a
 #: candidate that splits no sequence and no expert; ep is carved out of dp x cp, so two candidates
-#: of one world can differ in ep alone), the expert tensor-parallel degree in ``variant``.
+#: of one world can differ in ep alone), the expert tensor-parallel degree, an MoE candidate's routing
+#: and token dispatcher (``pipette.routing``) in ``variant``.
 PARAMS: tuple[str, ...] = ("tp", "pp", "dp", "cp", "ep", "mbs", "zero_stage", "recompute", "schedule", "variant")
 #: What a trial's parameters from before cp and ep were parameters mean by them.
 _DEFAULTS: dict[str, Any] = {"cp": 1, "ep": 1}
@@ -59,11 +60,13 @@ FIRST_SURE_TO_FIT = 0.8
 
 def candidate_params(config: ParallelConfig) -> dict[str, Any]:
     sched = "1f1b" if config.schedule == "1f1b" else f"interleaved-{config.virtual_stages}"
-    # the stack of a plan over several, FSDP2's HSDP shard degree, CPU offload and an expert
-    # tensor-parallel degree other than tp: "" for a DeepSpeed candidate of a one-stack plan
+    # the stack of a plan over several, FSDP2's HSDP shard degree, CPU offload, an expert
+    # tensor-parallel degree other than tp, an MoE routing and dispatcher of the candidate's own:
+    # "" for a DeepSpeed candidate of a one-stack plan
     variant = "/".join(part for part in (
         config.stack or "", "" if config.dp_shard is None else f"hsdp{config.dp_shard}",
-        "offload" if config.offload else "", "" if config.etp is None else f"etp{config.etp}") if part)
+        "offload" if config.offload else "", "" if config.etp is None else f"etp{config.etp}",
+        config.routing or "", config.dispatcher or "") if part)
     return {
         "tp": config.tp, "pp": config.pp, "dp": config.dp, "cp": config.cp, "ep": config.ep, "mbs": config.mbs,
         "zero_stage": config.zero_stage, "recompute": config.recompute, "schedule": sched, "variant": variant,

@@ -25,12 +25,13 @@ from pipette.tuner import TuneOptions
 CLI_INPUTS: dict[str, set[str]] = {
     "tune": {"help", "model", "cluster", "devices", "reprofile", "recipe", "global_batch", "seq_len", "dtype",
              "optimizer", "method", "lora_rank", "lora_alpha", "lora_targets", "recompute", "zero", "schedules",
-             "micro_batches", "document_len", "stack", "data", "checkpoint", "home", "no_memory", "out", "json",
+             "micro_batches", "document_len", "moe_routing", "stack", "data", "checkpoint", "home", "no_memory", "out",
+             "json",
              "script_kind", "script_knob", "script_autotp", "script_pipeline", "script_config", "script_unsupported",
              "script_shares_flags", "workdir", "script"},
     "plan": {"help", "model", "cluster", "recipe", "global_batch", "seq_len", "dtype", "optimizer", "method",
              "lora_rank", "lora_alpha", "lora_targets", "recompute", "zero", "schedules", "micro_batches",
-             "document_len", "stack", "out", "no_files", "json", "trace", "explain"},
+             "document_len", "moe_routing", "stack", "out", "no_files", "json", "trace", "explain"},
     "submit": {"help", "file", "set", "name", "watch", "json"},
 }
 #: The API bodies that carry options, and their fields that are inputs.
