@@ -13,6 +13,7 @@ from typing import Any
 from cli.inputs import add_option_flags, add_recipe_flags, load_model, load_recipe, option_values
 from pipette.emit_frameworks import MEGATRON_ARGS, NANOTRON_CONFIG
 from pipette.errors import SpecError
+from pipette.space_moe import AUTOEP_STACKS
 
 EXIT_OK = 0
 GiB = 1024**3
@@ -372,6 +373,12 @@ def _print_dropped(plan: Any) -> None:
             print(f"  {count:>6}  {DROP_REASONS.get(code, code)}")
 
 
+#: what a user of AutoEP with transformers 5.25 meets (workers.rank.autoep, which Pipette's own runs apply)
+AUTOEP_NOTE = ("With transformers 5.25, DeepSpeed 0.19.8's AutoEP stops deepspeed.initialize with "
+               "\"_CanRecordRegistry.get() takes 2 positional arguments\": call "
+               "workers.rank.autoep.accept_class_name_keys() first (docs/moe.md).")
+
+
 def _print_best(plan: Any) -> None:
     """The best-ranked candidate: its placement, its time and memory part by part, its chance to fit."""
     from pipette.estimates import MEMORY_PARTS, TIME_PARTS
@@ -379,6 +386,10 @@ def _print_best(plan: Any) -> None:
     best = plan.best
     print(f"\nbest: {best.config.label}  (placement: {best.placement_method}; "
           f"default placement {best.default_step_time:.3f} s -> {best.perf.step_time:.3f} s)")
+    stack = best.config.stack or plan.stack.name
+    if best.config.ep > 1 and stack.split("+", 1)[0] in AUTOEP_STACKS:
+        print(f"  experts: DeepSpeed's AutoEP (ds_config expert_parallel, autoep_size {best.config.ep}; DeepSpeed "
+              f">= 0.19). {AUTOEP_NOTE}")
     print("  time per step:")
     for part in (*TIME_PARTS, *(k for k in best.perf.breakdown if k not in TIME_PARTS)):
         value = best.perf.breakdown.get(part, 0.0)

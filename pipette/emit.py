@@ -83,6 +83,10 @@ def deepspeed_config(
         ds["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16}
     if config.tp > 1:
         ds["tensor_parallel"] = {"autotp_size": config.tp}
+    if config.ep > 1:
+        # DeepSpeed's AutoEP (deepspeed/module_inject/auto_ep_config.py, parse_autoep_config): the Hugging Face
+        # model's MoE blocks replaced at deepspeed.initialize, ep consecutive ranks a group, the experts whole
+        ds["expert_parallel"] = {"enabled": True, "autoep_size": config.ep}
     if config.recompute != "none":
         ds["activation_checkpointing"] = {
             "partition_activations": False,

@@ -118,6 +118,11 @@ class StackLayout:
     dispatchers: tuple[str, ...] = ()
     #: runs capacity-factor routing (tokens dropped past an expert's capacity) beside dropless
     capacity: bool = False
+    #: expert parallelism beside tensor parallelism only without a pipeline (DeepSpeed's AutoEP + AutoTP
+    #: folding: "AutoEP+AutoTP folding currently supports pp_size=1 only")
+    ep_tp_needs_pp1: bool = False
+    #: expert parallelism combines with context parallelism (cp > 1)
+    ep_with_cp: bool = True
 
     def __post_init__(self) -> None:
         if self.cp and "cp" not in self.mesh:
@@ -146,6 +151,12 @@ class StackLayout:
             if self.ep_whole_cp and config.ep % config.cp:
                 out.append((f"ep={config.ep} is not a multiple of cp={config.cp} (an expert group holds whole "
                             "context-parallel groups)", "config.ep", f"use a multiple of {config.cp}"))
+            if self.ep_tp_needs_pp1 and config.tp > 1 and config.pp > 1:
+                out.append((f"ep={config.ep} with tp={config.tp} runs without a pipeline only (pp={config.pp})",
+                            "config.pp", "use pp=1, or tp=1"))
+            if not self.ep_with_cp and config.cp > 1:
+                out.append((f"ep={config.ep} with cp={config.cp}: the {self.name} stack's expert parallelism is "
+                            "not planned beside its sequence parallelism", "config.cp", "use cp=1 or ep=1"))
         return out
 
     def cp_problems(self, cp: int, tp: int, seq_len: int, heads: int, kv_heads: int) -> list[tuple[str, str, str]]:
@@ -183,11 +194,19 @@ _DEEPSPEED = ("DeepSpeed's PipeModelDataParallelTopology (deepspeed/runtime/pipe
 # ``pipette.stacks.STACKS``). Every order is pp outermost and tp fastest, with the data dimensions (and cp)
 # between: one rank layout for all, so a placement, the planner's groups and every runner agree
 # (tests/unit/test_layout.py checks it).
+#: DeepSpeed's expert parallelism for Hugging Face MoE models, AutoEP (deepspeed/module_inject/auto_ep*.py,
+#: DeepSpeed 0.19; ds_config ``expert_parallel: {enabled, autoep_size}``): per pipeline stage the ranks in
+#: blocks of ``autoep_size`` consecutive ranks (tp fastest, then dp: ``expected_folding_group_tables``) form
+#: the expert groups, the same position of each block the expert data-parallel ones, so ep divides tp x dp
+#: (``build_folding_spec``); with AutoTP only at pp 1 (``validate_folding_global``); the experts untouched
+#: by tp (``expert_tensor_parallel_size`` 1: "not supported yet"); dropless (its router is torchtitan's).
+_AUTOEP = dict(ep=True, ep_within=("dp", "tp"), ep_tp_needs_pp1=True, ep_with_cp=False)
 # Pipette's DeepSpeed runner builds no sequence-parallel attention: cp stays refused until it does
-PIPETTE_LAYOUT = StackLayout("pipette", mesh=("pp", "dp", "tp"), axes=("pipe", "data", "model"), source=_DEEPSPEED)
+PIPETTE_LAYOUT = StackLayout("pipette", mesh=("pp", "dp", "tp"), axes=("pipe", "data", "model"), source=_DEEPSPEED,
+                             **_AUTOEP)  # type: ignore[arg-type]  # the dict's values are the fields' types
 HF_DEEPSPEED_LAYOUT = StackLayout(
     "hf-deepspeed", mesh=("pp", "dp", "cp", "tp"), axes=("pipe", "data", "sequence", "model"), source=_DEEPSPEED,
-    cp=True, cp_kind="ulysses",
+    cp=True, cp_kind="ulysses", **_AUTOEP,  # type: ignore[arg-type]
     cp_source="DeepSpeed Ulysses (deepspeed/sequence/layer.py DistributedAttention; Arctic Long Sequence "
               "Training's UlyssesSPAttentionHF for Hugging Face models, Accelerate's ParallelismConfig sp_size): "
               "sequence-parallel ranks inside the data-parallel ones, ZeRO partitioned over both; planned, not "

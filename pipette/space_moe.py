@@ -12,13 +12,15 @@ data-parallel ranks by each stack's own rule, its ``Stack.layout`` (``pipette.la
   (torchtitan/distributed/parallel_dims.py, ``_validate``: ``ep % cp == 0`` and
   ``(dp_shard * cp) % ep == 0``); the runner's ``workers.rank.expert_parallel`` runs it, the experts
   at ``etp = tp``;
-* ``hf-deepspeed``, ``nanotron``: a model with experts at ``ep = 1`` only (DeepSpeed's expert
-  parallelism, ``ep_size`` within the data-parallel group, deepspeed/moe/layer.py and
-  deepspeed/utils/groups.py ``_create_expert_and_data_parallel``, needs DeepSpeed's own ``MoE``
-  layers, which a Hugging Face model's MoE blocks are not; nanotron's MoE path lays its ranks out
-  in an order of its own, not planned);
-* ``pipette``: Pipette's DeepSpeed runner builds dense Llama layers: a model with experts is refused
-  in one line (``refuse_stack``).
+* ``hf-deepspeed`` (and the ``pipette`` stack's layout): DeepSpeed's AutoEP (DeepSpeed 0.19,
+  deepspeed/module_inject/auto_ep*.py; ds_config ``expert_parallel``), which replaces the MoE blocks of a
+  Hugging Face model of the families it has presets for (``autoep_family``): per pipeline stage the
+  expert groups are blocks of ``ep`` consecutive ranks (tp fastest, then dp), so ``ep`` divides
+  ``tp x dp`` (``auto_ep_folding.build_folding_spec``), beside tp only at pp 1, the experts whole
+  (``etp`` 1), not beside Ulysses' cp (not planned); another model at ``ep = 1``;
+* ``nanotron``: ``ep = 1`` (its MoE path lays its ranks out in an order of its own, not planned);
+* ``pipette``: Pipette's DeepSpeed runner builds dense Llama-family layers: a model with experts is
+  refused in one line (``refuse_stack``).
 
 Each (ep, etp) variant comes in every routing and token dispatcher (``pipette.routing``) the stack runs:
 
@@ -36,20 +38,47 @@ Each (ep, etp) variant comes in every routing and token dispatcher (``pipette.ro
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import replace
 
 from pipette.config import ParallelConfig
 from pipette.device import DeviceSpec
 from pipette.errors import SpecError
+from pipette.layout import degrees_of
 from pipette.memory_moe import DEEPEP_NVL_RECV_TOKENS
 from pipette.model import ModelSpec
 from pipette.routing import DROPLESS, routing_name
 from pipette.stacks import stack_layout
 from pipette.training import TrainingSpec
 
-#: the expert tensor-parallel degrees a stack plans, as "tp" (the dense degree) or a number
-ETP_CHOICES: dict[str, tuple[str | int, ...]] = {"megatron": ("tp", 1)}
+#: the expert tensor-parallel degrees a stack plans, as "tp" (the dense degree) or a number; DeepSpeed's
+#: AutoEP leaves the experts whole (``expert_tensor_parallel_size`` 1)
+ETP_CHOICES: dict[str, tuple[str | int, ...]] = {"megatron": ("tp", 1), "hf-deepspeed": (1,), "pipette": (1,)}
+#: the stacks whose expert parallelism is DeepSpeed's AutoEP, which replaces the MoE blocks of the
+#: Hugging Face families it has presets for (deepspeed/module_inject/auto_ep_presets: mixtral,
+#: qwen2_moe / qwen3_moe, deepseek_v2, deepseek_v3); another model plans ep 1 there
+AUTOEP_STACKS = ("hf-deepspeed", "pipette")
+
+
+def autoep_family(model: ModelSpec) -> str | None:
+    """The AutoEP preset of ``model``'s shape (None: none fits, or routing AutoEP does not run): DeepSeek's
+    latent attention (V2 softmax, V3 sigmoid scores), Qwen2-MoE's gated shared expert, Qwen3-MoE's q/k
+    norms without shared experts, Mixtral's Llama attention with routed experts alone. Biased routers or
+    experts (gpt-oss) and a capacity factor (AutoEP's router is torchtitan's dropless one) have none."""
+    moe = model.moe
+    if moe is None or moe.router_bias or moe.expert_bias or moe.capacity_factor is not None:
+        return None
+    a = model.attention
+    if a is not None and a.mla is not None:
+        return "deepseek_v3" if moe.scoring == "sigmoid" else "deepseek_v2"
+    if moe.scoring != "softmax" or moe.groups > 1:
+        return None
+    if moe.shared_ffn:
+        return "qwen2_moe" if moe.shared_gate and a is not None and a.qkv_bias and not a.o_bias else None
+    if a is not None and a.qk_norm and not a.qkv_bias and not a.sinks and a.window is None:
+        return "qwen3_moe"
+    return "mixtral" if a is None and not moe.dense_layers else None
 #: stacks that do not run a model with experts at all, and why (one line each)
 NO_MOE: dict[str, str] = {
     "pipette": "Pipette's DeepSpeed runner (workers.train) builds dense Llama layers, no MoE layer",
@@ -66,11 +95,10 @@ def refuse_stack(model: ModelSpec, stack: str) -> None:
                             "expert parallelism")
 
 
-def expert_degrees(model: ModelSpec, dp: int, cp: int) -> list[int]:
-    """Every ``ep`` that divides the routed experts and the ``dp x cp`` ranks it is carved from."""
+def expert_degrees(model: ModelSpec, room: int) -> list[int]:
+    """Every ``ep`` that divides the routed experts and the ``room`` ranks it is carved from."""
     if model.moe is None:
         return [1]
-    room = dp * cp
     return [e for e in range(1, min(model.moe.experts, room) + 1) if model.moe.experts % e == 0 and room % e == 0]
 
 
@@ -107,8 +135,11 @@ def expert_variants(model: ModelSpec, config: ParallelConfig, stack: str | None,
     rules = stack_layout(stack) if stack is not None else None
     choices = ETP_CHOICES.get(stack.split("+", 1)[0], ("tp",)) if stack is not None else ("tp",)
     out = []
-    for ep in expert_degrees(model, config.dp, config.cp):
-        if ep > 1 and (rules is None or not rules.ep):
+    within = rules.ep_within if rules is not None else ("dp", "cp")
+    room = math.prod(degrees_of(config)[d] for d in within)
+    autoep = stack is not None and stack.split("+", 1)[0] in AUTOEP_STACKS
+    for ep in expert_degrees(model, room):
+        if ep > 1 and (rules is None or not rules.ep or (autoep and autoep_family(model) is None)):
             continue
         for etp in choices:
             value = config.tp if etp == "tp" else int(etp)
@@ -127,4 +158,5 @@ def expert_variants(model: ModelSpec, config: ParallelConfig, stack: str | None,
     return out
 
 
-__all__ = ["ETP_CHOICES", "NO_MOE", "expert_degrees", "expert_variants", "flex_devices", "refuse_stack", "routings"]
+__all__ = ["AUTOEP_STACKS", "ETP_CHOICES", "NO_MOE", "autoep_family", "expert_degrees", "expert_variants",
+           "flex_devices", "refuse_stack", "routings"]

@@ -11,6 +11,7 @@ import pytest
 from pipette import memory_moe, perf_moe
 from pipette.clusterfile import homogeneous_cluster, load_cluster
 from pipette.config import ParallelConfig
+from pipette.emit import deepspeed_config
 from pipette.errors import SpecError
 from pipette.model import MODEL_PRESETS, ModelSpec
 from pipette.moe import MoeSpec
@@ -87,11 +88,10 @@ def test_stacks_refuse_what_they_cannot_run_in_one_line() -> None:
         make_plan(TINY, TRAIN, cluster, stack="pipette")
     assert "Mixture-of-Experts" in str(e.value) and "\n" not in str(e.value) and e.value.fix
     config = ParallelConfig(tp=1, pp=1, dp=8, ep=2, mbs=1, global_batch=8)
-    for stack in ("hf-deepspeed", "nanotron", "pipette"):
-        with pytest.raises(SpecError) as e:
-            rank_layout(config, stack)
-        assert "ep=2" in str(e.value) and "\n" not in str(e.value)
-        assert {c.ep for c in expert_variants(TINY, config, stack)} == {1}
+    with pytest.raises(SpecError) as e:
+        rank_layout(config, "nanotron")
+    assert "ep=2" in str(e.value) and "\n" not in str(e.value)
+    assert {c.ep for c in expert_variants(TINY, config, "nanotron")} == {1}
     assert {c.ep for c in expert_variants(TINY, config, "megatron")} == {1, 2, 4, 8}
     # torchtitan borrows ep from dp_shard: none under NO_SHARD (zero 0), all of dp under FULL_SHARD
     assert {c.ep for c in expert_variants(TINY, replace(config, zero_stage=0), "fsdp")} == {1}
@@ -153,3 +153,26 @@ def test_fsdp_gathers_the_local_experts_over_edp() -> None:
     assert grad_op["weights"] == pytest.approx(full["weights"] + whole)
     (replicated,) = memory_moe.stage_terms(TINY, TRAIN, replace(config, zero_stage=0, ep=1), [2], fsdp)
     assert replicated["gradients"] == pytest.approx(4 * (2 * experts + router + dense))
+
+
+def test_deepspeeds_autoep_is_planned_by_its_own_folding_rules() -> None:
+    """DeepSpeed 0.19's AutoEP (deepspeed/module_inject/auto_ep_folding.py): ep consecutive ranks of a
+    stage (tp fastest, then dp) a group, so ep divides tp x dp; beside tp at pp 1 only; experts whole
+    (etp 1); only the Hugging Face families it has presets for; not beside Ulysses' cp."""
+    mixtral = replace(TINY, moe=replace(TINY.moe, dense_layers=()))  # type: ignore[type-var]  # Mixtral's shape
+    assert {c.ep for c in expert_variants(TINY, ParallelConfig(tp=1, pp=1, dp=8, mbs=1, global_batch=8),
+                                          "hf-deepspeed")} == {1}  # a dense first layer: no family of AutoEP's
+    config = ParallelConfig(tp=1, pp=1, dp=8, mbs=1, global_batch=8)
+    assert {c.ep for c in expert_variants(mixtral, config, "hf-deepspeed")} == {1, 2, 4, 8}
+    tp2 = ParallelConfig(tp=2, pp=1, dp=4, mbs=1, global_batch=8)
+    # the experts whole beside tp; ep within dp (AutoEP's groups of consecutive ranks span the tp lanes)
+    assert {(c.ep, c.etp) for c in expert_variants(mixtral, tp2, "hf-deepspeed")} == {(1, 1), (2, 1), (4, 1)}
+    assert {c.ep for c in expert_variants(mixtral, replace(tp2, pp=2, dp=2, global_batch=4), "hf-deepspeed")} == {1}
+    assert {c.ep for c in expert_variants(mixtral, replace(config, cp=2, dp=4, global_batch=4), "hf-deepspeed")} == {1}
+    biased = replace(mixtral, moe=replace(mixtral.moe, router_bias=True, expert_bias=True))  # type: ignore[type-var]
+    assert {c.ep for c in expert_variants(biased, config, "hf-deepspeed")} == {1}  # gpt-oss: no AutoEP preset
+    with pytest.raises(SpecError, match="with tp=2 runs without a pipeline only"):
+        rank_layout(replace(tp2, pp=2, dp=2, global_batch=4, ep=2, etp=1), "hf-deepspeed")
+    ds = deepspeed_config(TrainingSpec(global_batch=8, seq_len=S), replace(config, ep=4))
+    assert ds["expert_parallel"] == {"enabled": True, "autoep_size": 4}
+    assert "expert_parallel" not in deepspeed_config(TrainingSpec(global_batch=8, seq_len=S), config)
