@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from pipette.autoep import DEEPSPEED_MOE_FAMILIES, autoep_family
 from pipette.config import ParallelConfig
 from pipette.contract import FSDP_ENTRY, TRAIN_ENTRY
 from pipette.fsdp_rules import fsdp_problems
@@ -63,14 +64,42 @@ def builds_the_model(model: ModelSpec, training: TrainingSpec) -> list[str]:
     return out
 
 
+def deepspeed_moe_refusals(model: ModelSpec, training: TrainingSpec, config: ParallelConfig) -> list[str]:
+    """Why the DeepSpeed runner cannot train ``model``'s experts under ``config``: it builds the Hugging Face
+    model of the families above and leaves the experts to DeepSpeed's AutoEP (``expert_parallel`` in the
+    ds_config), so without its own tensor parallelism (which shards dense MLPs; AutoEP folds DeepSpeed's
+    AutoTP, not Pipette's) and pipeline (AutoEP replaces the blocks of a whole model), ZeRO 0-2 (its ZeRO-3
+    fills blocks partitioned before AutoEP replaces them), LoRA on the attention alone (an expert's
+    weights are one 3-D tensor per matrix, which PEFT does not wrap) and, beside ep > 1, without ZeRO
+    (stage_1_and_2.py ``_configure_moe_settings`` asserts a param group of experts; LoRA freezes them)."""
+    if model.moe is None:
+        return []
+    family = autoep_family(model)
+    if family not in DEEPSPEED_MOE_FAMILIES:
+        return [f"{model.name}'s experts are not of a family the DeepSpeed runner builds with AutoEP "
+                f"({', '.join(DEEPSPEED_MOE_FAMILIES)}): run it with the fsdp stack (--stack fsdp)"]
+    out = []
+    if config.tp > 1 or config.pp > 1:
+        out.append(f"tp={config.tp}, pp={config.pp} with experts: the DeepSpeed runner trains an MoE model "
+                   "without tensor or pipeline parallelism (AutoEP over dp); use tp=1, pp=1")
+    if config.zero_stage == 3:
+        out.append("ZeRO-3 with experts: the DeepSpeed runner trains an MoE model under ZeRO 0-2; use 0, 1 or 2")
+    if training.lora is not None and config.ep > 1 and config.zero_stage >= 1:
+        out.append(f"LoRA with ep={config.ep} under ZeRO-{config.zero_stage}: DeepSpeed's ZeRO optimizer asserts an "
+                   "MoE model trains an expert parameter group, and LoRA freezes the experts; use ZeRO 0 or ep=1")
+    mlp = sorted(set(training.lora.targets) & {"gate_proj", "up_proj", "down_proj"}) if training.lora else []
+    if mlp:
+        out.append(f"LoRA on {', '.join(mlp)} of an MoE model: the DeepSpeed runner adapts the attention alone "
+                   "(an expert's weights are one 3-D tensor, which PEFT does not wrap); target q/k/v/o_proj")
+    return out
+
+
 def deepspeed_refusals(model: ModelSpec, training: TrainingSpec, config: ParallelConfig,
                        device_kind: str) -> list[str]:
     """Why Pipette's DeepSpeed runner (DeepSpeed's engines, its tensor parallelism) cannot run ``config``."""
     m, c = model, config
     out = []
-    if m.moe is not None:  # its layers would be built as dense MLPs, and trained without a word
-        out.append(f"{m.name} is a Mixture-of-Experts model; DeepSpeed's runner builds dense Llama models: "
-                   "run it with the fsdp stack (--stack fsdp)")
+    out += deepspeed_moe_refusals(m, training, c)
     if m.attention is not None and c.tp > 1 and not m.attention.is_llamas(m.hidden, m.heads, training.seq_len):
         out.append(f"tp={c.tp} with {m.name}'s attention ({m.attention.differences(m.hidden, m.heads)}): the runner's "
                    "tensor parallelism shards Llama's; use tp=1")

@@ -12,15 +12,16 @@ data-parallel ranks by each stack's own rule, its ``Stack.layout`` (``pipette.la
   (torchtitan/distributed/parallel_dims.py, ``_validate``: ``ep % cp == 0`` and
   ``(dp_shard * cp) % ep == 0``); the runner's ``workers.rank.expert_parallel`` runs it, the experts
   at ``etp = tp``;
-* ``hf-deepspeed`` (and the ``pipette`` stack's layout): DeepSpeed's AutoEP (DeepSpeed 0.19,
+* ``hf-deepspeed`` and ``pipette``: DeepSpeed's AutoEP (DeepSpeed 0.19,
   deepspeed/module_inject/auto_ep*.py; ds_config ``expert_parallel``), which replaces the MoE blocks of a
-  Hugging Face model of the families it has presets for (``autoep_family``): per pipeline stage the
+  Hugging Face model of the families it has presets for (``pipette.autoep.autoep_family``): per pipeline stage the
   expert groups are blocks of ``ep`` consecutive ranks (tp fastest, then dp), so ``ep`` divides
-  ``tp x dp`` (``auto_ep_folding.build_folding_spec``), beside tp only at pp 1, the experts whole
+  ``tp x dp`` (``auto_ep_folding.build_folding_spec``; planned within dp), beside tp only at pp 1, the experts whole
   (``etp`` 1), not beside Ulysses' cp (not planned); another model at ``ep = 1``;
 * ``nanotron``: ``ep = 1`` (its MoE path lays its ranks out in an order of its own, not planned);
-* ``pipette``: Pipette's DeepSpeed runner builds dense Llama-family layers: a model with experts is
-  refused in one line (``refuse_stack``).
+* ``pipette``: Pipette's DeepSpeed runner builds the Hugging Face model of the AutoEP families it
+  knows (``pipette.autoep.DEEPSPEED_MOE_FAMILIES``; another is refused in one line, ``refuse_stack``)
+  and trains its experts under AutoEP at tp 1, pp 1, ZeRO 0-2 (``pipette.runners.deepspeed_moe_refusals``).
 
 Each (ep, etp) variant comes in every routing and token dispatcher (``pipette.routing``) the stack runs:
 
@@ -42,6 +43,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import replace
 
+from pipette.autoep import DEEPSPEED_MOE_FAMILIES, autoep_family
 from pipette.config import ParallelConfig
 from pipette.device import DeviceSpec
 from pipette.errors import SpecError
@@ -61,33 +63,20 @@ ETP_CHOICES: dict[str, tuple[str | int, ...]] = {"megatron": ("tp", 1), "hf-deep
 AUTOEP_STACKS = ("hf-deepspeed", "pipette")
 
 
-def autoep_family(model: ModelSpec) -> str | None:
-    """The AutoEP preset of ``model``'s shape (None: none fits, or routing AutoEP does not run): DeepSeek's
-    latent attention (V2 softmax, V3 sigmoid scores), Qwen2-MoE's gated shared expert, Qwen3-MoE's q/k
-    norms without shared experts, Mixtral's Llama attention with routed experts alone. Biased routers or
-    experts (gpt-oss) and a capacity factor (AutoEP's router is torchtitan's dropless one) have none."""
-    moe = model.moe
-    if moe is None or moe.router_bias or moe.expert_bias or moe.capacity_factor is not None:
-        return None
-    a = model.attention
-    if a is not None and a.mla is not None:
-        return "deepseek_v3" if moe.scoring == "sigmoid" else "deepseek_v2"
-    if moe.scoring != "softmax" or moe.groups > 1:
-        return None
-    if moe.shared_ffn:
-        return "qwen2_moe" if moe.shared_gate and a is not None and a.qkv_bias and not a.o_bias else None
-    if a is not None and a.qk_norm and not a.qkv_bias and not a.sinks and a.window is None:
-        return "qwen3_moe"
-    return "mixtral" if a is None and not moe.dense_layers else None
 #: stacks that do not run a model with experts at all, and why (one line each)
-NO_MOE: dict[str, str] = {
-    "pipette": "Pipette's DeepSpeed runner (workers.train) builds dense Llama layers, no MoE layer",
-}
+NO_MOE: dict[str, str] = {}
 
 
 def refuse_stack(model: ModelSpec, stack: str) -> None:
-    """A ``SpecError`` in one line when ``stack`` cannot run ``model``'s experts."""
+    """A ``SpecError`` in one line when ``stack`` cannot run ``model``'s experts: Pipette's DeepSpeed
+    runner builds the AutoEP families of ``pipette.autoep.DEEPSPEED_MOE_FAMILIES`` alone."""
     name = stack.split("+", 1)[0]
+    if model.moe is not None and name == "pipette" and autoep_family(model) not in DEEPSPEED_MOE_FAMILIES:
+        raise SpecError(f"{model.name} is a Mixture-of-Experts model; the pipette stack's DeepSpeed runner builds "
+                        f"the experts of {', '.join(DEEPSPEED_MOE_FAMILIES)} models (under DeepSpeed's AutoEP) "
+                        "alone", field="stack",
+                        fix="plan it with --stack megatron, or --stack fsdp, whose runner trains experts with "
+                            "expert parallelism")
     if model.moe is not None and name in NO_MOE:
         raise SpecError(f"{model.name} is a Mixture-of-Experts model; the {name} stack does not run one: "
                         f"{NO_MOE[name]}", field="stack",
@@ -158,5 +147,5 @@ def expert_variants(model: ModelSpec, config: ParallelConfig, stack: str | None,
     return out
 
 
-__all__ = ["AUTOEP_STACKS", "ETP_CHOICES", "NO_MOE", "autoep_family", "expert_degrees", "expert_variants",
+__all__ = ["AUTOEP_STACKS", "ETP_CHOICES", "NO_MOE", "expert_degrees", "expert_variants",
            "flex_devices", "refuse_stack", "routings"]

@@ -52,7 +52,7 @@ from pipette.memory_options import (
 )
 from pipette.model import ModelSpec
 from pipette.perf_constants import HF_DEEPSPEED_CONSTANTS, MEGATRON_CONSTANTS, MemoryPressure, PerfConstants
-from pipette.runners import DEEPSPEED_RUNNER, NATIVE_RUNNER, Runner
+from pipette.runners import DEEPSPEED_RUNNER, NATIVE_RUNNER, Runner, deepspeed_moe_refusals
 from pipette.training import TrainingSpec
 
 #: The stack Pipette plans and tunes for when none is named: its own runner.
@@ -256,6 +256,9 @@ class Stack:
         if self.native_rules and model is not None and training is not None \
                 and fsdp_problems(model, training, config, device_kind, world=None):
             broken.append("stack_native_split")
+        if self.runner is not None and self.runner.deepspeed and model is not None and training is not None \
+                and deepspeed_moe_refusals(model, training, config):
+            broken.append("stack_moe_split")
         # the degrees its rank layout does not run (cp, ep and their rules: ``pipette.layout``); last, so a
         # candidate the rules above refuse too is counted as before
         if self.layout.problems(config):
@@ -313,6 +316,8 @@ STACK_RULES: dict[str, str] = {
     "stack_fsdp_options": "HSDP and CPU offload are FSDP's (the stack has neither)",
     "stack_native_split": "the PyTorch-native runner cannot split the model so (tp and the FFN/vocabulary, tied "
                           "embeddings, too few micro-batches for the pipeline, tp or cp of attention not Llama's)",
+    "stack_moe_split": "the DeepSpeed runner trains experts (AutoEP) without tp or pp, under ZeRO 0-2, LoRA on the "
+                       "attention alone (beside ep > 1 without ZeRO)",
     "stack_routing": "the stack runs none of the MoE routings the job allows (torchtitan's router is dropless)",
 }
 
@@ -336,7 +341,8 @@ PIPETTE_CPU_CONSTANTS = replace(
 )
 
 PIPETTE = Stack(
-    name="pipette", frameworks="Pipette's runner (Hugging Face eager Llama under DeepSpeed)",
+    name="pipette",
+    frameworks="Pipette's runner (Hugging Face eager Llama-family models under DeepSpeed; experts under AutoEP)",
     description="what `pipette tune` runs and its launch files start; constants fitted on h100_single_gpu.csv",
     constants=HF_DEEPSPEED_CONSTANTS, cpu_constants=PIPETTE_CPU_CONSTANTS, memory_options=DEFAULT_OPTIONS,
     gpu_fits_prior=PIPETTE_GPU,

@@ -64,6 +64,8 @@ def backend_name(trial: TrialSpec) -> str:
         parts.append("tied-embedding")
     if trial.training.is_lora:
         parts.append("tp-lora" if c.tp > 1 else "peft-lora")
+    if c.ep > 1:
+        parts.append(f"autoep{c.ep}")  # DeepSpeed's expert parallelism (ds_config expert_parallel)
     return "+".join(parts)
 
 

@@ -173,19 +173,20 @@ def test_a_reader_that_leaves_early_gets_no_traceback() -> None:
     assert "Traceback" not in err and "BrokenPipe" not in err
 
 
-def test_a_mixtral_folder_is_refused_in_one_line(tmp_path: Path) -> None:
+def test_a_mixtral_folder_is_planned_with_its_experts_on_the_default_stack(tmp_path: Path) -> None:
     """Issue 32, item 6: Mixtral's config.json was planned silently as a dense 7.24B model. Issue 47:
-    it is read (with its experts) and planned with them on a stack that runs experts; the default stack,
-    Pipette's DeepSpeed runner, has no MoE layer and refuses it in one line."""
+    it is read with its experts; Pipette's DeepSpeed runner refused it, and now trains it under
+    DeepSpeed's AutoEP: the plan's layouts split the experts (ep) and say which DeepSpeed runs them."""
     (tmp_path / "config.json").write_text(json.dumps({
         "model_type": "mixtral", "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
         "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 32000, "num_local_experts": 8,
         "num_experts_per_tok": 2, "max_position_embeddings": 32768}))
     r = pipette("plan", "--model", str(tmp_path), "--cluster", str(CLUSTERS / "a100-2x8.yaml"),
                 "--global-batch", "16", "--seq-len", "4096", "--no-files")
-    _assert_one_line_error(r, "mixtral is a Mixture-of-Experts model; the pipette stack does not run one",
-                           "fix: plan it with --stack megatron, or --stack fsdp")
-    assert r.stderr.count("--stack megatron") == 1, r.stderr  # the fix said once
+    assert r.returncode == 0, r.stderr
+    assert "46.70B params" in r.stdout and "ep" in next(x for x in r.stdout.splitlines() if "#  tp" in x).split()
+    best = next(x for x in r.stdout.splitlines() if x.startswith("best: "))
+    assert "-ep8-" in best and "experts: DeepSpeed's AutoEP" in r.stdout
 
 
 def test_a_model_the_runners_do_not_build_is_refused_before_planning(tmp_path: Path) -> None:

@@ -82,9 +82,13 @@ def test_the_expert_mesh_is_torchtitans_and_its_ep_groups_are_the_layouts(kw: di
     assert mesh.groups("dp_replicate", "efsdp") == plan.mesh.groups("edp")  # the ranks holding the same experts
 
 
-def test_deepspeeds_runner_refuses_an_moe_model_and_names_the_fsdp_stack() -> None:
-    said = deepspeed_refusals(TINY, JOB, config(), "cpu")
-    assert len(said) == 1 and "Mixture-of-Experts" in said[0] and "--stack fsdp" in said[0]
+def test_deepspeeds_runner_trains_the_autoep_families_and_names_the_fsdp_stack_for_others() -> None:
+    """Issue 47: Pipette's DeepSpeed runner trains Mixtral-, Qwen2-MoE- and Qwen3-MoE-shaped models under
+    DeepSpeed's AutoEP (tp 1, pp 1, ZeRO 0-2); another family's experts it refuses, naming the fsdp stack."""
+    assert deepspeed_refusals(TINY, JOB, config(zero_stage=1, ep=2), "cpu") == []  # Mixtral's shape
+    said = deepspeed_refusals(SHARED, JOB, config(zero_stage=1), "cpu")  # a shared expert without Qwen2's biases
+    assert len(said) == 1 and "not of a family the DeepSpeed runner builds" in said[0] and "--stack fsdp" in said[0]
+    assert any("ZeRO-3 with experts" in r for r in deepspeed_refusals(TINY, JOB, config(), "cpu"))
     assert deepspeed_refusals(ModelSpec.preset("tiny-llama"), JOB, config(), "cpu") == []
 
 

@@ -320,17 +320,20 @@ def test_a_dense_model_is_as_it_was() -> None:
 
 # ---- planning: with the experts (issue 47) ------------------------------------------------------
 def test_an_moe_model_is_planned_with_its_experts_not_as_dense() -> None:
-    """Issue 47: the refusal lifted. Pipette's own DeepSpeed runner still refuses it in one line; the
+    """Issue 47: the refusal lifted. Pipette's own DeepSpeed runner trains Mixtral under AutoEP and
+    refuses, in one line, experts of a family it does not build (DeepSeek's latent attention); the
     planner's dense path sees only the attention (the experts are pipette.memory_moe / perf_moe's)."""
     model = ModelSpec.from_hf_config(MIXTRAL_8X7B)  # reading it is fine
     assert model.total_params() / 1e9 == pytest.approx(46.7, rel=0.01)
     training = TrainingSpec(global_batch=64, seq_len=4096)
-    cluster = homogeneous_cluster("H100-80GB", 1, 8, 300e9, 25e9)
+    cluster = homogeneous_cluster("H100-80GB", 2, 8, 300e9, 25e9)
     check_recipe(model, training)
+    plan = make_plan(model, training, cluster)  # the default stack: Pipette's DeepSpeed runner
+    assert {(p.config.tp, p.config.pp) for p in plan.ranked} == {(1, 1)} and max(p.config.ep for p in plan.ranked) > 1
     with pytest.raises(SpecError) as e:
-        make_plan(model, training, cluster)  # the default stack: Pipette's DeepSpeed runner
+        make_plan(ModelSpec.preset("deepseek-v2-lite"), training, cluster)
     line = str(e.value)
-    assert "is a Mixture-of-Experts model; the pipette stack does not run one" in line, line
+    assert "is a Mixture-of-Experts model; the pipette stack's DeepSpeed runner builds the experts of" in line, line
     assert "\n" not in line and e.value.field == "stack" and e.value.fix
     assert set(model.linear_shapes()) == {"q_proj", "k_proj", "v_proj", "o_proj"}
     assert model.layer_params() == moe_count.attention_params(model) + model.norm_params()

@@ -17,6 +17,10 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+#: where AutoEP finds the MoE blocks of a PEFT-wrapped Hugging Face model (``expert_parallel.moe_layer_pattern``):
+#: its presets' ``model\.layers\.\d+\.mlp`` (re.fullmatch over the module names) under PEFT's two prefixes
+PEFT_MOE_LAYERS = r"base_model\.model\.model\.layers\.\d+\.mlp"
+
 
 def accept_class_name_keys() -> bool:
     """Make the registry take AutoEP's class-name keys; True where it was changed."""
@@ -44,4 +48,15 @@ def accept_class_name_keys() -> bool:
     return True
 
 
-__all__ = ["accept_class_name_keys"]
+def autoep_ds_config(ds_config: dict[str, Any], lora: bool) -> dict[str, Any]:
+    """``ds_config`` as AutoEP runs it on this rank (unchanged without ``expert_parallel``): the registry
+    made to take its keys, and under PEFT (``lora``) the MoE blocks looked up under PEFT's prefixes."""
+    if "expert_parallel" not in ds_config:
+        return ds_config
+    accept_class_name_keys()
+    if not lora:
+        return ds_config
+    return {**ds_config, "expert_parallel": {**ds_config["expert_parallel"], "moe_layer_pattern": PEFT_MOE_LAYERS}}
+
+
+__all__ = ["PEFT_MOE_LAYERS", "accept_class_name_keys", "autoep_ds_config"]

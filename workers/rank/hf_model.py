@@ -25,18 +25,26 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     PretrainedConfig,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
+from pipette.autoep import DEEPSPEED_MOE_FAMILIES, autoep_family
 from pipette.errors import SpecError
 from pipette.model import ModelSpec
 
@@ -69,7 +77,9 @@ def llama_config(model: ModelSpec, attn_implementation: str = "sdpa", seq_len: i
     }
     a = model.attention
     config: PretrainedConfig
-    if a is None:
+    if model.moe is not None:
+        config = moe_config(model, shape)
+    elif a is None:
         config = LlamaConfig(**shape)
     else:
         unbuilt = a.unbuilt(model.hidden, model.heads, seq_len)
@@ -86,9 +96,36 @@ def llama_config(model: ModelSpec, attn_implementation: str = "sdpa", seq_len: i
     return config
 
 
+def moe_config(model: ModelSpec, shape: dict[str, Any]) -> PretrainedConfig:
+    """The Hugging Face config of a Mixture-of-Experts ``model`` of a family DeepSpeed's AutoEP has a
+    preset for (``pipette.autoep.autoep_family``) whose attention the runner builds: Mixtral (Llama
+    attention, routed experts alone), Qwen3-MoE (q/k norms; dense layers as ``mlp_only_layers``),
+    Qwen2-MoE (q, k, v biases; a gated shared expert). The experts train under AutoEP
+    (``workers.rank.autoep``). Another is refused (``pipette.space_moe.NO_MOE`` says so first)."""
+    moe, a = model.moe, model.attention
+    family = autoep_family(model)
+    if moe is None or family not in DEEPSPEED_MOE_FAMILIES:
+        raise SpecError(f"{model.name}'s experts are not of a family the DeepSpeed runner builds "
+                        f"({', '.join(DEEPSPEED_MOE_FAMILIES)})", field="model.moe",
+                        fix="plan it with --stack fsdp or --stack megatron, or tune your own script (--script)")
+    sparse: dict[str, Any] = {"num_experts_per_tok": moe.top_k, "output_router_logits": False}
+    head_dim = a.head_dim if a is not None else model.hidden // model.heads
+    if family == "mixtral":
+        return MixtralConfig(**{**shape, "intermediate_size": moe.expert_ffn}, head_dim=head_dim,
+                             num_local_experts=moe.experts, **sparse)
+    moe_shape: dict[str, Any] = {"moe_intermediate_size": moe.expert_ffn, "num_experts": moe.experts,
+                                 "decoder_sparse_step": 1, "mlp_only_layers": list(moe.dense_layers),
+                                 "use_sliding_window": False, **sparse}
+    if family == "qwen3_moe":
+        return Qwen3MoeConfig(**shape, **moe_shape, head_dim=head_dim,  # type: ignore[call-arg]  # a kwarg it keeps
+                              attention_bias=False)
+    return Qwen2MoeConfig(**shape, **moe_shape, shared_expert_intermediate_size=moe.shared_ffn, qkv_bias=True)
+
+
 #: the model class of each config ``llama_config`` makes
 CAUSAL_LM: dict[type, type] = {LlamaConfig: LlamaForCausalLM, Qwen2Config: Qwen2ForCausalLM,
-                               Qwen3Config: Qwen3ForCausalLM}
+                               Qwen3Config: Qwen3ForCausalLM, MixtralConfig: MixtralForCausalLM,
+                               Qwen3MoeConfig: Qwen3MoeForCausalLM, Qwen2MoeConfig: Qwen2MoeForCausalLM}
 
 
 @contextlib.contextmanager

@@ -64,13 +64,19 @@ def initial_values(
     """The initial values of ``rows`` x ``cols`` (half-open ranges; default: all) of the
     parameter ``name`` of shape ``full_shape``: the same whichever part is asked for."""
     device = torch.device(device)
+    if len(full_shape) == 3 and rows is None and cols is None:
+        # an MoE layer's experts as one tensor (transformers' fused experts: E x out x in): each expert's
+        # matrix drawn as a 2-D parameter of its own name, so it does not depend on how experts are split
+        return torch.stack([initial_values(f"{name}[{e}]", full_shape[1:], init, seed, None, None, device, dtype)
+                            for e in range(full_shape[0])])
     if len(full_shape) == 1:
         full_shape = (full_shape[0], 1)
         one_d = True
     else:
         one_d = False
     if len(full_shape) != 2:
-        raise ValueError(f"{name}: only 1-D and 2-D parameters are initialised here, not {full_shape}")
+        raise ValueError(f"{name}: only 1-D, 2-D and whole 3-D (experts) parameters are initialised here, "
+                         f"not {full_shape}")
     r0, r1 = rows if rows is not None else (0, full_shape[0])
     c0, c1 = cols if cols is not None else (0, full_shape[1])
     if not (0 <= r0 <= r1 <= full_shape[0] and 0 <= c0 <= c1 <= full_shape[1]):

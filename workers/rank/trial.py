@@ -68,6 +68,7 @@ class Engine:
     def __init__(self, trial: TrialSpec, ds_config: dict[str, Any], rank: int, phases: Phases | None = None):
         import deepspeed
 
+        from workers.rank.autoep import autoep_ds_config
         from workers.rank.build import build_rank_model, held_bytes
         from workers.rank.data import Batches
         from workers.rank.hf_model import TORCH_DTYPES
@@ -111,7 +112,10 @@ class Engine:
         self.held_bytes = held_bytes(module)
         if phases is not None:
             phases.mark("build")
+        ds_config = autoep_ds_config(ds_config, t.is_lora)
         self.engine, *_ = deepspeed.initialize(model=module, model_parameters=params, config=ds_config, mpu=mpu)
+        if "expert_parallel" in ds_config:  # AutoEP replaced the MoE blocks: the experts trained are its own
+            params = [p for p in self.engine.module.parameters() if p.requires_grad]
         self.trainable = sum(int(getattr(p, "ds_numel", p.numel())) for p in params)
         if torch.device(self.engine.device) != self.device:
             raise RuntimeError(f"DeepSpeed put the engine on {self.engine.device}, this rank computes on {self.device}")
