@@ -347,3 +347,25 @@ def test_a_two_node_launch_runs_as_printed_one_command_per_host(tmp_path: Path, 
     trial = run_trial(spec, timeout_s=240)
     assert trial.status == "ok", trial.error
     assert done[1][0]["losses"] == pytest.approx(list(trial.losses), rel=1e-5)
+
+
+def test_an_moe_candidates_launch_runs_its_experts_under_autoep(tmp_path: Path) -> None:
+    """Issue 47: the pipette stack's ep 2 candidate of tiny-moe (Mixtral's shape): its launch.sh runs
+    DeepSpeed's AutoEP as the trial does (ds_config ``expert_parallel``) and computes the trial's losses."""
+    cluster = load_cluster(ROOT / "examples" / "clusters" / "cpu-4.yaml")
+    config = ParallelConfig(tp=1, pp=1, dp=2, ep=2, mbs=2, global_batch=4, zero_stage=1)
+    spec = TrialSpec(ModelSpec.preset("tiny-moe"), TrainingSpec(global_batch=4, seq_len=32, dtype="fp32"), config,
+                     warmup_steps=2, min_steps=3, max_steps=3)
+    options = {k: v for k, v in spec.runner_options().items() if k != "device_kind"}
+    files = write_launch_files(tmp_path, spec.model, spec.training, config, cluster, extra={"trial": options})
+    assert json.loads(files["ds_config.json"].read_text())["expert_parallel"] == {"enabled": True, "autoep_size": 2}
+    venv = str(Path(sys.executable).parent)
+    path = ":".join(p for p in os.environ["PATH"].split(":") if p != venv)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "OMP_NUM_THREADS", "VIRTUAL_ENV", "PYTHONPATH")}
+    out, _ = _run(files, env | {"PATH": path, "MASTER_PORT": str(_free_port())})
+    events = [json.loads(line[len(EVENT_PREFIX):]) for line in out.splitlines() if line.startswith(EVENT_PREFIX)]
+    finished = {int(e["rank"]): e for e in events if e["event"] == "done"}
+    assert set(finished) == {0, 1} and finished[0]["backend"] == "deepspeed+engine+zero1+autoep2"
+    trial = run_trial(spec, timeout_s=240)
+    assert trial.status == "ok", trial.error
+    assert finished[0]["losses"] == pytest.approx(list(trial.losses), rel=1e-5)
