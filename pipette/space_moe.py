@@ -63,10 +63,6 @@ ETP_CHOICES: dict[str, tuple[str | int, ...]] = {"megatron": ("tp", 1), "hf-deep
 AUTOEP_STACKS = ("hf-deepspeed", "pipette")
 
 
-#: stacks that do not run a model with experts at all, and why (one line each)
-NO_MOE: dict[str, str] = {}
-
-
 def refuse_stack(model: ModelSpec, stack: str) -> None:
     """A ``SpecError`` in one line when ``stack`` cannot run ``model``'s experts: Pipette's DeepSpeed
     runner builds the AutoEP families of ``pipette.autoep.DEEPSPEED_MOE_FAMILIES`` alone."""
@@ -75,11 +71,6 @@ def refuse_stack(model: ModelSpec, stack: str) -> None:
         raise SpecError(f"{model.name} is a Mixture-of-Experts model; the pipette stack's DeepSpeed runner builds "
                         f"the experts of {', '.join(DEEPSPEED_MOE_FAMILIES)} models (under DeepSpeed's AutoEP) "
                         "alone", field="stack",
-                        fix="plan it with --stack megatron, or --stack fsdp, whose runner trains experts with "
-                            "expert parallelism")
-    if model.moe is not None and name in NO_MOE:
-        raise SpecError(f"{model.name} is a Mixture-of-Experts model; the {name} stack does not run one: "
-                        f"{NO_MOE[name]}", field="stack",
                         fix="plan it with --stack megatron, or --stack fsdp, whose runner trains experts with "
                             "expert parallelism")
 
@@ -147,5 +138,5 @@ def expert_variants(model: ModelSpec, config: ParallelConfig, stack: str | None,
     return out
 
 
-__all__ = ["AUTOEP_STACKS", "ETP_CHOICES", "NO_MOE", "expert_degrees", "expert_variants",
+__all__ = ["AUTOEP_STACKS", "ETP_CHOICES", "expert_degrees", "expert_variants",
            "flex_devices", "refuse_stack", "routings"]

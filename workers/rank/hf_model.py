@@ -101,7 +101,7 @@ def moe_config(model: ModelSpec, shape: dict[str, Any]) -> PretrainedConfig:
     preset for (``pipette.autoep.autoep_family``) whose attention the runner builds: Mixtral (Llama
     attention, routed experts alone), Qwen3-MoE (q/k norms; dense layers as ``mlp_only_layers``),
     Qwen2-MoE (q, k, v biases; a gated shared expert). The experts train under AutoEP
-    (``workers.rank.autoep``). Another is refused (``pipette.space_moe.NO_MOE`` says so first)."""
+    (``workers.rank.autoep``). Another is refused (``pipette.space_moe.refuse_stack`` says so first)."""
     moe, a = model.moe, model.attention
     family = autoep_family(model)
     if moe is None or family not in DEEPSPEED_MOE_FAMILIES:
