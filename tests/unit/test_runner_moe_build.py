@@ -18,7 +18,7 @@ from workers.rank.hf_model import build_llama
 ])
 def test_the_runner_builds_the_experts_the_planner_counts(name: str, cls: str) -> None:
     spec = ModelSpec.preset(name)
-    model = build_llama(spec, device="meta")
+    model = build_llama(spec, device="meta", experts=True)
     assert type(model).__name__ == cls
     assert sum(p.numel() for p in model.parameters()) == spec.total_params()
 
@@ -26,5 +26,12 @@ def test_the_runner_builds_the_experts_the_planner_counts(name: str, cls: str) -
 @pytest.mark.parametrize("name", ["deepseek-v2-lite", "gpt-oss-20b", "tiny-moe-shared"])
 def test_a_family_it_does_not_build_is_refused_in_one_line(name: str) -> None:
     with pytest.raises(SpecError) as e:
-        build_llama(ModelSpec.preset(name), device="meta")
+        build_llama(ModelSpec.preset(name), device="meta", experts=True)
     assert "\n" not in str(e.value) and e.value.fix
+
+
+def test_without_experts_the_mlps_stay_dense_for_the_fsdp_runners_own_moe_layer() -> None:
+    """The fsdp runner builds the Llama and swaps each MLP for its MoE layer (``use_moe``): it asks for
+    no experts, and gets Llama's dense MLPs of ``ffn_hidden`` whatever the family (tiny-moe-shared too)."""
+    for name in ("tiny-moe", "tiny-moe-shared"):
+        assert type(build_llama(ModelSpec.preset(name), device="meta")).__name__ == "LlamaForCausalLM"

@@ -82,7 +82,8 @@ def prepare(trial: TrialSpec, rank: int, dtype: torch.dtype) -> Prepared:
 
     c, t = trial.config, trial.training
     tp_index = rank_layout(c, trial.stack).index(rank, "tp")
-    model = build_llama(trial.model, device="meta", dtype=dtype, seq_len=t.seq_len)
+    # an MoE model's experts as its Hugging Face family builds them: DeepSpeed's AutoEP replaces them
+    model = build_llama(trial.model, device="meta", dtype=dtype, seq_len=t.seq_len, experts=True)
     tag_names(model)
     hf: Any = model
     module: nn.Module = model

@@ -55,14 +55,17 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
 }
 
 
-def llama_config(model: ModelSpec, attn_implementation: str = "sdpa", seq_len: int | None = None) -> PretrainedConfig:
+def llama_config(model: ModelSpec, attn_implementation: str = "sdpa", seq_len: int | None = None,
+                 experts: bool = False) -> PretrainedConfig:
     """The Hugging Face config of ``model``: Llama's, or, where the model's attention is not Llama's
     (``ModelSpec.attention``), the family's that builds it: Qwen3's (q/k norms over each head),
     Qwen2's (q, k and v with a bias, o without), Llama's with ``head_dim`` and ``attention_bias``
     (an explicit head size, biases on all four). The decoder layers of the three take the same
     inputs, so every path of the runners drives them alike. What none builds (a sliding window
     ``seq_len`` exceeds, latent attention, sinks) is refused (``pipette.runners.builds_the_model``
-    says so first)."""
+    says so first). With ``experts``, an MoE model's experts as its Hugging Face family builds them
+    (``moe_config``: the DeepSpeed runner, under AutoEP); without, its MLPs dense of ``ffn_hidden``, which
+    the fsdp runner replaces with its own MoE layer (``workers.rank.moe_layer.use_moe``)."""
     if model.arch != "llama":
         raise SpecError(
             f"the trial runner builds Llama models, not {model.arch!r}",
@@ -77,7 +80,7 @@ def llama_config(model: ModelSpec, attn_implementation: str = "sdpa", seq_len: i
     }
     a = model.attention
     config: PretrainedConfig
-    if model.moe is not None:
+    if model.moe is not None and experts:
         config = moe_config(model, shape)
     elif a is None:
         config = LlamaConfig(**shape)
@@ -145,9 +148,10 @@ def build_llama(
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
     seq_len: int | None = None,
+    experts: bool = False,
 ) -> LlamaForCausalLM:
     """The model on ``device`` in ``dtype`` (fp32 on the host by default), for sequences of
-    ``seq_len`` tokens (a sliding window they never exceed is left out)."""
+    ``seq_len`` tokens (a sliding window they never exceed is left out); ``experts``: ``llama_config``'s."""
     if checkpoint is not None:
         path = Path(checkpoint)
         if not path.is_dir():
@@ -160,6 +164,6 @@ def build_llama(
         return moved
     torch.manual_seed(seed)  # seeds every device's generator: each rank builds the same weights
     with torch.device(device), _default_dtype(dtype):
-        config = llama_config(model, seq_len=seq_len)
+        config = llama_config(model, seq_len=seq_len, experts=experts)
         built: LlamaForCausalLM = CAUSAL_LM[type(config)](config)
         return built
