@@ -43,7 +43,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -198,15 +198,16 @@ _DEEPSPEED = ("DeepSpeed's PipeModelDataParallelTopology (deepspeed/runtime/pipe
 #: DeepSpeed 0.19; ds_config ``expert_parallel: {enabled, autoep_size}``): per pipeline stage the ranks in
 #: blocks of ``autoep_size`` consecutive ranks (tp fastest, then dp: ``expected_folding_group_tables``) form
 #: the expert groups, the same position of each block the expert data-parallel ones, so ep divides tp x dp
-#: (``build_folding_spec``); with AutoTP only at pp 1 (``validate_folding_global``); the experts untouched
-#: by tp (``expert_tensor_parallel_size`` 1: "not supported yet"); dropless (its router is torchtitan's).
-_AUTOEP = dict(ep=True, ep_within=("dp", "tp"), ep_tp_needs_pp1=True, ep_with_cp=False)
+#: (``build_folding_spec``; planned within dp, every candidate's rule: ``check_degrees``); with AutoTP only
+#: at pp 1 (``validate_folding_global``); the experts untouched by tp (``expert_tensor_parallel_size`` 1:
+#: "not supported yet"); dropless (its router is torchtitan's).
+_AUTOEP: dict[str, Any] = {"ep": True, "ep_within": ("dp",), "ep_tp_needs_pp1": True, "ep_with_cp": False}
 # Pipette's DeepSpeed runner builds no sequence-parallel attention: cp stays refused until it does
 PIPETTE_LAYOUT = StackLayout("pipette", mesh=("pp", "dp", "tp"), axes=("pipe", "data", "model"), source=_DEEPSPEED,
-                             **_AUTOEP)  # type: ignore[arg-type]  # the dict's values are the fields' types
+                             **_AUTOEP)
 HF_DEEPSPEED_LAYOUT = StackLayout(
     "hf-deepspeed", mesh=("pp", "dp", "cp", "tp"), axes=("pipe", "data", "sequence", "model"), source=_DEEPSPEED,
-    cp=True, cp_kind="ulysses", **_AUTOEP,  # type: ignore[arg-type]
+    cp=True, cp_kind="ulysses", **_AUTOEP,
     cp_source="DeepSpeed Ulysses (deepspeed/sequence/layer.py DistributedAttention; Arctic Long Sequence "
               "Training's UlyssesSPAttentionHF for Hugging Face models, Accelerate's ParallelismConfig sp_size): "
               "sequence-parallel ranks inside the data-parallel ones, ZeRO partitioned over both; planned, not "

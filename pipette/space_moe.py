@@ -51,7 +51,7 @@ from pipette.layout import degrees_of
 from pipette.memory_moe import DEEPEP_NVL_RECV_TOKENS
 from pipette.model import ModelSpec
 from pipette.routing import DROPLESS, routing_name
-from pipette.stacks import stack_layout
+from pipette.stacks import get_stack, stack_layout
 from pipette.training import TrainingSpec
 
 #: the expert tensor-parallel degrees a stack plans, as "tp" (the dense degree) or a number; DeepSpeed's
@@ -67,8 +67,10 @@ def refuse_stack(model: ModelSpec, stack: str) -> None:
     """A ``SpecError`` in one line when ``stack`` cannot run ``model``'s experts: Pipette's DeepSpeed
     runner builds the AutoEP families of ``pipette.autoep.DEEPSPEED_MOE_FAMILIES`` alone."""
     name = stack.split("+", 1)[0]
-    if model.moe is not None and name == "pipette" and autoep_family(model) not in DEEPSPEED_MOE_FAMILIES:
-        raise SpecError(f"{model.name} is a Mixture-of-Experts model; the pipette stack's DeepSpeed runner builds "
+    runner = get_stack(name).runner
+    if model.moe is not None and runner is not None and runner.deepspeed \
+            and autoep_family(model) not in DEEPSPEED_MOE_FAMILIES:
+        raise SpecError(f"{model.name} is a Mixture-of-Experts model; the {name} stack's DeepSpeed runner builds "
                         f"the experts of {', '.join(DEEPSPEED_MOE_FAMILIES)} models (under DeepSpeed's AutoEP) "
                         "alone", field="stack",
                         fix="plan it with --stack megatron, or --stack fsdp, whose runner trains experts with "

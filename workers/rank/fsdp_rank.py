@@ -200,8 +200,8 @@ class FsdpRank:
         self.batches = GlobalBatches(trial.model.vocab, t.seq_len, t.global_batch, plan.dp,
                                      plan.mesh.index(rank, "dp"), trial.seed, trial.data,
                                      None if self.context is None else self.context.shard)
-        routing = moe_options(routed(trial.model, trial.config.routing))  # the candidate's routing, else the model's
-        meta = meta if meta is not None else meta_model(trial.model, t, moe=routing)
+        experts = moe_options(routed(trial.model, trial.config.routing))  # the candidate's routing, else the model's
+        meta = meta if meta is not None else meta_model(trial.model, t, moe=experts)
         self.stage_ids = plan.stage_ids(plan.mesh.index(rank, "pp"))
         self.stages = build_stages(meta, self.stage_ids, plan.stages, t.seq_len)
         for stage in self.stages:
