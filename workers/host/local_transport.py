@@ -5,13 +5,13 @@ kinds of trial as the Ray path (``workers.host.monitor``)."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 from pipette.errors import PipetteError
+from workers.host.ports import hold_port
 from workers.host.rank_output import RankOutput
 from workers.host.transport import Launch, Polled, process_env, rank_argv
 from workers.ops import kill_session
@@ -30,9 +30,8 @@ class LocalTransport:
         self.work = Path(workdir or tempfile.mkdtemp(prefix="pipette-local-"))
         self.procs: list[subprocess.Popen[str] | None] = [None] * self.world
         self.outputs = [RankOutput() for _ in devices]
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = int(s.getsockname()[1])
+        self._port = hold_port("127.0.0.1")  # until close(): workers.host.ports
+        self.port = int(self._port.getsockname()[1])
 
     def master(self) -> tuple[str, int]:
         return "127.0.0.1", self.port
@@ -91,3 +90,4 @@ class LocalTransport:
             if p is not None:
                 kill_session(p.pid)  # the rank and its op build's compilers (their own groups)
                 p.wait()
+        self._port.close()

@@ -18,6 +18,7 @@ from pathlib import Path
 import ray
 
 from workers.cpu_isa import cpu_isa_env
+from workers.host.ports import hold_port
 from workers.host.rank_dirs import new_rank_dir
 from workers.host.rank_output import RankOutput
 from workers.host.script_user import as_user_env, extensions_copy, give_to, protect_ray_files, resolve, user_home
@@ -38,14 +39,15 @@ class RankProcess:
         self.proc: subprocess.Popen[str] | None = None
         self.child: ZygoteChild | None = None
         self.output = RankOutput()
+        self.port_hold: socket.socket | None = None
         self.workdir = new_rank_dir()  # and the folders of killed actors go (workers.host.rank_dirs)
 
     def address(self) -> tuple[str, int]:
-        """This node's address and a free port on it (for the rendezvous store)."""
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = int(s.getsockname()[1])
-        return ray.util.get_node_ip_address(), port
+        """This node's address and a free port on it (for the rendezvous store), held until
+        ``kill`` so nothing else takes it before rank 0 listens (``workers.host.ports``)."""
+        if self.port_hold is None:
+            self.port_hold = hold_port("")
+        return ray.util.get_node_ip_address(), int(self.port_hold.getsockname()[1])
 
     def gpu_ids(self) -> list[str]:
         """The GPUs Ray gave this actor (its bundle's ``GPU``); empty on a CPU rank."""
@@ -127,6 +129,9 @@ class RankProcess:
             # of its own, which a killpg of the rank's misses (they ran on, orphaned: issue 32).
             kill_session(self.proc.pid)
             self.proc.wait()
+        if self.port_hold is not None:
+            self.port_hold.close()
+            self.port_hold = None
         # its files: the candidate's, and a script's unpacked working directory
         shutil.rmtree(self.workdir, ignore_errors=True)
 

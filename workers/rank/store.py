@@ -9,6 +9,7 @@ executor chooses it), and hands it to the store (``master_listen_fd``).
 
 from __future__ import annotations
 
+import errno
 import os
 import socket
 import sys
@@ -45,6 +46,9 @@ def rendezvous_store(world: int, is_master: bool, timeout: timedelta) -> dist.TC
     try:
         sock = listen_on(host, port)
     except OSError as e:
+        if e.errno == errno.EADDRINUSE:  # every interface would not do better: say what to change
+            raise OSError(e.errno, f"the rendezvous port {port} of {host} is taken by another process; "
+                          "give the run a free one (MASTER_PORT)") from e
         # MASTER_ADDR is not an address of this host (a launcher's NAT name): torch's own
         # server, on every interface, rather than no trial at all; said once in the rank's log.
         print(f"pipette: the rendezvous store cannot listen on {host}:{port} only ({e}); "
