@@ -213,7 +213,7 @@ def _bytes_per_param(training: TrainingSpec, config: ParallelConfig, options: Me
     state_bytes = (2 if training.optimizer in ("adam", "adamw") else 1) * FP32_BYTES
     if options.optimizer_moment_bytes is not None and training.optimizer in ("adam", "adamw"):
         state_bytes = options.optimizer_moment_bytes
-    master_bytes = FP32_BYTES if mixed else 0
+    master_bytes = FP32_BYTES if mixed or (options.deepspeed_zero and z in (1, 2)) else 0
     w_shard = n_d if z >= 3 else 1  # P_os+g+p
     g_shard = n_d if z >= 2 else 1  # P_os+g
     o_shard = n_d if z >= 1 else 1  # P_os
@@ -348,7 +348,8 @@ def _stage(c: _StageTerms, i: int, layers_i: int, host: bool) -> dict[str, int]:
     if i == p - 1:
         activations += c.acts.head
         stage_logits = c.acts.logits
-    buffers = _buffers(config, trainable, P.layer, nb.grad, d, options)
+    bucket_psi = trainable_params(c.model, c.training) if options.deepspeed_zero else trainable
+    buffers = _buffers(config, trainable, bucket_psi, P.layer, nb.grad, d, options)
     offloaded, cache = 0.0, None
     if options.fsdp2:
         # FSDP2's parts are not all alive at once: the heaviest of the step's phases (pipette.memory_fsdp2)
@@ -370,6 +371,7 @@ def _stage(c: _StageTerms, i: int, layers_i: int, host: bool) -> dict[str, int]:
                                          optimizer + mlp["optimizer"])
         activations += mlp["one_layer"] if config.recompute == "full" else held_share * mlp["per_micro_batch"]
         buffers += mlp["buffers"]
+    buffers += _after_backward(config, options, nb.grad, gradients, activations + stage_logits)
     live = weights + gradients + optimizer + activations + stage_logits + buffers
     if c.gpu:
         # the caching allocator's reserve over the step: under FSDP2 the blocks other phases leave beside
@@ -644,17 +646,33 @@ def _lora_params_per_layer(model: ModelSpec, training: TrainingSpec, t: int) -> 
     return total
 
 
+def _after_backward(config: ParallelConfig, options: MemoryOptions, grad_bytes: int, gradients: float,
+                    freed: float) -> float:
+    """What DeepSpeed's ZeRO-0 adds to the step's peak with its flat all-reduce copy of the gradients,
+    made after the backward, when ``freed`` (the activations and logits) is gone: the peak is the
+    larger of the two moments (``MemoryOptions.deepspeed_zero``)."""
+    if not options.deepspeed_zero or config.zero_stage != 0 or config.dp == 1:
+        return 0.0
+    return max(0.0, min(float(options.dp_bucket_elements) * grad_bytes, gradients) - freed)
+
+
 def _buffers(
     config: ParallelConfig,
     trainable: float,
+    bucket_psi: float,
     layer_psi: float,
     grad_bytes: int,
     d: int,
     options: MemoryOptions,
 ) -> float:
-    """Communication buffers live during the backward pass, in bytes."""
-    if config.dp == 1:
-        return 0.0
+    """Communication buffers live during the backward pass, in bytes. ``bucket_psi``: the parameters
+    a bucket is sized by (``trainable``, the stage's, unless ``MemoryOptions.deepspeed_zero``)."""
+    if options.deepspeed_zero and config.zero_stage in (1, 2):
+        # DeepSpeed's ZeRO-1/2 optimizer: its reduce buffers at any dp, two without a pipeline
+        copies = 1 if config.pp > 1 else 2
+        return copies * min(float(options.zero_bucket_elements), bucket_psi) * grad_bytes
+    if config.dp == 1 or (options.deepspeed_zero and config.zero_stage == 0):
+        return 0.0  # DeepSpeed's ZeRO-0 copy comes after the backward (_stage)
     # ZeRO-0 all-reduces and ZeRO-1/2/3 reduce-scatter the gradients through one flat
     # bucket (DeepSpeed allreduce_bucket_size / reduce_bucket_size), never bigger than
     # the gradients themselves.

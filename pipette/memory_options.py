@@ -150,6 +150,16 @@ class MemoryOptions:
     #: per parameter with the distributed optimizer (Megatron-LM's docs, "Distributed Optimizer").
     #: fp16 keeps fp16 gradients.
     bf16_fp32_grads: bool = False
+    #: DeepSpeed's ZeRO-1/2 optimizer and engine as Pipette's ``ds_config.json`` runs them
+    #: (``pipette.emit.deepspeed_config``: ``overlap_comm``, ``contiguous_gradients``, ``reduce_bucket_size``
+    #: the whole model's trainable parameters), read from deepspeed/runtime/zero/stage_1_and_2.py (0.19.8):
+    #: the fp32 master partition is a clone even when the weights are fp32 (``single_partition_of_fp32_groups``:
+    #: ``.detach().clone()``; ZeRO-3 reuses an fp32 partition); two ``reduce_bucket_size`` buffers through the
+    #: backward, at any dp (``setup_buckets``: "double buffers ... when overlap_comm is enabled"), one under
+    #: the pipeline engine (``reduce_gradients(pipeline_parallel=True)``); ZeRO-0's flat all-reduce copy
+    #: only after the backward (engine.py ``buffered_allreduce_fallback``), when the activations are freed.
+    #: Measured on CPU ranks: docs/results.md, "The DeepSpeed runner's ZeRO buffers on CPU".
+    deepspeed_zero: bool = False
     #: FSDP2's sharding (``fully_shard`` per decoder layer, then the stage: ``_fsdp2_state``)
     #: instead of DeepSpeed's ZeRO; ``zero_stage`` 3/2/0 is FULL_SHARD / no reshard / NO_SHARD
     fsdp2: bool = False
@@ -274,7 +284,7 @@ class MemoryOptions:
         return self.cp_comm, self.cp_repeat_kv and device_kind == "gpu"
 
 
-DEFAULT_OPTIONS = MemoryOptions(capacity_figure="device-used")
+DEFAULT_OPTIONS = MemoryOptions(capacity_figure="device-used", deepspeed_zero=True)
 #: Megatron-LM's loss (vocab-parallel cross entropy), no DeepSpeed BF16_Optimizer, Transformer
 #: Engine's frozen linear inputs not kept, its fp32 gradient buffer under bf16, its fused SwiGLU, and
 #: the embedding and loss counted as pipeline layers where the layers alone do not split: the megatron stack.
