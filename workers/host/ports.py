@@ -6,8 +6,8 @@ process may take it as its source port, and the trial fails with ``EADDRINUSE`` 
 CI, stop 56). The holder binds with ``SO_REUSEADDR`` and never listens, so the kernel gives the
 port to no ``connect`` and no plain ``bind``, while rank 0's store, which binds with
 ``SO_REUSEADDR`` too (``workers.rank.store.listen_on``; torch's own store server does as well),
-can still bind and listen on it (Linux lets two such sockets share a port while neither of the
-others listens: ``inet_bind_conflict``).
+can still bind and listen on it (Linux lets a ``SO_REUSEADDR`` socket bind a port another such
+socket holds as long as that one does not listen: ``inet_bind_conflict``).
 """
 
 from __future__ import annotations
