@@ -348,8 +348,9 @@ def _stage(c: _StageTerms, i: int, layers_i: int, host: bool) -> dict[str, int]:
     if i == p - 1:
         activations += c.acts.head
         stage_logits = c.acts.logits
+    # DeepSpeed's buckets are the written config's size, the whole model's trainable parameters
     bucket_psi = trainable_params(c.model, c.training) if options.deepspeed_zero else trainable
-    buffers = _buffers(config, trainable, bucket_psi, P.layer, nb.grad, d, options)
+    buffers = _buffers(config, bucket_psi, P.layer, nb.grad, d, options)
     offloaded, cache = 0.0, None
     if options.fsdp2:
         # FSDP2's parts are not all alive at once: the heaviest of the step's phases (pipette.memory_fsdp2)
@@ -658,15 +659,14 @@ def _after_backward(config: ParallelConfig, options: MemoryOptions, grad_bytes: 
 
 def _buffers(
     config: ParallelConfig,
-    trainable: float,
     bucket_psi: float,
     layer_psi: float,
     grad_bytes: int,
     d: int,
     options: MemoryOptions,
 ) -> float:
-    """Communication buffers live during the backward pass, in bytes. ``bucket_psi``: the parameters
-    a bucket is sized by (``trainable``, the stage's, unless ``MemoryOptions.deepspeed_zero``)."""
+    """Communication buffers live during the backward pass, in bytes; ``bucket_psi``: the trainable
+    parameters a bucket never exceeds."""
     if options.deepspeed_zero and config.zero_stage in (1, 2):
         # DeepSpeed's ZeRO-1/2 optimizer: its reduce buffers at any dp, two without a pipeline
         copies = 1 if config.pp > 1 else 2
@@ -677,7 +677,7 @@ def _buffers(
     # bucket (DeepSpeed allreduce_bucket_size / reduce_bucket_size), never bigger than
     # the gradients themselves.
     elements = options.dp_bucket_elements if config.zero_stage == 0 else options.zero_bucket_elements
-    bucket = min(float(elements), trainable) * grad_bytes
+    bucket = min(float(elements), bucket_psi) * grad_bytes
     if config.zero_stage < 3:
         return bucket
     # ZeRO-3 gathers each layer's parameters before use and prefetches the next ones

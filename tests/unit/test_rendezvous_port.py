@@ -1,4 +1,4 @@
-"""The rendezvous port a run holds for its rank 0 (``workers.host.ports``): nothing else may take it
+"""The rendezvous port a run holds for its rank 0 (``workers.ports``): nothing else may take it
 between its choice and rank 0's listen (a trial failed in CI on ``EADDRINUSE`` so, stop 56), and
 rank 0's store, Pipette's or torch's own, still listens on it. A port another process listens on
 is said in one line with what to change."""
@@ -12,7 +12,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from workers.host.ports import hold_port
+from workers.ports import hold_port
 from workers.rank.store import listen_on, rendezvous_store
 
 

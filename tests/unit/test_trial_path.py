@@ -15,7 +15,7 @@ PACKAGES = ("pipette", "workers", "service", "cli")
 #: workers/ modules both sides import: torch-free, importing neither side at module level
 SHARED = {"workers/spec.py", "workers/support.py", "workers/phases.py", "workers/ops.py", "workers/runtime.py",
           "workers/cpu_isa.py", "workers/probe_plan.py", "workers/fsdp_spec.py", "workers/train.py",
-          "workers/__init__.py"}
+          "workers/__init__.py", "workers/ports.py"}
 #: where a trial's kind may branch on "script": the two kinds themselves
 KIND_MODULES = {"workers/host/kinds.py", "workers/host/script_trial.py"}
 MAX_SCRIPT_BRANCHES = 5

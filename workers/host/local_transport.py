@@ -11,10 +11,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from pipette.errors import PipetteError
-from workers.host.ports import hold_port
 from workers.host.rank_output import RankOutput
 from workers.host.transport import Launch, Polled, process_env, rank_argv
 from workers.ops import kill_session
+from workers.ports import hold_port
 
 ROOT = str(Path(__file__).resolve().parents[2])
 
@@ -30,7 +30,7 @@ class LocalTransport:
         self.work = Path(workdir or tempfile.mkdtemp(prefix="pipette-local-"))
         self.procs: list[subprocess.Popen[str] | None] = [None] * self.world
         self.outputs = [RankOutput() for _ in devices]
-        self._port = hold_port("127.0.0.1")  # until close(): workers.host.ports
+        self._port = hold_port("127.0.0.1")  # until close(): workers.ports
         self.port = int(self._port.getsockname()[1])
 
     def master(self) -> tuple[str, int]:

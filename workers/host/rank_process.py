@@ -18,13 +18,13 @@ from pathlib import Path
 import ray
 
 from workers.cpu_isa import cpu_isa_env
-from workers.host.ports import hold_port
 from workers.host.rank_dirs import new_rank_dir
 from workers.host.rank_output import RankOutput
 from workers.host.script_user import as_user_env, extensions_copy, give_to, protect_ray_files, resolve, user_home
 from workers.host.transport import process_env, rank_argv
 from workers.host.zygote import ZygoteChild, ensure_zygote
 from workers.ops import kill_session
+from workers.ports import hold_port
 
 _PR_SET_PDEATHSIG = 1
 
@@ -44,7 +44,7 @@ class RankProcess:
 
     def address(self) -> tuple[str, int]:
         """This node's address and a free port on it (for the rendezvous store), held until
-        ``kill`` so nothing else takes it before rank 0 listens (``workers.host.ports``)."""
+        ``kill`` so nothing else takes it before rank 0 listens (``workers.ports``)."""
         if self.port_hold is None:
             self.port_hold = hold_port("")
         return ray.util.get_node_ip_address(), int(self.port_hold.getsockname()[1])

@@ -17,17 +17,16 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from workers.ports import bound
+
 #: what a listening socket of torch's store queues (its own default)
 BACKLOG = 2048
 
 
 def listen_on(host: str, port: int) -> socket.socket:
     """A socket bound to ``host:port`` (IPv4 or IPv6, as ``host`` resolves) and listening."""
-    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    sock = socket.socket(family, kind, proto)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock = bound(host, port)
     try:
-        sock.bind(address)
         sock.listen(BACKLOG)
     except OSError:
         sock.close()
