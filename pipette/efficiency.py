@@ -154,4 +154,19 @@ def kernel_attention(device: DeviceSpec) -> tuple[float, float] | None:
     return next((ATTENTION_EFFICIENCY[gpu] for token, gpu in _ATTENTION_TIMED_ON if token in name), None)
 
 
-__all__ = ["H100_MEASURED_BF16", "EfficiencyCurve", "default_curve", "family", "kernel_attention", "kernel_curve"]
+def flash_attention_rate(device: DeviceSpec, head_dim: int, seq: float) -> float | None:
+    """The fraction of ``device``'s bf16 peak FlashAttention-2 reaches on causal attention forward and
+    backward over ``seq`` keys (``pipette.kernel_tables.FLASH_CAUSAL_RATE``: its README's H100 and A100
+    benchmarks; the nearest head size timed, log-interpolated in the sequence and held at the ends), or
+    None for a family none was timed on."""
+    from pipette.kernel_tables import FLASH_CAUSAL_RATE
+
+    by_dim = FLASH_CAUSAL_RATE.get(family(device))
+    if not by_dim or seq <= 0:
+        return None
+    pts = by_dim[min(by_dim, key=lambda d: (abs(d - head_dim), d))]
+    return float(np.interp(np.log(seq), np.log([s for s, _ in pts]), [r for _, r in pts]))
+
+
+__all__ = ["H100_MEASURED_BF16", "EfficiencyCurve", "default_curve", "family", "flash_attention_rate",
+           "kernel_attention", "kernel_curve"]

@@ -5,7 +5,8 @@ data/kernels/README.md).
 Per family, (FLOPs of one GEMM, median achieved fraction of the data-sheet dense bf16/fp16 peak) per
 half-decade of FLOPs, bins of 3 or more timed GEMMs. Read by ``pipette.efficiency.kernel_curve``.
 Beside them, from data/kernels/attention.csv and flash_attention.csv: cuDNN's fused attention rates
-(``ATTENTION_EFFICIENCY``) and FlashAttention-2's full-over-causal ratios (``FLASH_FULL_OVER_CAUSAL``).
+(``ATTENTION_EFFICIENCY``), FlashAttention-2's full-over-causal ratios (``FLASH_FULL_OVER_CAUSAL``)
+and its causal rates (``FLASH_CAUSAL_RATE``).
 """
 
 from __future__ import annotations
@@ -81,5 +82,20 @@ FLASH_FULL_OVER_CAUSAL: dict[str, dict[int, tuple[tuple[int, float], ...]]] = {
     "h100": {
         64: ((512, 1.525), (1024, 1.323), (2048, 1.181), (4096, 1.121), (8192, 1.077), (16384, 1.042)),
         128: ((512, 1.521), (1024, 1.330), (2048, 1.208), (4096, 1.109), (8192, 1.088), (16384, 1.030)),
+    },
+}
+
+#: FlashAttention-2's causal forward + backward rate, per family and head size: (sequence, fraction of
+#: the family's dense bf16 peak), FLOPs as FlashAttention counts them (backward 2.5x the forward); read
+#: by ``pipette.efficiency.flash_attention_rate`` for PyTorch SDPA's flash backend.
+#: From Dao-AILab/flash-attention@0251105a2f
+FLASH_CAUSAL_RATE: dict[str, dict[int, tuple[tuple[int, float], ...]]] = {
+    "a100": {
+        64: ((512, 0.282), (1024, 0.381), (2048, 0.449), (4096, 0.500), (8192, 0.529), (16384, 0.548)),
+        128: ((512, 0.317), (1024, 0.426), (2048, 0.497), (4096, 0.554), (8192, 0.583), (16384, 0.606)),
+    },
+    "h100": {
+        64: ((512, 0.143), (1024, 0.194), (2048, 0.235), (4096, 0.260), (8192, 0.276), (16384, 0.287)),
+        128: ((512, 0.165), (1024, 0.223), (2048, 0.268), (4096, 0.297), (8192, 0.311), (16384, 0.332)),
     },
 }

@@ -17,7 +17,7 @@ import numpy.typing as npt
 from pipette import memory_moe, perf_moe
 from pipette.config import ParallelConfig
 from pipette.device import DeviceSpec
-from pipette.efficiency import EfficiencyCurve, family, kernel_attention
+from pipette.efficiency import EfficiencyCurve, family, flash_attention_rate, kernel_attention
 from pipette.model import ModelSpec
 from pipette.perf_constants import FP8_CAST_BYTES, PerfConstants
 from pipette.training import TrainingSpec
@@ -173,6 +173,9 @@ def _attention_times(kernels: Kernels, model: ModelSpec, t: float, s: int) -> tu
         attn_f = 2.0 * attn_gemm / (peak * measured[0])
     elif k.flash_attention and attention_efficiency > 0:
         attn_f = 2.0 * attn_gemm / (peak * attention_efficiency)
+    elif k.flash_attention and k.flash_attention_rates and \
+            (rate := flash_attention_rate(kernels.device, model.head_dim, s)) is not None:
+        attn_f = 2.0 * attn_gemm / (peak * rate)
     else:
         attn_f = kernels.gemm_time(attn_gemm, 2)
     # FlashAttention-2's backward recomputes the scores: 5 matmuls against the forward's 2

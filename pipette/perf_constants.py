@@ -203,6 +203,12 @@ class PerfConstants:
     #: which Megatron-Core runs, is cuDNN's. The timings carry what a data-sheet peak does not, such as
     #: Blackwell Ultra's doubled softmax exponential rate (GB300: 1.18x GB200's forward at equal peaks).
     measured_attention: bool = False
+    #: The fused attention at FlashAttention-2's measured causal rates by sequence and head size
+    #: (``pipette.efficiency.flash_attention_rate``: its README's H100 and A100 benchmarks, forward and
+    #: backward), where neither cuDNN's rates (``measured_attention``) nor an ``attention_efficiency``
+    #: apply: what PyTorch's SDPA runs (its flash backend) under Hugging Face's models. Without it the
+    #: attention is priced on the GEMM curve, which a fused kernel at long sequences does not reach.
+    flash_attention_rates: bool = False
     #: The sustained tensor-core rate of a GPU over its data-sheet peak, by a token of the GPU's name
     #: (``("GB300", 1.3)``): every GEMM's peak is scaled by it, the measured attention is not. 1 where
     #: none is given (and for the reference GPU the curve was fitted on). Fitted, per GPU, on the
@@ -278,14 +284,15 @@ MEGATRON_CONSTANTS = PerfConstants(thin_gemm_roofline=True, moe=MEGATRON_MOE, ov
 # h100_single_gpu.csv (one H100, llama3.2-1b full and LoRA, llama3.2-3b LoRA, seq 2048-4096)
 # with the H100's measured GEMM curve: tests/benchmarks/accuracy.py --fit-hf.
 #: memory passes over T x h per layer forward (norms in fp32, residuals, rotary, casts)
-HF_ELEMENTWISE_PASSES = 71.4
+HF_ELEMENTWISE_PASSES = 32.8
 #: memory passes over T x f per layer forward (SiLU, the gate product)
-HF_FFN_PASSES = 13.4
+HF_FFN_PASSES = 17.2
 #: fixed time per layer per forward-equivalent pass (kernel launches of ~40 small ops, Python)
-HF_LAYER_OVERHEAD_S = 8.64e-4
+HF_LAYER_OVERHEAD_S = 7.99e-4
 HF_DEEPSPEED_CONSTANTS = PerfConstants(
     elementwise_passes=HF_ELEMENTWISE_PASSES, ffn_passes=HF_FFN_PASSES, layer_overhead_s=HF_LAYER_OVERHEAD_S,
-    flash_attention=True, curves=(("h100", EfficiencyCurve(1.0, 1.0, 1.0, H100_MEASURED_BF16)),),
+    flash_attention=True, flash_attention_rates=True,
+    curves=(("h100", EfficiencyCurve(1.0, 1.0, 1.0, H100_MEASURED_BF16)),),
 )
 #: What Pipette predicts by default: the stack its trials and launch files run. The calibration
 #: sets of other frameworks are evaluated with their own constants (MEGATRON_CONSTANTS).

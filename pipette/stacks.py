@@ -329,15 +329,18 @@ STACK_RULES: dict[str, str] = {
 PIPETTE_CPU_CONSTANTS = replace(
     HF_DEEPSPEED_CONSTANTS,
     #: fixed time per layer per forward-equivalent pass: DeepSpeed's hooks and the small ops,
-    #: Python-bound on a CPU core (the GPU fit: 8.64e-4)
+    #: Python-bound on a CPU core (the GPU fit: 7.99e-4)
     layer_overhead_s=4.87e-3,
     #: memory passes over T x h per layer forward: fitted at its bound, 0 (the one model of the
-    #: fit cannot tell them from the per-layer time; the GPU fit: 71.4)
+    #: fit cannot tell them from the per-layer time; the GPU fit: 32.8)
     elementwise_passes=0.0,
     #: fixed cost of one blocking collective (gloo on loopback, ranks sharing 2 cores; GPU: 0)
     collective_overhead_s=7.05e-3,
     #: a pipeline hop's fixed cost: fitted at its bound, 0
     p2p_overhead_s=0.0,
+    #: memory passes over T x f per layer forward: the GPU fit's value the CPU terms were fitted beside
+    #: (the GPU's is refitted apart: 17.2 since its attention is priced at FlashAttention-2's rates)
+    ffn_passes=13.4,
 )
 
 PIPETTE = Stack(

@@ -47,7 +47,10 @@ def test_each_stack_has_its_own_cpu_terms_and_keeps_its_gpu_constants() -> None:
     assert HF_DEEPSPEED.constants_for("gpu") == replace(HF_DEEPSPEED_CONSTANTS, cp_comm="a2a")
     # the pipette CPU fit moves only the terms it fitted
     assert PIPETTE_CPU_CONSTANTS.curves == HF_DEEPSPEED_CONSTANTS.curves
-    assert PIPETTE_CPU_CONSTANTS.ffn_passes == HF_DEEPSPEED_CONSTANTS.ffn_passes
+    # ... and keeps the GPU fit's ffn passes it was fitted beside (13.4), though the GPU's moved to 17.2
+    # with FlashAttention-2's rates: the CPU rows priced as they were fitted
+    assert PIPETTE_CPU_CONSTANTS.ffn_passes == 13.4 != HF_DEEPSPEED_CONSTANTS.ffn_passes
+    assert PIPETTE_CPU_CONSTANTS.flash_attention_rates  # inherited, and without effect on a CPU device
     # the GPU-fitted terms other than the CPU ones stay as they are
     assert FSDP_CPU_CONSTANTS.shard_overlap == FSDP_CONSTANTS.shard_overlap
     assert FSDP_CPU_CONSTANTS.attention_efficiency == FSDP_CONSTANTS.attention_efficiency

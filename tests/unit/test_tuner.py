@@ -800,8 +800,9 @@ def test_the_rounds_use_the_reserve_to_decide(plan: Plan) -> None:
     rounds = int(re.search(r"in (\d+) round\(s\)", roomy.stop_reason).group(1))  # type: ignore[union-attr]
     assert rounds >= 3, roomy.stop_reason
     assert sum(t.purpose == "search" for t in roomy.trials) <= 8
-    # still undecided after its rounds: it went on re-timing while the budget had room (issue 32, item 9)
-    assert roomy.decided or len(roomy.trials) == options.max_trials, roomy.stop_reason
+    # still undecided after its rounds: it went on re-timing while the budget had room for a round of two
+    # contenders (issue 32, item 9; a round of the pick alone is the first round's only)
+    assert roomy.decided or options.max_trials - len(roomy.trials) < 2, roomy.stop_reason
 
 
 def test_an_undecided_pick_is_re_timed_while_the_budget_has_room_and_says_so_first(plan: Plan) -> None:
