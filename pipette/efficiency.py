@@ -157,8 +157,8 @@ def kernel_attention(device: DeviceSpec) -> tuple[float, float] | None:
 def flash_attention_rate(device: DeviceSpec, head_dim: int, seq: float) -> float | None:
     """The fraction of ``device``'s bf16 peak FlashAttention-2 reaches on causal attention forward and
     backward over ``seq`` keys (``pipette.kernel_tables.FLASH_CAUSAL_RATE``: its README's H100 and A100
-    benchmarks; the nearest head size timed, log-interpolated in the sequence and held at the ends), or
-    None for a family none was timed on."""
+    benchmarks, PyTorch SDPA's flash backend timed on a B200 by cudnn-frontend; the nearest head size
+    timed, log-interpolated in the sequence and held at the ends), or None for a family none was timed on."""
     from pipette.kernel_tables import FLASH_CAUSAL_RATE
 
     by_dim = FLASH_CAUSAL_RATE.get(family(device))

@@ -88,11 +88,14 @@ FLASH_FULL_OVER_CAUSAL: dict[str, dict[int, tuple[tuple[int, float], ...]]] = {
 #: FlashAttention-2's causal forward + backward rate, per family and head size: (sequence, fraction of
 #: the family's dense bf16 peak), FLOPs as FlashAttention counts them (backward 2.5x the forward); read
 #: by ``pipette.efficiency.flash_attention_rate`` for PyTorch SDPA's flash backend.
-#: From Dao-AILab/flash-attention@0251105a2f
+#: From Dao-AILab/flash-attention@0251105a2f, NVIDIA/cudnn-frontend@0b1577c8c8
 FLASH_CAUSAL_RATE: dict[str, dict[int, tuple[tuple[int, float], ...]]] = {
     "a100": {
         64: ((512, 0.282), (1024, 0.381), (2048, 0.449), (4096, 0.500), (8192, 0.529), (16384, 0.548)),
         128: ((512, 0.317), (1024, 0.426), (2048, 0.497), (4096, 0.554), (8192, 0.583), (16384, 0.606)),
+    },
+    "b200": {
+        128: ((4096, 0.121), (8192, 0.141), (16384, 0.150), (32768, 0.155), (65536, 0.157), (131072, 0.158)),
     },
     "h100": {
         64: ((512, 0.143), (1024, 0.194), (2048, 0.235), (4096, 0.260), (8192, 0.276), (16384, 0.287)),

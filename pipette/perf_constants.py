@@ -204,10 +204,10 @@ class PerfConstants:
     #: Blackwell Ultra's doubled softmax exponential rate (GB300: 1.18x GB200's forward at equal peaks).
     measured_attention: bool = False
     #: The fused attention at FlashAttention-2's measured causal rates by sequence and head size
-    #: (``pipette.efficiency.flash_attention_rate``: its README's H100 and A100 benchmarks, forward and
-    #: backward), where neither cuDNN's rates (``measured_attention``) nor an ``attention_efficiency``
-    #: apply: what PyTorch's SDPA runs (its flash backend) under Hugging Face's models. Without it the
-    #: attention is priced on the GEMM curve, which a fused kernel at long sequences does not reach.
+    #: (``pipette.efficiency.flash_attention_rate``: its README's H100 and A100 benchmarks and SDPA's
+    #: flash backend on a B200, forward and backward), where neither cuDNN's rates (``measured_attention``)
+    #: nor an ``attention_efficiency`` apply: what PyTorch's SDPA runs (its flash backend) under Hugging
+    #: Face's models. Without it the attention is priced on the GEMM curve, which the kernel never reaches.
     flash_attention_rates: bool = False
     #: The sustained tensor-core rate of a GPU over its data-sheet peak, by a token of the GPU's name
     #: (``("GB300", 1.3)``): every GEMM's peak is scaled by it, the measured attention is not. 1 where

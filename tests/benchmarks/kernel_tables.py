@@ -18,7 +18,8 @@ a folder given instead writes those copies first) and writes ``pipette/kernel_ta
   (issue 48: the unmasked steps of PyTorch's ring attention, ``pipette.perf_cp``);
 * per family and head size, FlashAttention-2's causal forward + backward rate as a fraction of the
   family's bf16 peak, ``(sequence, fraction)``: what PyTorch's SDPA (its flash backend) runs under the
-  Hugging Face models of the pipette and hf-deepspeed stacks (``PerfConstants.flash_attention_rates``).
+  Hugging Face models of the pipette and hf-deepspeed stacks (``PerfConstants.flash_attention_rates``);
+  its README's A100 and H100 charts, and SDPA's flash backend on a B200 (cudnn-frontend's benchmark).
 """
 
 from __future__ import annotations
@@ -34,8 +35,11 @@ REPO = Path(__file__).resolve().parents[2]
 CARRIED = REPO / "data" / "kernels" / "gemm.csv"
 CARRIED_ATTENTION = REPO / "data" / "kernels" / "attention.csv"
 CARRIED_FLASH = REPO / "data" / "kernels" / "flash_attention.csv"
-#: the GPU names of the FlashAttention-2 timings -> the device family (pipette.efficiency.family)
-FLASH_FAMILIES = {"A100 80GB SXM4": "a100", "H100 80GB SXM5": "h100"}
+#: the GPU names of the FlashAttention-2 timings -> the device family (pipette.efficiency.family): its README's
+#: A100 and H100 benchmarks, and PyTorch SDPA's flash backend (FlashAttention-2) timed by cudnn-frontend on a B200
+FLASH_FAMILIES = {"A100 80GB SXM4": "a100", "H100 80GB SXM5": "h100", "B200": "b200"}
+#: the ops of those timings: FlashAttention-2 itself, and PyTorch's build of it behind SDPA
+FLASH_OPS = ("flash_attn2", "sdpa_pyt_flash_attention")
 #: bf16 dense peaks of the GPUs attention was timed on (pipette.device presets; H200 as the H100)
 ATTENTION_PEAKS = {"H200": 989e12, "B200": 2250e12, "GB200": 2500e12, "GB300": 2500e12}
 OUT = REPO / "pipette" / "kernel_tables.py"
@@ -66,15 +70,25 @@ def kept_attention(r: dict[str, str]) -> bool:
             and r["head_dim"] == "128" and int(r["seq_q"] or 0) >= 4096)
 
 
+#: the fewest tokens (batch x sequence) of a kept SDPA timing: cudnn-frontend times one sequence, which at
+#: 2k tokens and less is a launch-bound kernel no training micro-batch is (FlashAttention's README keeps 16k)
+FLASH_MIN_TOKENS = 4096
+
+
 def kept_flash(r: dict[str, str]) -> bool:
-    return r["op"] == "flash_attn2" and r["pass"] == "fwd+bwd" and r["gpu"] in FLASH_FAMILIES
+    if r["op"] not in FLASH_OPS or r["gpu"] not in FLASH_FAMILIES or r["dtype"] not in ("fp16/bf16", "bf16"):
+        return False
+    if r["op"] == "flash_attn2":
+        return r["pass"] == "fwd+bwd"
+    return int(r["batch"] or 1) * int(r["seq_q"]) >= FLASH_MIN_TOKENS
 
 
 def full_over_causal(rows: list[dict[str, str]]) -> dict[str, dict[int, list[tuple[int, float]]]]:
     """Per family and head size: (sequence, full TFLOP/s over causal TFLOP/s) where both were timed."""
     rate: dict[tuple[str, int, int], dict[str, float]] = defaultdict(dict)
     for r in rows:
-        rate[(FLASH_FAMILIES[r["gpu"]], int(r["head_dim"]), int(r["seq_q"]))][r["causal"]] = float(r["tflops"])
+        if r["pass"] == "fwd+bwd":
+            rate[(FLASH_FAMILIES[r["gpu"]], int(r["head_dim"]), int(r["seq_q"]))][r["causal"]] = float(r["tflops"])
     out: dict[str, dict[int, list[tuple[int, float]]]] = defaultdict(lambda: defaultdict(list))
     for (fam, d, s), by in sorted(rate.items()):
         if "0" in by and "1" in by:
@@ -85,10 +99,20 @@ def full_over_causal(rows: list[dict[str, str]]) -> dict[str, dict[int, list[tup
 def causal_rates(rows: list[dict[str, str]]) -> dict[str, dict[int, list[tuple[int, float]]]]:
     """Per family and head size: (sequence, causal forward + backward TFLOP/s over the family's bf16 peak)."""
     out: dict[str, dict[int, list[tuple[int, float]]]] = defaultdict(lambda: defaultdict(list))
+    # a forward and a backward timed apart make one rate: 3.5 forward FLOPs over their summed time
+    split: dict[tuple[str, int, int], dict[str, float]] = defaultdict(dict)
     for r in sorted(rows, key=lambda r: (r["gpu"], int(r["head_dim"]), int(r["seq_q"]))):
-        if r["causal"] == "1":
-            fam = FLASH_FAMILIES[r["gpu"]]
-            out[fam][int(r["head_dim"])].append((int(r["seq_q"]), float(r["tflops"]) * 1e12 / PEAKS[fam]))
+        if r["causal"] != "1":
+            continue
+        fam, d, seq = FLASH_FAMILIES[r["gpu"]], int(r["head_dim"]), int(r["seq_q"])
+        if r["pass"] == "fwd+bwd":
+            out[fam][d].append((seq, float(r["tflops"]) * 1e12 / PEAKS[fam]))
+        else:
+            split[(fam, d, seq)][r["pass"]] = float(r["measured_time_s"])
+            split[(fam, d, seq)][r["pass"] + "_flops"] = float(r["tflops"]) * float(r["measured_time_s"])
+    for (fam, d, seq), t in sorted(split.items()):
+        if "fwd" in t and "bwd" in t:
+            out[fam][d].append((seq, 3.5 * t["fwd_flops"] * 1e12 / (t["fwd"] + t["bwd"]) / PEAKS[fam]))
     return out
 
 
@@ -155,7 +179,7 @@ def write(tables: dict[str, list[tuple[float, float, int]]], sources: dict[str, 
             lines.append(f"        {d}: ({pts}),")
         lines.append("    },")
     lines += ["}", ""]
-    lines += _flash_rate_lines(causal_rates(flash_rows), flash_sources)
+    lines += _flash_rate_lines(causal_rates(flash_rows), {r["source"].split(":")[0] for r in flash_rows})
     OUT.write_text("\n".join(lines))
 
 
@@ -168,8 +192,12 @@ def _flash_rate_lines(rates: dict[str, dict[int, list[tuple[int, float]]]], sour
     for fam in sorted(rates):
         lines.append(f'    "{fam}": {{')
         for d in sorted(rates[fam]):
-            pts = ", ".join(f"({seq}, {x:.3f})" for seq, x in rates[fam][d])
-            lines.append(f"        {d}: ({pts}),")
+            pts = [f"({seq}, {x:.3f})" for seq, x in rates[fam][d]]
+            rows = [", ".join(pts[i:i + 6]) for i in range(0, len(pts), 6)]
+            if len(rows) == 1:
+                lines.append(f"        {d}: ({rows[0]}),")
+            else:
+                lines += [f"        {d}: (", *(f"            {row}," for row in rows), "        ),"]
         lines.append("    },")
     return [*lines, "}", ""]
 
@@ -190,8 +218,8 @@ def main() -> int:
     for r in rows:
         sources[family(r["gpu"]) or ""].add(r["source"].split(":")[0])
     tables = points(rows)
-    write(tables, sources, attn, (full_over_causal(flash_rows), {r["source"].split(":")[0] for r in flash_rows}),
-          flash_rows)
+    both = {r["source"].split(":")[0] for r in flash_rows if r["pass"] == "fwd+bwd"}
+    write(tables, sources, attn, (full_over_causal(flash_rows), both), flash_rows)
     for fam, pts in sorted(tables.items()):
         print(fam, " ".join(f"{x:.1e}:{e:.2f}" for x, e, _ in pts))
     for gpu, (fwd, bwd, n) in sorted(attn.items()):

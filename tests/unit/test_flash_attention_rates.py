@@ -1,8 +1,9 @@
 """The pipette and hf-deepspeed stacks price the fused attention at FlashAttention-2's measured rates
 (``PerfConstants.flash_attention_rates``): PyTorch's SDPA runs its flash backend under Hugging Face's
 models, which on an H100 reaches 14-33% of the bf16 peak forward and backward (Dao-AILab/flash-attention's
-README benchmark, data/kernels/flash_attention.csv), where the GEMM curve the attention was priced on
-before reaches 71-73% at long sequences (a 131k-token Llama 3.1 8B plan at 97% HFU)."""
+README benchmark) and 12-16% of a B200's (cudnn-frontend's timing of SDPA's flash backend; both in
+data/kernels/flash_attention.csv), where the GEMM curve the attention was priced on before reaches 71-73% of
+an H100's at long sequences (a 131k-token Llama 3.1 8B plan at 97% HFU)."""
 
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ def test_the_rates_are_derived_from_the_carried_timings() -> None:
         derived = kernel_tables.causal_rates([r for r in csv.DictReader(f) if kernel_tables.kept_flash(r)])
     assert {fam: {d: tuple((s, round(x, 3)) for s, x in pts) for d, pts in by.items()}
             for fam, by in derived.items()} == FLASH_CAUSAL_RATE
-    assert set(FLASH_CAUSAL_RATE) == {"a100", "h100"}
+    assert set(FLASH_CAUSAL_RATE) == {"a100", "h100", "b200"}
+    assert set(FLASH_CAUSAL_RATE["b200"]) == {128}  # PyTorch SDPA's flash backend, 4k-131k tokens
 
 
 def test_the_rate_is_read_at_the_nearest_head_size_log_interpolated_and_held_at_the_ends() -> None:
@@ -46,13 +48,16 @@ def test_the_rate_is_read_at_the_nearest_head_size_log_interpolated_and_held_at_
     assert flash_attention_rate(H100, 128, 128) == pytest.approx(h128[512])
     assert flash_attention_rate(DeviceSpec.preset("A100-80GB"), 128, 4096) == pytest.approx(
         dict(FLASH_CAUSAL_RATE["a100"][128])[4096])
-    assert flash_attention_rate(DeviceSpec.preset("B200-180GB"), 128, 4096) is None  # not timed on Blackwell
+    b200 = dict(FLASH_CAUSAL_RATE["b200"][128])
+    assert flash_attention_rate(DeviceSpec.preset("GB200-186GB"), 64, 65536) == pytest.approx(b200[65536])
+    assert flash_attention_rate(DeviceSpec.preset("V100-32GB"), 128, 4096) is None  # none timed
+    assert flash_attention_rate(DeviceSpec.preset("T4-16GB"), 128, 4096) is None
     from pipette.device import cpu_device
 
     assert flash_attention_rate(cpu_device(2**30), 128, 4096) is None
 
 
-def _attention(stack: str, seq: int, device: str = "H100-80GB") -> tuple[float, float, float]:
+def _attention(stack: str, seq: int, device: str | DeviceSpec = "H100-80GB") -> tuple[float, float, float]:
     """(forward, backward, the forward's FLOPs as FlashAttention counts them) of one layer's attention."""
     from pipette.clusterfile import homogeneous_cluster
 
@@ -93,12 +98,16 @@ def test_without_it_the_attention_ran_on_the_gemm_curve_at_twice_the_kernels_rat
 
 
 def test_other_stacks_and_devices_keep_their_own_attention_prices() -> None:
-    """The fsdp stack keeps its fitted attention efficiency, megatron+te cuDNN's measured rates, and a
-    device no FlashAttention-2 timing covers (B200) the GEMM curve."""
+    """The fsdp stack keeps its fitted attention efficiency, and a device no FlashAttention-2 timing covers
+    (an MI300X, say) the GEMM curve; on a B200 the Hugging Face stacks attend at SDPA's flash backend's rate."""
     fsdp_fwd, _, flops = _attention("fsdp", 32768)
     assert flops / (fsdp_fwd * H100.peak("bf16")) == pytest.approx(get_stack("fsdp").constants.attention_efficiency)
     with_rates = replace(get_stack("fsdp").constants, flash_attention_rates=True)
     assert with_rates.attention_efficiency > 0  # a fitted efficiency comes first
     b200 = DeviceSpec.preset("B200-180GB")
     fwd, _, flops = _attention("pipette", 32768, "B200-180GB")
-    assert flops / (fwd * b200.peak("bf16")) > 0.4  # the B200 GEMM curve, not an H100 kernel's rate
+    assert flops / (fwd * b200.peak("bf16")) == pytest.approx(flash_attention_rate(b200, 128, 32768))
+    other = replace(H100, name="MI300X-192GB")
+    fwd, _, flops = _attention("pipette", 32768, other)
+    assert flash_attention_rate(other, 128, 32768) is None
+    assert flops / (fwd * other.peak("bf16")) > 0.4  # the GEMM curve
