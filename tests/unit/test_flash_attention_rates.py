@@ -2,7 +2,7 @@
 (``PerfConstants.flash_attention_rates``): PyTorch's SDPA runs its flash backend under Hugging Face's
 models, which on an H100 reaches 14-33% of the bf16 peak forward and backward (Dao-AILab/flash-attention's
 README benchmark) and 12-16% of a B200's (cudnn-frontend's timing of SDPA's flash backend; both in
-data/kernels/flash_attention.csv), where the GEMM curve the attention was priced on before reaches 71-73% of
+data/kernels/flash_attention.csv), where the GEMM curve the attention was priced on before reaches 70-71% of
 an H100's at long sequences (a 131k-token Llama 3.1 8B plan at 97% HFU)."""
 
 from __future__ import annotations
