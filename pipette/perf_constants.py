@@ -282,7 +282,8 @@ MEGATRON_CONSTANTS = PerfConstants(thin_gemm_roofline=True, moe=MEGATRON_MOE, ov
 # rotary, SiLU and gating as separate kernels), PyTorch SDPA (FlashAttention-2), DeepSpeed's
 # engine. Fitted (least squares on log(predicted / measured)) on the 9 timed runs of
 # h100_single_gpu.csv (one H100, llama3.2-1b full and LoRA, llama3.2-3b LoRA, seq 2048-4096)
-# with the H100's measured GEMM curve: tests/benchmarks/accuracy.py --fit-hf.
+# with the H100's measured GEMM curve and the attention at FlashAttention-2's measured rates:
+# tests/benchmarks/crossval.py --problem pipette --fit-all (2026-12-06; docs/results.md).
 #: memory passes over T x h per layer forward (norms in fp32, residuals, rotary, casts)
 HF_ELEMENTWISE_PASSES = 32.8
 #: memory passes over T x f per layer forward (SiLU, the gate product)
