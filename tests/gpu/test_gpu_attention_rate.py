@@ -13,9 +13,13 @@ from pipette.device import DeviceSpec
 from pipette.efficiency import flash_attention_rate
 
 
+#: a token of the GPU's name -> the preset whose peak and family the rate is read for (H100 by default)
+_PRESETS = (("GB200", "GB200-186GB"), ("B200", "B200-180GB"), ("H200", "H200-141GB"), ("A100", "A100-80GB"))
+
+
 def _device() -> DeviceSpec:
     name = torch.cuda.get_device_name(0).upper()
-    return DeviceSpec.preset("H200-141GB" if "H200" in name else "A100-80GB" if "A100" in name else "H100-80GB")
+    return DeviceSpec.preset(next((preset for token, preset in _PRESETS if token in name), "H100-80GB"))
 
 
 def _sdpa_rate(seq: int, heads: int = 16, head_dim: int = 128, tokens: int = 16384) -> float:
