@@ -12,7 +12,6 @@ import torch
 from pipette.device import DeviceSpec
 from pipette.efficiency import flash_attention_rate
 
-
 #: a token of the GPU's name -> the preset whose peak and family the rate is read for (H100 by default)
 _PRESETS = (("GB200", "GB200-186GB"), ("B200", "B200-180GB"), ("H200", "H200-141GB"), ("A100", "A100-80GB"))
 
