@@ -162,11 +162,15 @@ def flash_attention_rate(device: DeviceSpec, head_dim: int, seq: float) -> float
     from pipette.kernel_tables import FLASH_CAUSAL_RATE
 
     by_dim = FLASH_CAUSAL_RATE.get(family(device))
-    if not by_dim or seq <= 0:
-        return None
+    return read_by_sequence(by_dim, head_dim, seq) if by_dim and seq > 0 else None
+
+
+def read_by_sequence(by_dim: dict[int, tuple[tuple[int, float], ...]], head_dim: int, seq: float) -> float:
+    """A FlashAttention table's value (``pipette.kernel_tables``: per head size, (sequence, value)) at the
+    nearest head size timed, log-interpolated in the sequence and held at the ends."""
     pts = by_dim[min(by_dim, key=lambda d: (abs(d - head_dim), d))]
     return float(np.interp(np.log(seq), np.log([s for s, _ in pts]), [r for _, r in pts]))
 
 
 __all__ = ["H100_MEASURED_BF16", "EfficiencyCurve", "default_curve", "family", "flash_attention_rate",
-           "kernel_attention", "kernel_curve"]
+           "kernel_attention", "kernel_curve", "read_by_sequence"]

@@ -46,7 +46,7 @@ from pipette import comm
 from pipette.cluster import ClusterProfile
 from pipette.config import ParallelConfig
 from pipette.device import DeviceSpec
-from pipette.efficiency import family
+from pipette.efficiency import family, read_by_sequence
 from pipette.kernel_tables import FLASH_FULL_OVER_CAUSAL
 from pipette.memory_cp import CP_COMMS, kv_block_bytes
 from pipette.model import ModelSpec
@@ -120,10 +120,7 @@ def full_over_causal(device: DeviceSpec, head_dim: int, seq: float) -> float:
     it (``pipette.kernel_tables``, the nearest head size timed, log-interpolated in the sequence and
     held at the ends); 1 on a family none was timed on."""
     by_dim = FLASH_FULL_OVER_CAUSAL.get(family(device))
-    if not by_dim:
-        return 1.0
-    pts = by_dim[min(by_dim, key=lambda d: (abs(d - head_dim), d))]
-    return float(np.interp(np.log(seq), np.log([s for s, _ in pts]), [r for _, r in pts]))
+    return read_by_sequence(by_dim, head_dim, seq) if by_dim else 1.0
 
 
 def ring_compute(model: ModelSpec, training: TrainingSpec, config: ParallelConfig, k: PerfConstants,
