@@ -51,7 +51,8 @@ Noise. A trial's observation noise is the spread of its own steps plus the trial
 spread of one candidate (load on the machine, clocks, placement of the processes) that its
 own steps cannot show. That spread is measured: candidates timed more than once (the
 re-timing before the verdict) give a pooled variance of their trials' log medians, shrunk
-towards ``NOISE_FLOOR_SD`` with ``NOISE_PRIOR_DOF`` degrees of freedom (a scaled
+towards the device kind's prior (``noise_floor_sd``: ``NOISE_FLOOR_SD`` on GPUs,
+``CPU_NOISE_FLOOR_SD`` on CPU devices) with ``NOISE_PRIOR_DOF`` degrees of freedom (a scaled
 inverse-chi-squared prior; Gelman et al., *Bayesian Data Analysis*, 3rd ed., sec. 3.3).
 
 Memory and crashes: ``pipette.feasibility`` (learned per neighbourhood, never as one global
@@ -79,6 +80,9 @@ FloatArray = gp.FloatArray
 #: Prior of the trial-to-trial spread of one candidate in log space (load on the machine,
 #: clocks) that its own step times cannot show; measured from repeats (module docstring).
 NOISE_FLOOR_SD = 0.03
+#: The same prior for trials on CPU devices: four single-threaded ranks share two cores with the host
+#: and spread ~8% from trial to trial (docs/results.md, "The machine's own noise").
+CPU_NOISE_FLOOR_SD = 0.08
 #: Weight of that prior in degrees of freedom (two repeats' worth).
 NOISE_PRIOR_DOF = 2.0
 #: A pruned trial's partial median is noisier: fewer steps, maybe still warming up.
@@ -140,9 +144,11 @@ class LearnedModel:
     """The analytic estimates corrected by a set of observations (see the module docstring)."""
 
     def __init__(self, observations: Sequence[Observation] = (), *, job_key: str = "",
-                 fits_prior: FitsPrior = CPU, space: Sequence[ParallelConfig] = ()) -> None:
+                 fits_prior: FitsPrior = CPU, space: Sequence[ParallelConfig] = (),
+                 noise_floor: float = NOISE_FLOOR_SD) -> None:
         """``space``: the candidates it will predict (their cp and ep degrees make regimes,
-        ``split_degrees``; without it, the observations' alone)."""
+        ``split_degrees``; without it, the observations' alone); ``noise_floor``: the trial
+        noise's prior (``noise_floor_sd``)."""
         self.job_key = job_key
         self.observations = tuple(observations)
         #: cp and ep where the space or a trial splits sequences or experts: regimes of the kernel
@@ -155,7 +161,7 @@ class LearnedModel:
             else np.zeros((0, 0), np.int64)
         self._inputs = gp.KernelInputs(self._x, self._r, self._keys, self._stacks,
                                        degree_array([o.config for o in timed]))
-        self.trial_noise_sd, self.noise_dof = trial_noise(timed)
+        self.trial_noise_sd, self.noise_dof = trial_noise(timed, noise_floor)
         self._noise = np.array([math.hypot(_step_noise_sd(o.measurement), self.trial_noise_sd) for o in timed])
         self._y = np.array([math.log(_observed_time(o) or 1.0) - math.log(o.perf.step_time) for o in timed])
         # Robustness: a run far slower than its peers (``outlier_distances``) gets a noise as
@@ -415,9 +421,15 @@ def _step_noise_sd(m: Measurement) -> float:
     return float(logs.std(ddof=1) / math.sqrt(len(logs))) if len(logs) > 1 else 0.0
 
 
-def trial_noise(observations: Sequence[Observation]) -> tuple[float, float]:
+def noise_floor_sd(device_kind: str) -> float:
+    """The prior of the trial-to-trial spread on ``device_kind``'s trials."""
+    return CPU_NOISE_FLOOR_SD if device_kind == "cpu" else NOISE_FLOOR_SD
+
+
+def trial_noise(observations: Sequence[Observation], floor_sd: float = NOISE_FLOOR_SD) -> tuple[float, float]:
     """The trial-to-trial sd of one candidate's log step time, pooled over candidates timed
-    more than once (ok trials of this job), shrunk to the prior: ``(sd, degrees of freedom)``."""
+    more than once (ok trials of this job), shrunk to the prior ``floor_sd``: ``(sd, degrees of
+    freedom)``."""
     by_config: dict[str, list[float]] = {}
     for o in observations:
         t = _observed_time(o)
@@ -428,5 +440,5 @@ def trial_noise(observations: Sequence[Observation]) -> tuple[float, float]:
         if len(logs) > 1:
             ss += float(((np.array(logs) - np.mean(logs)) ** 2).sum())
             dof += len(logs) - 1
-    var = (NOISE_PRIOR_DOF * NOISE_FLOOR_SD**2 + ss) / (NOISE_PRIOR_DOF + dof)
+    var = (NOISE_PRIOR_DOF * floor_sd**2 + ss) / (NOISE_PRIOR_DOF + dof)
     return math.sqrt(var), float(dof)

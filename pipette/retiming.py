@@ -79,9 +79,11 @@ def contenders(tried: Tried | None, options: TuneOptions) -> list[str]:
     timed twice: the pick, and every candidate within ``prune_slower`` of it (the noise is not
     measured yet: the prior may be over-confident); then those it is not yet ``confidence`` sure to
     be within the tolerance of, and those that may be faster than it (a chance of 1 - ``confidence``
-    or more). Either way the least sure first, then the best mean: a candidate timed once, as slow
-    as one timed twice, is the likelier to beat the pick (by mean alone, a real CPU run never
-    re-timed the best candidate after its one trial ran 26% slow)."""
+    or more, by their trials alone or weighed with the model's prediction of them,
+    ``Tried.faster_as_predicted``: CI's shaped-cluster job once never re-timed the best candidate
+    after its one trial ran 18% slow). Either way the least sure first, then the best mean: a
+    candidate timed once, as slow as one timed twice, is the likelier to beat the pick (by mean
+    alone, a real CPU run never re-timed the best candidate after its one trial ran 26% slow)."""
     if tried is None or options.retime < 2:
         return []
     means, pick = tried.means, tried.pick
@@ -93,9 +95,9 @@ def contenders(tried: Tried | None, options: TuneOptions) -> list[str]:
     else:
         # Sure to be within 2% of a candidate 1% faster, re-timing once stopped and handed over the
         # slower one (docs/results.md, "Evidence behind the tuner's constants"): the faster-at-all count too.
-        faster = tried.faster()
+        faster, as_predicted = tried.faster(), tried.faster_as_predicted()
         others = [k for k, p in sure.items()
-                  if p < options.confidence or faster[k] >= 1.0 - options.confidence]
+                  if p < options.confidence or max(faster[k], as_predicted[k]) >= 1.0 - options.confidence]
     others.sort(key=lambda k: (sure[k], means[k][0], k))
     if n_p == 1 or others:  # timed once, the pick is re-timed alone too: its repeat measures the noise
         return [pick, *others[: options.retime - 1]]

@@ -38,7 +38,7 @@ from scipy.stats import norm
 from pipette.config import ParallelConfig
 from pipette.feasibility import P_FIT_MIN, P_RUNS_MIN, RUNS_PRIOR
 from pipette.fits import CPU, KEEP_THRESHOLD, FitsPrior
-from pipette.learned import LearnedModel, Observation, Prediction, collapse
+from pipette.learned import NOISE_FLOOR_SD, LearnedModel, Observation, Prediction, collapse
 from pipette.plan import Planned
 from pipette.trials import TrialRecord
 
@@ -261,8 +261,10 @@ class PerfModelSampler(BaseSampler):
         seed: int = 0,
         space: dict[str, BaseDistribution] | None = None,
         fits_prior: FitsPrior = CPU,
+        noise_floor: float = NOISE_FLOOR_SD,
     ) -> None:
         self.candidates = list(candidates)
+        self.noise_floor = noise_floor
         self.fits_prior = fits_prior
         self.job_key = job_key
         self.prior = tuple(prior)
@@ -273,7 +275,8 @@ class PerfModelSampler(BaseSampler):
 
     def learned(self, study: Study) -> LearnedModel:
         return LearnedModel([*self.prior, *observations(study, self.by_key, self.job_key)], job_key=self.job_key,
-                            fits_prior=self.fits_prior, space=[c.config for c in self.candidates])
+                            fits_prior=self.fits_prior, space=[c.config for c in self.candidates],
+                            noise_floor=self.noise_floor)
 
     def ranking(self, study: Study) -> list[Scored]:
         """Untried candidates, best first, with the learned model of the study so far."""

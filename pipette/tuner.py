@@ -31,7 +31,7 @@ from optuna.trial import TrialState
 from pipette.config import ParallelConfig
 from pipette.errors import InfeasibleError
 from pipette.fits import default_prior
-from pipette.learned import NOISE_PRIOR_DOF, Observation, Prediction
+from pipette.learned import NOISE_PRIOR_DOF, Observation, Prediction, noise_floor_sd
 from pipette.model import ModelSpec
 from pipette.plan import Plan, Planned
 from pipette.registry import job_key_fields
@@ -112,6 +112,7 @@ class Tuner:
             prior=_prior_observations(prior, plan),
             tolerance=self.options.tolerance, seed=self.options.seed, space=self.space,
             fits_prior=plan.fits_prior or default_prior(plan.cluster.device_spec.kind),
+            noise_floor=noise_floor_sd(plan.cluster.device_spec.kind),
         )
         pruner = IncumbentPruner(self.options.prune_slower) if self.options.prune else None
         self.study = new_study(self.sampler, pruner)
@@ -140,8 +141,12 @@ class Tuner:
         if pick is None:
             return None
         learned = self.sampler.learned(self.study)
+        predicted: dict[str, tuple[float, float]] = {}
+        for r in self.records:  # the first trial's: what the model said before it measured any
+            if r.predicted_step_time > 0:
+                predicted.setdefault(r.label, (math.log(r.predicted_step_time), r.predicted_sd))
         return Tried(pick.label, measured_means(self.study), learned.trial_noise_sd,
-                     NOISE_PRIOR_DOF + learned.noise_dof, self.options.tolerance)
+                     NOISE_PRIOR_DOF + learned.noise_dof, self.options.tolerance, predicted)
 
     def confidence(self) -> float | None:
         """Probability that the pick is within the tolerance of the best candidate tried."""

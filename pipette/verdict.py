@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from scipy.stats import t as student_t
 
@@ -32,6 +32,8 @@ class Tried:
     noise_sd: float
     dof: float
     tolerance: float
+    #: per tried candidate, the learned model's log step time and its sd when its first trial was proposed
+    predicted: Mapping[str, tuple[float, float]] = field(default_factory=dict)
 
     def gaps(self) -> dict[str, tuple[float, float]]:
         """Per other tried candidate: its mean log step time minus the pick's, and the standard
@@ -51,6 +53,26 @@ class Tried:
     def faster(self) -> dict[str, float]:
         """Per other tried candidate: the probability that it is faster than the pick at all."""
         return {label: float(student_t.cdf(-gap / se, self.dof)) for label, (gap, se) in self.gaps().items()}
+
+    def faster_as_predicted(self) -> dict[str, float]:
+        """Per other tried candidate: the chance that it is faster than the pick at all, its trials'
+        mean weighed with what the model predicted of it before its first trial (``predicted``; a
+        normal prior and normal measurements: the precision-weighted mean, Gelman et al., *Bayesian
+        Data Analysis*, 3rd ed., sec. 2.5). One slow trial of a candidate the model put ahead of the
+        pick is either a slow run of the machine or the model wrong; a second trial tells which."""
+        mp, n_p = self.means[self.pick]
+        var_n = self.noise_sd**2
+        out: dict[str, float] = {}
+        for label, (m, n) in self.means.items():
+            if label == self.pick:
+                continue
+            mean, var = m, var_n / n
+            mu, sd = self.predicted.get(label, (0.0, 0.0))
+            if sd > 0:
+                w_prior, w_trials = 1.0 / sd**2, n / var_n
+                mean, var = (w_prior * mu + w_trials * m) / (w_prior + w_trials), 1.0 / (w_prior + w_trials)
+            out[label] = float(student_t.cdf((mp - mean) / math.sqrt(var + var_n / n_p), self.dof))
+        return out
 
     def confidence(self) -> float:
         """Probability that the pick is within the tolerance of the best candidate tried."""

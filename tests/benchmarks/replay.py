@@ -142,6 +142,9 @@ NOISE_SD = 0.01
 #: Spread of one configuration from trial to trial (log sd): 2%, a quiet GPU cluster (on
 #: this 2-core machine's CPU trials it is 10-44% max/min; README).
 TRIAL_NOISE_SD = 0.02
+#: the tuner's options beyond the budget and seed (``--reserve``, ``--retime``): a benchmark of a job
+#: that sets them, as CI's shaped-cluster test does
+TUNE_OVERRIDES: dict[str, Any] = {}
 #: Distorted prior: each regime's factor is log-uniform in [1/DISTORT_EACH, DISTORT_EACH],
 #: their product clipped to [1/DISTORT_MAX, DISTORT_MAX].
 DISTORT_EACH = math.sqrt(5.0)
@@ -377,8 +380,10 @@ def run_tuner(group: Group, seed: int, budget: int, peak_memory: bool = True) ->
         return [] if key_of(c) in group.truths else ["no measured row"]
 
     # the curve: the search alone, to the whole budget
-    tuner = Tuner(group.plan, TuneOptions(max_trials=budget, seed=seed, retime=0), runnable=runnable)
-    reserve = RetimeBudget(TuneOptions(max_trials=budget), group.plan.cluster.device_spec.kind).reserve
+    tuner = Tuner(group.plan, TuneOptions(max_trials=budget, seed=seed, **{**TUNE_OVERRIDES, "retime": 0}),
+                  runnable=runnable)
+    options = TuneOptions(max_trials=budget, **TUNE_OVERRIDES)
+    reserve = RetimeBudget(options, group.plan.cluster.device_spec.kind).reserve
     while len(trace.keys) < budget:
         reason = tuner.stop_reason()
         if trace.would_stop is None:
@@ -401,7 +406,8 @@ def _stop_here(group: Group, seed: int, budget: int, tuner: Tuner, runner: Repla
                reason: str, peak_memory: bool, runnable: Callable[[ParallelConfig], list[str]]) -> None:
     """Where the tuner would stop on its own: a copy rebuilt from its records re-times its
     contenders (their trials draw fresh noise) and names its pick."""
-    fork = Tuner(group.plan, TuneOptions(max_trials=budget, seed=seed), history=tuner.records, runnable=runnable)
+    fork = Tuner(group.plan, TuneOptions(max_trials=budget, seed=seed, **TUNE_OVERRIDES), history=tuner.records,
+                 runnable=runnable)
     extra = Trace("tuner")
     fork.retime(ReplayRunner(group, seed, extra, peak_memory, calls=runner.calls), reason)
     trace.would_stop = len(trace.keys) + len(extra.keys)
@@ -763,6 +769,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help=f"trial-to-trial spread of one configuration, log sd (default {TRIAL_NOISE_SD})")
     ap.add_argument("--first-sure", type=float, metavar="X",
                     help=f"chance to fit a first trial needs (default {search.FIRST_SURE_TO_FIT}; module docstring)")
+    ap.add_argument("--reserve", type=int, metavar="N", help="trials kept for re-timing (default: the tuner's)")
+    ap.add_argument("--retime", type=int, metavar="K", help="contenders a re-timing round takes (default: the tuner's)")
     ap.add_argument("--out", help="write every run's figures and the tables as JSON here")
     ap.add_argument("--check", action="store_true", help="exit 1 when a target is missed")
     ap.add_argument("--quiet", action="store_true", help="no per-group progress on stderr")
@@ -777,6 +785,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not 0 <= args.trial_noise <= 1:
             raise SpecError(f"is {args.trial_noise}", field="--trial-noise",
                             fix="give a log sd between 0 and 1, e.g. 0.02 (a quiet GPU cluster) or 0.08")
+        overrides = {name: getattr(args, name) for name in ("reserve", "retime") if getattr(args, name) is not None}
+        for name, value in overrides.items():
+            if value < 0:
+                raise SpecError(f"is {value}", field=f"--{name}", fix="give 0 or more")
+        if overrides.get("reserve", 0) >= args.budget:
+            raise SpecError(f"is {overrides['reserve']} of a budget of {args.budget}", field="--reserve",
+                            fix="keep fewer trials for re-timing than the budget")
         methods = [m.strip() for m in args.methods.split(",") if m.strip()]
         unknown = [m for m in methods if m not in METHODS]
         if unknown or not methods:
@@ -791,6 +806,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         start = time.perf_counter()
         groups = load_groups(directory or REPO, sources, args.group, args.distort)
         ReplayRunner.trial_noise_sd = args.trial_noise
+        TUNE_OVERRIDES.update(overrides)
         first_sure = search.FIRST_SURE_TO_FIT
         if args.first_sure is not None:
             search.FIRST_SURE_TO_FIT = args.first_sure
@@ -800,6 +816,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         finally:
             ReplayRunner.trial_noise_sd = TRIAL_NOISE_SD
             search.FIRST_SURE_TO_FIT = first_sure
+            TUNE_OVERRIDES.clear()
     except PipetteError as e:
         print(f"replay: {e}", file=sys.stderr)
         return 2
@@ -807,6 +824,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"Replay on real measurements: {len(groups)} groups, {args.seeds} seeds, budget {args.budget} trials"
           + (f", analytic prior distorted (seed {args.distort})" if args.distort is not None else "")
           + (f", trial noise {args.trial_noise:g}" if args.trial_noise != TRIAL_NOISE_SD else "")
+          + "".join(f", {k} {v}" for k, v in overrides.items())
           + (f", first trials need {used_first_sure:g} sure to fit" if args.first_sure is not None else "")
           + f" ({time.perf_counter() - start:.0f} s)")
     for scope, table in result.items():

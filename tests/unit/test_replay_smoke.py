@@ -166,12 +166,36 @@ def test_the_distorted_prior_moves_predictions_not_truths(group: replay.Group) -
     ("argv", "flag"),
     [(["--methods", "tuner,bogus"], "--methods"), (["--seeds", "0"], "--seeds"),
      (["--group", "9B/1"], "--group"), (["--out", "/nonexistent/dir/x.json"], "--out"),
-     (["--trial-noise", "-0.1"], "--trial-noise"), (["--trial-noise", "2"], "--trial-noise")],
+     (["--trial-noise", "-0.1"], "--trial-noise"), (["--trial-noise", "2"], "--trial-noise"),
+     (["--reserve", "-1"], "--reserve"), (["--retime", "-2"], "--retime"),
+     (["--budget", "4", "--reserve", "4"], "--reserve")],
 )
 def test_bad_flags_name_the_flag(argv: list[str], flag: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert replay.main(["--source", "ultrascale", *argv, "--quiet"]) == 2
     err = capsys.readouterr().err
     assert flag in err
+
+
+def test_a_job_s_own_reserve_and_round_size_are_replayed(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--reserve``/``--retime``: CI's shaped-cluster job keeps 4 of 8 trials in rounds of 2."""
+    seen: list[tuple[int | None, int]] = []
+    real = replay.Tuner
+
+    def tuner(plan: Any, options: Any, **kw: Any) -> Any:
+        seen.append((options.reserve, options.retime))
+        return real(plan, options, **kw)
+
+    monkeypatch.setattr(replay, "Tuner", tuner)
+    argv = ["--source", "cpu-both", "--budget", "8", "--seeds", "1", "--methods", "tuner", "--quiet"]
+    assert replay.main([*argv, "--reserve", "3", "--retime", "2", "--out", str(tmp_path / "r.json")]) == 0
+    assert "reserve 3, retime 2" in capsys.readouterr().out
+    # the search runs with re-timing off (its curve), the fork that stops re-times with the job's options
+    assert seen and set(seen) == {(3, 0), (3, 2)}, seen
+    assert not replay.TUNE_OVERRIDES  # a later run in the same process gets the tuner's own
+    seen.clear()
+    assert replay.main(argv) == 0
+    assert {reserve for reserve, _ in seen} == {None}
 
 
 def _key(group: replay.Group, label: str) -> tuple[Any, ...]:
