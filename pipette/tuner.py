@@ -65,7 +65,7 @@ from pipette.tune_result import STOPPED
 from pipette.tune_result import TuneResult as TuneResult
 from pipette.tune_result import how_it_ended as how_it_ended  # re-exported: the CLI says how trials ended
 from pipette.tune_result import trial_outcomes as trial_outcomes  # re-exported: result_text counts them
-from pipette.verdict import Tried, pick, verdict
+from pipette.verdict import Tried, first_predictions, pick, verdict
 
 Emit = Callable[[TuneEvent], None]
 
@@ -141,12 +141,8 @@ class Tuner:
         if pick is None:
             return None
         learned = self.sampler.learned(self.study)
-        predicted: dict[str, tuple[float, float]] = {}
-        for r in self.records:  # the first trial's: what the model said before it measured any
-            if r.predicted_step_time > 0:
-                predicted.setdefault(r.label, (math.log(r.predicted_step_time), r.predicted_sd))
         return Tried(pick.label, measured_means(self.study), learned.trial_noise_sd,
-                     NOISE_PRIOR_DOF + learned.noise_dof, self.options.tolerance, predicted)
+                     NOISE_PRIOR_DOF + learned.noise_dof, self.options.tolerance, first_predictions(self.records))
 
     def confidence(self) -> float | None:
         """Probability that the pick is within the tolerance of the best candidate tried."""

@@ -99,6 +99,16 @@ class Tried:
         return out
 
 
+def first_predictions(records: Sequence[TrialRecord]) -> dict[str, tuple[float, float]]:
+    """Per candidate, the learned model's log step time and its sd for its first trial: what the
+    model said of it before it measured any (``Tried.predicted``)."""
+    out: dict[str, tuple[float, float]] = {}
+    for r in records:
+        if r.predicted_step_time > 0:
+            out.setdefault(r.label, (math.log(r.predicted_step_time), r.predicted_sd))
+    return out
+
+
 def pick(records: Sequence[TrialRecord], means: Mapping[str, tuple[float, int]]) -> TrialRecord | None:
     """The pick: the candidate with the best mean log step time over its ok trials (``means``), its
     trial with the median step time standing for it; None before an ok trial."""

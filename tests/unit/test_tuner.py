@@ -995,4 +995,5 @@ def test_a_cpu_job_keeps_whole_rounds_for_re_timing() -> None:
     small = Tuner(cpu_plan, TuneOptions(max_trials=8, stop_probability=0.0, prune=False)).run(runner)
     purposes = [t.purpose for t in small.trials]
     assert purposes.count("search") == 4 and purposes.count("retime") == 4, (purposes, small.stop_reason)
-    assert "in 2 round(s)" in small.stop_reason and "re-timed 2 contenders" in small.stop_reason, small.stop_reason
+    # two rounds of the pick and one other (the other may change between rounds: 3 re-timed in all)
+    assert re.search(r"re-timed [23] contenders in 2 round\(s\)", small.stop_reason), small.stop_reason
