@@ -81,9 +81,12 @@ def contenders(tried: Tried | None, options: TuneOptions) -> list[str]:
     be within the tolerance of, and those that may be faster than it (a chance of 1 - ``confidence``
     or more, by their trials alone or weighed with the model's prediction of them,
     ``Tried.faster_as_predicted``: CI's shaped-cluster job once never re-timed the best candidate
-    after its one trial ran 18% slow). Either way the least sure first, then the best mean: a
-    candidate timed once, as slow as one timed twice, is the likelier to beat the pick (by mean
-    alone, a real CPU run never re-timed the best candidate after its one trial ran 26% slow)."""
+    after its one trial ran 18% slow). Either way those timed fewest first (each contender timed
+    again before any a third time: rounds of the pick and one other once re-timed the same
+    runner-up twice and never the best, whose one trial had run 12% slow), then the least sure,
+    then the best mean: a candidate timed once, as slow as one timed twice, is the likelier to beat
+    the pick (by mean alone, a real CPU run never re-timed the best candidate after its one trial
+    ran 26% slow)."""
     if tried is None or options.retime < 2:
         return []
     means, pick = tried.means, tried.pick
@@ -98,7 +101,7 @@ def contenders(tried: Tried | None, options: TuneOptions) -> list[str]:
         faster, as_predicted = tried.faster(), tried.faster_as_predicted()
         others = [k for k, p in sure.items()
                   if p < options.confidence or max(faster[k], as_predicted[k]) >= 1.0 - options.confidence]
-    others.sort(key=lambda k: (sure[k], means[k][0], k))
+    others.sort(key=lambda k: (means[k][1], sure[k], means[k][0], k))
     if n_p == 1 or others:  # timed once, the pick is re-timed alone too: its repeat measures the noise
         return [pick, *others[: options.retime - 1]]
     return []

@@ -42,6 +42,19 @@ class Tried:
         return {label: (m - mp, self.noise_sd * math.sqrt(1.0 / n_p + 1.0 / n))
                 for label, (m, n) in self.means.items() if label != self.pick}
 
+    def posterior(self, label: str) -> tuple[float, float]:
+        """A tried candidate's log step time (mean, variance): its trials' mean weighed with what the
+        model predicted of it before its first trial (``predicted``; a normal prior and normal
+        measurements: the precision-weighted mean, Gelman et al., *Bayesian Data Analysis*, 3rd ed.,
+        sec. 2.5); its trials alone where no prediction was kept."""
+        m, n = self.means[label]
+        var_n = self.noise_sd**2
+        mu, sd = self.predicted.get(label, (0.0, 0.0))
+        if sd <= 0:
+            return m, var_n / n
+        w_prior, w_trials = 1.0 / sd**2, n / var_n
+        return (w_prior * mu + w_trials * m) / (w_prior + w_trials), 1.0 / (w_prior + w_trials)
+
     def within(self) -> dict[str, float]:
         """Per other tried candidate: the probability that the pick is within the tolerance of it
         (its mean log step time less than ``log(1 + tolerance)`` above the other's). The noise's
@@ -56,22 +69,16 @@ class Tried:
 
     def faster_as_predicted(self) -> dict[str, float]:
         """Per other tried candidate: the chance that it is faster than the pick at all, its trials'
-        mean weighed with what the model predicted of it before its first trial (``predicted``; a
-        normal prior and normal measurements: the precision-weighted mean, Gelman et al., *Bayesian
-        Data Analysis*, 3rd ed., sec. 2.5). One slow trial of a candidate the model put ahead of the
-        pick is either a slow run of the machine or the model wrong; a second trial tells which."""
+        mean weighed with what the model predicted of it before its first trial (``posterior``).
+        One slow trial of a candidate the model put ahead of the pick is either a slow run of the
+        machine or the model wrong; a second trial tells which."""
         mp, n_p = self.means[self.pick]
-        var_n = self.noise_sd**2
         out: dict[str, float] = {}
-        for label, (m, n) in self.means.items():
-            if label == self.pick:
-                continue
-            mean, var = m, var_n / n
-            mu, sd = self.predicted.get(label, (0.0, 0.0))
-            if sd > 0:
-                w_prior, w_trials = 1.0 / sd**2, n / var_n
-                mean, var = (w_prior * mu + w_trials * m) / (w_prior + w_trials), 1.0 / (w_prior + w_trials)
-            out[label] = float(student_t.cdf((mp - mean) / math.sqrt(var + var_n / n_p), self.dof))
+        for label in self.means:
+            if label != self.pick:
+                mean, var = self.posterior(label)
+                se = math.sqrt(var + self.noise_sd**2 / n_p)
+                out[label] = float(student_t.cdf((mp - mean) / se, self.dof))
         return out
 
     def confidence(self) -> float:

@@ -335,6 +335,8 @@ class ReplayRunner:
 
     #: the trial-to-trial spread (log sd) of every runner; ``--trial-noise`` sets it
     trial_noise_sd: float = TRIAL_NOISE_SD
+    #: how much slower (a factor) the job's first trial runs: a cold start (``--slow-first``)
+    slow_first: float = 1.0
 
     def __init__(self, group: Group, seed: int, trace: Trace, peak_memory: bool = True,
                  calls: dict[Key, int] | None = None) -> None:
@@ -358,6 +360,8 @@ class ReplayRunner:
             return Measurement(truth.status, tokens_per_step=self.tokens, error=error)  # type: ignore[arg-type]
         rng = np.random.default_rng([self.seed, zlib.crc32(config.label.encode()), self.calls[key_of(config)]])
         trial = truth.step_time * math.exp(self.trial_noise_sd * float(rng.standard_normal()))
+        if sum(self.calls.values()) == 1:
+            trial *= self.slow_first
         on_step(StepProgress(0, trial * 1.3, True))
         times: list[float] = []
         for i in range(STEPS):
@@ -769,6 +773,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help=f"trial-to-trial spread of one configuration, log sd (default {TRIAL_NOISE_SD})")
     ap.add_argument("--first-sure", type=float, metavar="X",
                     help=f"chance to fit a first trial needs (default {search.FIRST_SURE_TO_FIT}; module docstring)")
+    ap.add_argument("--slow-first", type=float, default=1.0, metavar="X",
+                    help="the job's first trial runs X times slower (a cold start; default 1)")
     ap.add_argument("--reserve", type=int, metavar="N", help="trials kept for re-timing (default: the tuner's)")
     ap.add_argument("--retime", type=int, metavar="K", help="contenders a re-timing round takes (default: the tuner's)")
     ap.add_argument("--out", help="write every run's figures and the tables as JSON here")
@@ -782,6 +788,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise SpecError(f"is {args.budget}", field="--budget", fix="give 1 or more")
         if args.first_sure is not None and not 0 <= args.first_sure <= 1:
             raise SpecError(f"is {args.first_sure}", field="--first-sure", fix="give a chance between 0 and 1")
+        if not 0 < args.slow_first <= 10:
+            raise SpecError(f"is {args.slow_first}", field="--slow-first", fix="give a factor above 0, e.g. 1.15")
         if not 0 <= args.trial_noise <= 1:
             raise SpecError(f"is {args.trial_noise}", field="--trial-noise",
                             fix="give a log sd between 0 and 1, e.g. 0.02 (a quiet GPU cluster) or 0.08")
@@ -806,6 +814,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         start = time.perf_counter()
         groups = load_groups(directory or REPO, sources, args.group, args.distort)
         ReplayRunner.trial_noise_sd = args.trial_noise
+        ReplayRunner.slow_first = args.slow_first
         TUNE_OVERRIDES.update(overrides)
         first_sure = search.FIRST_SURE_TO_FIT
         if args.first_sure is not None:
@@ -815,6 +824,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             used_first_sure = search.FIRST_SURE_TO_FIT
         finally:
             ReplayRunner.trial_noise_sd = TRIAL_NOISE_SD
+            ReplayRunner.slow_first = 1.0
             search.FIRST_SURE_TO_FIT = first_sure
             TUNE_OVERRIDES.clear()
     except PipetteError as e:
@@ -825,6 +835,7 @@ def main(argv: Sequence[str] | None = None) -> int:
           + (f", analytic prior distorted (seed {args.distort})" if args.distort is not None else "")
           + (f", trial noise {args.trial_noise:g}" if args.trial_noise != TRIAL_NOISE_SD else "")
           + "".join(f", {k} {v}" for k, v in overrides.items())
+          + (f", the first trial {args.slow_first:g}x slow" if args.slow_first != 1.0 else "")
           + (f", first trials need {used_first_sure:g} sure to fit" if args.first_sure is not None else "")
           + f" ({time.perf_counter() - start:.0f} s)")
     for scope, table in result.items():

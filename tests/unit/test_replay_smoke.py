@@ -123,6 +123,21 @@ def test_the_replayed_trial_is_the_measured_one(group: replay.Group) -> None:
     assert replay.ReplayRunner(group, 0, trace).replay(bad).status == group.truths[bad].status
 
 
+def test_a_cold_start_slows_the_job_s_first_trial_only(group: replay.Group) -> None:
+    """``--slow-first``: the job's first trial (of any candidate) runs that much slower, no later one."""
+    ok = next(k for k, t in group.truths.items() if t.status == "ok")
+    warm = replay.ReplayRunner(group, 0, replay.Trace("warm"))
+    plain = [warm.replay(ok).step_time for _ in range(2)]
+    try:
+        replay.ReplayRunner.slow_first = 1.15
+        cold = replay.ReplayRunner(group, 0, replay.Trace("cold"))
+        slowed = [cold.replay(ok).step_time for _ in range(2)]
+    finally:
+        replay.ReplayRunner.slow_first = 1.0
+    assert None not in plain and None not in slowed
+    assert math.isclose(slowed[0] / plain[0], 1.15, rel_tol=1e-9) and slowed[1] == plain[1]
+
+
 def test_the_trial_noise_flag_sets_the_spread_between_trials(group: replay.Group) -> None:
     ok = next(k for k, t in group.truths.items() if t.status == "ok")
     quiet = replay.ReplayRunner(group, 0, replay.Trace("quiet")).replay(ok)
@@ -168,7 +183,7 @@ def test_the_distorted_prior_moves_predictions_not_truths(group: replay.Group) -
      (["--group", "9B/1"], "--group"), (["--out", "/nonexistent/dir/x.json"], "--out"),
      (["--trial-noise", "-0.1"], "--trial-noise"), (["--trial-noise", "2"], "--trial-noise"),
      (["--reserve", "-1"], "--reserve"), (["--retime", "-2"], "--retime"),
-     (["--budget", "4", "--reserve", "4"], "--reserve")],
+     (["--budget", "4", "--reserve", "4"], "--reserve"), (["--slow-first", "0"], "--slow-first")],
 )
 def test_bad_flags_name_the_flag(argv: list[str], flag: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert replay.main(["--source", "ultrascale", *argv, "--quiet"]) == 2

@@ -429,6 +429,29 @@ def test_one_slow_trial_does_not_rule_out_a_rival_on_cpu_devices(plan: Plan) -> 
     assert trial_noise(obs, CPU_NOISE_FLOOR_SD)[0] < 0.02
 
 
+def test_a_contender_timed_once_is_re_timed_before_one_timed_twice() -> None:
+    # CI's shaped-cluster job (90af60a): the best's one trial (the job's first) ran 104.5 ms against
+    # 86-94 ms since; rounds of the pick and one other re-timed the same runner-up twice, and the job
+    # handed over a pick 9-11% slower than the best. Every contender gets a second trial before any a third.
+    cluster = homogeneous_cluster("cpu", nodes=1, devices_per_node=4, intra_bandwidth=2e9, inter_bandwidth=2e9)
+    cpu_plan = make_plan(ModelSpec.preset("tiny-llama"), TrainingSpec(global_batch=16, seq_len=128, dtype="fp32"),
+                         cluster)
+    best, runner_up, lucky = cpu_plan.ranked[:3]
+
+    def rec(n: int, c: Planned, ms: float, purpose: str = "search") -> TrialRecord:
+        t = ms / 1000
+        return TrialRecord(n, c.config, Measurement("ok", (t, t, t), 1), c.perf, c.memory, c.perf.step_time,
+                           purpose=purpose)
+
+    history = [rec(0, best, 104.5), rec(1, runner_up, 100.8), rec(2, lucky, 93.0),
+               rec(3, lucky, 106.5, "retime"), rec(4, runner_up, 101.4, "retime")]
+    tuner = Tuner(cpu_plan, TuneOptions(max_trials=8, retime=2, reserve=4), history=history)
+    tried = tuner.tried()
+    assert tried is not None and tried.pick == lucky.config.label
+    assert tried.within()[runner_up.config.label] < tried.within()[best.config.label] < 0.9  # both contenders
+    assert tuner.contenders() == [lucky.config.label, best.config.label]
+
+
 def test_the_best_few_are_retimed_interleaved_before_the_verdict(plan: Plan) -> None:
     # two candidates within noise of each other, the rest clearly slower
     close = {p.config.label for p in plan.ranked[:2]}
