@@ -384,9 +384,8 @@ def run_tuner(group: Group, seed: int, budget: int, peak_memory: bool = True) ->
         return [] if key_of(c) in group.truths else ["no measured row"]
 
     # the curve: the search alone, to the whole budget
-    tuner = Tuner(group.plan, TuneOptions(max_trials=budget, seed=seed, **{**TUNE_OVERRIDES, "retime": 0}),
-                  runnable=runnable)
-    options = TuneOptions(max_trials=budget, **TUNE_OVERRIDES)
+    options = TuneOptions(max_trials=budget, seed=seed, **TUNE_OVERRIDES)
+    tuner = Tuner(group.plan, replace(options, retime=0), runnable=runnable)
     reserve = RetimeBudget(options, group.plan.cluster.device_spec.kind).reserve
     while len(trace.keys) < budget:
         reason = tuner.stop_reason()
@@ -854,6 +853,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if out_path is not None:
         payload = {"budget": args.budget, "seeds": args.seeds, "within": WITHIN, "noise_sd": NOISE_SD,
                    "trial_noise_sd": args.trial_noise, "distort": args.distort, "first_sure": used_first_sure,
+                   "slow_first": args.slow_first, "tune_overrides": overrides,
                    "steps": STEPS, "oom_fraction": OOM_FRACTION, "peak_memory": not args.no_peak_memory,
                    "tables": result, "targets": lines, "runs": [r.to_dict() for r in runs]}
         out_path.write_text(json.dumps(payload, indent=1))
