@@ -95,6 +95,8 @@ class Problem:
     #: starts tried besides the parameters' neutral one, the fit with the lowest cost kept: for a fit
     #: with more than one basin (the same starts in every fold and in the fit on all rows)
     restarts: tuple[tuple[float, ...], ...] = ()
+    #: a fit the stack does not ship (an alternative tried beside it): left out of the per-stack verdict
+    alternative: bool = False
 
 
 @dataclass(frozen=True)
@@ -248,6 +250,47 @@ def table_lines(result: Result) -> list[str]:
     return out
 
 
+#: issue 45's targets per stack, cross-validated: step MAPE, Spearman per job, top-1 regret per job
+TARGET_MAPE, TARGET_SPEARMAN, TARGET_REGRET = 0.08, 0.9, 1.03
+
+STACK_HEADER = ("| stack | sets | rows | step MAPE | Spearman min / med (jobs); jobs >= 0.9 | "
+                "top-1 regret med / max (jobs); jobs <= 1.03 |\n|---|---|---|---|---|---|")
+
+
+def stack_lines(results: Sequence[Result]) -> list[str]:
+    """Per stack (the rows' stack without its options), every row of the shipped fits pooled: the
+    out-of-fold MAPE, Spearman and regret over all its jobs, and how many jobs meet issue 45's per-job
+    targets. A row scored by two shipped problems counts once (the first); alternatives are left out."""
+    from tests.benchmarks.stack_accuracy import group_scores
+
+    pooled: dict[str, tuple[list[Sample], list[float]]] = {}
+    seen: set[str] = set()
+    for r in results:
+        if r.problem.alternative:
+            continue
+        for s, pred in zip(r.problem.samples, r.predicted, strict=True):
+            if s.id in seen:
+                continue
+            seen.add(s.id)
+            samples, preds = pooled.setdefault(r.problem.stack_of(s).split("+", 1)[0], ([], []))
+            samples.append(s)
+            preds.append(float(pred))
+    out = []
+    for stack, (samples, preds) in sorted(pooled.items()):
+        predicted = np.array(preds)
+        meas = np.array([s.measured for s in samples])
+        sc = scores(samples, predicted)
+        rhos, ratios = group_scores([s.row for s in samples], predicted, meas)
+        sets = ", ".join(sorted({s.set for s in samples}))
+        rho_ok = sum(1 for x in rhos if x >= TARGET_SPEARMAN)
+        regret_ok = sum(1 for x in ratios if x <= TARGET_REGRET)
+        out.append(f"| {stack} | {sets} | {sc.n} | {_pct(sc.mape)} | {_num(sc.spearman_min)} / "
+                   f"{_num(sc.spearman_median)} ({sc.rho_jobs}); {rho_ok} of {len(rhos)} | "
+                   f"{_num(sc.regret_median, 3)} / {_num(sc.regret_max, 3)} ({len(ratios)}); "
+                   f"{regret_ok} of {len(ratios)} |")
+    return out
+
+
 def report(names: Sequence[str] | None = None, folds: int | None = None) -> list[Result]:
     """Cross-validate the problems named (all by default) and print one table."""
     from dataclasses import replace
@@ -270,6 +313,12 @@ def report(names: Sequence[str] | None = None, folds: int | None = None) -> list
             sc = scores([r.problem.samples[i] for i in idx], r.predicted[idx])
             print(f"  {r.problem.name}, {label}: {sc.n} rows, cross-validated median predicted/measured "
                   f"{_num(sc.median_ratio)}, MAPE {_pct(sc.mape)}")
+    lines = stack_lines(results)
+    if lines:
+        print(f"per stack, the shipped fits' out-of-fold predictions pooled (targets: MAPE <= {TARGET_MAPE:.0%}, "
+              f"Spearman per job >= {TARGET_SPEARMAN}, regret per job <= {TARGET_REGRET}):")
+        print(STACK_HEADER)
+        print("\n".join(lines))
     for r in results:
         note = f" {r.problem.note}" if r.problem.note else ""
         fitted = sorted({len(f.fitted) for f in r.folds})

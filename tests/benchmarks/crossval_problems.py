@@ -301,7 +301,7 @@ def megatron_kernel_constants(x: np.ndarray) -> PerfConstants:
 
 def megatron_kernels_problem() -> Problem:
     base = megatron_problem()
-    return replace(base, name="megatron-kernels", params=MEGATRON_KERNEL_PARAMS,
+    return replace(base, name="megatron-kernels", params=MEGATRON_KERNEL_PARAMS, alternative=True,
                    predict=lambda x, row: _step(row, megatron_kernel_constants(x)),
                    note="The GEMM curves from pipette/kernel_tables.py (measured kernels), the other six terms "
                         "fitted per fold.")

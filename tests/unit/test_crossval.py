@@ -73,3 +73,30 @@ def test_the_accuracy_report_prints_cross_validated_step_verdicts_and_labels_the
     assert "| h100_single_gpu | pipette | pipette (leave-one-job-out, 3)" in step
     assert "in-sample" in step.splitlines()[0] and "in-sample" in memory.splitlines()[0]
     assert "step MAPE" not in memory and "before: pipette" not in out  # no step verdict on fitted rows
+
+
+def test_the_per_stack_verdict_pools_shipped_fits_once_and_counts_jobs_against_the_targets() -> None:
+    from dataclasses import replace
+
+    from tests.benchmarks.crossval import Result, stack_lines
+
+    problem = pipette_problem()
+    meas = np.array([s.measured for s in problem.samples])
+    exact = Result(problem, meas.copy())
+    # the same rows from an alternative fit (left out, though first) and again 10% slow from a second
+    # shipped fit (a row counts once: the first shipped fit's)
+    again = Result(replace(problem, name="again"), meas * 1.1)
+    other = Result(replace(problem, name="other", alternative=True), meas * 2.0)
+    (line,) = stack_lines([other, exact, again])
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert cells[0] == "pipette" and cells[1] == "h100_single_gpu" and cells[2] == str(len(problem.samples))
+    assert cells[3] == "0.0%"  # the first problem's predictions, exact; not the 10% or 100% copies
+    jobs = cells[5].split("(")[1].split(")")[0]
+    assert cells[5].endswith(f"{jobs} of {jobs}")  # every job's pick is the measured best: regret 1.000
+
+    slow_best = meas.copy()
+    slow_best[int(np.argmin(meas))] *= 10.0  # the best row predicted slowest: its job misses the regret target
+    (line,) = stack_lines([Result(problem, slow_best)])
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    met, total = cells[5].rsplit("; ", 1)[1].split(" of ")
+    assert int(met) == int(total) - 1 and float(cells[5].split(" / ")[1].split(" ")[0]) > 1.03
