@@ -270,6 +270,36 @@ def test_the_native_runners_launch_runs_the_fsdp_trials_job(tmp_path: Path) -> N
     assert 1 / 2 <= ratio <= 2, ratio
 
 
+def test_a_context_parallel_picks_launch_runs_its_trials_job(tmp_path: Path) -> None:
+    """Issue 48: an fsdp pick with cp = 2 (the sequence split over two ranks, the runner's own ring on
+    CPU ranks), its ``launch.sh`` run as printed: every rank reports the cp backend and the losses its
+    trial computed."""
+    cluster = load_cluster(ROOT / "examples" / "clusters" / "cpu-4.yaml")
+    model = ModelSpec(name="tiny-long", layers=2, hidden=64, heads=4, kv_heads=2, ffn_hidden=128, vocab=256,
+                      max_seq=512, tied_embeddings=False, arch="llama")
+    config = ParallelConfig(tp=1, pp=1, dp=2, cp=2, mbs=1, global_batch=2, zero_stage=3, stack="fsdp")
+    spec = TrialSpec(model, TrainingSpec(global_batch=2, seq_len=512, dtype="fp32"), config,
+                     warmup_steps=1, min_steps=2, max_steps=2, stack="fsdp")
+    options = {k: v for k, v in spec.runner_options().items() if k != "device_kind"}
+    files = write_launch_files(tmp_path, spec.model, spec.training, config, cluster, extra={"trial": options},
+                               stack="fsdp")
+    assert json.loads(files["candidate.json"].read_text())["config"]["cp"] == 2
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "OMP_NUM_THREADS", "VIRTUAL_ENV", "PYTHONPATH")}
+    env |= {"MASTER_PORT": str(_free_port())}
+
+    out, shown = _run(files, env)
+    assert shown.strip().splitlines()[-1].startswith(f"launch of {config.label}: 2 timed steps on 4 ranks"), shown
+    events = [json.loads(line[len(EVENT_PREFIX):]) for line in out.splitlines() if line.startswith(EVENT_PREFIX)]
+    finished = {int(e["rank"]): e for e in events if e["event"] == "done"}
+    assert sorted(finished) == [0, 1, 2, 3], out[-3000:]
+    assert {e["backend"] for e in finished.values()} == {"fsdp2-full-shard+cp2-ring"}
+
+    trial = run_trial(spec, timeout_s=240)
+    assert trial.status == "ok", f"{trial.error}\n{trial.extra.get('output_tail')}"
+    reported = [e["losses"] for e in finished.values() if e["losses"]]
+    assert reported and all(ls == pytest.approx(list(trial.losses), rel=1e-5) for ls in reported)
+
+
 def _run(files: dict[str, Path], env: dict[str, str]) -> tuple[str, str]:
     """``launch.sh`` run as a user does (from another folder): its log (every line of the launch's
     output, the ranks' events among them) and what it showed on the terminal (stdout and stderr)."""
