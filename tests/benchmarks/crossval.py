@@ -260,18 +260,21 @@ STACK_HEADER = ("| stack | sets | rows | step MAPE | Spearman min / med (jobs); 
 def stack_lines(results: Sequence[Result]) -> list[str]:
     """Per stack (the rows' stack without its options), every row of the shipped fits pooled: the
     out-of-fold MAPE, Spearman and regret over all its jobs, and how many jobs meet issue 45's per-job
-    targets. A row scored by two shipped problems counts once (the first); alternatives are left out."""
+    targets. A row scored by two shipped problems counts once (the first; a row is its set and the set's
+    own id of it, or the harness's where the set has none); alternatives are left out."""
     from tests.benchmarks.stack_accuracy import group_scores
 
     pooled: dict[str, tuple[list[Sample], list[float]]] = {}
-    seen: set[str] = set()
+    seen: set[tuple[str, str]] = set()
     for r in results:
         if r.problem.alternative:
             continue
         for s, pred in zip(r.problem.samples, r.predicted, strict=True):
-            if s.id in seen:
+            # the harness's ids number each problem's rows: Megatron-Bridge's MoE and dense rows share them
+            key = (s.set, s.row.row_id or s.id)
+            if key in seen:
                 continue
-            seen.add(s.id)
+            seen.add(key)
             samples, preds = pooled.setdefault(r.problem.stack_of(s).split("+", 1)[0], ([], []))
             samples.append(s)
             preds.append(float(pred))

@@ -94,6 +94,12 @@ def test_the_per_stack_verdict_pools_shipped_fits_once_and_counts_jobs_against_t
     jobs = cells[5].split("(")[1].split(")")[0]
     assert cells[5].endswith(f"{jobs} of {jobs}")  # every job's pick is the measured best: regret 1.000
 
+    # other rows under the same harness ids (Megatron-Bridge's MoE and dense problems number theirs alike)
+    distinct = replace(problem, name="distinct", samples=tuple(
+        Sample(s.id, s.set, replace(s.row, row_id=f"other-{k}")) for k, s in enumerate(problem.samples)))
+    (line,) = stack_lines([exact, Result(distinct, meas.copy())])
+    assert line.split("|")[3].strip() == str(2 * len(problem.samples))
+
     slow_best = meas.copy()
     slow_best[int(np.argmin(meas))] *= 10.0  # the best row predicted slowest: its job misses the regret target
     (line,) = stack_lines([Result(problem, slow_best)])
