@@ -197,6 +197,9 @@ class Scores:
     rho_jobs: int
     regret_median: float
     regret_max: float
+    #: per job: Spearman's rho (jobs of 3 or more configurations) and the top-1 regret (2 or more)
+    rhos: tuple[float, ...] = ()
+    regrets: tuple[float, ...] = ()
 
 
 def scores(samples: Sequence[Sample], predicted: np.ndarray) -> Scores:
@@ -213,7 +216,7 @@ def scores(samples: Sequence[Sample], predicted: np.ndarray) -> Scores:
         spearman_min=float(np.nanmin(rhos)) if rhos else nan,
         spearman_median=float(np.nanmedian(rhos)) if rhos else nan, rho_jobs=len(rhos),
         regret_median=float(np.median(ratios)) if ratios else nan,
-        regret_max=float(np.max(ratios)) if ratios else nan,
+        regret_max=float(np.max(ratios)) if ratios else nan, rhos=tuple(rhos), regrets=tuple(ratios),
     )
 
 
@@ -262,8 +265,6 @@ def stack_lines(results: Sequence[Result]) -> list[str]:
     out-of-fold MAPE, Spearman and regret over all its jobs, and how many jobs meet issue 45's per-job
     targets. A row scored by two shipped problems counts once (the first; a row is its set and the set's
     own id of it, or the harness's where the set has none); alternatives are left out."""
-    from tests.benchmarks.stack_accuracy import group_scores
-
     pooled: dict[str, tuple[list[Sample], list[float]]] = {}
     seen: set[tuple[str, str]] = set()
     for r in results:
@@ -280,17 +281,14 @@ def stack_lines(results: Sequence[Result]) -> list[str]:
             preds.append(float(pred))
     out = []
     for stack, (samples, preds) in sorted(pooled.items()):
-        predicted = np.array(preds)
-        meas = np.array([s.measured for s in samples])
-        sc = scores(samples, predicted)
-        rhos, ratios = group_scores([s.row for s in samples], predicted, meas)
+        sc = scores(samples, np.array(preds))
         sets = ", ".join(sorted({s.set for s in samples}))
-        rho_ok = sum(1 for x in rhos if x >= TARGET_SPEARMAN)
-        regret_ok = sum(1 for x in ratios if x <= TARGET_REGRET)
+        rho_ok = sum(1 for x in sc.rhos if x >= TARGET_SPEARMAN)
+        regret_ok = sum(1 for x in sc.regrets if x <= TARGET_REGRET)
         out.append(f"| {stack} | {sets} | {sc.n} | {_pct(sc.mape)} | {_num(sc.spearman_min)} / "
-                   f"{_num(sc.spearman_median)} ({sc.rho_jobs}); {rho_ok} of {len(rhos)} | "
-                   f"{_num(sc.regret_median, 3)} / {_num(sc.regret_max, 3)} ({len(ratios)}); "
-                   f"{regret_ok} of {len(ratios)} |")
+                   f"{_num(sc.spearman_median)} ({sc.rho_jobs}); {rho_ok} of {sc.rho_jobs} | "
+                   f"{_num(sc.regret_median, 3)} / {_num(sc.regret_max, 3)} ({len(sc.regrets)}); "
+                   f"{regret_ok} of {len(sc.regrets)} |")
     return out
 
 
