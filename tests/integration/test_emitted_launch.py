@@ -13,9 +13,11 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from pipette.cluster import ClusterProfile
 from pipette.clusterfile import load_cluster
 from pipette.config import ParallelConfig
 from pipette.contract import EVENT_PREFIX
@@ -37,8 +39,7 @@ def test_emitted_launch_runs_the_trials_job(tmp_path: Path) -> None:
     config = ParallelConfig(tp=2, pp=1, dp=1, mbs=2, global_batch=4, placement=(3, 2))
     spec = TrialSpec(ModelSpec.preset("tiny-llama"), TrainingSpec(global_batch=4, seq_len=32, dtype="fp32"), config,
                      warmup_steps=2, min_steps=3, max_steps=3)
-    options = {k: v for k, v in spec.runner_options().items() if k != "device_kind"}  # found at launch
-    files = write_launch_files(tmp_path, spec.model, spec.training, config, cluster, extra={"trial": options})
+    files = _trial_files(tmp_path, spec, cluster)
     assert str(files["launch.sh"].parent) == str(tmp_path)
     assert json.loads(files["ds_config.json"].read_text()) == spec.ds_config()
     script = files["launch.sh"].read_text()
@@ -56,7 +57,7 @@ def test_emitted_launch_runs_the_trials_job(tmp_path: Path) -> None:
     env |= {"PATH": path, "MASTER_PORT": str(port)}
     assert subprocess.run(["bash", "-c", "command -v deepspeed"], env=env, capture_output=True).returncode != 0
     out, shown = _run(files, env)
-    events = [json.loads(line[len(EVENT_PREFIX):]) for line in out.splitlines() if line.startswith(EVENT_PREFIX)]
+    events = _events(out)
 
     ranks = {int(e["launcher_rank"]): e for e in events if e["event"] == "rank"}
     assert {k: (v["rank"], v["device_kind"]) for k, v in ranks.items()} == {0: (1, "cpu"), 1: (0, "cpu")}
@@ -145,7 +146,7 @@ def _launch(files: dict[str, Path], env: dict[str, str], on_ranks_up: Callable[[
             pass
     assert launcher.returncode == 0, out[-3000:] + err[-3000:]
     log = log_path.read_text()  # every line of the launch's output
-    done = [json.loads(line[len(EVENT_PREFIX):]) for line in log.splitlines() if line.startswith(EVENT_PREFIX)]
+    done = _events(log)
     times = [e["step_times"] for e in done if e["event"] == "done"]
     return [max(ts) for ts in zip(*times, strict=True)]
 
@@ -188,8 +189,7 @@ def test_the_launch_runs_at_its_trials_speed_beside_a_busy_neighbour(tmp_path: P
     config = ParallelConfig(tp=1, pp=1, dp=4, mbs=4, global_batch=16, zero_stage=2)
     training = TrainingSpec(global_batch=16, seq_len=128, dtype="fp32", method="lora")
     spec = TrialSpec(ModelSpec.preset("tiny-llama"), training, config, warmup_steps=2, min_steps=10, max_steps=10)
-    options = {k: v for k, v in spec.runner_options().items() if k != "device_kind"}
-    files = write_launch_files(tmp_path, spec.model, training, config, cluster, extra={"trial": options})
+    files = _trial_files(tmp_path, spec, cluster)
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -229,9 +229,7 @@ def test_the_native_runners_launch_runs_the_fsdp_trials_job(tmp_path: Path) -> N
                             stack="fsdp")
     spec = TrialSpec(ModelSpec.preset("tiny-llama"), TrainingSpec(global_batch=8, seq_len=32, dtype="fp32"), config,
                      warmup_steps=2, min_steps=3, max_steps=3, stack="fsdp")
-    options = {k: v for k, v in spec.runner_options().items() if k != "device_kind"}
-    files = write_launch_files(tmp_path, spec.model, spec.training, config, cluster, extra={"trial": options},
-                               stack="fsdp")
+    files = _trial_files(tmp_path, spec, cluster)
     assert sorted(files) == ["candidate.json", "hostfile", "launch.sh", "rank_map.json"]  # no ds_config.json
     script = files["launch.sh"].read_text()
     assert "-m torch.distributed.run --nnodes 1 --nproc_per_node 4 --node_rank 0" in script
@@ -247,7 +245,7 @@ def test_the_native_runners_launch_runs_the_fsdp_trials_job(tmp_path: Path) -> N
     # and fell back to torch's own server, which failed to bind too (torch logged it and went on)
     assert "rendezvous store cannot listen" not in out, out[-2000:]
     assert shown.strip().splitlines()[-1].startswith(f"launch of {config.label}: 3 timed steps on 4 ranks"), shown
-    events = [json.loads(line[len(EVENT_PREFIX):]) for line in out.splitlines() if line.startswith(EVENT_PREFIX)]
+    events = _events(out)
     ranks = {int(e["launcher_rank"]): e for e in events if e["event"] == "rank"}
     assert sorted(ranks) == [0, 1, 2, 3] and {v["master_port"] for v in ranks.values()} == {env["MASTER_PORT"]}
     finished = {int(e["rank"]): e for e in events if e["event"] == "done"}
@@ -280,16 +278,14 @@ def test_a_context_parallel_picks_launch_runs_its_trials_job(tmp_path: Path) -> 
     config = ParallelConfig(tp=1, pp=1, dp=2, cp=2, mbs=1, global_batch=2, zero_stage=3, stack="fsdp")
     spec = TrialSpec(model, TrainingSpec(global_batch=2, seq_len=512, dtype="fp32"), config,
                      warmup_steps=1, min_steps=2, max_steps=2, stack="fsdp")
-    options = {k: v for k, v in spec.runner_options().items() if k != "device_kind"}
-    files = write_launch_files(tmp_path, spec.model, spec.training, config, cluster, extra={"trial": options},
-                               stack="fsdp")
+    files = _trial_files(tmp_path, spec, cluster)
     assert json.loads(files["candidate.json"].read_text())["config"]["cp"] == 2
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "OMP_NUM_THREADS", "VIRTUAL_ENV", "PYTHONPATH")}
     env |= {"MASTER_PORT": str(_free_port())}
 
     out, shown = _run(files, env)
     assert shown.strip().splitlines()[-1].startswith(f"launch of {config.label}: 2 timed steps on 4 ranks"), shown
-    events = [json.loads(line[len(EVENT_PREFIX):]) for line in out.splitlines() if line.startswith(EVENT_PREFIX)]
+    events = _events(out)
     finished = {int(e["rank"]): e for e in events if e["event"] == "done"}
     assert sorted(finished) == [0, 1, 2, 3], out[-3000:]
     assert {e["backend"] for e in finished.values()} == {"fsdp2-full-shard+cp2-ring"}
@@ -298,6 +294,19 @@ def test_a_context_parallel_picks_launch_runs_its_trials_job(tmp_path: Path) -> 
     assert trial.status == "ok", f"{trial.error}\n{trial.extra.get('output_tail')}"
     reported = [e["losses"] for e in finished.values() if e["losses"]]
     assert reported and all(ls == pytest.approx(list(trial.losses), rel=1e-5) for ls in reported)
+
+
+def _trial_files(directory: Path, spec: TrialSpec, cluster: ClusterProfile) -> dict[str, Path]:
+    """The launch files of ``spec``'s candidate in its stack, with the trial's runner options (the device
+    kind left out: the launch finds it)."""
+    options = {k: v for k, v in spec.runner_options().items() if k != "device_kind"}
+    return write_launch_files(directory, spec.model, spec.training, spec.config, cluster, extra={"trial": options},
+                              stack=spec.stack)
+
+
+def _events(text: str) -> list[dict[str, Any]]:
+    """The ranks' events in a launch's output."""
+    return [json.loads(line[len(EVENT_PREFIX):]) for line in text.splitlines() if line.startswith(EVENT_PREFIX)]
 
 
 def _run(files: dict[str, Path], env: dict[str, str]) -> tuple[str, str]:
@@ -342,9 +351,8 @@ def test_a_two_node_launch_runs_as_printed_one_command_per_host(tmp_path: Path, 
     config = ParallelConfig(tp=1, pp=1, dp=2, mbs=2, global_batch=4, placement=(1, 0), stack=stack)
     spec = TrialSpec(ModelSpec.preset("tiny-llama"), TrainingSpec(global_batch=4, seq_len=32, dtype="fp32"), config,
                      warmup_steps=1, min_steps=2, max_steps=2, stack=stack)
-    options = {k: v for k, v in spec.runner_options().items() if k != "device_kind"}
     out = tmp_path / "best"
-    write_launch_files(out, spec.model, spec.training, config, cluster, extra={"trial": options}, stack=stack)
+    _trial_files(out, spec, cluster)
     printed = launch_sh_lines(str(out), config, cluster)
     assert printed[0].startswith("launch: on each of its 2 nodes") and len(printed) == 3, printed
     commands = {line.split(": ", 1)[0].strip(): line.split(": ", 1)[1] for line in printed[1:]}
@@ -367,8 +375,7 @@ def test_a_two_node_launch_runs_as_printed_one_command_per_host(tmp_path: Path, 
             except ProcessLookupError:
                 pass
     logs = [(out / f"launch-node{i}.log").read_text() for i in range(2)]  # each node's own log
-    events = [[json.loads(line[len(EVENT_PREFIX):]) for line in text.splitlines() if line.startswith(EVENT_PREFIX)]
-              for text in logs]
+    events = [_events(text) for text in logs]
     assert all(text.strip().splitlines()[-1].startswith(f"launch of {config.label}: 2 timed steps on 1 rank here")
                for text in outputs), outputs
     done = [[e for e in node if e["event"] == "done"] for node in events]
@@ -388,14 +395,13 @@ def test_an_moe_candidates_launch_runs_its_experts_under_autoep(tmp_path: Path) 
     config = ParallelConfig(tp=1, pp=1, dp=2, ep=2, mbs=2, global_batch=4, zero_stage=1)
     spec = TrialSpec(ModelSpec.preset("tiny-moe"), TrainingSpec(global_batch=4, seq_len=32, dtype="fp32"), config,
                      warmup_steps=2, min_steps=3, max_steps=3)
-    options = {k: v for k, v in spec.runner_options().items() if k != "device_kind"}
-    files = write_launch_files(tmp_path, spec.model, spec.training, config, cluster, extra={"trial": options})
+    files = _trial_files(tmp_path, spec, cluster)
     assert json.loads(files["ds_config.json"].read_text())["expert_parallel"] == {"enabled": True, "autoep_size": 2}
     venv = str(Path(sys.executable).parent)
     path = ":".join(p for p in os.environ["PATH"].split(":") if p != venv)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "OMP_NUM_THREADS", "VIRTUAL_ENV", "PYTHONPATH")}
     out, _ = _run(files, env | {"PATH": path, "MASTER_PORT": str(_free_port())})
-    events = [json.loads(line[len(EVENT_PREFIX):]) for line in out.splitlines() if line.startswith(EVENT_PREFIX)]
+    events = _events(out)
     finished = {int(e["rank"]): e for e in events if e["event"] == "done"}
     assert set(finished) == {0, 1} and finished[0]["backend"] == "deepspeed+engine+zero1+autoep2"
     trial = run_trial(spec, timeout_s=240)
